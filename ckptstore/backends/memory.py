@@ -1,0 +1,336 @@
+"""In-process object store with exactly S3's semantics: the reference model of the protocol.
+
+``memory://name/prefix`` opens a store in the bucket ``name``, which lives as long as the
+process. Puts are atomic; ``If-None-Match: *`` and ``If-Match: <etag>`` are honoured on put and
+on multipart completion; multipart parts are invisible until completed and must be at least
+``min_part_size`` bytes except the last; a versioned bucket keeps every version and turns a
+plain DELETE into a delete marker. The conformance suite uses it as its oracle, so it is kept
+exact rather than convenient.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
+from ckptstore.driver import Buffer, Capability, ObjectInfo, PartInfo, UploadInfo
+from ckptstore.errors import (
+    InvalidURLError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StorageError,
+    StoreNotFoundError,
+)
+from ckptstore.urls import StoreURL, option_bool, option_int
+
+__all__ = ["MemoryBucket", "MemoryDriver", "drop_bucket", "get_bucket", "open_memory"]
+
+S3_MIN_PART_SIZE = 5 * 1024 * 1024
+S3_MAX_PARTS = 10_000
+Clock = Callable[[], float]
+
+
+@dataclass
+class _Version:
+    version_id: str
+    data: bytes
+    etag: str
+    last_modified: float
+    is_delete_marker: bool = False
+
+
+@dataclass
+class _Upload:
+    key: str
+    initiated: float
+    parts: dict[int, tuple[bytes, str]] = field(default_factory=dict)
+
+
+def _etag(data: bytes) -> str:
+    return f'"{hashlib.md5(data, usedforsecurity=False).hexdigest()}"'
+
+
+def _same_etag(a: str, b: str) -> bool:
+    return a.strip('"') == b.strip('"')
+
+
+class MemoryBucket:
+    """One in-memory bucket: versions per key, multipart uploads, a clock for timestamps."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        versioned: bool = False,
+        min_part_size: int = S3_MIN_PART_SIZE,
+        clock: Clock = time.time,
+    ) -> None:
+        self.name = name
+        self.versioned = versioned
+        self.min_part_size = min_part_size
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.objects: dict[str, list[_Version]] = {}  # oldest first
+        self.uploads: dict[str, _Upload] = {}
+        self._sequence = itertools.count(1)
+
+    def _new_version_id(self) -> str:
+        if not self.versioned:
+            return "null"
+        return f"{next(self._sequence):012d}{secrets.token_hex(4)}"
+
+    def current(self, key: str) -> _Version | None:
+        """The newest version of ``key`` unless it is a delete marker."""
+        versions = self.objects.get(key)
+        if not versions or versions[-1].is_delete_marker:
+            return None
+        return versions[-1]
+
+    def find(self, key: str, version_id: str | None) -> _Version:
+        """The version asked for (the current one when ``version_id`` is None)."""
+        if version_id is None:
+            found = self.current(key)
+        else:
+            found = next((v for v in self.objects.get(key, []) if v.version_id == version_id), None)
+            if found is not None and found.is_delete_marker:
+                found = None
+        if found is None:
+            detail = f" version {version_id}" if version_id else ""
+            raise ObjectNotFoundError(2, f"memory://{self.name}/{key}{detail}: no such object")
+        return found
+
+    def store(self, key: str, data: bytes, etag: str) -> _Version:
+        """Add (versioned) or replace (unversioned) the object at ``key``."""
+        version = _Version(self._new_version_id(), data, etag, self.clock())
+        if self.versioned:
+            self.objects.setdefault(key, []).append(version)
+        else:
+            self.objects[key] = [version]
+        return version
+
+    def check_conditions(self, key: str, if_none_match: bool, if_match: str | None) -> None:
+        """Raise as S3 does when a conditional write's precondition does not hold."""
+        current = self.current(key)
+        if if_none_match and current is not None:
+            raise PreconditionFailedError(412, f"memory://{self.name}/{key}: object exists")
+        if if_match is not None:
+            if current is None:
+                raise ObjectNotFoundError(2, f"memory://{self.name}/{key}: no such object")
+            if not _same_etag(current.etag, if_match):
+                raise PreconditionFailedError(412, f"memory://{self.name}/{key}: etag changed")
+
+
+_BUCKETS: dict[str, MemoryBucket] = {}
+_BUCKETS_LOCK = threading.Lock()
+
+
+def get_bucket(name: str, **settings: object) -> MemoryBucket:
+    """Return the process-wide bucket ``name``, creating it with ``settings`` if new."""
+    with _BUCKETS_LOCK:
+        bucket = _BUCKETS.get(name)
+        if bucket is None:
+            bucket = MemoryBucket(name, **settings)  # type: ignore[arg-type]
+            _BUCKETS[name] = bucket
+        return bucket
+
+
+def drop_bucket(name: str) -> None:
+    """Forget a bucket and everything in it."""
+    with _BUCKETS_LOCK:
+        _BUCKETS.pop(name, None)
+
+
+class MemoryDriver:
+    """Object-store primitives on a MemoryBucket under a key prefix."""
+
+    max_parts = S3_MAX_PARTS
+
+    def __init__(self, bucket: MemoryBucket, prefix: str = "") -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = f"memory://{bucket.name}/{self.prefix}".rstrip("/")
+        self.min_part_size = bucket.min_part_size
+        caps = {
+            Capability.CONDITIONAL_CREATE,
+            Capability.CONDITIONAL_MULTIPART_COMPLETE,
+            Capability.COMPARE_AND_SWAP,
+            Capability.MULTIPART,
+            Capability.STRONG_LIST_AFTER_WRITE,
+        }
+        if bucket.versioned:
+            caps.add(Capability.VERSIONING)
+        self.capabilities = frozenset(caps)
+
+    def _info(self, key: str, version: _Version, is_latest: bool = True) -> ObjectInfo:
+        return ObjectInfo(
+            key=key,
+            size=len(version.data),
+            etag=version.etag,
+            last_modified=version.last_modified,
+            version_id=version.version_id if self.bucket.versioned else None,
+            is_delete_marker=version.is_delete_marker,
+            is_latest=is_latest,
+        )
+
+    def check_bucket(self) -> None:
+        with _BUCKETS_LOCK:
+            if _BUCKETS.get(self.bucket.name) is not self.bucket:
+                raise StoreNotFoundError(f"memory://{self.bucket.name}: bucket was dropped")
+
+    def put(
+        self,
+        key: str,
+        data: Buffer,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+    ) -> ObjectInfo:
+        body = bytes(data)
+        full = self.prefix + key
+        with self.bucket.lock:
+            self.bucket.check_conditions(full, if_none_match, if_match)
+            return self._info(key, self.bucket.store(full, body, _etag(body)))
+
+    def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
+        with self.bucket.lock:
+            version = self.bucket.find(self.prefix + key, version_id)
+            return version.data, self._info(key, version)
+
+    def open_read(self, key: str, *, version_id: str | None = None) -> BinaryIO:
+        return io.BytesIO(self.get(key, version_id=version_id)[0])
+
+    def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
+        with self.bucket.lock:
+            return self._info(key, self.bucket.find(self.prefix + key, version_id))
+
+    def delete(self, key: str, *, version_id: str | None = None) -> None:
+        full = self.prefix + key
+        with self.bucket.lock:
+            versions = self.bucket.objects.get(full, [])
+            if version_id is not None:
+                versions[:] = [v for v in versions if v.version_id != version_id]
+            elif self.bucket.versioned:
+                marker = _Version(self.bucket._new_version_id(), b"", "", self.bucket.clock(), True)
+                versions.append(marker)
+                self.bucket.objects[full] = versions
+            else:
+                versions.clear()
+            if not versions:
+                self.bucket.objects.pop(full, None)
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        full_prefix = self.prefix + prefix
+        after = self.prefix + start_after if start_after is not None else None
+        with self.bucket.lock:
+            snapshot = []
+            for full in sorted(self.bucket.objects):
+                if not full.startswith(full_prefix) or (after is not None and full <= after):
+                    continue
+                current = self.bucket.current(full)
+                if current is not None:
+                    snapshot.append(self._info(full[len(self.prefix) :], current))
+        return iter(snapshot)
+
+    def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:
+        full_prefix = self.prefix + prefix
+        with self.bucket.lock:
+            snapshot = []
+            for full in sorted(self.bucket.objects):
+                if full.startswith(full_prefix):
+                    versions = self.bucket.objects[full]
+                    for index, version in enumerate(reversed(versions)):
+                        snapshot.append(self._info(full[len(self.prefix) :], version, index == 0))
+        return iter(snapshot)
+
+    def create_multipart(self, key: str) -> str:
+        upload_id = secrets.token_hex(12)
+        with self.bucket.lock:
+            self.bucket.uploads[upload_id] = _Upload(self.prefix + key, self.bucket.clock())
+        return upload_id
+
+    def _upload(self, key: str, upload_id: str) -> _Upload:
+        upload = self.bucket.uploads.get(upload_id)
+        if upload is None or upload.key != self.prefix + key:
+            raise ObjectNotFoundError(2, f"{self.url}/{key}: no such upload {upload_id}")
+        return upload
+
+    def upload_part(self, key: str, upload_id: str, part_number: int, data: Buffer) -> PartInfo:
+        if not 1 <= part_number <= self.max_parts:
+            raise StorageError(22, f"{self.url}/{key}: part number {part_number} out of range")
+        body = bytes(data)
+        etag = _etag(body)
+        with self.bucket.lock:
+            self._upload(key, upload_id).parts[part_number] = (body, etag)
+        return PartInfo(part_number=part_number, etag=etag, size=len(body))
+
+    def complete_multipart(
+        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, if_none_match: bool = False
+    ) -> ObjectInfo:
+        with self.bucket.lock:
+            upload = self._upload(key, upload_id)
+            numbers = [p.part_number for p in parts]
+            if not parts or numbers != sorted(set(numbers)):
+                raise StorageError(22, f"{self.url}/{key}: parts must be ascending and unique")
+            chunks = []
+            for index, part in enumerate(parts):
+                stored = upload.parts.get(part.part_number)
+                if stored is None or not _same_etag(stored[1], part.etag):
+                    raise StorageError(22, f"{self.url}/{key}: part {part.part_number} invalid")
+                if index < len(parts) - 1 and len(stored[0]) < self.min_part_size:
+                    raise StorageError(
+                        22, f"{self.url}/{key}: part {part.part_number} is too small"
+                    )
+                chunks.append(stored[0])
+            self.bucket.check_conditions(upload.key, if_none_match, None)
+            digest = hashlib.md5(usedforsecurity=False)
+            for _body, etag in (upload.parts[n] for n in numbers):
+                digest.update(bytes.fromhex(etag.strip('"')))
+            etag = f'"{digest.hexdigest()}-{len(parts)}"'
+            version = self.bucket.store(upload.key, b"".join(chunks), etag)
+            del self.bucket.uploads[upload_id]
+            return self._info(key, version)
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        with self.bucket.lock:
+            self._upload(key, upload_id)
+            del self.bucket.uploads[upload_id]
+
+    def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
+        full_prefix = self.prefix + prefix
+        with self.bucket.lock:
+            snapshot = [
+                UploadInfo(u.key[len(self.prefix) :], upload_id, u.initiated)
+                for upload_id, u in self.bucket.uploads.items()
+                if u.key.startswith(full_prefix)
+            ]
+        return iter(sorted(snapshot, key=lambda u: (u.key, u.initiated)))
+
+
+def open_memory(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:
+    """Open a ``memory://bucket/prefix`` store: MemoryDriver + ConditionalPutCommit.
+
+    Options: ``versioned`` and ``min_part_size`` apply when the bucket is first created (use
+    ``get_bucket`` to give it a clock); ``part_size`` is the upload part size (at least the
+    bucket's minimum part size).
+    """
+    url.reject_unknown(options, allowed=("versioned", "min_part_size", "part_size"))
+    if not url.netloc:
+        raise InvalidURLError(f"{url.raw}: memory:// URLs name a bucket: memory://bucket/prefix")
+    settings: dict[str, object] = {
+        "versioned": option_bool(options, "versioned", False),
+        "min_part_size": option_int(options, "min_part_size", S3_MIN_PART_SIZE, minimum=1),
+    }
+    bucket = get_bucket(url.netloc, **settings)
+    driver = MemoryDriver(bucket, url.path)
+    part_size = option_int(
+        options, "part_size", max(DEFAULT_PART_SIZE, bucket.min_part_size), minimum=1
+    )
+    return ConditionalPutCommit(driver, part_size=part_size)

@@ -1,0 +1,216 @@
+"""POSIX file-system driver: real files, real fsync, and ``renameat2(RENAME_NOREPLACE)``.
+
+``file:///abs/path`` (or a bare path) opens a store in that directory with the rename commit
+protocol (``ckptstore.commit.rename``). Every OSError is translated here, once, into the
+``StorageError`` subclass that names the path and the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import os
+import stat as stat_module
+import threading
+from collections.abc import Iterator, Mapping
+from typing import BinaryIO
+
+from ckptstore.commit.rename import RenameCommit
+from ckptstore.driver import Buffer, Capability, FileStat
+from ckptstore.errors import (
+    InvalidURLError,
+    ObjectNotFoundError,
+    StorageAccessDeniedError,
+    StorageError,
+    StoreNotFoundError,
+    TargetExistsError,
+)
+from ckptstore.urls import StoreURL
+
+__all__ = ["PosixDriver", "open_posix"]
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_WRITE_CHUNK = 64 * 1024 * 1024
+_READ_BUFFER = 1024 * 1024
+
+
+def _load_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    libc_name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class PosixDriver:
+    """File-system primitives under one root directory, each one system call deep."""
+
+    capabilities = frozenset(
+        {Capability.RENAME_NOREPLACE, Capability.DURABLE_FSYNC, Capability.STRONG_LIST_AFTER_WRITE}
+    )
+    _renameat2 = _load_renameat2()
+    _renameat2_works: bool | None = None
+    _probe_lock = threading.Lock()
+
+    def __init__(self, root: str) -> None:
+        if not os.path.isabs(root):
+            raise InvalidURLError(f"POSIX store root must be an absolute path, got {root!r}")
+        self.root = os.path.normpath(root)
+        self.url = f"file://{self.root}"
+
+    def _abs(self, path: str) -> str:
+        return os.path.join(self.root, path) if path else self.root
+
+    @contextlib.contextmanager
+    def _translate(self, op: str, path: str) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            raise _translated(exc, f"{op} {self._abs(path)}") from exc
+
+    def ensure_root(self, create: bool) -> None:
+        if os.path.isdir(self.root):
+            return
+        if os.path.lexists(self.root):
+            raise StoreNotFoundError(f"{self.url}: exists but is not a directory")
+        if not create:
+            raise StoreNotFoundError(f"{self.url}: no such directory (no checkpoints here)")
+        missing = []
+        head = self.root
+        while not os.path.lexists(head):
+            missing.append(head)
+            head = os.path.dirname(head)
+        with self._translate("create store directory", ""):
+            os.makedirs(self.root, exist_ok=True)
+            for directory in [*missing[1:], head]:  # make each new entry durable in its parent
+                self._fsync_path(directory)
+
+    def mkdir(self, path: str) -> None:
+        with self._translate("mkdir", path):
+            os.mkdir(self._abs(path))
+
+    def create(self, path: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        with self._translate("create", path):
+            return os.open(self._abs(path), flags, 0o644)
+
+    def write(self, handle: int, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        with self._translate("write", f"<fd {handle}>"):
+            while view.nbytes:
+                written = os.write(handle, view[:_WRITE_CHUNK])
+                view = view[written:]
+
+    def fsync(self, handle: int) -> None:
+        with self._translate("fsync", f"<fd {handle}>"):
+            os.fsync(handle)
+
+    def close(self, handle: int) -> None:
+        with self._translate("close", f"<fd {handle}>"):
+            os.close(handle)
+
+    def fsync_dir(self, path: str) -> None:
+        with self._translate("fsync directory", path):
+            self._fsync_path(self._abs(path))
+
+    @staticmethod
+    def _fsync_path(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def rename_noreplace(self, src: str, dst: str) -> None:
+        source, target = self._abs(src), self._abs(dst)
+        with self._translate("rename", f"{src} -> {dst}"):
+            if self._try_renameat2(source, target):
+                return
+            # Fallback without renameat2: safe for directories only, and ckptstore renames
+            # only directories this way. rename(2) never replaces a non-empty directory, and a
+            # published checkpoint directory always holds its manifest.
+            if os.path.lexists(target):
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), target)
+            if not os.path.isdir(source):
+                if not os.path.lexists(source):
+                    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), source)
+                raise IsADirectoryError(errno.EINVAL, "no-replace rename of a file", source)
+            os.rename(source, target)
+
+    def _try_renameat2(self, source: str, target: str) -> bool:
+        """Rename with RENAME_NOREPLACE; return False where the kernel or file system lacks it."""
+        fn = type(self)._renameat2
+        if fn is None or type(self)._renameat2_works is False:
+            return False
+        result = fn(
+            _AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE
+        )
+        if result == 0:
+            type(self)._renameat2_works = True
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.ENOSYS, errno.EINVAL) and type(self)._renameat2_works is None:
+            with type(self)._probe_lock:
+                type(self)._renameat2_works = False
+            return False
+        if err in (errno.ENOSYS, errno.EINVAL):
+            return False
+        raise OSError(err, os.strerror(err), source, None, target)
+
+    def rename_replace(self, src: str, dst: str) -> None:
+        with self._translate("rename", f"{src} -> {dst}"):
+            os.replace(self._abs(src), self._abs(dst))
+
+    def listdir(self, path: str) -> list[str]:
+        with self._translate("list", path):
+            return sorted(os.listdir(self._abs(path)))
+
+    def stat(self, path: str) -> FileStat:
+        with self._translate("stat", path):
+            result = os.lstat(self._abs(path))
+        return FileStat(
+            size=result.st_size,
+            mtime=result.st_mtime,
+            is_dir=stat_module.S_ISDIR(result.st_mode),
+        )
+
+    def open_read(self, path: str) -> BinaryIO:
+        with self._translate("open", path):
+            return open(self._abs(path), "rb", buffering=_READ_BUFFER)
+
+    def unlink(self, path: str) -> None:
+        with self._translate("unlink", path):
+            os.unlink(self._abs(path))
+
+    def rmdir(self, path: str) -> None:
+        with self._translate("rmdir", path):
+            os.rmdir(self._abs(path))
+
+
+def _translated(exc: OSError, what: str) -> StorageError:
+    message = f"{what}: {exc.strerror or exc}"
+    if isinstance(exc, FileNotFoundError):
+        return ObjectNotFoundError(errno.ENOENT, message)
+    if isinstance(exc, FileExistsError) or exc.errno == errno.ENOTEMPTY:
+        return TargetExistsError(errno.EEXIST, message)
+    if isinstance(exc, PermissionError):
+        return StorageAccessDeniedError(exc.errno, message)
+    return StorageError(exc.errno, message)
+
+
+def open_posix(url: StoreURL, options: Mapping[str, object]) -> RenameCommit:
+    """Open a ``file://`` store: PosixDriver + RenameCommit."""
+    url.reject_unknown(options, allowed=())
+    if url.netloc not in ("", "localhost"):
+        raise InvalidURLError(
+            f"{url.raw}: file:// URLs take an absolute path (file:///abs/path), "
+            f"not a host {url.netloc!r}"
+        )
+    return RenameCommit(PosixDriver(url.path))

@@ -1,0 +1,200 @@
+"""A published checkpoint, and readers that return its bytes only as they were committed (I6).
+
+Every read checks the size and CRC32C the manifest recorded, while streaming. A streaming
+reader raises ShardCorruptError at the read that reaches the end of the shard if the bytes
+differ; ``read`` and ``read_into`` check before they return anything.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, BinaryIO
+
+from ckptstore.checksum import Crc32c
+from ckptstore.errors import IntegrityError, ShardCorruptError, ShardNotFoundError
+from ckptstore.manifest import Manifest, ShardRecord
+
+__all__ = ["Checkpoint", "ShardReader", "VerifyReport"]
+
+_CHUNK = 8 * 1024 * 1024
+Opener = Callable[[Manifest, ShardRecord], BinaryIO]
+
+
+class ShardReader(io.RawIOBase):
+    """A read-only stream of one shard that verifies its size and CRC32C as it goes."""
+
+    def __init__(self, raw: BinaryIO, record: ShardRecord, *, where: str) -> None:
+        super().__init__()
+        self._raw = raw
+        self.record = record
+        self._where = where
+        self._crc = Crc32c()
+        self._verified = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        remaining = self.record.size - self._crc.size
+        if remaining <= 0:
+            self._finish()
+            return 0
+        count = self._raw.readinto(view[:remaining])  # type: ignore[attr-defined]
+        if not count:
+            self._fail(f"truncated: {self._crc.size} of {self.record.size} bytes")
+        self._crc.update(view[:count])
+        if self._crc.size == self.record.size:
+            self._finish()
+        return int(count)
+
+    def readall(self) -> bytes:
+        """Read the rest of the shard; verified before it is returned."""
+        chunks = []
+        while self._crc.size < self.record.size:
+            chunk = self._raw.read(self.record.size - self._crc.size)
+            if not chunk:
+                self._fail(f"truncated: {self._crc.size} of {self.record.size} bytes")
+            self._crc.update(chunk)
+            chunks.append(chunk)
+        self._finish()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _finish(self) -> None:
+        if self._verified:
+            return
+        if self._raw.read(1):
+            self._fail(f"longer than the recorded {self.record.size} bytes")
+        if self._crc.hexdigest() != self.record.crc32c:
+            self._fail(
+                f"CRC32C mismatch: stored bytes have {self._crc.hexdigest()}, "
+                f"manifest says {self.record.crc32c}"
+            )
+        self._verified = True
+
+    def _fail(self, problem: str) -> None:
+        raise ShardCorruptError(f"{self._where}: shard {self.record.name!r}: {problem}")
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()
+        super().close()
+
+
+@dataclass
+class VerifyReport:
+    """The result of verifying a checkpoint: ok, or the problem found in each bad shard."""
+
+    step: int
+    problems: dict[str, str] = field(default_factory=dict)
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when every shard matched its recorded size and CRC32C."""
+        return not self.problems
+
+
+class Checkpoint:
+    """A published checkpoint: its manifest and verified access to its shards."""
+
+    def __init__(self, manifest: Manifest, opener: Opener, url: str) -> None:
+        self.manifest = manifest
+        self._opener = opener
+        self.url = url
+        self._records = {record.name: record for record in manifest.shards}
+
+    def __repr__(self) -> str:
+        return f"<Checkpoint {self.url} step={self.step} shards={len(self._records)}>"
+
+    @property
+    def step(self) -> int:
+        """The training step this checkpoint was saved at."""
+        return self.manifest.step
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        """The trainer metadata given at save time."""
+        return self.manifest.metadata
+
+    @property
+    def committed_at(self) -> datetime:
+        """When the manifest was sealed, just before publishing (UTC)."""
+        return self.manifest.committed_at
+
+    @property
+    def shards(self) -> Mapping[str, ShardRecord]:
+        """Every shard by name: size, CRC32C and locator."""
+        return self._records
+
+    @property
+    def names(self) -> list[str]:
+        """Shard names, sorted."""
+        return sorted(self._records)
+
+    @property
+    def size(self) -> int:
+        """Total bytes of all shards."""
+        return self.manifest.total_size
+
+    def _record(self, name: str) -> ShardRecord:
+        record = self._records.get(name)
+        if record is None:
+            raise ShardNotFoundError(f"{self.url}: step {self.step} has no shard {name!r}")
+        return record
+
+    def open(self, name: str) -> ShardReader:
+        """Open a shard for streaming; the read that reaches its end checks its CRC32C."""
+        record = self._record(name)
+        where = f"{self.url} step {self.step}"
+        return ShardReader(self._opener(self.manifest, record), record, where=where)
+
+    def read(self, name: str) -> bytes:
+        """Return a shard's bytes, verified against the manifest."""
+        with self.open(name) as reader:
+            return reader.readall()
+
+    def read_into(self, name: str, buffer: Any) -> int:
+        """Fill ``buffer`` (exactly the shard's size) with the verified shard; return the size."""
+        view = memoryview(buffer).cast("B")
+        record = self._record(name)
+        if view.nbytes != record.size:
+            raise ValueError(f"buffer has {view.nbytes} bytes, shard {name!r} has {record.size}")
+        with self.open(name) as reader:
+            got = 0
+            while got < record.size:
+                got += reader.readinto(view[got:])
+            reader.readinto(bytearray(1))  # reaching the end verifies
+        return got
+
+    def iter_chunks(self, name: str, chunk_size: int = _CHUNK) -> Iterator[bytes]:
+        """Yield a shard in chunks; the last chunk is yielded only after verification."""
+        with self.open(name) as reader:
+            pending = None
+            while True:
+                chunk = reader.read(chunk_size)
+                if not chunk:
+                    break
+                if pending is not None:
+                    yield pending
+                pending = chunk
+            if pending is not None:
+                yield pending
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Read every shard and report those whose size or CRC32C differ, or that are missing."""
+        report = VerifyReport(step=self.step)
+        buffer = bytearray(_CHUNK)
+        for name in self.names:
+            try:
+                with self.open(name) as reader:
+                    while count := reader.readinto(buffer):
+                        report.bytes_checked += count
+                        if progress is not None:
+                            progress(count)
+            except IntegrityError as exc:
+                report.problems[name] = str(exc)
+        return report

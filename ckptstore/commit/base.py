@@ -1,0 +1,161 @@
+"""A commit strategy publishes a checkpoint atomically and exclusively on one driver family.
+
+There are two because storage systems offer two kinds of atomic, exclusive operation: a file
+system renames a directory onto a name that must not exist (``RenameCommit``); an object store
+creates an object only if absent (``ConditionalPutCommit``). Everything else in the protocol
+(staging names no one else uses, durability before the commit point, readers that trust only
+published manifests, unpublish before delete, grace-period GC) is the same idea on both.
+
+A strategy keeps no storage state of its own between calls: everything it knows it reads back
+through its driver, so a crash of the process at any call loses nothing that a fresh strategy
+over the same storage cannot find.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from ckptstore.driver import Capability
+from ckptstore.errors import CapabilityError
+from ckptstore.manifest import Manifest, ShardRecord
+
+__all__ = ["CommitStrategy", "GcItem", "GcReport", "ShardSink"]
+
+
+class ShardSink(abc.ABC):
+    """Where one shard's bytes go during an attempt; durable once ``close`` returns."""
+
+    @abc.abstractmethod
+    def write(self, data: memoryview) -> None:
+        """Append bytes to the shard."""
+
+    @abc.abstractmethod
+    def close(self) -> Mapping[str, str]:
+        """Make the shard durable and return its locator for the manifest."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Give up on the shard, releasing what can be released (best effort)."""
+
+
+@dataclass(frozen=True)
+class GcItem:
+    """One leftover found by GC: what it is, its name in storage, its age and its size."""
+
+    kind: str
+    name: str
+    age_s: float
+    size: int = 0
+
+
+@dataclass
+class GcReport:
+    """What a GC pass removed (or would remove, on a dry run) and what it kept as too young."""
+
+    dry_run: bool
+    grace_s: float
+    removed: list[GcItem] = field(default_factory=list)
+    kept_young: list[GcItem] = field(default_factory=list)
+
+    @property
+    def removed_bytes(self) -> int:
+        """Total size of what was (or would be) removed."""
+        return sum(item.size for item in self.removed)
+
+
+class CommitStrategy(abc.ABC):
+    """The protocol of DESIGN §4 on one driver family: stage, seal, publish, read, unpublish, GC."""
+
+    name: str = ""
+    required_capabilities: frozenset[Capability] = frozenset()
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """The store's URL, for messages."""
+
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> frozenset[Capability]:
+        """What the driver declares its storage provides."""
+
+    def check_capabilities(self) -> None:
+        """Refuse to work on storage lacking a capability this strategy needs."""
+        missing = self.required_capabilities - self.capabilities
+        if missing:
+            names = ", ".join(sorted(c.value for c in missing))
+            raise CapabilityError(
+                f"{self.url}: the storage does not provide {names}, which the {self.name} "
+                f"commit protocol needs; ckptstore cannot make checkpoints safe there"
+            )
+
+    @abc.abstractmethod
+    def open_root(self, *, create: bool) -> None:
+        """Check the store exists (creating an empty one if ``create`` and the system allows)."""
+
+    @abc.abstractmethod
+    def begin(self, step: int, attempt: str) -> None:
+        """Prepare a staging area for ``attempt`` that no published checkpoint or attempt uses."""
+
+    @abc.abstractmethod
+    def open_shard(self, step: int, attempt: str, name: str) -> ShardSink:
+        """Open a sink for a new shard of the attempt."""
+
+    @abc.abstractmethod
+    def publish(self, manifest: Manifest) -> None:
+        """Seal the attempt and commit it: one atomic, exclusive operation (the commit point).
+
+        Returns only once the checkpoint is durable. Raises CheckpointExistsError, with the
+        existing checkpoint untouched, when the step is already published by another attempt.
+        """
+
+    @abc.abstractmethod
+    def abort(self, step: int, attempt: str) -> None:
+        """Remove an unpublished attempt's staging data (best effort; GC finds what remains)."""
+
+    @abc.abstractmethod
+    def published_steps(self, min_step: int = 0) -> list[int]:
+        """Return the published steps >= ``min_step``, ascending, from storage."""
+
+    @abc.abstractmethod
+    def is_published(self, step: int) -> bool:
+        """Tell whether ``step`` is published."""
+
+    @abc.abstractmethod
+    def read_manifest(self, step: int) -> Manifest:
+        """Read and validate a published manifest (CheckpointNotFoundError if not published)."""
+
+    @abc.abstractmethod
+    def open_shard_reader(self, manifest: Manifest, record: ShardRecord) -> BinaryIO:
+        """Open a published shard through its locator (raises ShardMissingError if gone)."""
+
+    @abc.abstractmethod
+    def shard_problems(self, manifest: Manifest) -> list[str]:
+        """Return what is wrong with the presence and sizes of a checkpoint's shards (cheap)."""
+
+    @abc.abstractmethod
+    def read_latest_hint(self) -> int | None:
+        """Return the step the LATEST pointer names, or None (it is only a hint)."""
+
+    @abc.abstractmethod
+    def advance_latest_hint(self, step: int) -> None:
+        """Move the LATEST pointer forward to ``step``; never backward."""
+
+    @abc.abstractmethod
+    def reset_latest_hint(self, step: int | None) -> None:
+        """Set (or remove) the LATEST pointer, backward if need be: rollback and delete only."""
+
+    @abc.abstractmethod
+    def unpublish(self, step: int) -> None:
+        """Make a checkpoint invisible atomically, then delete its data."""
+
+    @abc.abstractmethod
+    def collect_garbage(self, *, grace_s: float, now: float, dry_run: bool) -> GcReport:
+        """Remove leftovers of dead attempts idle for longer than ``grace_s`` (I7)."""
+
+    @abc.abstractmethod
+    def is_empty(self) -> bool:
+        """Tell whether the store holds nothing at all."""

@@ -1,0 +1,211 @@
+"""The driver interface: the primitive operations of one storage system, and nothing more.
+
+A driver is small, dumb and swappable. It knows nothing of steps, manifests or attempts; the
+commit strategies (``ckptstore.commit``) build the protocol from these calls. Every storage side
+effect ckptstore has goes through exactly one of these calls, which is what lets the conformance
+suite wrap a driver and crash it before or after any one of them.
+
+Two families exist: file systems (write, fsync, rename; paths relative to the store's root
+directory) and object stores (put, conditional put, multipart, versions; keys relative to the
+store's prefix). Drivers translate their storage's errors into ``ckptstore.errors.StorageError``
+subclasses.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import BinaryIO, Protocol, runtime_checkable
+
+__all__ = [
+    "Buffer",
+    "Capability",
+    "FileStat",
+    "FileSystemDriver",
+    "ObjectInfo",
+    "ObjectStoreDriver",
+    "PartInfo",
+    "UploadInfo",
+]
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Capability(enum.Enum):
+    """A guarantee a storage system may or may not provide (DESIGN §5)."""
+
+    RENAME_NOREPLACE = "rename-noreplace"
+    """A rename that fails, atomically, when the target exists."""
+    DURABLE_FSYNC = "durable-fsync"
+    """fsync of files and directories makes their data and entries survive power loss."""
+    CONDITIONAL_CREATE = "conditional-create"
+    """PutObject with If-None-Match: * fails when the key exists."""
+    CONDITIONAL_MULTIPART_COMPLETE = "conditional-multipart-complete"
+    """CompleteMultipartUpload honours If-None-Match: *."""
+    COMPARE_AND_SWAP = "compare-and-swap"
+    """PutObject with If-Match: <etag> fails when the object changed."""
+    VERSIONING = "versioning"
+    """Every put creates a new version that can be read by its id."""
+    MULTIPART = "multipart"
+    """Objects can be uploaded in parts, invisible until completed."""
+    SERVER_CHECKSUMS = "server-checksums"
+    """The server validates CRC32C checksums sent with the data."""
+    STRONG_LIST_AFTER_WRITE = "strong-list-after-write"
+    """A completed write is seen by every later listing."""
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """What a file system says of one path."""
+
+    size: int
+    mtime: float
+    is_dir: bool
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What an object store says of one object or object version."""
+
+    key: str
+    size: int
+    etag: str
+    last_modified: float
+    version_id: str | None = None
+    is_delete_marker: bool = False
+    is_latest: bool = True
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """A completed part of a multipart upload."""
+
+    part_number: int
+    etag: str
+    size: int
+
+
+@dataclass(frozen=True)
+class UploadInfo:
+    """An incomplete multipart upload."""
+
+    key: str
+    upload_id: str
+    initiated: float
+
+
+@runtime_checkable
+class FileSystemDriver(Protocol):
+    """Primitive file-system calls under one root directory; paths are relative, '/'-separated.
+
+    The empty path is the root itself. Nothing here is durable until ``fsync`` (files) and
+    ``fsync_dir`` (directory entries) say so.
+    """
+
+    url: str
+    capabilities: frozenset[Capability]
+
+    def ensure_root(self, create: bool) -> None:
+        """Check the root directory exists (creating it and its parents if ``create``)."""
+
+    def mkdir(self, path: str) -> None:
+        """Create one directory; its parent must exist; fail if it exists."""
+
+    def create(self, path: str) -> int:
+        """Create a new, empty file exclusively (fail if it exists); return a handle."""
+
+    def write(self, handle: int, data: Buffer) -> None:
+        """Append all of ``data`` to the open file."""
+
+    def fsync(self, handle: int) -> None:
+        """Make the open file's data durable."""
+
+    def close(self, handle: int) -> None:
+        """Close the handle (no durability implied)."""
+
+    def fsync_dir(self, path: str) -> None:
+        """Make the directory's entries (creations, renames, removals) durable."""
+
+    def rename_noreplace(self, src: str, dst: str) -> None:
+        """Atomically rename; raise TargetExistsError and change nothing if ``dst`` exists."""
+
+    def rename_replace(self, src: str, dst: str) -> None:
+        """Atomically rename a file over ``dst`` (which may exist)."""
+
+    def listdir(self, path: str) -> list[str]:
+        """Return the entry names of a directory, sorted."""
+
+    def stat(self, path: str) -> FileStat:
+        """Return size, mtime and kind of a path (not following a final symlink)."""
+
+    def open_read(self, path: str) -> BinaryIO:
+        """Open a file for streaming reads."""
+
+    def unlink(self, path: str) -> None:
+        """Remove a file."""
+
+    def rmdir(self, path: str) -> None:
+        """Remove an empty directory."""
+
+
+@runtime_checkable
+class ObjectStoreDriver(Protocol):
+    """Primitive object-store calls under one bucket and prefix; keys are relative to the prefix.
+
+    Semantics are S3's: a put is atomic and visible whole or not at all; conditional puts and
+    multipart completions either take effect or raise PreconditionFailedError.
+    """
+
+    url: str
+    capabilities: frozenset[Capability]
+    min_part_size: int
+    max_parts: int
+
+    def check_bucket(self) -> None:
+        """Raise StoreNotFoundError / StorageAccessDeniedError unless the bucket is usable."""
+
+    def put(
+        self,
+        key: str,
+        data: Buffer,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+    ) -> ObjectInfo:
+        """Store ``data`` at ``key`` atomically (optionally only if absent or if etag matches)."""
+
+    def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
+        """Return an object's bytes (the newest version unless ``version_id``) and its info."""
+
+    def open_read(self, key: str, *, version_id: str | None = None) -> BinaryIO:
+        """Open an object (or one version of it) for streaming reads."""
+
+    def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
+        """Return an object's info; raise ObjectNotFoundError when absent."""
+
+    def delete(self, key: str, *, version_id: str | None = None) -> None:
+        """Delete an object (adds a delete marker on a versioned bucket) or one version of it."""
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """Yield the current objects under ``prefix`` in key order, after ``start_after``."""
+
+    def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Yield every version and delete marker under ``prefix``."""
+
+    def create_multipart(self, key: str) -> str:
+        """Start a multipart upload; return its upload id."""
+
+    def upload_part(self, key: str, upload_id: str, part_number: int, data: Buffer) -> PartInfo:
+        """Upload one part (numbered from 1)."""
+
+    def complete_multipart(
+        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, if_none_match: bool = False
+    ) -> ObjectInfo:
+        """Assemble the parts into the object, atomically."""
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Abort an upload and free its parts."""
+
+    def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
+        """Yield the incomplete multipart uploads under ``prefix``."""

@@ -1,0 +1,188 @@
+"""Every error ckptstore raises is a ``CkptStoreError``; the tree below is the whole hierarchy.
+
+Errors that have a built-in meaning also subclass the built-in, so ``except FileNotFoundError``
+and ``except ValueError`` keep working in code that does not know ckptstore::
+
+    CkptStoreError
+    ├── InvalidInputError (ValueError)
+    │   ├── InvalidURLError
+    │   │   └── UnknownSchemeError
+    │   ├── InvalidStepError
+    │   ├── InvalidShardNameError
+    │   ├── InvalidMetadataError
+    │   └── InvalidOptionError
+    ├── BackendUnavailableError (ImportError)     optional dependency missing
+    ├── CapabilityError                           storage lacks what the protocol needs
+    ├── StoreNotFoundError (FileNotFoundError)    no store (directory, bucket) at the URL
+    ├── CheckpointNotFoundError (FileNotFoundError)
+    ├── ShardNotFoundError (FileNotFoundError)    no such shard name in a checkpoint
+    ├── CheckpointExistsError (FileExistsError)   the step is already published (I5)
+    ├── ShardExistsError (FileExistsError)        a shard name written twice in one attempt
+    ├── CheckpointStateError (RuntimeError)       a pending checkpoint used after publish/abort
+    ├── CoverageError                             expected shards missing at publish
+    ├── RefusedError                              an operation that would break I3 without force
+    ├── IntegrityError                            stored data is not what was committed (I6)
+    │   ├── ManifestCorruptError
+    │   ├── ShardCorruptError
+    │   └── ShardMissingError
+    └── StorageError (OSError)                    a driver call failed
+        ├── StorageAccessDeniedError (PermissionError)
+        ├── ObjectNotFoundError (FileNotFoundError)
+        ├── PreconditionFailedError               a conditional write lost (If-None-Match/If-Match)
+        ├── TargetExistsError (FileExistsError)      create/mkdir/rename found the target
+        └── TransientStorageError                 worth retrying (throttling, 5xx, timeouts)
+            └── IndeterminateOutcomeError         the call may or may not have taken effect
+
+Drivers translate third-party errors (OSError, botocore) into ``StorageError`` subclasses at one
+place each, chained with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "CapabilityError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CheckpointStateError",
+    "CkptStoreError",
+    "CoverageError",
+    "IndeterminateOutcomeError",
+    "IntegrityError",
+    "InvalidInputError",
+    "InvalidMetadataError",
+    "InvalidOptionError",
+    "InvalidShardNameError",
+    "InvalidStepError",
+    "InvalidURLError",
+    "ManifestCorruptError",
+    "ObjectNotFoundError",
+    "PreconditionFailedError",
+    "RefusedError",
+    "ShardCorruptError",
+    "ShardExistsError",
+    "ShardMissingError",
+    "ShardNotFoundError",
+    "StorageAccessDeniedError",
+    "StorageError",
+    "StoreNotFoundError",
+    "TargetExistsError",
+    "TransientStorageError",
+    "UnknownSchemeError",
+]
+
+
+class CkptStoreError(Exception):
+    """Base of every error raised by ckptstore."""
+
+
+class InvalidInputError(CkptStoreError, ValueError):
+    """An argument is malformed; nothing was written."""
+
+
+class InvalidURLError(InvalidInputError):
+    """A store URL cannot be parsed or is not valid for its scheme."""
+
+
+class UnknownSchemeError(InvalidURLError):
+    """No backend is registered for a URL's scheme."""
+
+
+class InvalidStepError(InvalidInputError):
+    """A step is not an integer in [0, 10**20)."""
+
+
+class InvalidShardNameError(InvalidInputError):
+    """A shard name is not a safe relative, '/'-separated name (DESIGN §11)."""
+
+
+class InvalidMetadataError(InvalidInputError):
+    """Trainer metadata is not a JSON object of finite values, or is too large."""
+
+
+class InvalidOptionError(InvalidInputError):
+    """A store option (keyword argument or URL query parameter) is unknown or has a bad value."""
+
+
+class BackendUnavailableError(CkptStoreError, ImportError):
+    """A built-in backend needs an optional dependency that is not installed."""
+
+
+class CapabilityError(CkptStoreError):
+    """The storage lacks a capability the commit strategy needs; the store refuses to open."""
+
+
+class StoreNotFoundError(CkptStoreError, FileNotFoundError):
+    """There is no store at the URL (missing directory or bucket) and it may not be created."""
+
+
+class CheckpointNotFoundError(CkptStoreError, FileNotFoundError):
+    """No published checkpoint exists at the requested step (or at all)."""
+
+
+class ShardNotFoundError(CkptStoreError, FileNotFoundError):
+    """A checkpoint's manifest lists no shard of that name."""
+
+
+class CheckpointExistsError(CkptStoreError, FileExistsError):
+    """The step is already published; the existing checkpoint was left intact (I5)."""
+
+
+class ShardExistsError(CkptStoreError, FileExistsError):
+    """A shard name was written twice, or clashes with another shard's directory, in one attempt."""
+
+
+class CheckpointStateError(CkptStoreError, RuntimeError):
+    """A pending checkpoint was used after it was published or aborted."""
+
+
+class CoverageError(CkptStoreError):
+    """Shards that were declared as expected are missing at publish; nothing was published."""
+
+
+class RefusedError(CkptStoreError):
+    """The operation would remove the newest checkpoint (I3); pass force=True to do it anyway."""
+
+
+class IntegrityError(CkptStoreError):
+    """Stored data differs from what was committed: never returned as data (I6)."""
+
+
+class ManifestCorruptError(IntegrityError):
+    """A manifest is truncated, malformed, too large, unsafe, or fails its own checksum."""
+
+
+class ShardCorruptError(IntegrityError):
+    """A shard's bytes do not match the size or CRC32C recorded in the manifest."""
+
+
+class ShardMissingError(IntegrityError, FileNotFoundError):
+    """A shard recorded in a published manifest is not in storage."""
+
+
+class StorageError(CkptStoreError, OSError):
+    """A storage call failed; the message names the object and the cause."""
+
+
+class StorageAccessDeniedError(StorageError, PermissionError):
+    """The storage system refused the credentials or the permission."""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """A file, directory, object or object version does not exist."""
+
+
+class PreconditionFailedError(StorageError):
+    """A conditional write was refused: the object exists (If-None-Match) or changed (If-Match)."""
+
+
+class TargetExistsError(StorageError, FileExistsError):
+    """A create, mkdir or no-replace rename found its target present; nothing was replaced."""
+
+
+class TransientStorageError(StorageError):
+    """A failure that may succeed when retried (throttling, 5xx, connection errors, timeouts)."""
+
+
+class IndeterminateOutcomeError(TransientStorageError):
+    """The call may or may not have taken effect; the caller must read back to decide (I8)."""

@@ -1,0 +1,254 @@
+"""The manifest is the commit: a checksummed JSON document listing every shard of a checkpoint.
+
+A manifest records, for each shard, its name, size, CRC32C and locator (where the backend put
+its bytes), plus the step, the attempt id, the writer, the creation and commit times, the save's
+measured durations and the trainer's free-form metadata. ``decode`` trusts nothing: it bounds
+the size, checks the schema, every shard name (DESIGN §11) and the manifest's own checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from ckptstore.checksum import crc32c_hex
+from ckptstore.errors import InvalidMetadataError, ManifestCorruptError
+from ckptstore.names import check_attempt_id, check_shard_name, check_step
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MAX_MANIFEST_BYTES",
+    "MAX_METADATA_BYTES",
+    "Manifest",
+    "ShardRecord",
+    "WriterInfo",
+    "check_metadata",
+]
+
+FORMAT_NAME = "ckptstore.manifest"
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_METADATA_BYTES = 16 * 1024 * 1024
+
+JSONObject = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One shard as committed: name, exact size, CRC32C (8 hex digits) and backend locator."""
+
+    name: str
+    size: int
+    crc32c: str
+    locator: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class WriterInfo:
+    """Who wrote a checkpoint: host, process id, world size and the publishing rank."""
+
+    host: str
+    pid: int
+    world_size: int = 1
+    rank: int = 0
+
+    @classmethod
+    def current(cls, world_size: int = 1, rank: int = 0) -> WriterInfo:
+        """Describe this process."""
+        return cls(host=socket.gethostname(), pid=os.getpid(), world_size=world_size, rank=rank)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A checkpoint's complete description; publishing it is the commit point."""
+
+    step: int
+    attempt: str
+    shards: tuple[ShardRecord, ...]
+    writer: WriterInfo
+    created_at: datetime
+    committed_at: datetime
+    timings: Mapping[str, float] = field(default_factory=dict)
+    metadata: JSONObject = field(default_factory=dict)
+    backend: str = ""
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_size(self) -> int:
+        """Sum of the shard sizes in bytes."""
+        return sum(shard.size for shard in self.shards)
+
+    def shard(self, name: str) -> ShardRecord | None:
+        """Return the record of shard ``name``, or None."""
+        for record in self.shards:
+            if record.name == name:
+                return record
+        return None
+
+    def to_document(self) -> dict[str, Any]:
+        """Return the manifest as a JSON-ready dict, without its checksum."""
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "step": self.step,
+            "attempt": self.attempt,
+            "backend": self.backend,
+            "writer": {
+                "host": self.writer.host,
+                "pid": self.writer.pid,
+                "world_size": self.writer.world_size,
+                "rank": self.writer.rank,
+            },
+            "created_at": _iso(self.created_at),
+            "committed_at": _iso(self.committed_at),
+            "timings": dict(self.timings),
+            "metadata": dict(self.metadata),
+            "shards": [
+                {"name": s.name, "size": s.size, "crc32c": s.crc32c, "locator": dict(s.locator)}
+                for s in self.shards
+            ],
+        }
+
+    def encode(self) -> bytes:
+        """Serialise to UTF-8 JSON with an embedded CRC32C of the canonical form."""
+        document = self.to_document()
+        document["checksum"] = _document_checksum(document)
+        return json.dumps(document, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
+
+    @classmethod
+    def decode(cls, data: bytes, *, where: str, expected_step: int | None = None) -> Manifest:
+        """Parse and validate a stored manifest; raise ManifestCorruptError naming ``where``."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestCorruptError(f"{where}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
+        try:
+            document = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ManifestCorruptError(
+                f"{where}: manifest is not valid JSON (truncated or overwritten?): {exc}"
+            ) from exc
+        try:
+            manifest = _from_document(document, where)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestCorruptError(f"{where}: malformed manifest: {exc!r}") from exc
+        if expected_step is not None and manifest.step != expected_step:
+            raise ManifestCorruptError(
+                f"{where}: manifest is for step {manifest.step}, stored as step {expected_step}"
+            )
+        return manifest
+
+
+def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Return a JSON-safe copy of trainer metadata, or raise InvalidMetadataError."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidMetadataError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    try:
+        text = json.dumps(dict(metadata), allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise InvalidMetadataError(
+            f"metadata must be JSON (str keys; str, int, finite float, bool, None, lists, "
+            f"dicts): {exc}"
+        ) from exc
+    if len(text) > MAX_METADATA_BYTES:
+        raise InvalidMetadataError(f"metadata larger than {MAX_METADATA_BYTES} bytes of JSON")
+    result: dict[str, Any] = json.loads(text)
+    return result
+
+
+def _document_checksum(document: Mapping[str, Any]) -> str:
+    canonical = json.dumps(
+        {k: v for k, v in document.items() if k != "checksum"},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    )
+    return crc32c_hex(canonical.encode("utf-8"))
+
+
+def _iso(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _parse_time(value: object, what: str) -> datetime:
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a string")
+    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
+
+
+def _require(document: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    value = document[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise TypeError(f"field {key!r} has type {type(value).__name__}")
+    return value
+
+
+def _from_document(document: object, where: str) -> Manifest:
+    if not isinstance(document, dict):
+        raise ManifestCorruptError(f"{where}: manifest is not a JSON object")
+    if document.get("format") != FORMAT_NAME:
+        raise ManifestCorruptError(f"{where}: not a ckptstore manifest")
+    version = _require(document, "format_version", int)
+    if version != FORMAT_VERSION:
+        raise ManifestCorruptError(
+            f"{where}: manifest format version {version} is not supported by this ckptstore "
+            f"(reads version {FORMAT_VERSION}); upgrade ckptstore"
+        )
+    stored = document.get("checksum")
+    if stored != _document_checksum(document):
+        raise ManifestCorruptError(f"{where}: manifest checksum mismatch (tampered or corrupted)")
+    writer = _require(document, "writer", dict)
+    shards = tuple(_shard_from_document(s) for s in _require(document, "shards", list))
+    names = [s.name for s in shards]
+    if len(set(names)) != len(names):
+        raise ManifestCorruptError(f"{where}: manifest lists a shard name twice")
+    timings = _require(document, "timings", dict)
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in timings.values()):
+        raise TypeError("timings must be finite numbers")
+    try:
+        step = check_step(_require(document, "step", int))
+        attempt = check_attempt_id(document["attempt"])
+    except ValueError as exc:
+        raise ManifestCorruptError(f"{where}: {exc}") from exc
+    return Manifest(
+        step=step,
+        attempt=attempt,
+        shards=shards,
+        writer=WriterInfo(
+            host=str(_require(writer, "host", str)),
+            pid=int(_require(writer, "pid", int)),
+            world_size=int(_require(writer, "world_size", int)),
+            rank=int(_require(writer, "rank", int)),
+        ),
+        created_at=_parse_time(document["created_at"], "created_at"),
+        committed_at=_parse_time(document["committed_at"], "committed_at"),
+        timings={str(k): float(v) for k, v in timings.items()},
+        metadata=_require(document, "metadata", dict),
+        backend=str(_require(document, "backend", str)),
+        format_version=version,
+    )
+
+
+def _shard_from_document(entry: object) -> ShardRecord:
+    if not isinstance(entry, dict):
+        raise TypeError("shard entry is not an object")
+    try:
+        name = check_shard_name(entry["name"])
+    except ValueError as exc:
+        raise ManifestCorruptError(f"unsafe shard name in manifest: {exc}") from exc
+    size = _require(entry, "size", int)
+    crc = _require(entry, "crc32c", str)
+    if size < 0 or len(crc) != 8 or any(c not in "0123456789abcdef" for c in crc):
+        raise ValueError(f"shard {name!r}: bad size or crc32c")
+    locator = _require(entry, "locator", dict)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in locator.items()):
+        raise TypeError(f"shard {name!r}: locator must map strings to strings")
+    return ShardRecord(name=name, size=size, crc32c=crc, locator=dict(locator))

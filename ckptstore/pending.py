@@ -1,0 +1,259 @@
+"""A checkpoint being written: shards stream to staging, and nothing is visible until publish.
+
+``PendingCheckpoint`` computes each shard's size and CRC32C on the way through, refuses unsafe
+or clashing names before touching storage, and either publishes (one atomic commit) or aborts.
+Used as a context manager it publishes on a clean exit and aborts on an exception.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ckptstore.checksum import Crc32c
+from ckptstore.commit.base import ShardSink
+from ckptstore.errors import CheckpointStateError, InvalidInputError, ShardExistsError
+from ckptstore.manifest import ShardRecord, WriterInfo
+from ckptstore.names import check_shard_name
+
+if TYPE_CHECKING:
+    from ckptstore.checkpoint import Checkpoint
+
+__all__ = ["PendingCheckpoint", "ShardData", "ShardWriter"]
+
+_READ_CHUNK = 8 * 1024 * 1024
+
+
+class _Readable(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+ShardData = bytes | bytearray | memoryview | _Readable | Iterable[Any] | Any
+
+
+class ShardWriter:
+    """Streams one shard into its attempt; ``close`` makes it durable and records it."""
+
+    def __init__(self, pending: PendingCheckpoint, name: str, sink: ShardSink) -> None:
+        self.name = name
+        self._pending = pending
+        self._sink = sink
+        self._crc = Crc32c()
+        self._record: ShardRecord | None = None
+        self._closed = False
+
+    def write(self, data: Any) -> int:
+        """Append bytes (any C-contiguous buffer); return the number of bytes written."""
+        if self._closed:
+            raise CheckpointStateError(f"shard {self.name!r} is already closed")
+        view = _as_view(data)
+        self._crc.update(view)
+        self._sink.write(view)
+        return view.nbytes
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far."""
+        return self._crc.size
+
+    def close(self) -> ShardRecord:
+        """Make the shard durable and add it to the checkpoint; return its record."""
+        if self._record is not None:
+            return self._record
+        if self._closed:
+            raise CheckpointStateError(f"shard {self.name!r} was aborted")
+        self._closed = True
+        locator = self._sink.close()
+        record = ShardRecord(self.name, self._crc.size, self._crc.hexdigest(), dict(locator))
+        self._pending._add_record(record)
+        self._record = record
+        return record
+
+    def abort(self) -> None:
+        """Drop the shard; the checkpoint cannot be published without rewriting it."""
+        if not self._closed:
+            self._closed = True
+            self._sink.abort()
+            self._pending._shard_failed(self.name)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _as_view(data: Any) -> memoryview:
+    if isinstance(data, str):
+        raise InvalidInputError("shard data must be bytes-like, not str (encode it first)")
+    try:
+        view = memoryview(data)
+    except TypeError as exc:
+        raise InvalidInputError(
+            f"shard data must be a bytes-like object, got {type(data).__name__}"
+        ) from exc
+    if not view.c_contiguous:
+        raise InvalidInputError(
+            "shard data must be C-contiguous (use numpy.ascontiguousarray or .contiguous())"
+        )
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class PendingCheckpoint:
+    """One attempt at saving a step; invisible to readers until ``publish`` returns."""
+
+    def __init__(
+        self,
+        *,
+        step: int,
+        attempt: str,
+        metadata: dict[str, Any],
+        expected: frozenset[str] | None,
+        writer: WriterInfo,
+        open_sink: Callable[[str], ShardSink],
+        publish: Callable[[PendingCheckpoint], Checkpoint],
+        abort: Callable[[PendingCheckpoint], None],
+    ) -> None:
+        self.step = step
+        self.attempt = attempt
+        self.metadata = metadata
+        self.expected = expected
+        self.writer = writer
+        self.checkpoint: Checkpoint | None = None
+        self.started = time.time()
+        self.started_perf = time.perf_counter()
+        self.timings: dict[str, float] = {}
+        self._open_sink = open_sink
+        self._publish = publish
+        self._abort = abort
+        self._lock = threading.Lock()
+        self._records: dict[str, ShardRecord] = {}
+        self._claimed: set[str] = set()
+        self._directories: set[str] = set()
+        self._failed: set[str] = set()
+        self.state = "open"
+
+    def __repr__(self) -> str:
+        return f"<PendingCheckpoint step={self.step} attempt={self.attempt} {self.state}>"
+
+    @property
+    def records(self) -> list[ShardRecord]:
+        """The shards written and closed so far, sorted by name."""
+        with self._lock:
+            return [self._records[name] for name in sorted(self._records)]
+
+    @property
+    def failed_shards(self) -> set[str]:
+        """Shards whose writing was aborted."""
+        with self._lock:
+            return set(self._failed)
+
+    def _check_open(self) -> None:
+        if self.state != "open":
+            raise CheckpointStateError(
+                f"checkpoint step {self.step} attempt {self.attempt} is {self.state}"
+            )
+
+    def _claim(self, name: str) -> None:
+        check_shard_name(name)
+        segments = name.split("/")
+        parents = {"/".join(segments[:depth]) for depth in range(1, len(segments))}
+        with self._lock:
+            self._check_open()
+            if name in self._claimed:
+                raise ShardExistsError(f"shard {name!r} was already written in this checkpoint")
+            if name in self._directories:
+                raise ShardExistsError(f"shard {name!r} clashes with shards under {name + '/'!r}")
+            clash = parents & self._claimed
+            if clash:
+                raise ShardExistsError(f"shard {name!r} clashes with shard {min(clash)!r}")
+            self._claimed.add(name)
+            self._directories |= parents
+
+    def _add_record(self, record: ShardRecord) -> None:
+        with self._lock:
+            self._records[record.name] = record
+
+    def _shard_failed(self, name: str) -> None:
+        with self._lock:
+            self._failed.add(name)
+
+    def open_shard(self, name: str) -> ShardWriter:
+        """Start streaming a shard; close the writer (or leave its ``with`` block) to finish."""
+        self._claim(name)
+        try:
+            sink = self._open_sink(name)
+        except BaseException:
+            self._shard_failed(name)
+            raise
+        return ShardWriter(self, name, sink)
+
+    def write(self, name: str, data: ShardData) -> ShardRecord:
+        """Write a whole shard from bytes, a buffer (numpy, memoryview), a file or chunks."""
+        if isinstance(data, str):
+            raise InvalidInputError("shard data must be bytes-like, not str (encode it first)")
+        if not (hasattr(data, "read") or _is_buffer(data) or isinstance(data, Iterable)):
+            raise InvalidInputError(
+                f"shard data must be bytes-like, a binary file or an iterable of chunks, "
+                f"got {type(data).__name__}"
+            )
+        with self.open_shard(name) as writer:
+            if hasattr(data, "read"):
+                while chunk := data.read(_READ_CHUNK):
+                    if isinstance(chunk, str):
+                        raise InvalidInputError(f"shard {name!r}: file is open in text mode")
+                    writer.write(chunk)
+            elif _is_buffer(data):
+                writer.write(data)
+            else:
+                for chunk in data:
+                    writer.write(chunk)
+        return writer.close()
+
+    def add_timing(self, name: str, seconds: float) -> None:
+        """Record a measured duration in the manifest's timings (e.g. ``blocked_s``)."""
+        self.timings[name] = float(seconds)
+
+    def publish(self) -> Checkpoint:
+        """Commit atomically and durably; return the published checkpoint."""
+        return self._publish(self)
+
+    def abort(self) -> None:
+        """Give up on this attempt and remove what it staged (GC removes anything left)."""
+        if self.state == "open":
+            self.state = "aborted"
+            self._abort(self)
+
+    def __enter__(self) -> PendingCheckpoint:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            if self.state == "open":
+                self.publish()
+        elif self.state == "open":
+            self.abort()
+
+
+def _is_buffer(data: object) -> bool:
+    try:
+        memoryview(data)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True

@@ -1,0 +1,92 @@
+"""Which backend opens which URL scheme: built-ins loaded lazily, third parties by entry point.
+
+Built-in backends are named by "module:function" and imported only when their scheme is used,
+so a missing optional dependency (boto3 for s3://) is an error with an install hint for that
+scheme alone. Third-party packages add schemes through the ``ckptstore.backends`` entry-point
+group (``myscheme = "mypkg.ckpt:open_store"``), or at run time with ``register``. A factory
+takes ``(StoreURL, options)`` and returns a ``CommitStrategy`` bound to its driver.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import threading
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+from ckptstore.commit.base import CommitStrategy
+from ckptstore.errors import BackendUnavailableError, InvalidInputError, UnknownSchemeError
+from ckptstore.urls import StoreURL
+
+__all__ = ["BackendFactory", "builtin_schemes", "known_schemes", "register", "resolve"]
+
+BackendFactory = Callable[[StoreURL, Mapping[str, object]], CommitStrategy]
+ENTRY_POINT_GROUP = "ckptstore.backends"
+
+_BUILTIN: Mapping[str, tuple[str, str]] = MappingProxyType(
+    {
+        "file": ("ckptstore.backends.posix:open_posix", ""),
+        "memory": ("ckptstore.backends.memory:open_memory", ""),
+    }
+)
+_registered: dict[str, BackendFactory] = {}
+_lock = threading.Lock()
+
+
+def builtin_schemes() -> tuple[str, ...]:
+    """The schemes ckptstore itself provides."""
+    return tuple(_BUILTIN)
+
+
+def known_schemes() -> tuple[str, ...]:
+    """Every scheme that can be opened: built-in, registered, and from entry points."""
+    names = set(_BUILTIN) | set(_registered)
+    names.update(ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    return tuple(sorted(names))
+
+
+def register(scheme: str, factory: BackendFactory, *, replace: bool = False) -> None:
+    """Make ``scheme://`` URLs open through ``factory``."""
+    scheme = scheme.lower()
+    with _lock:
+        if not replace and (scheme in _registered or scheme in _BUILTIN):
+            raise InvalidInputError(f"scheme {scheme!r} is already registered")
+        _registered[scheme] = factory
+
+
+def unregister(scheme: str) -> None:
+    """Remove a scheme added with ``register``."""
+    with _lock:
+        _registered.pop(scheme.lower(), None)
+
+
+def resolve(scheme: str) -> BackendFactory:
+    """Return the factory for ``scheme``; raise UnknownSchemeError listing the known ones."""
+    with _lock:
+        factory = _registered.get(scheme)
+    if factory is not None:
+        return factory
+    if scheme in _BUILTIN:
+        target, hint = _BUILTIN[scheme]
+        return _load(target, scheme, hint)
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry.name == scheme:
+            loaded: BackendFactory = entry.load()
+            return loaded
+    raise UnknownSchemeError(
+        f"no ckptstore backend for {scheme}:// URLs; known schemes: "
+        f"{', '.join(f'{s}://' for s in known_schemes())}"
+    )
+
+
+def _load(target: str, scheme: str, hint: str) -> BackendFactory:
+    module_name, _, attribute = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"{scheme}:// needs a package that is not installed ({exc.name}); {hint}"
+        ) from exc
+    factory: BackendFactory = getattr(module, attribute)
+    return factory
