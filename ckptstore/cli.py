@@ -223,7 +223,7 @@ def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
 def _age(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f}s"
-    if seconds < 7200:
+    if seconds < 3600:
         return f"{seconds / 60:.0f}m"
     if seconds < 172800:
         return f"{seconds / 3600:.1f}h"

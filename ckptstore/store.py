@@ -25,6 +25,7 @@ from ckptstore.errors import (
     IntegrityError,
     InvalidOptionError,
     RefusedError,
+    ShardCorruptError,
     ShardMissingError,
     StorageError,
 )
@@ -214,8 +215,9 @@ class Store:
         manifest = self.strategy.read_manifest(check_step(step))
         problems = self.strategy.shard_problems(manifest)
         if problems:
-            raise ShardMissingError(
-                f"{self.url}: step {step} is damaged: {'; '.join(problems[:5])}"
+            error = ShardMissingError if any(p.missing for p in problems) else ShardCorruptError
+            raise error(
+                f"{self.url}: step {step} is damaged: {'; '.join(map(str, problems[:5]))}"
                 + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
             )
         return Checkpoint(manifest, self.strategy.open_shard_reader, self.url)
@@ -280,7 +282,7 @@ class Store:
         if step == steps[-1] and not force:
             raise RefusedError(
                 f"{self.url}: step {step} is the newest checkpoint; deleting it needs force=True "
-                f"(or rollback to an older step)"
+                f"(--force on the command line), or a rollback to an older step"
             )
         self.strategy.unpublish(step)
         if step == steps[-1]:

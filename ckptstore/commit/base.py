@@ -22,7 +22,7 @@ from ckptstore.driver import Capability
 from ckptstore.errors import CapabilityError
 from ckptstore.manifest import Manifest, ShardRecord
 
-__all__ = ["CommitStrategy", "GcItem", "GcReport", "ShardSink"]
+__all__ = ["CommitStrategy", "GcItem", "GcReport", "ShardProblem", "ShardSink"]
 
 
 class ShardSink(abc.ABC):
@@ -39,6 +39,23 @@ class ShardSink(abc.ABC):
     @abc.abstractmethod
     def abort(self) -> None:
         """Give up on the shard, releasing what can be released (best effort)."""
+
+
+@dataclass(frozen=True)
+class ShardProblem:
+    """A published shard that is missing from storage, or stored with the wrong size."""
+
+    name: str
+    missing: bool
+    stored_size: int = 0
+    recorded_size: int = 0
+
+    def __str__(self) -> str:
+        if self.missing:
+            return f"shard {self.name!r} is missing"
+        return (
+            f"shard {self.name!r} has {self.stored_size} bytes, manifest says {self.recorded_size}"
+        )
 
 
 @dataclass(frozen=True)
@@ -133,7 +150,7 @@ class CommitStrategy(abc.ABC):
         """Open a published shard through its locator (raises ShardMissingError if gone)."""
 
     @abc.abstractmethod
-    def shard_problems(self, manifest: Manifest) -> list[str]:
+    def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
         """Return what is wrong with the presence and sizes of a checkpoint's shards (cheap)."""
 
     @abc.abstractmethod

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Mapping
 from typing import BinaryIO
 
-from ckptstore.commit.base import CommitStrategy, GcItem, GcReport, ShardSink
+from ckptstore.commit.base import CommitStrategy, GcItem, GcReport, ShardProblem, ShardSink
 from ckptstore.driver import Capability, ObjectInfo, ObjectStoreDriver, PartInfo, UploadInfo
 from ckptstore.errors import (
     CheckpointExistsError,
@@ -193,7 +193,8 @@ class ConditionalPutCommit(CommitStrategy):
         problems = self.shard_problems(manifest)
         if problems:
             raise ShardMissingError(
-                f"{self.url}: step {manifest.step} cannot be published: {'; '.join(problems[:5])}"
+                f"{self.url}: step {manifest.step} cannot be published: "
+                f"{'; '.join(map(str, problems[:5]))}"
             )
 
     def _exists(self, step: int) -> CheckpointExistsError:
@@ -270,18 +271,16 @@ class ConditionalPutCommit(CommitStrategy):
                 f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({key})"
             ) from exc
 
-    def shard_problems(self, manifest: Manifest) -> list[str]:
+    def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
         prefix = self.attempt_prefix(manifest.step, manifest.attempt)
         stored: dict[str, ObjectInfo] = {i.key: i for i in self.driver.list(prefix)}
-        problems = []
+        problems: list[ShardProblem] = []
         for record in manifest.shards:
             info = stored.get(f"{prefix}{record.name}")
             if info is None:
-                problems.append(f"shard {record.name!r} is missing")
+                problems.append(ShardProblem(record.name, missing=True))
             elif info.size != record.size:
-                problems.append(
-                    f"shard {record.name!r} has {info.size} bytes, manifest says {record.size}"
-                )
+                problems.append(ShardProblem(record.name, False, info.size, record.size))
         return problems
 
     # -- LATEST hint ---------------------------------------------------------------------

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Mapping
 from typing import BinaryIO
 
-from ckptstore.commit.base import CommitStrategy, GcItem, GcReport, ShardSink
+from ckptstore.commit.base import CommitStrategy, GcItem, GcReport, ShardProblem, ShardSink
 from ckptstore.driver import Capability, FileSystemDriver
 from ckptstore.errors import (
     CheckpointExistsError,
@@ -195,19 +195,17 @@ class RenameCommit(CommitStrategy):
                 f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({path})"
             ) from exc
 
-    def shard_problems(self, manifest: Manifest) -> list[str]:
-        problems = []
+    def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
+        problems: list[ShardProblem] = []
         final = step_token(manifest.step)
         for record in manifest.shards:
             try:
                 stat = self.driver.stat(f"{final}/{DATA_DIR}/{record.name}")
             except ObjectNotFoundError:
-                problems.append(f"shard {record.name!r} is missing")
+                problems.append(ShardProblem(record.name, missing=True))
                 continue
             if stat.is_dir or stat.size != record.size:
-                problems.append(
-                    f"shard {record.name!r} has {stat.size} bytes, manifest says {record.size}"
-                )
+                problems.append(ShardProblem(record.name, False, stat.size, record.size))
         return problems
 
     # -- LATEST hint ---------------------------------------------------------------------
