@@ -150,6 +150,9 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     if not isinstance(metadata, Mapping):
         raise InvalidMetadataError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    bad_key = _non_string_key(metadata)
+    if bad_key is not None:
+        raise InvalidMetadataError(f"metadata keys must be strings, got {bad_key!r}")
     try:
         text = json.dumps(dict(metadata), allow_nan=False, sort_keys=True)
     except (TypeError, ValueError) as exc:
@@ -161,6 +164,23 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         raise InvalidMetadataError(f"metadata larger than {MAX_METADATA_BYTES} bytes of JSON")
     result: dict[str, Any] = json.loads(text)
     return result
+
+
+def _non_string_key(value: object) -> object | None:
+    """The first dict key anywhere in ``value`` that JSON would silently turn into a string."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return key
+            found = _non_string_key(item)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            found = _non_string_key(item)
+            if found is not None:
+                return found
+    return None
 
 
 def _document_checksum(document: Mapping[str, Any]) -> str:

@@ -208,14 +208,15 @@ class PendingCheckpoint:
                 f"shard data must be bytes-like, a binary file or an iterable of chunks, "
                 f"got {type(data).__name__}"
             )
+        view = None if hasattr(data, "read") or not _is_buffer(data) else _as_view(data)
         with self.open_shard(name) as writer:
-            if hasattr(data, "read"):
+            if view is not None:
+                writer.write(view)
+            elif hasattr(data, "read"):
                 while chunk := data.read(_READ_CHUNK):
                     if isinstance(chunk, str):
                         raise InvalidInputError(f"shard {name!r}: file is open in text mode")
                     writer.write(chunk)
-            elif _is_buffer(data):
-                writer.write(data)
             else:
                 for chunk in data:
                     writer.write(chunk)
