@@ -31,7 +31,6 @@ from ckptstore import (
     ShardNotFoundError,
 )
 from ckptstore.checksum import crc32c_hex
-from ckptstore.manifest import Manifest
 
 MiB = 1024 * 1024
 
