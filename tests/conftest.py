@@ -124,8 +124,8 @@ class MemoryBackend(BackendUnderTest):
 @pytest.fixture(params=["file", "memory"])
 def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUnderTest]:
     """One fresh store location per test, on each backend in turn."""
-    made: BackendUnderTest = FileBackend(tmp_path) if request.param == "file" else MemoryBackend(
-        tmp_path
+    made: BackendUnderTest = (
+        FileBackend(tmp_path) if request.param == "file" else MemoryBackend(tmp_path)
     )
     yield made
     if isinstance(made, MemoryBackend):

@@ -23,6 +23,7 @@ from typing import BinaryIO
 from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
 from ckptstore.driver import Buffer, Capability, ObjectInfo, PartInfo, UploadInfo
 from ckptstore.errors import (
+    InvalidOptionError,
     InvalidURLError,
     ObjectNotFoundError,
     PreconditionFailedError,
@@ -133,13 +134,22 @@ _BUCKETS_LOCK = threading.Lock()
 
 
 def get_bucket(name: str, **settings: object) -> MemoryBucket:
-    """Return the process-wide bucket ``name``, creating it with ``settings`` if new."""
+    """Return the process-wide bucket ``name``, creating it with ``settings`` if new.
+
+    Settings given for an existing bucket must match it: a bucket does not change its nature.
+    """
     with _BUCKETS_LOCK:
         bucket = _BUCKETS.get(name)
         if bucket is None:
             bucket = MemoryBucket(name, **settings)  # type: ignore[arg-type]
             _BUCKETS[name] = bucket
-        return bucket
+            return bucket
+    for key, value in settings.items():
+        if getattr(bucket, key) != value:
+            raise InvalidOptionError(
+                f"memory://{name} exists with {key}={getattr(bucket, key)!r}, not {value!r}"
+            )
+    return bucket
 
 
 def drop_bucket(name: str) -> None:
@@ -324,10 +334,11 @@ def open_memory(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutC
     url.reject_unknown(options, allowed=("versioned", "min_part_size", "part_size"))
     if not url.netloc:
         raise InvalidURLError(f"{url.raw}: memory:// URLs name a bucket: memory://bucket/prefix")
-    settings: dict[str, object] = {
-        "versioned": option_bool(options, "versioned", False),
-        "min_part_size": option_int(options, "min_part_size", S3_MIN_PART_SIZE, minimum=1),
-    }
+    settings: dict[str, object] = {}
+    if "versioned" in options:
+        settings["versioned"] = option_bool(options, "versioned", False)
+    if "min_part_size" in options:
+        settings["min_part_size"] = option_int(options, "min_part_size", 0, minimum=1)
     bucket = get_bucket(url.netloc, **settings)
     driver = MemoryDriver(bucket, url.path)
     part_size = option_int(
