@@ -1,0 +1,99 @@
+"""The scheme registry and the public surface of the package."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+import ckptstore
+from ckptstore import registry
+from ckptstore.backends.memory import open_memory
+from ckptstore.errors import BackendUnavailableError, InvalidInputError
+
+
+def test_all_is_complete_and_exact():
+    public = {name for name in dir(ckptstore) if not name.startswith("_")}
+    modules = {
+        "backends",
+        "checkpoint",
+        "checksum",
+        "cli",
+        "commit",
+        "driver",
+        "errors",
+        "manifest",
+        "names",
+        "pending",
+        "progress",
+        "registry",
+        "retention",
+        "store",
+        "urls",
+        "demo",
+    }
+    assert set(ckptstore.__all__) == public - modules
+    for name in ckptstore.__all__:
+        assert getattr(ckptstore, name) is not None
+
+
+def test_every_error_is_a_ckptstore_error():
+    from ckptstore import errors
+
+    for name in errors.__all__:
+        assert issubclass(getattr(errors, name), errors.CkptStoreError)
+    assert issubclass(errors.CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(errors.CheckpointExistsError, FileExistsError)
+    assert issubclass(errors.InvalidShardNameError, ValueError)
+    for name in errors.__all__:
+        assert name in errors.__doc__, f"{name} missing from the tree in errors.py"
+
+
+def test_register_a_scheme_at_run_time():
+    registry.register(
+        "mytest",
+        lambda url, options: open_memory(
+            url.__class__(url.raw, "memory", "registered", url.path, {}), options
+        ),
+    )
+    try:
+        assert "mytest" in ckptstore.known_schemes()
+        store = ckptstore.open("mytest://anything/run")
+        store.save(1, {"a": b"x"})
+        assert ckptstore.open("memory://registered/run").latest().step == 1
+        with pytest.raises(InvalidInputError):
+            registry.register("mytest", lambda url, options: None)  # type: ignore[arg-type,return-value]
+    finally:
+        registry.unregister("mytest")
+
+
+def test_third_party_entry_point(monkeypatch):
+    class FakeEntryPoint:
+        name = "thirdparty"
+
+        def load(self):
+            return lambda url, options: open_memory(
+                url.__class__(url.raw, "memory", "thirdparty", url.path, {}), options
+            )
+
+    real = importlib.metadata.entry_points
+
+    def entry_points(**kwargs):
+        if kwargs.get("group") == registry.ENTRY_POINT_GROUP:
+            return [FakeEntryPoint()]
+        return real(**kwargs)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    assert "thirdparty" in ckptstore.known_schemes()
+    ckptstore.open("thirdparty://x/run").save(3, {"a": b"x"})
+    assert ckptstore.open("memory://thirdparty/run").latest().step == 3
+
+
+def test_missing_dependency_gives_an_install_hint(monkeypatch):
+    monkeypatch.setattr(
+        registry,
+        "_BUILTIN",
+        {**registry._BUILTIN, "needy": ("ckptstore_missing_mod:f", "pip install needy")},
+    )
+    with pytest.raises(BackendUnavailableError, match="pip install needy"):
+        ckptstore.open("needy://x")
