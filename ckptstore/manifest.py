@@ -152,7 +152,7 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         raise InvalidMetadataError(f"metadata must be a mapping, got {type(metadata).__name__}")
     bad_key = _non_string_key(metadata)
     if bad_key is not None:
-        raise InvalidMetadataError(f"metadata keys must be strings, got {bad_key!r}")
+        raise InvalidMetadataError(f"metadata keys must be strings, got {bad_key}")
     try:
         text = json.dumps(dict(metadata), allow_nan=False, sort_keys=True)
     except (TypeError, ValueError) as exc:
@@ -166,12 +166,12 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     return result
 
 
-def _non_string_key(value: object) -> object | None:
+def _non_string_key(value: object) -> str | None:
     """The first dict key anywhere in ``value`` that JSON would silently turn into a string."""
     if isinstance(value, Mapping):
         for key, item in value.items():
             if not isinstance(key, str):
-                return key
+                return repr(key)
             found = _non_string_key(item)
             if found is not None:
                 return found
