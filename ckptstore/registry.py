@@ -14,6 +14,7 @@ import importlib.metadata
 import threading
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
 from ckptstore.errors import BackendUnavailableError, InvalidInputError, UnknownSchemeError
@@ -21,7 +22,7 @@ from ckptstore.urls import StoreURL
 
 __all__ = ["BackendFactory", "builtin_schemes", "known_schemes", "register", "resolve"]
 
-BackendFactory = Callable[[StoreURL, Mapping[str, object]], CommitStrategy]
+BackendFactory = Callable[[StoreURL, Mapping[str, object]], CommitStrategy[Any]]
 ENTRY_POINT_GROUP = "ckptstore.backends"
 
 _BUILTIN: Mapping[str, tuple[str, str]] = MappingProxyType(

@@ -30,7 +30,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.manifest import Manifest, WriterInfo, check_metadata
-from ckptstore.names import check_shard_name, check_step, new_attempt_id
+from ckptstore.names import check_attempt_id, check_shard_name, check_step, new_attempt_id
 from ckptstore.pending import PendingCheckpoint, ShardData
 from ckptstore.registry import resolve
 from ckptstore.retention import CheckpointAge, RetentionPolicy
@@ -56,7 +56,7 @@ class Store:
 
     def __init__(
         self,
-        strategy: CommitStrategy,
+        strategy: CommitStrategy[Any],
         *,
         retention: RetentionPolicy | None = None,
         clock: Clock = time.time,
@@ -91,6 +91,7 @@ class Store:
 
         Raises CheckpointExistsError at once if the step is already published.
         ``expected_shards`` makes publish refuse unless exactly those shards were written.
+        ``attempt`` is an attempt id chosen by a coordinator (multi-rank saves); default fresh.
         """
         check_step(step)
         clean_metadata = check_metadata(metadata)
@@ -99,7 +100,7 @@ class Store:
             expected = frozenset(check_shard_name(name) for name in expected_shards)
         if self.strategy.is_published(step):
             raise CheckpointExistsError(f"{self.url}: step {step} is already published")
-        attempt_id = attempt or new_attempt_id()
+        attempt_id = new_attempt_id() if attempt is None else check_attempt_id(attempt)
         self.strategy.begin(step, attempt_id)
         return PendingCheckpoint(
             step=step,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, Generic, Protocol, TypeVar
 
 from ckptstore.driver import Capability
 from ckptstore.errors import CapabilityError
@@ -83,21 +83,36 @@ class GcReport:
         return sum(item.size for item in self.removed)
 
 
-class CommitStrategy(abc.ABC):
-    """The protocol of DESIGN §4 on one driver family: stage, seal, publish, read, unpublish, GC."""
+class _Driver(Protocol):
+    url: str
+    capabilities: frozenset[Capability]
+
+
+DriverT = TypeVar("DriverT", bound=_Driver)
+
+
+class CommitStrategy(abc.ABC, Generic[DriverT]):
+    """The protocol of DESIGN §4 on one driver family: stage, seal, publish, read, unpublish, GC.
+
+    ``driver`` is the strategy's only access to storage; the conformance suite replaces it with
+    a fault-injecting wrapper.
+    """
 
     name: str = ""
     required_capabilities: frozenset[Capability] = frozenset()
 
-    @property
-    @abc.abstractmethod
-    def url(self) -> str:
-        """The store's URL, for messages."""
+    def __init__(self, driver: DriverT) -> None:
+        self.driver = driver
 
     @property
-    @abc.abstractmethod
+    def url(self) -> str:
+        """The store's URL, for messages."""
+        return self.driver.url
+
+    @property
     def capabilities(self) -> frozenset[Capability]:
         """What the driver declares its storage provides."""
+        return self.driver.capabilities
 
     def check_capabilities(self) -> None:
         """Refuse to work on storage lacking a capability this strategy needs."""

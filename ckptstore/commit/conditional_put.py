@@ -119,7 +119,7 @@ class _ObjectShardSink(ShardSink):
                 log.debug("aborting upload of %s failed; GC will", self._key, exc_info=True)
 
 
-class ConditionalPutCommit(CommitStrategy):
+class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     """The object-store protocol: attempt-unique data keys, manifest created if absent."""
 
     name = "conditional-put"
@@ -131,16 +131,8 @@ class ConditionalPutCommit(CommitStrategy):
                 f"part_size {part_size} is below the storage's minimum part size "
                 f"{driver.min_part_size}"
             )
-        self.driver = driver
+        super().__init__(driver)
         self.part_size = part_size
-
-    @property
-    def url(self) -> str:
-        return self.driver.url
-
-    @property
-    def capabilities(self) -> frozenset[Capability]:
-        return self.driver.capabilities
 
     def open_root(self, *, create: bool) -> None:
         self.driver.check_bucket()

@@ -76,22 +76,11 @@ class _FileShardSink(ShardSink):
                 log.debug("closing %s after abort failed", self._path, exc_info=True)
 
 
-class RenameCommit(CommitStrategy):
+class RenameCommit(CommitStrategy[FileSystemDriver]):
     """The POSIX rename protocol: atomic no-replace rename of a durable staging directory."""
 
     name = "posix-rename"
     required_capabilities = frozenset({Capability.RENAME_NOREPLACE, Capability.DURABLE_FSYNC})
-
-    def __init__(self, driver: FileSystemDriver) -> None:
-        self.driver = driver
-
-    @property
-    def url(self) -> str:
-        return self.driver.url
-
-    @property
-    def capabilities(self) -> frozenset[Capability]:
-        return self.driver.capabilities
 
     def open_root(self, *, create: bool) -> None:
         self.driver.ensure_root(create)
