@@ -14,9 +14,10 @@ over the same storage cannot find.
 from __future__ import annotations
 
 import abc
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import BinaryIO, Generic, Protocol, TypeVar
+from typing import Any, BinaryIO, Generic, Protocol, TypeVar
 
 from ckptstore.driver import Capability
 from ckptstore.errors import CapabilityError
@@ -89,6 +90,7 @@ class _Driver(Protocol):
 
 
 DriverT = TypeVar("DriverT", bound=_Driver)
+StrategyT = TypeVar("StrategyT", bound="CommitStrategy[Any]")
 
 
 class CommitStrategy(abc.ABC, Generic[DriverT]):
@@ -108,6 +110,29 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
     def url(self) -> str:
         """The store's URL, for messages."""
         return self.driver.url
+
+    def with_driver(self: StrategyT, driver: Any) -> StrategyT:
+        """A copy of this strategy, with the same settings, working through another driver.
+
+        The conformance suite uses it to put a fault-injecting or simulated driver underneath.
+        """
+        clone = copy.copy(self)
+        clone.driver = driver
+        return clone
+
+    @abc.abstractmethod
+    def stored_names(self, manifest: Manifest) -> set[str]:
+        """Every raw name (as ``raw_names`` lists them) that belongs to a published checkpoint."""
+
+    @abc.abstractmethod
+    def raw_names(self) -> set[str]:
+        """Every name in storage under the store: files and directories, or objects and uploads.
+
+        For audits (the conformance suite's leftover check), never for finding checkpoints.
+        """
+
+    fixed_names: frozenset[str] = frozenset()
+    """Raw names that belong to the store itself rather than to a checkpoint (the hint)."""
 
     @property
     def capabilities(self) -> frozenset[Capability]:

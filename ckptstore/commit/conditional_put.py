@@ -124,6 +124,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
 
     name = "conditional-put"
     required_capabilities = frozenset({Capability.CONDITIONAL_CREATE})
+    fixed_names = frozenset({LATEST_KEY})
 
     def __init__(self, driver: ObjectStoreDriver, *, part_size: int = DEFAULT_PART_SIZE) -> None:
         if part_size < driver.min_part_size:
@@ -379,6 +380,19 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
             self.driver.abort_multipart(key, upload_id)
         except ObjectNotFoundError:
             return  # completed or aborted meanwhile
+
+    def stored_names(self, manifest: Manifest) -> set[str]:
+        names = {self.manifest_key(manifest.step)}
+        names.update(record.locator["key"] for record in manifest.shards)
+        return names
+
+    def raw_names(self) -> set[str]:
+        names = {info.key for info in self.driver.list("")}
+        names.update(
+            f"{upload.key} (upload {upload.upload_id})"
+            for upload in self.driver.list_multipart_uploads("")
+        )
+        return names
 
     def is_empty(self) -> bool:
         return next(iter(self.driver.list("")), None) is None and (

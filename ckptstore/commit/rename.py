@@ -81,6 +81,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
 
     name = "posix-rename"
     required_capabilities = frozenset({Capability.RENAME_NOREPLACE, Capability.DURABLE_FSYNC})
+    fixed_names = frozenset({LATEST_NAME})
 
     def open_root(self, *, create: bool) -> None:
         self.driver.ensure_root(create)
@@ -278,6 +279,33 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             if not dry_run:
                 self._discard(name)
         return report
+
+    def stored_names(self, manifest: Manifest) -> set[str]:
+        final = step_token(manifest.step)
+        names = {final, f"{final}/{MANIFEST_NAME}", f"{final}/{DATA_DIR}"}
+        for directory in _directories_of(manifest):
+            names.add(f"{final}/{DATA_DIR}/{directory}")
+        names.update(f"{final}/{DATA_DIR}/{record.name}" for record in manifest.shards)
+        return names
+
+    def raw_names(self) -> set[str]:
+        names: set[str] = set()
+        pending = [""]
+        while pending:
+            directory = pending.pop()
+            try:
+                children = self.driver.listdir(directory)
+            except ObjectNotFoundError:
+                continue
+            for child in children:
+                path = f"{directory}/{child}" if directory else child
+                names.add(path)
+                try:
+                    if self.driver.stat(path).is_dir:
+                        pending.append(path)
+                except ObjectNotFoundError:
+                    continue
+        return names
 
     def is_empty(self) -> bool:
         try:

@@ -1,0 +1,162 @@
+"""Fault injection under any driver: count its calls, crash at any one, fail transiently.
+
+``FaultInjector`` wraps a file-system or object-store driver and numbers every primitive call.
+It can simulate the death of the process *before* call k (the call never reaches storage) or
+*after* call k (storage did it; the caller died before it learned so), and it can make chosen
+calls fail with a transient error, before or after they took effect. After a crash every later
+call fails too: a dead process touches nothing, not even in its ``finally`` blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.errors import IndeterminateOutcomeError, TransientStorageError
+
+__all__ = ["CrashMode", "FaultInjector", "FaultPlan", "SimulatedCrash"]
+
+FILE_SYSTEM_CALLS = frozenset(
+    {
+        "ensure_root", "mkdir", "create", "write", "fsync", "close", "fsync_dir",
+        "rename_noreplace", "rename_replace", "listdir", "stat", "open_read", "unlink", "rmdir",
+    }
+)  # fmt: skip
+OBJECT_STORE_CALLS = frozenset(
+    {
+        "check_bucket", "put", "get", "open_read", "head", "delete", "list", "list_versions",
+        "create_multipart", "upload_part", "complete_multipart", "abort_multipart",
+        "list_multipart_uploads",
+    }
+)  # fmt: skip
+_LAZY_RESULTS = frozenset({"list", "list_versions", "list_multipart_uploads"})
+
+
+class SimulatedCrash(BaseException):
+    """The process died here. A BaseException, so that ``except Exception`` cannot survive it."""
+
+
+class CrashMode(enum.Enum):
+    """Where, relative to the storage call, the process dies or the call fails."""
+
+    BEFORE = "before"
+    """The call never reaches storage."""
+    AFTER = "after"
+    """Storage performed the call; the caller never learned so."""
+
+
+@dataclass
+class FaultPlan:
+    """Which call (counting from 0) crashes, and which calls fail transiently, and how."""
+
+    crash_at: int | None = None
+    crash_mode: CrashMode = CrashMode.BEFORE
+    transient: dict[int, CrashMode] = field(default_factory=dict)
+    transient_calls: frozenset[str] | None = None
+    """Restrict transient faults to these call names (None: any call)."""
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One primitive call as the injector saw it."""
+
+    index: int
+    name: str
+    args: tuple[str, ...]
+    conditional: bool = False
+    """A conditional write (If-None-Match / If-Match): a commit point on object stores."""
+
+    def __str__(self) -> str:
+        return f"#{self.index} {self.name}({', '.join(self.args)})"
+
+
+class FaultInjector:
+    """A driver that forwards to ``inner`` and injects the faults of a ``FaultPlan``."""
+
+    def __init__(self, inner: Any, plan: FaultPlan | None = None) -> None:
+        self._inner = inner
+        self.plan = plan or FaultPlan()
+        self.calls: list[CallRecord] = []
+        self.crashed = False
+        self.transient_injected: list[CallRecord] = []
+        self._handles: set[int] = set()
+        self._calls = FILE_SYSTEM_CALLS if hasattr(inner, "fsync_dir") else OBJECT_STORE_CALLS
+
+    @property
+    def inner(self) -> Any:
+        """The wrapped driver."""
+        return self._inner
+
+    @property
+    def count(self) -> int:
+        """How many primitive calls were made (the next call's index)."""
+        return len(self.calls)
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._inner, name)
+        if name not in self._calls:
+            return attribute
+        return self._wrap(name, attribute)
+
+    def _wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.crashed:
+                raise SimulatedCrash(f"{name} called after the process died")
+            conditional = bool(kwargs.get("if_none_match") or kwargs.get("if_match"))
+            record = CallRecord(len(self.calls), name, tuple(_short(a) for a in args), conditional)
+            self.calls.append(record)
+            plan = self.plan
+            if plan.crash_at == record.index and plan.crash_mode is CrashMode.BEFORE:
+                self._die(record)
+            transient = plan.transient.get(record.index)
+            if transient is not None and (
+                plan.transient_calls is None or name in plan.transient_calls
+            ):
+                self.transient_injected.append(record)
+                if transient is CrashMode.BEFORE:
+                    raise TransientStorageError(503, f"injected transient fault at {name}")
+            result = method(*args, **kwargs)
+            if name in _LAZY_RESULTS:
+                result = _Materialised(list(result))
+            if name == "create":
+                self._handles.add(result)
+            elif name == "close" and args:
+                self._handles.discard(args[0])
+            if plan.crash_at == record.index and plan.crash_mode is CrashMode.AFTER:
+                self._die(record)
+            if transient is CrashMode.AFTER and (
+                plan.transient_calls is None or name in plan.transient_calls
+            ):
+                raise IndeterminateOutcomeError(110, f"injected timeout after {name} took effect")
+            return result
+
+        return call
+
+    def _die(self, record: CallRecord) -> None:
+        self.crashed = True
+        for handle in list(self._handles):  # the kernel closes a dead process's descriptors
+            try:
+                self._inner.close(handle)
+            except OSError:
+                pass
+        self._handles.clear()
+        raise SimulatedCrash(f"crash at call {record}")
+
+
+class _Materialised(Iterator[Any]):
+    """A listing read completely at call time, so that one call is one storage round."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self._iter = iter(items)
+
+    def __next__(self) -> Any:
+        return next(self._iter)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return f"<{len(memoryview(value))} bytes>"
+    text = str(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,138 @@
+"""Fresh, empty places in the storage under test, and raw access to what they hold.
+
+The suite never reaches storage except through a store URL and the commit strategy (and its
+driver) that the URL opens; a ``Location`` is one sub-directory or sub-prefix of the URL under
+test, opened as often as a restarted trainer would open it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckptstore.commit.base import CommitStrategy
+from ckptstore.conformance.faults import FaultInjector, FaultPlan
+from ckptstore.errors import IntegrityError, ObjectNotFoundError, StorageError
+from ckptstore.names import step_token
+from ckptstore.retention import RetentionPolicy
+from ckptstore.store import Store, open_store
+
+__all__ = ["Clock", "Location", "LocationFactory", "child_url"]
+
+_ids = itertools.count()
+
+
+def child_url(base: str, segment: str) -> str:
+    """``base`` with one more path segment, before any query string."""
+    path, sep, query = base.partition("?")
+    return f"{path.rstrip('/')}/{segment}{sep}{query}"
+
+
+class Clock:
+    """Wall-clock time plus an offset the tests move forward (to age leftovers past the grace)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        """Move this clock forward."""
+        self.offset += seconds
+
+
+class Location:
+    """One fresh, empty store location under the URL being tested."""
+
+    def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
+        self.url = url
+        self.options = dict(options or {})
+        self.clock = Clock()
+        self.base = open_store(url, create=True, **self.options).strategy
+
+    def open(
+        self, plan: FaultPlan | None = None, retention: RetentionPolicy | None = None
+    ) -> tuple[Store, FaultInjector]:
+        """A fresh Store over this location, its driver wrapped in a fault injector."""
+        injector = FaultInjector(self.base.driver, plan)
+        strategy: CommitStrategy[Any] = self.base.with_driver(injector)
+        return Store(strategy, retention=retention, clock=self.clock), injector
+
+    def raw_names(self) -> set[str]:
+        """Everything the location holds, as the strategy's raw listing names it."""
+        return self.base.raw_names()
+
+    def leftovers(self) -> set[str]:
+        """Raw names that belong to no published checkpoint (nor to the store itself)."""
+        owned: set[str] = set(self.base.fixed_names)
+        for step in self.base.published_steps():
+            try:
+                owned |= self.base.stored_names(self.base.read_manifest(step))
+            except IntegrityError:
+                owned |= {n for n in self.raw_names() if step_token(step) in n}
+        return self.raw_names() - owned
+
+    def corrupt(self, step: int, name: str, edit: Callable[[bytes], bytes]) -> bool:
+        """Rewrite one published shard's stored bytes behind the store's back.
+
+        Returns False where storage cannot express it (a version-pinned object is immutable).
+        """
+        manifest = self.base.read_manifest(step)
+        record = manifest.shard(name)
+        if record is None:
+            return False
+        with self.base.open_shard_reader(manifest, record) as stream:
+            data = stream.read()
+        altered = edit(data)
+        driver = self.base.driver
+        if "path" in record.locator:
+            path = f"{step_token(step)}/{record.locator['path']}"
+            driver.unlink(path)
+            handle = driver.create(path)
+            try:
+                driver.write(handle, altered)
+            finally:
+                driver.close(handle)
+            return True
+        if "version_id" in record.locator:
+            return False
+        driver.put(record.locator["key"], altered)
+        return True
+
+    def destroy(self) -> None:
+        """Remove everything at this location (best effort)."""
+        driver = self.base.driver
+        try:
+            if hasattr(driver, "fsync_dir"):
+                for name in sorted(self.raw_names(), key=lambda n: -n.count("/")):
+                    if driver.stat(name).is_dir:
+                        driver.rmdir(name)
+                    else:
+                        driver.unlink(name)
+                driver.rmdir("")
+            else:
+                for upload in list(driver.list_multipart_uploads("")):
+                    driver.abort_multipart(upload.key, upload.upload_id)
+                for info in list(driver.list_versions("")):
+                    driver.delete(info.key, version_id=info.version_id)
+                for info in list(driver.list("")):
+                    driver.delete(info.key)
+        except (StorageError, ObjectNotFoundError):
+            pass
+
+
+class LocationFactory:
+    """Makes fresh locations under a base URL: ``<base>/conformance-<pid>-<n>``."""
+
+    def __init__(self, base_url: str, options: dict[str, Any] | None = None) -> None:
+        self.base_url = base_url
+        self.options = dict(options or {})
+
+    def __call__(self) -> Location:
+        return Location(
+            child_url(self.base_url, f"conformance-{os.getpid()}-{next(_ids)}"), self.options
+        )

@@ -1,0 +1,219 @@
+"""Property-based crash injection: a hypothesis state machine over any backend.
+
+``make_state_machine`` builds a ``RuleBasedStateMachine`` class from a location factory and
+the backend's capability flags, as hypothesis's own database tests are parametrised over
+implementations. Rules save (random shard counts and sizes, optionally crashing at a random
+storage call, before or after it took effect), read, verify, apply retention, collect garbage
+(with and without aging the leftovers, and while a save is still live), restart the store,
+race a second writer at the same step, corrupt a shard behind the store's back, and inject
+transient faults. After every step the model checks I1 to I7; a failure is shrunk by
+hypothesis to a short sequence of rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from ckptstore.conformance.faults import CrashMode, FaultPlan, SimulatedCrash
+from ckptstore.conformance.location import Location
+from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
+from ckptstore.conformance.workload import GRACE, pattern, save
+from ckptstore.errors import CheckpointExistsError, CkptStoreError
+from ckptstore.retention import KeepLast
+
+__all__ = ["PROFILES", "make_state_machine"]
+
+PROFILES = {
+    "ci": settings(
+        max_examples=40,
+        stateful_step_count=20,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    ),
+    "thorough": settings(
+        max_examples=300,
+        stateful_step_count=40,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    ),
+}
+
+_modes = st.sampled_from([CrashMode.BEFORE, CrashMode.AFTER])
+
+
+def make_state_machine(
+    new_location: Callable[[], Location], *, multipart_size: int = 0, can_corrupt: bool = True
+) -> type[RuleBasedStateMachine]:
+    """Build the state machine class for one backend.
+
+    ``multipart_size``: a shard size that needs a multipart upload (0: the backend has none).
+    ``can_corrupt``: stored shard bytes can be rewritten behind the store's back.
+    """
+    sizes = st.sampled_from([0, 1, 100, 4096] + ([multipart_size] if multipart_size else []))
+
+    class CheckpointStoreMachine(RuleBasedStateMachine):
+        """One store, one model, and every way a trainer, a crash or a disk can treat it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.location = new_location()
+            self.model = Model()
+            self.store, _ = self.location.open()
+            self.next_step = 1
+
+        def _new_save(self, shard_sizes: list[int]) -> Saved:
+            step = self.next_step
+            self.next_step += 1
+            shards = {
+                f"rank{i:02d}/part.bin": pattern(size, step * 10 + i)
+                for i, size in enumerate(shard_sizes)
+            }
+            return Saved(step, shards, {"step": step, "tokens": step * 1000})
+
+        @rule(
+            shard_sizes=st.lists(sizes, min_size=1, max_size=4),
+            crash=st.none() | st.tuples(st.integers(0, 40), _modes),
+            skip=st.integers(0, 2),
+        )
+        def save(
+            self, shard_sizes: list[int], crash: tuple[int, CrashMode] | None, skip: int
+        ) -> None:
+            self.next_step += skip
+            saved = self._new_save(shard_sizes)
+            if crash is None:
+                save(self.store, self.model, saved)
+                return
+            store, _ = self.location.open(FaultPlan(crash_at=crash[0], crash_mode=crash[1]))
+            try:
+                save(store, self.model, saved)
+            except SimulatedCrash:
+                self.restart()
+
+        @rule(index=st.integers(0, 40), mode=_modes)
+        def save_with_transient_fault(self, index: int, mode: CrashMode) -> None:
+            saved = self._new_save([100, 4096])
+            store, _ = self.location.open(FaultPlan(transient={index: mode}))
+            try:
+                save(store, self.model, saved)
+            except CkptStoreError:
+                pass  # the save may fail; whatever it left must still satisfy the model
+
+        @rule()
+        def read_latest(self) -> None:
+            try:
+                latest = self.store.latest()
+            except CkptStoreError:
+                return  # a damaged newest checkpoint: the invariant check judges it
+            if latest is not None:
+                for name in latest.names:
+                    try:
+                        latest.read(name)
+                    except CkptStoreError:
+                        pass
+
+        @rule()
+        def read_all_and_verify(self) -> None:
+            for checkpoint in self.store.list():
+                checkpoint.verify()
+
+        @rule(keep=st.integers(1, 3))
+        def retention(self, keep: int) -> None:
+            steps = self.store.steps()
+            if steps:
+                self.model.removal_started(set(steps[:-keep]), explicit=False)
+            self.store.apply_retention(KeepLast(keep))
+
+        @rule(age=st.booleans())
+        def gc(self, age: bool) -> None:
+            if age:
+                self.location.clock.advance(2 * GRACE.total_seconds())
+            self.model.gc_started()
+            self.store.gc(grace=GRACE)
+
+        @rule()
+        def gc_during_a_live_save(self) -> None:
+            saved = self._new_save([100, 100])
+            self.model.save_started(saved)
+            pending = self.store.begin(saved.step, saved.metadata)
+            pending.write("rank00/part.bin", saved.shards["rank00/part.bin"])
+            self.model.gc_started()
+            grace = timedelta(seconds=self.location.clock.offset) + GRACE
+            self.store.gc(grace=grace)
+            pending.write("rank01/part.bin", saved.shards["rank01/part.bin"])
+            try:
+                pending.publish()
+            except CkptStoreError as exc:
+                raise InvariantViolation(
+                    "I7", f"GC removed a live save younger than the grace period: {exc}"
+                ) from exc
+            self.model.save_committed(saved)
+
+        @rule()
+        def restart(self) -> None:
+            self.store, _ = self.location.open()
+
+        @rule(first_wins=st.booleans())
+        def concurrent_writers(self, first_wins: bool) -> None:
+            one, two = self._new_save([100]), self._new_save([4096, 1])
+            two.step = one.step
+            self.model.contended.add(one.step)
+            self.model.save_started(one)
+            self.model.save_started(two)
+            first, second = (
+                self.store.begin(one.step, one.metadata),
+                self.store.begin(two.step, two.metadata),
+            )
+            for pending, saved in ((first, one), (second, two)):
+                for name, data in saved.shards.items():
+                    pending.write(name, data)
+            order = [(first, one), (second, two)] if first_wins else [(second, two), (first, one)]
+            order[0][0].publish()
+            self.model.save_committed(order[0][1])
+            try:
+                order[1][0].publish()
+            except CheckpointExistsError:
+                return
+            raise InvariantViolation("I5", f"two attempts both published step {one.step}")
+
+        @precondition(lambda self: can_corrupt and bool(self.store.steps()))
+        @rule(data=st.data(), how=st.sampled_from(["bitflip", "truncate"]))
+        def corrupt_a_shard(self, data: Any, how: str) -> None:
+            step = data.draw(st.sampled_from(self.store.steps()))
+            try:
+                checkpoint = self.store.get(step)
+            except CkptStoreError:
+                return
+            names = [n for n, r in checkpoint.shards.items() if r.size > 0]
+            if not names or self.model.corrupted.get(step):
+                return
+            name = data.draw(st.sampled_from(names))
+            edit = _flip_a_bit if how == "bitflip" else _drop_the_last_byte
+            if self.location.corrupt(step, name, edit):
+                self.model.corrupted.setdefault(step, {})[name] = how
+
+        @invariant()
+        def invariants_hold(self) -> None:
+            check_invariants(self.store, self.model)
+
+        def teardown(self) -> None:
+            self.location.destroy()
+
+    return CheckpointStoreMachine
+
+
+def _flip_a_bit(data: bytes) -> bytes:
+    changed = bytearray(data)
+    changed[len(changed) // 2] ^= 0x04
+    return bytes(changed)
+
+
+def _drop_the_last_byte(data: bytes) -> bytes:
+    return data[:-1]

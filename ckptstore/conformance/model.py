@@ -1,0 +1,236 @@
+"""The model of what was committed, and the checks of invariants I1 to I8 against a real store.
+
+The model knows what every save wrote, which saves returned from commit (committed), which
+may or may not have published (in doubt: a crash or an error during the save), and which
+checkpoints may have been removed (a retention pass, a delete or a rollback in progress). A
+check reads the store through its public API and either resolves each doubt to one outcome,
+which every later check then holds the store to, or raises ``InvariantViolation`` naming the
+DESIGN invariant that broke.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.checksum import crc32c_hex
+from ckptstore.errors import CheckpointNotFoundError, IntegrityError, ShardCorruptError
+from ckptstore.store import Store
+
+__all__ = ["INVARIANTS", "InvariantViolation", "Model", "Saved", "check_invariants"]
+
+INVARIANTS = {
+    "I1": "atomic visibility",
+    "I2": "durability",
+    "I3": "a way back always exists",
+    "I4": "monotonic latest",
+    "I5": "exclusive publish",
+    "I6": "integrity",
+    "I7": "safe cleanup",
+    "I8": "indeterminate outcomes resolved",
+}
+
+
+class InvariantViolation(AssertionError):
+    """A DESIGN invariant does not hold; ``invariant`` is its id (``I1`` ... ``I8``)."""
+
+    def __init__(self, invariant: str, message: str) -> None:
+        super().__init__(f"{invariant} ({INVARIANTS[invariant]}) violated: {message}")
+        self.invariant = invariant
+        self.detail = message
+
+
+@dataclass
+class Saved:
+    """What one save attempt wrote."""
+
+    step: int
+    shards: dict[str, bytes]
+    metadata: dict[str, Any]
+
+    def matches(self, checkpoint: Any) -> bool:
+        """Whether a checkpoint's manifest records exactly these shards and metadata."""
+        if dict(checkpoint.metadata) != self.metadata:
+            return False
+        if sorted(checkpoint.shards) != sorted(self.shards):
+            return False
+        return all(
+            record.size == len(self.shards[name]) and record.crc32c == crc32c_hex(self.shards[name])
+            for name, record in checkpoint.shards.items()
+        )
+
+
+@dataclass
+class Model:
+    """What the store must, may and must not contain."""
+
+    committed: dict[int, Saved] = field(default_factory=dict)
+    in_doubt: dict[int, list[Saved]] = field(default_factory=dict)
+    removable: set[int] = field(default_factory=set)
+    ever_published: set[int] = field(default_factory=set)
+    contended: set[int] = field(default_factory=set)
+    corrupted: dict[int, dict[str, str]] = field(default_factory=dict)
+    latest_floor: int | None = None
+    gc_since: dict[int, bool] = field(default_factory=dict)
+
+    # -- events --------------------------------------------------------------------------
+
+    def save_started(self, saved: Saved) -> None:
+        """A save began: until its commit returns, it may or may not publish."""
+        self.in_doubt.setdefault(saved.step, []).append(saved)
+
+    def save_committed(self, saved: Saved) -> None:
+        """commit() returned: the checkpoint must now be visible, exactly as saved."""
+        candidates = self.in_doubt.get(saved.step, [])
+        if any(c is saved for c in candidates):
+            candidates[:] = [c for c in candidates if c is not saved]
+        if not candidates:
+            self.in_doubt.pop(saved.step, None)
+        self.committed[saved.step] = saved
+        self.ever_published.add(saved.step)
+        self.gc_since[saved.step] = False
+
+    def removal_started(self, steps: set[int], *, explicit: bool) -> None:
+        """Steps that a retention pass, delete or rollback may remove from now on."""
+        self.removable |= steps
+        if explicit:
+            self.latest_floor = None  # an explicit deletion may move latest() back
+
+    def gc_started(self) -> None:
+        """A GC pass runs: a committed checkpoint lost after it is blamed on GC (I7)."""
+        for step in self.gc_since:
+            self.gc_since[step] = True
+
+    def newest_committed(self) -> int | None:
+        """The newest step whose commit returned and which is not being removed."""
+        steps = [s for s in self.committed if s not in self.removable]
+        return max(steps) if steps else None
+
+
+def check_invariants(
+    store: Store, model: Model, *, writers_alive: bool = False, lost_blame: str | None = None
+) -> None:
+    """Check I1 to I7 on ``store`` against ``model``, resolving doubts; raise InvariantViolation.
+
+    ``writers_alive``: some attempt may still publish later, so a step in doubt that is not
+    visible yet stays in doubt. ``lost_blame``: the invariant to blame for a committed step that
+    vanished (after a power loss it is I2 whatever else ran).
+    """
+    visible = store.steps()
+    for step in visible:
+        _check_visible(store, model, step)
+    _check_missing(model, set(visible), writers_alive, lost_blame)
+    _check_latest(store, model, visible)
+
+
+def _candidates(model: Model, step: int) -> list[Saved]:
+    if step in model.committed:
+        return [model.committed[step]]
+    return list(model.in_doubt.get(step, []))
+
+
+def _check_visible(store: Store, model: Model, step: int) -> None:
+    candidates = _candidates(model, step)
+    if not candidates:
+        raise InvariantViolation("I1", f"step {step} is visible but no save of it ever began")
+    damaged = model.corrupted.get(step, {})
+    try:
+        checkpoint = store.get(step)
+    except CheckpointNotFoundError:
+        return  # removed between listing and reading
+    except IntegrityError as exc:
+        if "truncate" in damaged.values() or "missing" in damaged.values():
+            return
+        blame = "I7" if model.gc_since.get(step) else "I1"
+        raise InvariantViolation(blame, f"published step {step} is incomplete: {exc}") from exc
+    match = next((c for c in candidates if c.matches(checkpoint)), None)
+    if match is None:
+        blame = "I5" if step in model.contended else "I1"
+        raise InvariantViolation(
+            blame, f"step {step} does not hold what any save of it wrote ({checkpoint.names})"
+        )
+    for name in checkpoint.names:
+        _check_shard(checkpoint, match, name, damaged.get(name))
+    model.save_committed(match)
+
+
+def _check_shard(checkpoint: Any, saved: Saved, name: str, damage: str | None) -> None:
+    if damage is None:
+        try:
+            data = checkpoint.read(name)
+        except IntegrityError as exc:
+            raise InvariantViolation(
+                "I1", f"step {checkpoint.step} shard {name!r} unreadable: {exc}"
+            ) from exc
+        if data != saved.shards[name]:
+            raise InvariantViolation(
+                "I6", f"step {checkpoint.step} shard {name!r} read back different bytes"
+            )
+        return
+    try:
+        checkpoint.read(name)
+    except ShardCorruptError:
+        pass
+    except IntegrityError:
+        pass
+    else:
+        raise InvariantViolation(
+            "I6", f"step {checkpoint.step} shard {name!r} was corrupted ({damage}) but read fine"
+        )
+    if checkpoint.verify().ok:
+        raise InvariantViolation(
+            "I6", f"verify passed step {checkpoint.step} with a corrupted shard {name!r}"
+        )
+
+
+def _check_missing(
+    model: Model, visible: set[int], writers_alive: bool, lost_blame: str | None
+) -> None:
+    newest = model.newest_committed()
+    for step in sorted(model.committed):
+        if step in visible:
+            continue
+        if step in model.removable:
+            model.committed.pop(step)
+            model.removable.discard(step)
+            continue
+        if lost_blame is None and step == newest:
+            raise InvariantViolation("I3", f"the newest committed step {step} disappeared")
+        blame = lost_blame or ("I7" if model.gc_since.get(step) else "I2")
+        raise InvariantViolation(blame, f"committed step {step} disappeared")
+    model.removable &= visible
+    if not writers_alive:
+        for step in [s for s in model.in_doubt if s not in visible]:
+            del model.in_doubt[step]  # its writer is gone: it was never published
+
+
+def _check_latest(store: Store, model: Model, visible: list[int]) -> None:
+    hint = store.strategy.read_latest_hint()
+    if hint is not None and hint not in model.ever_published:
+        raise InvariantViolation("I1", f"LATEST names step {hint}, which was never published")
+    intact = [s for s in visible if not model.corrupted.get(s)]
+    try:
+        latest = store.latest()
+    except IntegrityError as exc:
+        if visible and model.corrupted.get(visible[-1]):
+            latest = None
+        else:
+            raise InvariantViolation("I1", f"latest() failed on an intact store: {exc}") from exc
+    else:
+        newest = visible[-1] if visible else None
+        got = latest.step if latest is not None else None
+        if got != newest:
+            raise InvariantViolation("I4", f"latest() returned {got}, newest published is {newest}")
+    if latest is not None:
+        if model.latest_floor is not None and latest.step < model.latest_floor:
+            raise InvariantViolation(
+                "I4", f"latest() went back from {model.latest_floor} to {latest.step}"
+            )
+        model.latest_floor = latest.step
+    verified = store.latest(verified=True)
+    expected = intact[-1] if intact else None
+    got_verified = verified.step if verified is not None else None
+    if got_verified != expected:
+        raise InvariantViolation(
+            "I6", f"latest(verified=True) returned {got_verified}, newest intact is {expected}"
+        )

@@ -1,0 +1,166 @@
+"""The conformance report: capabilities and invariants per backend, as text, JSON and JUnit.
+
+It is written for a storage engineer: which capabilities the driver declares and what the
+probes measured, each invariant I1 to I8 held / violated / not applicable with the failing
+cases (for the property-based layer, hypothesis's shrunk sequence of steps), and how much
+was covered (crash points, power-loss states, examples).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from xml.etree import ElementTree
+
+from ckptstore.conformance.model import INVARIANTS
+from ckptstore.conformance.probes import HELD, NOT_MEASURED, ProbeResult
+
+__all__ = ["BackendReport", "InvariantResult", "render_text", "to_json", "to_junit"]
+
+HELD_STATUS, VIOLATED_STATUS, NOT_APPLICABLE = "held", "violated", "not applicable"
+NOT_CHECKED = "not checked"
+
+
+@dataclass
+class InvariantResult:
+    """One invariant's verdict on one backend, with the evidence of any violation."""
+
+    invariant: str
+    name: str
+    status: str = NOT_CHECKED
+    evidence: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BackendReport:
+    """Everything the suite found on one backend."""
+
+    url: str
+    strategy: str
+    capabilities: list[ProbeResult] = field(default_factory=list)
+    invariants: dict[str, InvariantResult] = field(
+        default_factory=lambda: {
+            key: InvariantResult(key, name) for key, name in INVARIANTS.items()
+        }
+    )
+    coverage: dict[str, Any] = field(default_factory=dict)
+    duration_s: float = 0.0
+
+    def checked(self, *invariants: str) -> None:
+        """Mark invariants as checked by a layer (held unless a violation says otherwise)."""
+        for key in invariants:
+            if self.invariants[key].status in (NOT_CHECKED, NOT_APPLICABLE):
+                self.invariants[key].status = HELD_STATUS
+
+    def not_applicable(self, key: str, why: str) -> None:
+        """Mark an invariant that cannot arise on this backend."""
+        if self.invariants[key].status == NOT_CHECKED:
+            self.invariants[key].status = NOT_APPLICABLE
+            self.invariants[key].evidence.append(why)
+
+    def violated(self, key: str, evidence: str) -> None:
+        """Record a violation of an invariant."""
+        result = self.invariants[key]
+        if result.status != VIOLATED_STATUS:
+            result.status = VIOLATED_STATUS
+            result.evidence = []
+        if len(result.evidence) < 5:
+            result.evidence.append(evidence)
+
+    @property
+    def capability_mismatches(self) -> list[ProbeResult]:
+        """Capabilities declared but not found on the real system."""
+        return [
+            c for c in self.capabilities if c.declared and c.measured not in (HELD, NOT_MEASURED)
+        ]
+
+    @property
+    def ok(self) -> bool:
+        """No invariant violated and no declared capability missing."""
+        return not self.capability_mismatches and all(
+            r.status != VIOLATED_STATUS for r in self.invariants.values()
+        )
+
+
+def _measured(probe: ProbeResult) -> str:
+    if probe.measured == NOT_MEASURED:
+        return "-"
+    return "yes" if probe.measured == HELD else "no"
+
+
+def _verdict(probe: ProbeResult) -> str:
+    if probe.measured == NOT_MEASURED:
+        return ""
+    if probe.declared and probe.measured != HELD:
+        return "MISSING (declared, not found)"
+    if not probe.declared and probe.measured == HELD:
+        return "available, not declared"
+    return "ok"
+
+
+def render_text(reports: list[BackendReport]) -> str:
+    """The human report: one block of tables per backend, then a summary line."""
+    lines: list[str] = []
+    for report in reports:
+        lines.append(f"== {report.url}  ({report.strategy}, {report.duration_s:.1f}s)")
+        lines.append(f"  {'capability':<32} {'declared':<9} {'measured':<9} verdict / detail")
+        for probe in report.capabilities:
+            declared = "yes" if probe.declared else "no"
+            detail = " / ".join(x for x in (_verdict(probe), probe.detail) if x)
+            lines.append(f"  {probe.capability:<32} {declared:<9} {_measured(probe):<9} {detail}")
+        lines.append("")
+        lines.append(f"  {'invariant':<36} status")
+        for result in report.invariants.values():
+            status = result.status.upper() if result.status == VIOLATED_STATUS else result.status
+            lines.append(f"  {result.invariant + ' ' + result.name:<36} {status}")
+            if result.status == VIOLATED_STATUS:
+                for evidence in result.evidence:
+                    lines.extend("      " + part for part in evidence.splitlines())
+        lines.append("")
+        for key, value in report.coverage.items():
+            lines.append(f"  {key}: {value}")
+        lines.append("")
+    failing = [r.url for r in reports if not r.ok]
+    verdict = "all invariants held" if not failing else f"VIOLATIONS on {', '.join(failing)}"
+    lines.append(f"conformance: {len(reports)} backend(s); {verdict}")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(reports: list[BackendReport]) -> str:
+    """The report as JSON."""
+    return json.dumps(
+        {"ok": all(r.ok for r in reports), "backends": [asdict(r) for r in reports]}, indent=2
+    )
+
+
+def to_junit(reports: list[BackendReport]) -> str:
+    """The report as JUnit XML: one suite per backend, a case per invariant and capability."""
+    root = ElementTree.Element("testsuites", name="ckptstore conformance")
+    for report in reports:
+        suite = ElementTree.SubElement(root, "testsuite", name=report.url)
+        failures = 0
+        for result in report.invariants.values():
+            case = ElementTree.SubElement(
+                suite, "testcase", classname=report.url, name=f"{result.invariant} {result.name}"
+            )
+            if result.status == VIOLATED_STATUS:
+                failures += 1
+                failure = ElementTree.SubElement(case, "failure", message="violated")
+                failure.text = "\n\n".join(result.evidence)
+            elif result.status in (NOT_APPLICABLE, NOT_CHECKED):
+                ElementTree.SubElement(case, "skipped", message=result.status)
+        for probe in report.capabilities:
+            case = ElementTree.SubElement(
+                suite, "testcase", classname=report.url, name=f"capability {probe.capability}"
+            )
+            if probe in report.capability_mismatches:
+                failures += 1
+                failure = ElementTree.SubElement(case, "failure", message="declared, not found")
+                failure.text = probe.detail
+            elif probe.measured == NOT_MEASURED:
+                ElementTree.SubElement(case, "skipped", message=probe.detail)
+        suite.set("tests", str(len(report.invariants) + len(report.capabilities)))
+        suite.set("failures", str(failures))
+        suite.set("time", f"{report.duration_s:.3f}")
+    return ElementTree.tostring(root, encoding="unicode")

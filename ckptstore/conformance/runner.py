@@ -1,0 +1,163 @@
+"""Run every layer of the suite on a backend and gather one report.
+
+Layers: capability probes; exhaustive crash points; unknown outcomes of conditional writes
+(object stores); power loss (file systems); the property-based state machine. Each layer
+marks the invariants it checks as held unless it found a violation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from hypothesis.reporting import with_reporter
+from hypothesis.stateful import run_state_machine_as_test
+
+from ckptstore.conformance.location import LocationFactory
+from ckptstore.conformance.machine import PROFILES, make_state_machine
+from ckptstore.conformance.model import InvariantViolation
+from ckptstore.conformance.powerloss import run_power_loss
+from ckptstore.conformance.probes import run_probes
+from ckptstore.conformance.report import BackendReport
+from ckptstore.conformance.workload import (
+    big_shard_size,
+    run_crash_points,
+    run_indeterminate_outcomes,
+)
+from ckptstore.errors import InvalidOptionError, RefusedError
+from ckptstore.store import open_store
+
+__all__ = ["embedded_targets", "run_backend"]
+
+Progress = Callable[[str], None]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The suite provokes every warning ckptstore can log; keep them out of the report."""
+    logger = logging.getLogger("ckptstore")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def embedded_targets() -> Iterator[list[str]]:
+    """URLs of every built-in backend on embedded defaults, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="ckptstore-conformance-") as scratch:
+        bucket = f"conformance-{os.getpid()}-{secrets.token_hex(4)}"
+        yield [
+            f"file://{scratch}/store",
+            f"memory://{bucket}/store?min_part_size=4096&part_size=4096",
+        ]
+
+
+def run_backend(
+    url: str,
+    *,
+    profile: str = "ci",
+    options: dict[str, Any] | None = None,
+    allow_nonempty: bool = False,
+    progress: Progress | None = None,
+) -> BackendReport:
+    """Run the whole suite on the store at ``url``; refuse a non-empty store unless allowed."""
+    if profile not in PROFILES:
+        raise InvalidOptionError(f"unknown profile {profile!r}; choose from {sorted(PROFILES)}")
+    say = progress or (lambda message: None)
+    started = time.monotonic()
+    base = open_store(url, create=True, **(options or {}))
+    if not allow_nonempty and not base.is_empty():
+        raise RefusedError(
+            f"{url} is not empty; the conformance suite writes and deletes under it. "
+            f"Point it at an empty location, or pass --yes (allow_nonempty=True)"
+        )
+    report = BackendReport(url=url, strategy=base.strategy.name)
+    factory = LocationFactory(url, options)
+    file_system = hasattr(base.strategy.driver, "fsync_dir")
+    with _quiet():
+        say("capability probes")
+        location = factory()
+        try:
+            report.capabilities = run_probes(location)
+            multipart = big_shard_size(location)
+        finally:
+            location.destroy()
+        _crash_points(report, factory, say)
+        if file_system:
+            report.not_applicable("I8", "file-system calls have no unknown outcomes")
+            _power_loss(report, base.strategy, profile, say)
+        else:
+            _indeterminate(report, factory, say)
+            report.coverage["power loss"] = "not applicable (object store)"
+        _state_machine(report, factory, profile, multipart, say)
+    report.duration_s = time.monotonic() - started
+    return report
+
+
+def _crash_points(report: BackendReport, factory: LocationFactory, say: Progress) -> None:
+    say("exhaustive crash points")
+    result = run_crash_points(factory)
+    report.checked("I1", "I2", "I3", "I4", "I7")
+    for failure in result.failures:
+        report.violated(failure.invariant, f"{failure.case}: {failure.message}")
+    report.coverage["crash points"] = (
+        f"{result.calls} storage calls x 2 modes (before, after): "
+        f"{result.cases - 1} crashes, each recovered, GC'd and checked"
+    )
+
+
+def _indeterminate(report: BackendReport, factory: LocationFactory, say: Progress) -> None:
+    say("unknown outcomes of conditional writes")
+    result = run_indeterminate_outcomes(factory)
+    if "I8" in result.invariants_checked:
+        report.checked("I8")
+    for failure in result.failures:
+        report.violated(failure.invariant, f"{failure.case}: {failure.message}")
+    report.coverage["unknown outcomes"] = f"a timeout after each of {result.cases} storage calls"
+
+
+def _power_loss(report: BackendReport, strategy: Any, profile: str, say: Progress) -> None:
+    say("power loss")
+    result = run_power_loss(strategy, depth=1 if profile == "ci" else 2)
+    report.checked("I1", "I2", "I3", "I4")
+    for failure in result.failures:
+        report.violated(failure.invariant, f"{failure.case}: {failure.message}")
+    report.coverage["power loss"] = (
+        f"{result.states} file-system states checked at {result.points} instants"
+    )
+
+
+def _state_machine(
+    report: BackendReport, factory: LocationFactory, profile: str, multipart: int, say: Progress
+) -> None:
+    say(f"property-based crash injection (profile {profile})")
+    machine = make_state_machine(factory, multipart_size=multipart)
+    settings = PROFILES[profile]
+    printed: list[str] = []
+    try:
+        with with_reporter(lambda value: printed.append(str(value))):
+            run_state_machine_as_test(machine, settings=settings)
+    except InvariantViolation as violation:
+        report.violated(violation.invariant, _shrunk(violation.detail, printed))
+    except Exception as exc:  # anything else the store raised is reported, not hidden
+        report.violated("I1", _shrunk(f"unexpected error: {exc!r}", printed))
+    report.checked("I1", "I2", "I3", "I4", "I5", "I6", "I7")
+    report.coverage["property-based"] = (
+        f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps"
+    )
+
+
+def _shrunk(message: str, printed: list[str]) -> str:
+    steps = [line for line in "\n".join(printed).splitlines() if line.strip()]
+    if not steps:
+        return message
+    return message + "\n  shrunk failing sequence:\n" + "\n".join("    " + s for s in steps)
