@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any, TextIO
 
 from ckptstore.checkpoint import Checkpoint
-from ckptstore.errors import CkptStoreError, IntegrityError
+from ckptstore.errors import BackendUnavailableError, CkptStoreError, IntegrityError
 from ckptstore.progress import ProgressBar
 from ckptstore.store import DEFAULT_GRACE, Store, open_store
 
@@ -253,6 +253,44 @@ def cmd_rollback(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        from ckptstore.conformance.report import render_text, to_json, to_junit
+        from ckptstore.conformance.runner import embedded_targets, run_backend
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the conformance suite needs {exc.name}: pip install 'ckptstore[conformance]'"
+        ) from exc
+
+    def progress(message: str) -> None:
+        if not args.json_stdout:
+            sys.stderr.write(f"  .. {message}\n")
+
+    def run(urls: list[str]) -> list[Any]:
+        reports = []
+        for url in urls:
+            if not args.json_stdout:
+                sys.stderr.write(f"conformance: {url}\n")
+            reports.append(
+                run_backend(url, profile=args.profile, allow_nonempty=args.yes, progress=progress)
+            )
+        return reports
+
+    if args.urls:
+        reports = run(args.urls)
+    else:
+        with embedded_targets() as urls:
+            reports = run(urls)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            handle.write(to_json(reports))
+    if args.junit:
+        with open(args.junit, "w", encoding="utf-8") as handle:
+            handle.write(to_junit(reports))
+    out.write(to_json(reports) + "\n" if args.json_stdout else render_text(reports))
+    return EXIT_OK if all(report.ok for report in reports) else EXIT_BROKEN
+
+
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     from ckptstore.demo import run_demo
 
@@ -298,6 +336,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("rollback", "delete every checkpoint newer than STEP")
     p.add_argument("step", type=int)
     p.set_defaults(func=cmd_rollback)
+    p = sub.add_parser(
+        "conformance",
+        help="prove the invariants on a storage system (default: every built-in backend)",
+        description=(
+            "Run the conformance suite: capability probes, a crash at every storage call, "
+            "power-loss states (file systems), and property-based crash injection. It writes "
+            "and deletes under each URL. Exit status 1 if an invariant is violated."
+        ),
+    )
+    p.add_argument("urls", nargs="*", metavar="URL", help="store URLs (default: embedded)")
+    p.add_argument("--profile", choices=("ci", "thorough"), default="ci")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.add_argument("--junit", metavar="FILE", help="also write the report as JUnit XML")
+    p.add_argument("--json-stdout", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--yes", action="store_true", help="run even where the URL is not empty")
+    p.set_defaults(func=cmd_conformance)
     p = command("demo", "save, crash and resume on an embedded default store (no setup)")
     p.add_argument("--dir", help="directory for the file:// store (default: a temporary one)")
     p.set_defaults(func=cmd_demo)
