@@ -31,6 +31,7 @@ def test_all_is_complete_and_exact():
         "store",
         "urls",
         "demo",
+        "conformance",
     }
     assert set(ckptstore.__all__) == public - modules
     for name in ckptstore.__all__:

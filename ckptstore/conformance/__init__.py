@@ -1,0 +1,33 @@
+"""The conformance suite: proves the protocol's invariants I1 to I8 on a storage system.
+
+Three ways to run it (see README, "Conformance"):
+
+- ``ckptstore conformance [URL ...]``: the command line, with a report for a storage engineer;
+- ``pytest --pyargs ckptstore.conformance --ckpt-url URL``: as a pytest plugin;
+- ``class TestMine(ckptstore.conformance.mixins.ConformanceTests)``: as test classes a
+  backend subclasses, overriding the ``ckpt_url`` fixture.
+
+Layers: capability probes (``probes``), exhaustive crash points (``workload``), unknown
+outcomes of conditional writes (``workload``), power loss on a simulated file system
+(``simfs``, ``powerloss``), property-based crash injection (``machine``); the model and the
+invariant checks they share are in ``model``, fault injection in ``faults``.
+"""
+
+from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan, SimulatedCrash
+from ckptstore.conformance.location import Location, LocationFactory
+from ckptstore.conformance.model import INVARIANTS, InvariantViolation, Model, check_invariants
+from ckptstore.conformance.report import BackendReport
+
+__all__ = [
+    "INVARIANTS",
+    "BackendReport",
+    "CrashMode",
+    "FaultInjector",
+    "FaultPlan",
+    "InvariantViolation",
+    "Location",
+    "LocationFactory",
+    "Model",
+    "SimulatedCrash",
+    "check_invariants",
+]

@@ -1,0 +1,154 @@
+"""Test classes a storage backend subclasses to run the whole conformance suite under pytest.
+
+As with fsspec's abstract test suite, a backend enables everything in a few lines::
+
+    from ckptstore.conformance.mixins import ConformanceTests
+
+    class TestMyStorage(ConformanceTests):
+        @pytest.fixture
+        def ckpt_url(self, tmp_path):
+            return "mystore://test-bucket/ckptstore-conformance"
+
+``ckpt_url`` (required) is a location the suite may write and delete under; it creates its
+own sub-locations there. ``ckpt_options`` (backend options) and ``ckpt_profile`` (``ci`` or
+``thorough``) may be overridden too. Each layer is also a class of its own, to pick from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from hypothesis.stateful import run_state_machine_as_test
+
+from ckptstore.conformance.location import LocationFactory
+from ckptstore.conformance.machine import PROFILES, make_state_machine
+from ckptstore.conformance.powerloss import run_power_loss
+from ckptstore.conformance.probes import HELD, NOT_MEASURED, run_probes
+from ckptstore.conformance.workload import (
+    CaseFailure,
+    big_shard_size,
+    run_crash_points,
+    run_indeterminate_outcomes,
+)
+
+__all__ = [
+    "CapabilityProbeTests",
+    "ConformanceFixtures",
+    "ConformanceTests",
+    "CrashPointTests",
+    "PowerLossTests",
+    "StateMachineTests",
+    "UnknownOutcomeTests",
+]
+
+
+def _fail_on(failures: Sequence[CaseFailure]) -> None:
+    if failures:
+        lines = [f"{f.invariant}: {f.case}: {f.message}" for f in failures[:10]]
+        more = f"\n... and {len(failures) - 10} more" if len(failures) > 10 else ""
+        pytest.fail("\n".join(lines) + more, pytrace=False)
+
+
+def _is_file_system(locations: LocationFactory) -> bool:
+    location = locations()
+    try:
+        return hasattr(location.base.driver, "fsync_dir")
+    finally:
+        location.destroy()
+
+
+class ConformanceFixtures:
+    """The fixtures every layer uses; ``ckpt_url`` must be overridden."""
+
+    @pytest.fixture
+    def ckpt_url(self) -> str:
+        """An empty location (URL) of the storage under test."""
+        raise NotImplementedError("override the ckpt_url fixture with your storage's URL")
+
+    @pytest.fixture
+    def ckpt_options(self) -> dict[str, Any]:
+        """Backend options passed to ckptstore.open."""
+        return {}
+
+    @pytest.fixture
+    def ckpt_profile(self) -> str:
+        """``ci`` (fast) or ``thorough``."""
+        return "ci"
+
+    @pytest.fixture
+    def ckpt_locations(self, ckpt_url: str, ckpt_options: dict[str, Any]) -> LocationFactory:
+        """Makes fresh sub-locations of ``ckpt_url``."""
+        return LocationFactory(ckpt_url, ckpt_options)
+
+
+class CapabilityProbeTests(ConformanceFixtures):
+    """Every capability the driver declares is present on the real system."""
+
+    def test_declared_capabilities_are_present(self, ckpt_locations: LocationFactory) -> None:
+        location = ckpt_locations()
+        try:
+            results = run_probes(location)
+        finally:
+            location.destroy()
+        missing = [r for r in results if r.declared and r.measured not in (HELD, NOT_MEASURED)]
+        assert not missing, "declared but not found: " + "; ".join(
+            f"{r.capability}: {r.detail}" for r in missing
+        )
+
+
+class CrashPointTests(ConformanceFixtures):
+    """A crash before and after every storage call of the standard workload is recovered."""
+
+    def test_every_crash_point_recovers(self, ckpt_locations: LocationFactory) -> None:
+        result = run_crash_points(ckpt_locations)
+        assert result.calls > 0
+        _fail_on(result.failures)
+
+
+class UnknownOutcomeTests(ConformanceFixtures):
+    """A timeout after a conditional write took effect is resolved by reading back (I8)."""
+
+    def test_unknown_outcomes_are_read_back(self, ckpt_locations: LocationFactory) -> None:
+        if _is_file_system(ckpt_locations):
+            pytest.skip("file-system calls have no unknown outcomes")
+        result = run_indeterminate_outcomes(ckpt_locations)
+        assert "I8" in result.invariants_checked, "no conditional write was exercised"
+        _fail_on(result.failures)
+
+
+class PowerLossTests(ConformanceFixtures):
+    """Every state a power loss may leave satisfies the invariants (file systems)."""
+
+    def test_every_power_loss_state(
+        self, ckpt_locations: LocationFactory, ckpt_profile: str
+    ) -> None:
+        location = ckpt_locations()
+        try:
+            if not hasattr(location.base.driver, "fsync_dir"):
+                pytest.skip("power loss is simulated for file systems only")
+            result = run_power_loss(location.base, depth=1 if ckpt_profile == "ci" else 2)
+        finally:
+            location.destroy()
+        assert result.states > 0
+        _fail_on(result.failures)
+
+
+class StateMachineTests(ConformanceFixtures):
+    """Property-based crash injection: random saves, crashes, GC, corruption, races."""
+
+    def test_state_machine(self, ckpt_locations: LocationFactory, ckpt_profile: str) -> None:
+        location = ckpt_locations()
+        try:
+            multipart = big_shard_size(location)
+        finally:
+            location.destroy()
+        machine = make_state_machine(ckpt_locations, multipart_size=multipart)
+        run_state_machine_as_test(machine, settings=PROFILES[ckpt_profile])
+
+
+class ConformanceTests(
+    CapabilityProbeTests, CrashPointTests, UnknownOutcomeTests, PowerLossTests, StateMachineTests
+):
+    """The whole conformance suite."""

@@ -1,0 +1,58 @@
+"""pytest plugin of the suite: ``pytest --pyargs ckptstore.conformance --ckpt-url URL``.
+
+Registered through the ``pytest11`` entry point, so its options exist in every pytest run
+where ckptstore is installed; it imports nothing heavy until a conformance test asks for it.
+Without ``--ckpt-url`` the suite runs on every built-in backend on embedded defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("ckptstore", "ckptstore conformance suite")
+    group.addoption(
+        "--ckpt-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="store URL to run the conformance suite on (repeatable; default: built-ins)",
+    )
+    group.addoption(
+        "--ckpt-profile", choices=("ci", "thorough"), default="ci", help="how hard to try"
+    )
+    group.addoption("--ckpt-yes", action="store_true", help="run even where a URL is not empty")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "ckpt_target" in metafunc.fixturenames:
+        urls = metafunc.config.getoption("ckpt_url") or ["<embedded file>", "<embedded memory>"]
+        metafunc.parametrize("ckpt_target", urls, scope="session")
+
+
+@pytest.fixture(scope="session")
+def ckpt_embedded() -> Iterator[list[str]]:
+    """URLs of the built-in backends on embedded defaults."""
+    from ckptstore.conformance.runner import embedded_targets
+
+    with embedded_targets() as urls:
+        yield urls
+
+
+@pytest.fixture(scope="session")
+def ckpt_checked_url(ckpt_target: str, ckpt_embedded: list[str], request: Any) -> str:
+    """The URL under test, refused if it holds data and --ckpt-yes was not given."""
+    from ckptstore.errors import RefusedError
+    from ckptstore.store import open_store
+
+    if ckpt_target == "<embedded file>":
+        return ckpt_embedded[0]
+    if ckpt_target == "<embedded memory>":
+        return ckpt_embedded[1]
+    if not request.config.getoption("ckpt_yes") and not open_store(ckpt_target).is_empty():
+        raise RefusedError(f"{ckpt_target} is not empty; pass --ckpt-yes to run there anyway")
+    return ckpt_target
