@@ -124,11 +124,15 @@ class FaultInjector:
                 self._handles.add(result)
             elif name == "close" and args:
                 self._handles.discard(args[0])
-            if plan.crash_at == record.index and plan.crash_mode is CrashMode.AFTER:
-                self._die(record)
-            if transient is CrashMode.AFTER and (
+            fails_after = transient is CrashMode.AFTER and (
                 plan.transient_calls is None or name in plan.transient_calls
-            ):
+            )
+            dies_after = plan.crash_at == record.index and plan.crash_mode is CrashMode.AFTER
+            if (dies_after or fails_after) and name == "open_read":
+                result.close()  # the caller never gets the stream it opened
+            if dies_after:
+                self._die(record)
+            if fails_after:
                 raise IndeterminateOutcomeError(110, f"injected timeout after {name} took effect")
             return result
 

@@ -147,8 +147,8 @@ def make_state_machine(
             self.model.gc_started()
             grace = timedelta(seconds=self.location.clock.offset) + GRACE
             self.store.gc(grace=grace)
-            pending.write("rank01/part.bin", saved.shards["rank01/part.bin"])
             try:
+                pending.write("rank01/part.bin", saved.shards["rank01/part.bin"])
                 pending.publish()
             except CkptStoreError as exc:
                 raise InvariantViolation(

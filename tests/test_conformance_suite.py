@@ -1,0 +1,288 @@
+"""The conformance suite itself: it passes on the built-in backends, and it catches each
+deliberately broken driver or commit strategy by the invariant that the breakage violates."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from ckptstore import registry
+from ckptstore.backends.memory import MemoryDriver, drop_bucket, get_bucket
+from ckptstore.backends.posix import PosixDriver
+from ckptstore.checkpoint import ShardReader
+from ckptstore.cli import main
+from ckptstore.commit.conditional_put import ConditionalPutCommit
+from ckptstore.commit.rename import DATA_DIR, MANIFEST_NAME, RenameCommit, _directories_of
+from ckptstore.conformance.location import LocationFactory
+from ckptstore.conformance.machine import PROFILES, make_state_machine
+from ckptstore.conformance.mixins import ConformanceTests
+from ckptstore.conformance.model import InvariantViolation
+from ckptstore.conformance.powerloss import run_power_loss
+from ckptstore.conformance.probes import VIOLATED, run_probes
+from ckptstore.conformance.workload import run_crash_points
+from ckptstore.manifest import Manifest
+from ckptstore.names import step_token
+from ckptstore.store import Store
+
+MEMORY_OPTIONS = "min_part_size=1024&part_size=1024"
+
+
+# -- the suite passes on the built-in backends (the mixin form) -------------------------
+
+
+class TestFileConformance(ConformanceTests):
+    @pytest.fixture
+    def ckpt_url(self, tmp_path: Any) -> str:
+        return f"file://{tmp_path}/conformance"
+
+
+class TestMemoryConformance(ConformanceTests):
+    @pytest.fixture
+    def ckpt_url(self) -> Iterator[str]:
+        name = f"conformance-{os.getpid()}"
+        yield f"memory://{name}/run?{MEMORY_OPTIONS}"
+        drop_bucket(name)
+
+
+# -- the pytest plugin and the command line ----------------------------------------------
+
+
+def test_pytest_plugin_form(tmp_path: Any) -> None:
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            "--pyargs", "ckptstore.conformance",
+            "--ckpt-url", f"memory://plugin/run?{MEMORY_OPTIONS}",
+            "-k", "capabilities or crash_point or unknown",
+        ],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 passed" in result.stdout
+
+
+def test_pytest_plugin_refuses_a_non_empty_location(tmp_path: Any) -> None:
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "data").write_text("precious")
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            "--pyargs", "ckptstore.conformance", "--ckpt-url", f"file://{tmp_path}/busy",
+            "-k", "capabilities",
+        ],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "not empty" in result.stdout
+    assert (tmp_path / "busy" / "data").read_text() == "precious"
+
+
+def test_cli_report_json_and_junit(tmp_path: Any) -> None:
+    out = io.StringIO()
+    url = f"memory://cli-{os.getpid()}/run?{MEMORY_OPTIONS}"
+    status = main(
+        [
+            "conformance", url,
+            "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml"),
+        ],
+        out,
+    )  # fmt: skip
+    text = out.getvalue()
+    assert status == 0, text
+    assert "I5 exclusive publish" in text
+    assert "crash points:" in text
+    assert "conformance: 1 backend(s); all invariants held" in text
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["ok"] is True
+    invariants = report["backends"][0]["invariants"]
+    assert {k: v["status"] for k, v in invariants.items()} == dict.fromkeys(
+        [f"I{i}" for i in range(1, 9)], "held"
+    )
+    assert '<testsuite name="memory://' in (tmp_path / "r.xml").read_text()
+
+
+def test_cli_refuses_a_non_empty_url(tmp_path: Any, capsys: Any) -> None:
+    (tmp_path / "keep").write_text("x")
+    assert main(["conformance", str(tmp_path)], io.StringIO()) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (tmp_path / "keep").read_text() == "x"
+
+
+# -- broken variants: each must be caught, by the invariant it breaks ---------------------
+
+
+@pytest.fixture
+def scheme() -> Iterator[Any]:
+    """Register a broken backend under a scheme of its own for the duration of a test."""
+    added: list[str] = []
+
+    def add(name: str, factory: Any) -> str:
+        registry.register(name, factory, replace=True)
+        added.append(name)
+        return name
+
+    yield add
+    for name in added:
+        registry.unregister(name)
+
+
+def _machine_violation(url: str, examples: int = 150) -> str:
+    machine = make_state_machine(LocationFactory(url), multipart_size=0)
+    with pytest.raises(InvariantViolation) as caught:
+        run_state_machine_as_test(machine, settings=settings(PROFILES["ci"], max_examples=examples))
+    return caught.value.invariant
+
+
+def _crash_point_violations(url: str) -> set[str]:
+    return {failure.invariant for failure in run_crash_points(LocationFactory(url)).failures}
+
+
+class ReplacingPosixDriver(PosixDriver):
+    """Broken: the publishing rename replaces an existing step."""
+
+    def rename_noreplace(self, src: str, dst: str) -> None:
+        target = self._abs(dst)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        os.rename(self._abs(src), target)
+
+
+class NoParentFsyncCommit(RenameCommit):
+    """Broken: the root is not fsynced after the publishing rename."""
+
+    def publish(self, manifest: Manifest) -> None:
+        staging = self.staging_dir(manifest.step, manifest.attempt)
+        handle = self.driver.create(f"{staging}/{MANIFEST_NAME}")
+        self.driver.write(handle, manifest.encode())
+        self.driver.fsync(handle)
+        self.driver.close(handle)
+        for directory in _directories_of(manifest):
+            self.driver.fsync_dir(f"{staging}/{DATA_DIR}/{directory}")
+        self.driver.fsync_dir(f"{staging}/{DATA_DIR}")
+        self.driver.fsync_dir(staging)
+        self.driver.rename_noreplace(staging, step_token(manifest.step))
+
+
+class ShardsNotSyncedCommit(RenameCommit):
+    """Broken: the manifest is made durable, the shards are not."""
+
+    def open_shard(self, step: int, attempt: str, name: str) -> Any:
+        sink = super().open_shard(step, attempt, name)
+        driver, handle, locator = sink._driver, sink._handle, sink._locator  # type: ignore[attr-defined]
+
+        def close_without_fsync() -> dict[str, str]:
+            driver.close(handle)
+            return {"path": locator}
+
+        sink.close = close_without_fsync  # type: ignore[method-assign]
+        return sink
+
+
+class LatestFirstCommit(ConditionalPutCommit):
+    """Broken: LATEST is advanced before the manifest is published."""
+
+    def publish(self, manifest: Manifest) -> None:
+        self.advance_latest_hint(manifest.step)
+        super().publish(manifest)
+
+
+class GreedyGcCommit(RenameCommit):
+    """Broken: GC ignores the grace period."""
+
+    def collect_garbage(self, *, grace_s: float, now: float, dry_run: bool) -> Any:
+        return super().collect_garbage(grace_s=0.0, now=now, dry_run=dry_run)
+
+
+class OverwritingMemoryDriver(MemoryDriver):
+    """Broken: a conditional put that silently overwrites."""
+
+    def put(self, key: str, data: Any, *, if_none_match: bool = False, if_match: Any = None) -> Any:
+        return super().put(key, data)
+
+
+def _posix(cls: type[RenameCommit], driver_cls: type[PosixDriver] = PosixDriver) -> Any:
+    return lambda url, options: cls(driver_cls(url.path))
+
+
+def test_replacing_rename_is_caught_as_i5(tmp_path: Any, scheme: Any) -> None:
+    scheme("broken-replace", _posix(RenameCommit, ReplacingPosixDriver))
+    assert _machine_violation(f"broken-replace://{tmp_path}") == "I5"
+
+
+def test_missing_parent_fsync_is_caught_by_power_loss_as_i2(tmp_path: Any) -> None:
+    result = run_power_loss(NoParentFsyncCommit(PosixDriver(str(tmp_path))))
+    assert "I2" in {failure.invariant for failure in result.failures}
+    # ... and only the power-loss layer can see it: real crashes leave the cache intact
+    assert run_crash_points(_factory_for(tmp_path, NoParentFsyncCommit)).failures == []
+
+
+def _factory_for(tmp_path: Any, cls: type[RenameCommit]) -> LocationFactory:
+    name = f"variant-{cls.__name__.lower()}"
+    registry.register(name, _posix(cls), replace=True)
+    return LocationFactory(f"{name}://{tmp_path}/crash")
+
+
+def test_latest_before_publish_is_caught_as_i1(scheme: Any) -> None:
+    scheme("broken-latest", lambda url, options: LatestFirstCommit(
+        MemoryDriver(get_bucket(url.netloc), url.path)))  # fmt: skip
+    assert "I1" in _crash_point_violations(f"broken-latest://latest-{os.getpid()}/run")
+
+
+def test_manifest_durable_before_shards_is_caught_as_i1(tmp_path: Any) -> None:
+    result = run_power_loss(ShardsNotSyncedCommit(PosixDriver(str(tmp_path))))
+    assert "I1" in {failure.invariant for failure in result.failures}
+
+
+def test_read_without_checksum_is_caught_as_i6(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = ShardReader._finish
+
+    def finish_without_crc(self: ShardReader) -> None:
+        self.record = type(self.record)(
+            self.record.name, self.record.size, self._crc.hexdigest(), self.record.locator
+        )
+        original(self)
+
+    monkeypatch.setattr(ShardReader, "_finish", finish_without_crc)
+    assert _machine_violation(f"file://{tmp_path}") == "I6"
+
+
+def test_gc_ignoring_the_grace_period_is_caught_as_i7(tmp_path: Any, scheme: Any) -> None:
+    scheme("broken-gc", _posix(GreedyGcCommit))
+    assert _machine_violation(f"broken-gc://{tmp_path}") == "I7"
+
+
+def test_retention_deleting_the_newest_is_caught_as_i3(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def careless_retention(self: Store, policy: Any = None) -> list[int]:
+        steps = self.strategy.published_steps()
+        for step in steps[1:]:  # keeps the oldest instead of the newest
+            self.strategy.unpublish(step)
+        return steps[1:]
+
+    monkeypatch.setattr(Store, "apply_retention", careless_retention)
+    assert "I3" in _crash_point_violations(f"file://{tmp_path}")
+
+
+def test_overwriting_conditional_put_is_caught_as_i5_and_by_the_probe(scheme: Any) -> None:
+    bucket = f"overwrite-{os.getpid()}"
+    scheme("broken-put", lambda url, options: ConditionalPutCommit(
+        OverwritingMemoryDriver(get_bucket(url.netloc), url.path)))  # fmt: skip
+    url = f"broken-put://{bucket}/run"
+    location = LocationFactory(url)()
+    probes = {p.capability: p for p in run_probes(location)}
+    assert probes["conditional-create"].declared
+    assert probes["conditional-create"].measured == VIOLATED
+    assert _machine_violation(url) == "I5"
