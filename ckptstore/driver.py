@@ -84,6 +84,8 @@ class PartInfo:
     part_number: int
     etag: str
     size: int
+    checksum_crc32c: str | None = None
+    """The part's CRC32C as S3 encodes it (base64 of 4 big-endian bytes), where sent."""
 
 
 @dataclass(frozen=True)

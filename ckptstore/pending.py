@@ -121,7 +121,7 @@ class PendingCheckpoint:
         metadata: dict[str, Any],
         expected: frozenset[str] | None,
         writer: WriterInfo,
-        open_sink: Callable[[str], ShardSink],
+        open_sink: Callable[[str, int | None], ShardSink],
         publish: Callable[[PendingCheckpoint], Checkpoint],
         abort: Callable[[PendingCheckpoint], None],
     ) -> None:
@@ -189,11 +189,14 @@ class PendingCheckpoint:
         with self._lock:
             self._failed.add(name)
 
-    def open_shard(self, name: str) -> ShardWriter:
-        """Start streaming a shard; close the writer (or leave its ``with`` block) to finish."""
+    def open_shard(self, name: str, size_hint: int | None = None) -> ShardWriter:
+        """Start streaming a shard; close the writer (or leave its ``with`` block) to finish.
+
+        ``size_hint`` (the shard's size, if known) lets object stores choose the part size.
+        """
         self._claim(name)
         try:
-            sink = self._open_sink(name)
+            sink = self._open_sink(name, size_hint)
         except BaseException:
             self._shard_failed(name)
             raise
@@ -209,7 +212,7 @@ class PendingCheckpoint:
                 f"got {type(data).__name__}"
             )
         view = None if hasattr(data, "read") or not _is_buffer(data) else _as_view(data)
-        with self.open_shard(name) as writer:
+        with self.open_shard(name, None if view is None else view.nbytes) as writer:
             if view is not None:
                 writer.write(view)
             elif hasattr(data, "read"):

@@ -108,7 +108,7 @@ class Store:
             metadata=clean_metadata,
             expected=expected,
             writer=WriterInfo.current(world_size=world_size),
-            open_sink=lambda name: self.strategy.open_shard(step, attempt_id, name),
+            open_sink=lambda name, size: self.strategy.open_shard(step, attempt_id, name, size),
             publish=self._publish,
             abort=self._abort,
         )

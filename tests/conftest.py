@@ -85,7 +85,9 @@ class MemoryBackend(BackendUnderTest):
         super().__init__(tmp_path)
         self.bucket = f"test-{os.getpid()}-{next(_counter)}"
         # Small parts so that multi-megabyte shards go through multipart uploads.
-        self.url = f"memory://{self.bucket}/runs/r1?min_part_size=65536&part_size=262144"
+        self.url = (
+            f"memory://{self.bucket}/runs/r1?min_part_size=65536&part_size=262144&concurrency=3"
+        )
 
     def _driver(self, store: Store) -> MemoryDriver:
         driver = store.strategy.driver  # type: ignore[attr-defined]

@@ -176,8 +176,8 @@ class NoParentFsyncCommit(RenameCommit):
 class ShardsNotSyncedCommit(RenameCommit):
     """Broken: the manifest is made durable, the shards are not."""
 
-    def open_shard(self, step: int, attempt: str, name: str) -> Any:
-        sink = super().open_shard(step, attempt, name)
+    def open_shard(self, step: int, attempt: str, name: str, size_hint: Any = None) -> Any:
+        sink = super().open_shard(step, attempt, name, size_hint)
         driver, handle, locator = sink._driver, sink._handle, sink._locator  # type: ignore[attr-defined]
 
         def close_without_fsync() -> dict[str, str]:

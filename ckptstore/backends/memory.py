@@ -329,9 +329,9 @@ def open_memory(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutC
 
     Options: ``versioned`` and ``min_part_size`` apply when the bucket is first created (use
     ``get_bucket`` to give it a clock); ``part_size`` is the upload part size (at least the
-    bucket's minimum part size).
+    bucket's minimum part size); ``concurrency`` is how many parts upload at once.
     """
-    url.reject_unknown(options, allowed=("versioned", "min_part_size", "part_size"))
+    url.reject_unknown(options, allowed=("versioned", "min_part_size", "part_size", "concurrency"))
     if not url.netloc:
         raise InvalidURLError(f"{url.raw}: memory:// URLs name a bucket: memory://bucket/prefix")
     settings: dict[str, object] = {}
@@ -344,4 +344,5 @@ def open_memory(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutC
     part_size = option_int(
         options, "part_size", max(DEFAULT_PART_SIZE, bucket.min_part_size), minimum=1
     )
-    return ConditionalPutCommit(driver, part_size=part_size)
+    concurrency = option_int(options, "concurrency", 1, minimum=1)
+    return ConditionalPutCommit(driver, part_size=part_size, concurrency=concurrency)

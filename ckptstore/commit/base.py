@@ -31,7 +31,7 @@ class ShardSink(abc.ABC):
 
     @abc.abstractmethod
     def write(self, data: memoryview) -> None:
-        """Append bytes to the shard."""
+        """Append bytes to the shard; ``data`` is not used after the call returns."""
 
     @abc.abstractmethod
     def close(self) -> Mapping[str, str]:
@@ -158,8 +158,10 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
         """Prepare a staging area for ``attempt`` that no published checkpoint or attempt uses."""
 
     @abc.abstractmethod
-    def open_shard(self, step: int, attempt: str, name: str) -> ShardSink:
-        """Open a sink for a new shard of the attempt."""
+    def open_shard(
+        self, step: int, attempt: str, name: str, size_hint: int | None = None
+    ) -> ShardSink:
+        """Open a sink for a new shard of the attempt (``size_hint``: its size, if known)."""
 
     @abc.abstractmethod
     def publish(self, manifest: Manifest) -> None:

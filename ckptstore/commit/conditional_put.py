@@ -16,7 +16,10 @@ manifest back and comparing attempt ids (I8).
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO
 
 from ckptstore.commit.base import CommitStrategy, GcItem, GcReport, ShardProblem, ShardSink
@@ -42,7 +45,8 @@ log = logging.getLogger(__name__)
 
 MANIFESTS = "manifests/"
 LATEST_KEY = "LATEST"
-DEFAULT_PART_SIZE = 8 * 1024 * 1024
+_MiB = 1024 * 1024
+DEFAULT_PART_SIZE = 8 * _MiB
 PARTS_PER_TIER = 1000
 PUBLISH_TRIES = 5
 CAS_TRIES = 16
@@ -58,18 +62,38 @@ def part_size_for(part_number: int, base: int) -> int:
 
 
 class _ObjectShardSink(ShardSink):
-    """Buffers a shard into parts; one put if it fits in one part, else a multipart upload."""
+    """Buffers a shard into parts: one put if it fits in one part, else a multipart upload.
 
-    def __init__(self, driver: ObjectStoreDriver, key: str, part_size: int) -> None:
+    With ``executor``, up to ``in_flight`` parts upload concurrently; each holds its own copy
+    of its bytes, so memory stays bounded by ``in_flight`` parts whatever the shard's size.
+    """
+
+    def __init__(
+        self,
+        driver: ObjectStoreDriver,
+        key: str,
+        part_size: int,
+        size_hint: int | None,
+        executor: ThreadPoolExecutor | None,
+        in_flight: int,
+    ) -> None:
         self._driver = driver
         self._key = key
         self._base = part_size
+        if size_hint is not None:  # known size: fixed parts that fit the part-count limit
+            needed = -(-size_hint // driver.max_parts)
+            self._base = max(part_size, -(-needed // _MiB) * _MiB)
+        self._fixed = size_hint is not None
         self._buffer = bytearray()
         self._upload_id: str | None = None
         self._parts: list[PartInfo] = []
+        self._pending: deque[Future[PartInfo]] = deque()
+        self._executor = executor
+        self._in_flight = max(1, in_flight)
+        self._next_number = 1
 
     def _next_part_size(self) -> int:
-        return part_size_for(len(self._parts) + 1, self._base)
+        return self._base if self._fixed else part_size_for(self._next_number, self._base)
 
     def write(self, data: memoryview) -> None:
         view = data.cast("B") if data.format != "B" else data
@@ -89,19 +113,34 @@ class _ObjectShardSink(ShardSink):
     def _upload(self, part: memoryview) -> None:
         if self._upload_id is None:
             self._upload_id = self._driver.create_multipart(self._key)
-        if len(self._parts) >= self._driver.max_parts:
+        number = self._next_number
+        if number > self._driver.max_parts:
             raise StorageError(f"{self._key}: more than {self._driver.max_parts} parts")
-        self._parts.append(
-            self._driver.upload_part(self._key, self._upload_id, len(self._parts) + 1, part)
+        self._next_number += 1
+        upload_id = self._upload_id
+        if self._executor is None:
+            self._parts.append(self._driver.upload_part(self._key, upload_id, number, part))
+            return
+        while len(self._pending) >= self._in_flight:
+            self._parts.append(self._pending.popleft().result())
+        body = bytes(part)  # the caller may reuse its buffer once write() returns
+        self._pending.append(
+            self._executor.submit(self._driver.upload_part, self._key, upload_id, number, body)
         )
+
+    def _drain(self) -> None:
+        while self._pending:
+            self._parts.append(self._pending.popleft().result())
 
     def close(self) -> Mapping[str, str]:
         if self._upload_id is None:
             info = self._driver.put(self._key, bytes(self._buffer))
         else:
-            if self._buffer or not self._parts:
+            if self._buffer or self._next_number == 1:
                 self._upload(memoryview(self._buffer))
-            info = self._driver.complete_multipart(self._key, self._upload_id, self._parts)
+            self._drain()
+            parts = sorted(self._parts, key=lambda p: p.part_number)
+            info = self._driver.complete_multipart(self._key, self._upload_id, parts)
             self._upload_id = None
         self._buffer = bytearray()
         locator = {"key": self._key, "etag": info.etag}
@@ -111,6 +150,14 @@ class _ObjectShardSink(ShardSink):
 
     def abort(self) -> None:
         self._buffer = bytearray()
+        for future in self._pending:
+            future.cancel()
+        for future in self._pending:
+            try:
+                future.result()
+            except Exception:  # the upload is being abandoned anyway
+                log.debug("part upload of %s failed during abort", self._key, exc_info=True)
+        self._pending.clear()
         if self._upload_id is not None:
             upload_id, self._upload_id = self._upload_id, None
             try:
@@ -126,14 +173,35 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     required_capabilities = frozenset({Capability.CONDITIONAL_CREATE})
     fixed_names = frozenset({LATEST_KEY})
 
-    def __init__(self, driver: ObjectStoreDriver, *, part_size: int = DEFAULT_PART_SIZE) -> None:
+    def __init__(
+        self,
+        driver: ObjectStoreDriver,
+        *,
+        part_size: int = DEFAULT_PART_SIZE,
+        concurrency: int = 1,
+    ) -> None:
         if part_size < driver.min_part_size:
             raise InvalidOptionError(
                 f"part_size {part_size} is below the storage's minimum part size "
                 f"{driver.min_part_size}"
             )
+        if concurrency < 1:
+            raise InvalidOptionError(f"concurrency must be at least 1, got {concurrency}")
         super().__init__(driver)
         self.part_size = part_size
+        self.concurrency = concurrency
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    def _parts_executor(self) -> ThreadPoolExecutor | None:
+        if self.concurrency == 1:
+            return None
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    self.concurrency, thread_name_prefix="ckptstore-parts"
+                )
+            return self._executor
 
     def open_root(self, *, create: bool) -> None:
         self.driver.check_bucket()
@@ -153,9 +221,13 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     def begin(self, step: int, attempt: str) -> None:
         return None  # attempt-unique keys need no preparation
 
-    def open_shard(self, step: int, attempt: str, name: str) -> ShardSink:
+    def open_shard(
+        self, step: int, attempt: str, name: str, size_hint: int | None = None
+    ) -> ShardSink:
         key = f"{self.attempt_prefix(step, attempt)}{name}"
-        return _ObjectShardSink(self.driver, key, self.part_size)
+        return _ObjectShardSink(
+            self.driver, key, self.part_size, size_hint, self._parts_executor(), self.concurrency
+        )
 
     def publish(self, manifest: Manifest) -> None:
         self._check_sealed(manifest)

@@ -98,7 +98,9 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         self.driver.mkdir(staging)
         self.driver.mkdir(f"{staging}/{DATA_DIR}")
 
-    def open_shard(self, step: int, attempt: str, name: str) -> ShardSink:
+    def open_shard(
+        self, step: int, attempt: str, name: str, size_hint: int | None = None
+    ) -> ShardSink:
         base = f"{self.staging_dir(step, attempt)}/{DATA_DIR}"
         segments = name.split("/")
         for depth in range(1, len(segments)):
