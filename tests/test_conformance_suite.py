@@ -16,7 +16,8 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from ckptstore import registry
+import ckptstore
+from ckptstore import CapabilityError, registry
 from ckptstore.backends.memory import MemoryDriver, drop_bucket, get_bucket
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.checkpoint import ShardReader
@@ -281,7 +282,9 @@ def test_overwriting_conditional_put_is_caught_as_i5_and_by_the_probe(scheme: An
     scheme("broken-put", lambda url, options: ConditionalPutCommit(
         OverwritingMemoryDriver(get_bucket(url.netloc), url.path)))  # fmt: skip
     url = f"broken-put://{bucket}/run"
-    location = LocationFactory(url)()
+    with pytest.raises(CapabilityError, match="If-None-Match"):
+        ckptstore.open(url)  # a writer refuses such storage outright...
+    location = LocationFactory(url)()  # ... and the suite, which measures it, reports it
     probes = {p.capability: p for p in run_probes(location)}
     assert probes["conditional-create"].declared
     assert probes["conditional-create"].measured == VIOLATED

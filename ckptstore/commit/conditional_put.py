@@ -25,6 +25,7 @@ from typing import BinaryIO
 from ckptstore.commit.base import CommitStrategy, GcItem, GcReport, ShardProblem, ShardSink
 from ckptstore.driver import Capability, ObjectInfo, ObjectStoreDriver, PartInfo, UploadInfo
 from ckptstore.errors import (
+    CapabilityError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     IntegrityError,
@@ -37,13 +38,14 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord
-from ckptstore.names import parse_step_token, step_token
+from ckptstore.names import new_attempt_id, parse_step_token, step_token
 
 __all__ = ["ConditionalPutCommit"]
 
 log = logging.getLogger(__name__)
 
 MANIFESTS = "manifests/"
+PROBE_PREFIX = ".ckptstore-probe-"
 LATEST_KEY = "LATEST"
 _MiB = 1024 * 1024
 DEFAULT_PART_SIZE = 8 * _MiB
@@ -172,6 +174,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     name = "conditional-put"
     required_capabilities = frozenset({Capability.CONDITIONAL_CREATE})
     fixed_names = frozenset({LATEST_KEY})
+    verify_conditional_writes = True
+    """Probe conditional create when a writer opens the store (the conformance suite turns
+    this off, to measure and report storage that ckptstore would refuse)."""
 
     def __init__(
         self,
@@ -205,6 +210,27 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
 
     def open_root(self, *, create: bool) -> None:
         self.driver.check_bucket()
+        if create and self.verify_conditional_writes:
+            self._verify_conditional_create()
+
+    def _verify_conditional_create(self) -> None:
+        """Refuse storage that ignores If-None-Match on PutObject: publishing would not be
+        exclusive there (I5). Three small requests, made once when a writer opens the store."""
+        key = f"{PROBE_PREFIX}{new_attempt_id()}"
+        self.driver.put(key, b"1", if_none_match=True)
+        try:
+            try:
+                self.driver.put(key, b"2", if_none_match=True)
+            except PreconditionFailedError:
+                return
+            raise CapabilityError(
+                f"{self.url}: the storage ignored If-None-Match: * on PutObject (conditional "
+                f"create). ckptstore publishes a checkpoint by creating its manifest only if "
+                f"absent; without it two writers could overwrite each other's checkpoints. Use "
+                f"storage with conditional writes (AWS S3, recent MinIO, SeaweedFS, ...)"
+            )
+        finally:
+            self.driver.delete(key)
 
     # -- writing -------------------------------------------------------------------------
 
@@ -413,6 +439,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         for info in self.driver.list(""):
             if info.key.startswith(MANIFESTS) or info.key == LATEST_KEY:
                 continue
+            if info.key.startswith(PROBE_PREFIX):  # left by a writer that died while opening
+                self._collect_probe(report, info, now)
+                continue
             head = info.key.split("/", 1)[0] + "/"
             groups.setdefault(head, []).append(info)
         uploads: dict[str, list[UploadInfo]] = {}
@@ -446,6 +475,15 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                 for info in objects:
                     self.driver.delete(info.key)
         return report
+
+    def _collect_probe(self, report: GcReport, info: ObjectInfo, now: float) -> None:
+        item = GcItem("probe", info.key, max(0.0, now - info.last_modified), info.size)
+        if item.age_s <= report.grace_s:
+            report.kept_young.append(item)
+            return
+        report.removed.append(item)
+        if not report.dry_run:
+            self.driver.delete(info.key)
 
     def _abort_quietly(self, key: str, upload_id: str) -> None:
         try:

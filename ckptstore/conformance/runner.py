@@ -19,7 +19,7 @@ from typing import Any
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
-from ckptstore.conformance.location import LocationFactory
+from ckptstore.conformance.location import LocationFactory, open_for_measuring
 from ckptstore.conformance.machine import PROFILES, make_state_machine
 from ckptstore.conformance.model import InvariantViolation
 from ckptstore.conformance.powerloss import run_power_loss
@@ -31,7 +31,7 @@ from ckptstore.conformance.workload import (
     run_indeterminate_outcomes,
 )
 from ckptstore.errors import InvalidOptionError, RefusedError
-from ckptstore.store import open_store
+from ckptstore.store import Store
 
 __all__ = ["embedded_targets", "run_backend"]
 
@@ -74,7 +74,7 @@ def run_backend(
         raise InvalidOptionError(f"unknown profile {profile!r}; choose from {sorted(PROFILES)}")
     say = progress or (lambda message: None)
     started = time.monotonic()
-    base = open_store(url, create=True, **(options or {}))
+    base = Store(open_for_measuring(url, dict(options or {})))
     if not allow_nonempty and not base.is_empty():
         raise RefusedError(
             f"{url} is not empty; the conformance suite writes and deletes under it. "
