@@ -11,6 +11,7 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.memory import MemoryDriver, drop_bucket
+from ckptstore.embedded import EmbeddedS3, embedded_moto, embedded_seaweedfs
 from ckptstore.store import Store
 
 _counter = itertools.count()
@@ -123,12 +124,74 @@ class MemoryBackend(BackendUnderTest):
         drop_bucket(self.bucket)
 
 
-@pytest.fixture(params=["file", "memory"])
+class S3Backend(BackendUnderTest):
+    name = "s3"
+
+    def __init__(self, tmp_path: Any, server: EmbeddedS3) -> None:
+        super().__init__(tmp_path)
+        self.server = server
+        self.prefix = f"runs/test-{os.getpid()}-{next(_counter)}"
+        part = max(server.min_part_size, 65536)
+        self.url = server.url(self.prefix, part_size=part, concurrency=3)
+        self.client = server.client()
+
+    def open(self, **options: Any) -> Store:
+        return ckptstore.open(self.url, **{**self.server.options, **options})
+
+    def raw_names(self) -> list[str]:
+        listed = self.client.list_objects_v2(Bucket=self.server.bucket, Prefix=self.prefix + "/")
+        uploads = self.client.list_multipart_uploads(
+            Bucket=self.server.bucket, Prefix=self.prefix + "/"
+        )
+        return sorted(o["Key"] for o in listed.get("Contents", [])) + sorted(
+            u["Key"] for u in uploads.get("Uploads", [])
+        )
+
+    def _rewrite(self, key: str, edit: Callable[[bytes], bytes]) -> None:
+        full = f"{self.prefix}/{key}"
+        body = self.client.get_object(Bucket=self.server.bucket, Key=full)["Body"].read()
+        self.client.put_object(Bucket=self.server.bucket, Key=full, Body=edit(body))
+
+    def rewrite_shard(self, store: Store, step: int, name: str, edit: Callable[[bytes], bytes]):
+        record = store.strategy.read_manifest(step).shard(name)
+        assert record is not None
+        self._rewrite(record.locator["key"], edit)
+
+    def rewrite_manifest(self, store: Store, step: int, edit: Callable[[bytes], bytes]) -> None:
+        self._rewrite(f"manifests/step-{step:020d}.json", edit)
+
+    def remove_shard(self, store: Store, step: int, name: str) -> None:
+        record = store.strategy.read_manifest(step).shard(name)
+        assert record is not None
+        self.client.delete_object(
+            Bucket=self.server.bucket, Key=f"{self.prefix}/{record.locator['key']}"
+        )
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[EmbeddedS3]:
+    """moto's S3 server on 127.0.0.1 for the whole session."""
+    with embedded_moto() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_s3() -> Iterator[EmbeddedS3]:
+    """A SeaweedFS server on 127.0.0.1 for the whole session."""
+    with embedded_seaweedfs() as server:
+        yield server
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
 def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUnderTest]:
-    """One fresh store location per test, on each backend in turn."""
-    made: BackendUnderTest = (
-        FileBackend(tmp_path) if request.param == "file" else MemoryBackend(tmp_path)
-    )
+    """One fresh store location per test, on each backend in turn (s3: the moto server)."""
+    made: BackendUnderTest
+    if request.param == "file":
+        made = FileBackend(tmp_path)
+    elif request.param == "memory":
+        made = MemoryBackend(tmp_path)
+    else:
+        made = S3Backend(tmp_path, request.getfixturevalue("moto_s3"))
     yield made
     if isinstance(made, MemoryBackend):
         made.close()

@@ -28,7 +28,8 @@ from tenacity import (
     retry_if_exception_type,
     stop_after_attempt,
     stop_after_delay,
-    wait_exponential_jitter,
+    wait_exponential,
+    wait_random,
 )
 
 from ckptstore.backends.s3_errors import translate_s3_errors
@@ -41,6 +42,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
     StorageError,
+    StoreNotFoundError,
     TransientStorageError,
 )
 from ckptstore.urls import StoreURL, option_bool, option_int
@@ -117,7 +119,7 @@ class S3Driver:
         self._retrying = Retrying(
             retry=retry_if_exception_type(TransientStorageError),
             stop=stop_after_attempt(max_attempts) | stop_after_delay(max_delay_s),
-            wait=wait_exponential_jitter(initial=0.05, max=5.0),
+            wait=wait_exponential(multiplier=0.05, max=5.0) + wait_random(0, 0.1),
             reraise=True,
             before_sleep=lambda state: log.debug("retrying S3 call: %s", state.outcome),
         )
@@ -162,10 +164,16 @@ class S3Driver:
         once = Retrying(
             retry=retry_if_exception_type(TransientStorageError),
             stop=stop_after_attempt(2),
-            wait=wait_exponential_jitter(initial=0.2, max=1.0),
+            wait=wait_exponential(multiplier=0.2, max=1.0) + wait_random(0, 0.1),
             reraise=True,
         )
-        once(self._once, "HeadBucket", lambda: self.client.head_bucket(Bucket=self.bucket))
+        try:
+            once(self._once, "HeadBucket", lambda: self.client.head_bucket(Bucket=self.bucket))
+        except ObjectNotFoundError as exc:  # HeadBucket answers a bare 404, without a code
+            raise StoreNotFoundError(
+                f"{self.url}: bucket {self.bucket!r} does not exist (ckptstore never creates "
+                f"buckets; create it, or check the name, region and endpoint)"
+            ) from exc
 
     def put(
         self,
