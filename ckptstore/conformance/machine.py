@@ -197,7 +197,7 @@ def make_state_machine(
             name = data.draw(st.sampled_from(names))
             edit = _flip_a_bit if how == "bitflip" else _drop_the_last_byte
             if self.location.corrupt(step, name, edit):
-                self.model.corrupted.setdefault(step, {})[name] = how
+                self.model.shard_corrupted(step, name, how)
 
         @invariant()
         def invariants_hold(self) -> None:

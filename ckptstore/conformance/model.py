@@ -72,6 +72,10 @@ class Model:
     corrupted: dict[int, dict[str, str]] = field(default_factory=dict)
     latest_floor: int | None = None
     gc_since: dict[int, bool] = field(default_factory=dict)
+    epoch: int = 0
+    """Bumped by anything that may change stored checkpoints (GC, retention, corruption)."""
+    read_at: dict[int, int] = field(default_factory=dict)
+    """The epoch at which each step's shards were last read back in full."""
 
     # -- events --------------------------------------------------------------------------
 
@@ -93,13 +97,20 @@ class Model:
     def removal_started(self, steps: set[int], *, explicit: bool) -> None:
         """Steps that a retention pass, delete or rollback may remove from now on."""
         self.removable |= steps
+        self.epoch += 1
         if explicit:
             self.latest_floor = None  # an explicit deletion may move latest() back
 
     def gc_started(self) -> None:
         """A GC pass runs: a committed checkpoint lost after it is blamed on GC (I7)."""
+        self.epoch += 1
         for step in self.gc_since:
             self.gc_since[step] = True
+
+    def shard_corrupted(self, step: int, name: str, how: str) -> None:
+        """A shard's stored bytes were damaged on purpose (``bitflip``, ``truncate``)."""
+        self.corrupted.setdefault(step, {})[name] = how
+        self.epoch += 1
 
     def newest_committed(self) -> int | None:
         """The newest step whose commit returned and which is not being removed."""
@@ -149,8 +160,10 @@ def _check_visible(store: Store, model: Model, step: int) -> None:
         raise InvariantViolation(
             blame, f"step {step} does not hold what any save of it wrote ({checkpoint.names})"
         )
-    for name in checkpoint.names:
-        _check_shard(checkpoint, match, name, damaged.get(name))
+    if damaged or model.read_at.get(step) != model.epoch:  # unchanged since read: spare it
+        for name in checkpoint.names:
+            _check_shard(checkpoint, match, name, damaged.get(name))
+        model.read_at[step] = model.epoch
     model.save_committed(match)
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import hypothesis
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -115,21 +116,31 @@ def run_backend(
             multipart = big_shard_size(location)
         finally:
             location.destroy()
-        _crash_points(report, factory, say)
+        per_case = _crash_points(report, factory, say)
         if file_system:
             report.not_applicable("I8", "file-system calls have no unknown outcomes")
             _power_loss(report, base.strategy, profile, say)
         else:
             _indeterminate(report, factory, say)
             report.coverage["power loss"] = "not applicable (object store)"
-        _state_machine(report, factory, profile, multipart, say)
+        _state_machine(report, factory, profile, multipart, per_case, say)
     report.duration_s = time.monotonic() - started
     return report
 
 
-def _crash_points(report: BackendReport, factory: LocationFactory, say: Progress) -> None:
+MACHINE_BUDGET_S = {"ci": 60.0}
+"""Seconds the property-based layer may take per profile (None: the profile's examples)."""
+EXAMPLE_COST_IN_CRASH_CASES = 8.0
+"""An example of the state machine costs about as much storage traffic as this many crash
+cases; used to fit the examples into the budget on slow (networked) storage."""
+
+
+def _crash_points(report: BackendReport, factory: LocationFactory, say: Progress) -> float:
+    """Run the crash-point layer; return the seconds one crash case took on average."""
     say("exhaustive crash points")
+    started = time.monotonic()
     result = run_crash_points(factory)
+    per_case = (time.monotonic() - started) / max(result.cases, 1)
     report.checked("I1", "I2", "I3", "I4", "I7")
     for failure in result.failures:
         report.violated(failure.invariant, f"{failure.case}: {failure.message}")
@@ -137,6 +148,7 @@ def _crash_points(report: BackendReport, factory: LocationFactory, say: Progress
         f"{result.calls} storage calls x 2 modes (before, after): "
         f"{result.cases - 1} crashes, each recovered, GC'd and checked"
     )
+    return per_case
 
 
 def _indeterminate(report: BackendReport, factory: LocationFactory, say: Progress) -> None:
@@ -161,11 +173,21 @@ def _power_loss(report: BackendReport, strategy: Any, profile: str, say: Progres
 
 
 def _state_machine(
-    report: BackendReport, factory: LocationFactory, profile: str, multipart: int, say: Progress
+    report: BackendReport,
+    factory: LocationFactory,
+    profile: str,
+    multipart: int,
+    per_case_s: float,
+    say: Progress,
 ) -> None:
-    say(f"property-based crash injection (profile {profile})")
     machine = make_state_machine(factory, multipart_size=multipart)
     settings = PROFILES[profile]
+    budget = MACHINE_BUDGET_S.get(profile)
+    if budget is not None:
+        affordable = int(budget / max(per_case_s * EXAMPLE_COST_IN_CRASH_CASES, 1e-6))
+        examples = max(8, min(settings.max_examples, affordable))
+        settings = hypothesis.settings(settings, max_examples=examples)
+    say(f"property-based crash injection (profile {profile}, {settings.max_examples} examples)")
     printed: list[str] = []
     try:
         with with_reporter(lambda value: printed.append(str(value))):
