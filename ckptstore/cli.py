@@ -297,6 +297,24 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK if all(report.ok for report in reports) else EXIT_BROKEN
 
 
+def cmd_lifecycle(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        from ckptstore.backends.s3 import install_abort_incomplete_uploads_rule
+    except ImportError as exc:
+        raise BackendUnavailableError("s3:// needs boto3: pip install 'ckptstore[s3]'") from exc
+    rule = install_abort_incomplete_uploads_rule(args.url, days=args.days)
+    if args.json:
+        json.dump(rule, out, indent=2)
+        out.write("\n")
+    else:
+        prefix = rule["Filter"]["Prefix"] or "(the whole bucket)"
+        out.write(
+            f"installed lifecycle rule {rule['ID']}: abort incomplete multipart uploads under "
+            f"{prefix} {args.days} day(s) after they start\n"
+        )
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     from ckptstore.demo import run_demo
 
@@ -342,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("rollback", "delete every checkpoint newer than STEP")
     p.add_argument("step", type=int)
     p.set_defaults(func=cmd_rollback)
+    p = command("lifecycle", "install the S3 rule that aborts stale multipart uploads")
+    p.add_argument("--days", type=int, default=7, help="days after which to abort (default 7)")
+    p.set_defaults(func=cmd_lifecycle)
     p = sub.add_parser(
         "conformance",
         help="prove the invariants on a storage system (default: every built-in backend)",

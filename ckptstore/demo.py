@@ -1,9 +1,10 @@
 """``ckptstore demo``: save, crash mid-save, resume, GC and detect corruption, with no setup.
 
-Runs on the embedded defaults: a file:// store in a directory (temporary unless given) and an
-in-process memory:// store. A writer subprocess is killed with SIGKILL in the middle of a save
-to show that ``latest()`` still returns the last complete checkpoint and that GC removes the
-dead attempt once it is older than the grace period.
+Runs on the embedded defaults: a file:// store in a directory (temporary unless given), an
+in-process memory:// store, and s3:// on an S3 server (moto) started on 127.0.0.1. A writer
+subprocess is killed with SIGKILL in the middle of a save to show that ``latest()`` still
+returns the last complete checkpoint and that GC removes the dead attempt once it is older
+than the grace period.
 """
 
 from __future__ import annotations
@@ -47,9 +48,12 @@ def _train_and_save(store: Store, out: TextIO, steps: range) -> None:
         )
 
 
-def _kill_a_writer_mid_save(url: str, step: int, out: TextIO) -> None:
+def _kill_a_writer_mid_save(
+    url: str, step: int, out: TextIO, env: dict[str, str] | None = None
+) -> None:
     command = [sys.executable, "-m", "ckptstore.demo", "--slow-writer", url, str(step)]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as writer:
+    environment = {**os.environ, **(env or {})}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=environment) as writer:
         assert writer.stdout is not None
         line = writer.stdout.readline()  # the writer says when it is half way through
         if line.strip() != "writing":
@@ -63,18 +67,20 @@ def _slow_writer(url: str, step: int) -> None:
     store = open_store(url)
     with store.begin(step) as pending, pending.open_shard("model/rank00000.bin") as shard:
         for index in range(10_000):
-            shard.write(b"\x00" * 65536)
-            if index == 10:
+            shard.write(b"\x00" * 262144)
+            if index == 12:
                 print("writing", flush=True)
             time.sleep(0.01)
 
 
-def _demo_store(store: Store, out: TextIO, *, crash: bool) -> None:
+def _demo_store(
+    store: Store, out: TextIO, *, crash: bool, url: str = "", env: dict[str, str] | None = None
+) -> None:
     out.write(f"\n== {store.url}\n")
     _train_and_save(store, out, range(100, 501, 100))
     out.write(f"  retention KeepLast(3) kept steps {store.steps()}\n")
     if crash:
-        _kill_a_writer_mid_save(store.url, 600, out)
+        _kill_a_writer_mid_save(url or store.url, 600, out, env)
     else:
         abandoned = store.begin(600)  # a save whose process "dies": never published or aborted
         abandoned.write("model/rank00000.bin", b"\x00" * 65536)
@@ -111,6 +117,19 @@ def _demo_corruption(directory: str, store: Store, out: TextIO) -> None:
     out.write(f"  latest(verified=True) -> step {fallback.step}\n")
 
 
+def _demo_embedded_s3(out: TextIO) -> None:
+    try:
+        from ckptstore.embedded import embedded_moto
+    except ImportError:
+        out.write("\n(s3:// skipped: pip install 'ckptstore[s3,embedded]' for the embedded S3)\n")
+        return
+    with embedded_moto(min_part_size=1024 * 1024) as server:
+        url = server.url("demo/run", part_size=1024 * 1024)
+        store = open_store(url, retention=KeepLast(3), **server.options)
+        out.write(f"\n(an S3 server, moto, started on {server.endpoint_url})")
+        _demo_store(store, out, crash=True, url=url, env=server.credentials_env())
+
+
 def run_demo(directory: str | None, out: TextIO) -> int:
     """Run the demo; return 0 when every step behaved as the protocol promises."""
     with tempfile.TemporaryDirectory(prefix="ckptstore-demo-") as scratch:
@@ -121,6 +140,7 @@ def run_demo(directory: str | None, out: TextIO) -> int:
         _demo_store(file_store, out, crash=True)
         memory_store = open_store(f"memory://demo-{os.getpid()}/run", retention=KeepLast(3))
         _demo_store(memory_store, out, crash=False)
+        _demo_embedded_s3(out)
         _demo_corruption(f"{root}/run", file_store, out)
         out.write(
             f"\ndone. Inspect with: ckptstore ls {file_store.url}\n" if directory else "\ndone.\n"

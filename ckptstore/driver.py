@@ -211,3 +211,10 @@ class ObjectStoreDriver(Protocol):
 
     def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
         """Yield the incomplete multipart uploads under ``prefix``."""
+
+    def upload_activity(self, upload: UploadInfo) -> float:
+        """When an incomplete upload last received a part (its start if none).
+
+        GC asks before declaring an upload dead: a long upload keeps uploading parts, and some
+        servers report a fixed, fake initiation time.
+        """

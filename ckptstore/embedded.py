@@ -39,7 +39,7 @@ class EmbeddedS3:
     min_part_size: int
 
     @property
-    def options(self) -> dict[str, object]:
+    def options(self) -> dict[str, Any]:
         """Keyword arguments for ``ckptstore.open`` (credentials included)."""
         return {
             "endpoint_url": self.endpoint_url,

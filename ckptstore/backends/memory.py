@@ -53,6 +53,7 @@ class _Upload:
     key: str
     initiated: float
     parts: dict[int, tuple[bytes, str]] = field(default_factory=dict)
+    part_times: dict[int, float] = field(default_factory=dict)
 
 
 def _etag(data: bytes) -> str:
@@ -278,7 +279,9 @@ class MemoryDriver:
         body = bytes(data)
         etag = _etag(body)
         with self.bucket.lock:
-            self._upload(key, upload_id).parts[part_number] = (body, etag)
+            upload = self._upload(key, upload_id)
+            upload.parts[part_number] = (body, etag)
+            upload.part_times[part_number] = self.bucket.clock()
         return PartInfo(part_number=part_number, etag=etag, size=len(body))
 
     def complete_multipart(
@@ -322,6 +325,11 @@ class MemoryDriver:
                 if u.key.startswith(full_prefix)
             ]
         return iter(sorted(snapshot, key=lambda u: (u.key, u.initiated)))
+
+    def upload_activity(self, upload: UploadInfo) -> float:
+        with self.bucket.lock:
+            found = self._upload(upload.key, upload.upload_id)
+            return max([found.initiated, *found.part_times.values()])
 
 
 def open_memory(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:

@@ -377,6 +377,18 @@ class S3Driver:
             ),
         )
 
+    def upload_activity(self, upload: UploadInfo) -> float:
+        args = {
+            "Bucket": self.bucket,
+            "Key": self._full(upload.key),
+            "UploadId": upload.upload_id,
+        }
+        newest = upload.initiated
+        for page in self._pages("list_parts", args):
+            for part in page.get("Parts", []):
+                newest = max(newest, _timestamp(part.get("LastModified")))
+        return newest
+
     def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
         args = {"Bucket": self.bucket, "Prefix": self._full(prefix)}
         for page in self._pages("list_multipart_uploads", args):

@@ -456,9 +456,11 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
             ):
                 continue
             objects, pending = groups.get(prefix, []), uploads.get(prefix, [])
-            newest = max(
-                [i.last_modified for i in objects] + [u.initiated for u in pending], default=now
-            )
+            newest = max([i.last_modified for i in objects], default=0.0)
+            for upload in pending:  # parts uploaded lately keep an attempt alive
+                if now - max(newest, upload.initiated) > report.grace_s:
+                    newest = max(newest, self._upload_activity(upload))
+                newest = max(newest, upload.initiated)
             item = GcItem(
                 kind="attempt",
                 name=prefix,
@@ -484,6 +486,12 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         report.removed.append(item)
         if not report.dry_run:
             self.driver.delete(info.key)
+
+    def _upload_activity(self, upload: UploadInfo) -> float:
+        try:
+            return self.driver.upload_activity(upload)
+        except ObjectNotFoundError:
+            return upload.initiated  # completed or aborted meanwhile
 
     def _abort_quietly(self, key: str, upload_id: str) -> None:
         try:
