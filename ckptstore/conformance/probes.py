@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.conformance.location import Location
-from ckptstore.driver import Capability, PartInfo
+from ckptstore.driver import Capability
 from ckptstore.errors import (
     CkptStoreError,
     ObjectNotFoundError,
@@ -221,7 +221,7 @@ def _probe_multipart(store: Any) -> tuple[str, str]:
             readable = True
         except ObjectNotFoundError:
             readable = False
-        info = store.complete_multipart(key, upload, [PartInfo(1, part.etag, part.size)])
+        info = store.complete_multipart(key, upload, [part])
         if visible or readable:
             return VIOLATED, "an incomplete multipart upload was visible"
         if store.get(key)[0] != b"part" or info.size != 4:
