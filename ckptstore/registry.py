@@ -30,6 +30,7 @@ _BUILTIN: Mapping[str, tuple[str, str]] = MappingProxyType(
         "file": ("ckptstore.backends.posix:open_posix", ""),
         "memory": ("ckptstore.backends.memory:open_memory", ""),
         "s3": ("ckptstore.backends.s3:open_s3", "pip install 'ckptstore[s3]'"),
+        "lustre": ("ckptstore.backends.lustre:open_lustre", ""),
     }
 )
 _registered: dict[str, BackendFactory] = {}

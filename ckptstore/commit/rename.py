@@ -48,11 +48,11 @@ LATEST_TMP_PREFIX = ".LATEST.tmp-"
 
 
 class _FileShardSink(ShardSink):
-    def __init__(self, driver: FileSystemDriver, path: str, locator: str) -> None:
+    def __init__(self, driver: FileSystemDriver, path: str, locator: str, handle: int) -> None:
         self._driver = driver
         self._path = path
         self._locator = locator
-        self._handle: int | None = driver.create(path)
+        self._handle: int | None = handle
 
     def write(self, data: memoryview) -> None:
         assert self._handle is not None
@@ -113,10 +113,16 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
                         f"shard {name!r} needs directory {'/'.join(segments[:depth])!r}, "
                         f"which is already a shard"
                     ) from None
+        path = f"{base}/{name}"
         try:
-            return _FileShardSink(self.driver, f"{base}/{name}", f"{DATA_DIR}/{name}")
+            handle = self.create_shard_file(path, size_hint)
         except TargetExistsError as exc:
             raise ShardExistsError(f"shard {name!r} already exists in this attempt") from exc
+        return _FileShardSink(self.driver, path, f"{DATA_DIR}/{name}", handle)
+
+    def create_shard_file(self, path: str, size_hint: int | None) -> int:
+        """Create a shard's file exclusively; subclasses may choose its layout by size."""
+        return self.driver.create(path)
 
     def publish(self, manifest: Manifest) -> None:
         staging = self.staging_dir(manifest.step, manifest.attempt)

@@ -22,6 +22,7 @@ FILE_SYSTEM_CALLS = frozenset(
     {
         "ensure_root", "mkdir", "create", "write", "fsync", "close", "fsync_dir",
         "rename_noreplace", "rename_replace", "listdir", "stat", "open_read", "unlink", "rmdir",
+        "create_with_layout",
     }
 )  # fmt: skip
 OBJECT_STORE_CALLS = frozenset(
@@ -120,7 +121,7 @@ class FaultInjector:
             result = method(*args, **kwargs)
             if name in _LAZY_RESULTS:
                 result = _Materialised(list(result))
-            if name == "create":
+            if name in ("create", "create_with_layout"):
                 self._handles.add(result)
             elif name == "close" and args:
                 self._handles.discard(args[0])
