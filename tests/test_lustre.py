@@ -151,7 +151,7 @@ def test_legacy_api_negative_errno(
 ) -> None:
     monkeypatch.setenv("LUSTREAPI_STANDIN_FAIL", "llapi_file_create:122")
     store = _open(f"lustre://{tmp_path}/s", lustreapi=legacy_standin)
-    with pytest.raises(StorageError, match="llapi_file_create.*quota"):
+    with pytest.raises(StorageError, match=r"llapi_file_create.*quota"):
         store.save(1, {"a": b"1"})
 
 
