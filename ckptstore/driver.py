@@ -212,6 +212,9 @@ class ObjectStoreDriver(Protocol):
     def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
         """Yield the incomplete multipart uploads under ``prefix``."""
 
+    def bucket_versioning(self) -> str:
+        """The bucket's versioning status: ``Enabled``, ``Suspended`` or ``""`` (never on)."""
+
     def upload_activity(self, upload: UploadInfo) -> float:
         """When an incomplete upload last received a part (its start if none).
 

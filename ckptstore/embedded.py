@@ -9,6 +9,7 @@ Nothing listens anywhere but the loopback interface.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -49,7 +50,18 @@ class EmbeddedS3:
             "addressing_style": "path",
         }
 
-    def url(self, prefix: str, **query: object) -> str:
+    def versioned_bucket(self, name: str) -> EmbeddedS3:
+        """This server with another bucket, created with versioning enabled."""
+        client = self.client()
+        try:
+            client.create_bucket(Bucket=name)
+        except Exception as exc:
+            if "BucketAlreadyOwnedByYou" not in str(exc) and "BucketAlreadyExists" not in str(exc):
+                raise
+        client.put_bucket_versioning(Bucket=name, VersioningConfiguration={"Status": "Enabled"})
+        return dataclasses.replace(self, bucket=name)
+
+    def url(self, prefix: str, scheme: str = "s3", **query: object) -> str:
         """An ``s3://`` URL in this server's bucket (endpoint and part sizes in the query)."""
         params = {
             "endpoint_url": self.endpoint_url,
@@ -59,7 +71,7 @@ class EmbeddedS3:
             **query,
         }
         query_text = "&".join(f"{k}={v}" for k, v in params.items())
-        return f"s3://{self.bucket}/{prefix.strip('/')}?{query_text}"
+        return f"{scheme}://{self.bucket}/{prefix.strip('/')}?{query_text}"
 
     def client(self) -> Any:
         """A boto3 client for this server."""

@@ -29,7 +29,9 @@ _BUILTIN: Mapping[str, tuple[str, str]] = MappingProxyType(
     {
         "file": ("ckptstore.backends.posix:open_posix", ""),
         "memory": ("ckptstore.backends.memory:open_memory", ""),
+        "memory+versioned": ("ckptstore.backends.memory:open_memory", ""),
         "s3": ("ckptstore.backends.s3:open_s3", "pip install 'ckptstore[s3]'"),
+        "s3+versioned": ("ckptstore.backends.s3:open_s3_versioned", "pip install 'ckptstore[s3]'"),
         "lustre": ("ckptstore.backends.lustre:open_lustre", ""),
     }
 )

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
+from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.driver import Buffer, Capability, ObjectInfo, PartInfo, UploadInfo
 from ckptstore.errors import (
     InvalidOptionError,
@@ -168,6 +169,8 @@ class MemoryDriver:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.url = f"memory://{bucket.name}/{self.prefix}".rstrip("/")
+        if bucket.versioned:
+            self.url = "memory+versioned" + self.url[len("memory") :]
         self.min_part_size = bucket.min_part_size
         caps = {
             Capability.CONDITIONAL_CREATE,
@@ -326,6 +329,9 @@ class MemoryDriver:
             ]
         return iter(sorted(snapshot, key=lambda u: (u.key, u.initiated)))
 
+    def bucket_versioning(self) -> str:
+        return "Enabled" if self.bucket.versioned else ""
+
     def upload_activity(self, upload: UploadInfo) -> float:
         with self.bucket.lock:
             found = self._upload(upload.key, upload.upload_id)
@@ -333,7 +339,8 @@ class MemoryDriver:
 
 
 def open_memory(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:
-    """Open a ``memory://bucket/prefix`` store: MemoryDriver + ConditionalPutCommit.
+    """Open a ``memory://bucket/prefix`` store: MemoryDriver + ConditionalPutCommit
+    (``memory+versioned://``: a versioned bucket + VersionPinCommit).
 
     Options: ``versioned`` and ``min_part_size`` apply when the bucket is first created (use
     ``get_bucket`` to give it a clock); ``part_size`` is the upload part size (at least the
@@ -342,6 +349,8 @@ def open_memory(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutC
     url.reject_unknown(options, allowed=("versioned", "min_part_size", "part_size", "concurrency"))
     if not url.netloc:
         raise InvalidURLError(f"{url.raw}: memory:// URLs name a bucket: memory://bucket/prefix")
+    if url.scheme == "memory+versioned" and "versioned" not in options:
+        options = {**options, "versioned": True}
     settings: dict[str, object] = {}
     if "versioned" in options:
         settings["versioned"] = option_bool(options, "versioned", False)
@@ -353,4 +362,6 @@ def open_memory(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutC
         options, "part_size", max(DEFAULT_PART_SIZE, bucket.min_part_size), minimum=1
     )
     concurrency = option_int(options, "concurrency", 1, minimum=1)
+    if url.scheme == "memory+versioned":
+        return VersionPinCommit(driver, part_size=part_size, concurrency=concurrency)
     return ConditionalPutCommit(driver, part_size=part_size, concurrency=concurrency)

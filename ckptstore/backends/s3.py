@@ -35,6 +35,7 @@ from tenacity import (
 from ckptstore.backends.s3_errors import translate_s3_errors
 from ckptstore.checksum import crc32c_of
 from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
+from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.driver import Buffer, Capability, ObjectInfo, PartInfo, UploadInfo
 from ckptstore.errors import (
     InvalidOptionError,
@@ -47,7 +48,7 @@ from ckptstore.errors import (
 )
 from ckptstore.urls import StoreURL, option_bool, option_int
 
-__all__ = ["S3Driver", "install_abort_incomplete_uploads_rule", "open_s3"]
+__all__ = ["S3Driver", "install_abort_incomplete_uploads_rule", "open_s3", "open_s3_versioned"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class S3Driver:
         checksums: bool = True,
         max_attempts: int = 6,
         max_delay_s: float = 60.0,
+        versioned: bool = False,
     ) -> None:
         self.client = client
         self.bucket = bucket
@@ -130,6 +132,7 @@ class S3Driver:
                 Capability.COMPARE_AND_SWAP,
                 Capability.MULTIPART,
                 Capability.STRONG_LIST_AFTER_WRITE,
+                *([Capability.VERSIONING] if versioned else []),
             }
         )
 
@@ -377,6 +380,12 @@ class S3Driver:
             ),
         )
 
+    def bucket_versioning(self) -> str:
+        response = self._retried(
+            "GetBucketVersioning", lambda: self.client.get_bucket_versioning(Bucket=self.bucket)
+        )
+        return str(response.get("Status", ""))
+
     def upload_activity(self, upload: UploadInfo) -> float:
         args = {
             "Bucket": self.bucket,
@@ -485,6 +494,22 @@ def parse_location(url: StoreURL) -> tuple[str, str]:
 
 def open_s3(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:
     """Open an ``s3://bucket/prefix`` store: S3Driver + ConditionalPutCommit."""
+    driver, part_size, concurrency = _s3_driver(url, options, versioned=False)
+    return ConditionalPutCommit(driver, part_size=part_size, concurrency=concurrency)
+
+
+def open_s3_versioned(url: StoreURL, options: Mapping[str, object]) -> VersionPinCommit:
+    """Open an ``s3+versioned://bucket/prefix`` store: S3Driver + VersionPinCommit.
+
+    The bucket must have versioning enabled; opening checks and refuses otherwise.
+    """
+    driver, part_size, concurrency = _s3_driver(url, options, versioned=True)
+    return VersionPinCommit(driver, part_size=part_size, concurrency=concurrency)
+
+
+def _s3_driver(
+    url: StoreURL, options: Mapping[str, object], *, versioned: bool
+) -> tuple[S3Driver, int, int]:
     leaked = sorted(set(url.query) & set(CREDENTIAL_OPTIONS))
     if leaked:
         raise InvalidOptionError(
@@ -498,16 +523,16 @@ def open_s3(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommi
         make_client(options),
         bucket,
         prefix,
-        url=f"s3://{bucket}/{prefix}".rstrip("/"),
+        url=f"{url.scheme}://{bucket}/{prefix}".rstrip("/"),
         min_part_size=min_part_size,
         sse=str(options["sse"]) if options.get("sse") else None,
         sse_kms_key_id=str(options["sse_kms_key_id"]) if options.get("sse_kms_key_id") else None,
         checksums=option_bool(options, "checksums", True),
         max_attempts=option_int(options, "max_attempts", 6, minimum=1),
+        versioned=versioned,
     )
     part_size = option_int(options, "part_size", max(DEFAULT_PART_SIZE, min_part_size), minimum=1)
-    concurrency = option_int(options, "concurrency", 8, minimum=1)
-    return ConditionalPutCommit(driver, part_size=part_size, concurrency=concurrency)
+    return driver, part_size, option_int(options, "concurrency", 8, minimum=1)
 
 
 def install_abort_incomplete_uploads_rule(

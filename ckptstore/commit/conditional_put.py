@@ -217,7 +217,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         """Refuse storage that ignores If-None-Match on PutObject: publishing would not be
         exclusive there (I5). Three small requests, made once when a writer opens the store."""
         key = f"{PROBE_PREFIX}{new_attempt_id()}"
-        self.driver.put(key, b"1", if_none_match=True)
+        first = self.driver.put(key, b"1", if_none_match=True)
         try:
             try:
                 self.driver.put(key, b"2", if_none_match=True)
@@ -229,8 +229,8 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                 f"absent; without it two writers could overwrite each other's checkpoints. Use "
                 f"storage with conditional writes (AWS S3, recent MinIO, SeaweedFS, ...)"
             )
-        finally:
-            self.driver.delete(key)
+        finally:  # by version id where there is one: a plain DELETE would leave the version
+            self.driver.delete(key, version_id=first.version_id)
 
     # -- writing -------------------------------------------------------------------------
 

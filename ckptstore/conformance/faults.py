@@ -29,7 +29,7 @@ OBJECT_STORE_CALLS = frozenset(
     {
         "check_bucket", "put", "get", "open_read", "head", "delete", "list", "list_versions",
         "create_multipart", "upload_part", "complete_multipart", "abort_multipart",
-        "list_multipart_uploads", "upload_activity",
+        "list_multipart_uploads", "upload_activity", "bucket_versioning",
     }
 )  # fmt: skip
 _LAZY_RESULTS = frozenset({"list", "list_versions", "list_multipart_uploads"})

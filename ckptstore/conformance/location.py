@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
@@ -89,19 +88,23 @@ class Location:
                 owned |= {n for n in self.raw_names() if step_token(step) in n}
         return self.raw_names() - owned
 
-    def corrupt(self, step: int, name: str, edit: Callable[[bytes], bytes]) -> bool:
-        """Rewrite one published shard's stored bytes behind the store's back.
+    def corrupt(self, step: int, name: str, how: str) -> str | None:
+        """Damage one published shard behind the store's back; return the damage done.
 
-        Returns False where storage cannot express it (a version-pinned object is immutable).
+        ``how`` is ``bitflip`` or ``truncate``. A version-pinned object cannot be changed, so
+        there the pinned version is deleted instead (``missing``). None: nothing was done.
         """
         manifest = self.base.read_manifest(step)
         record = manifest.shard(name)
         if record is None:
-            return False
+            return None
+        driver = self.base.driver
+        if "version_id" in record.locator:
+            driver.delete(record.locator["key"], version_id=record.locator["version_id"])
+            return "missing"
         with self.base.open_shard_reader(manifest, record) as stream:
             data = stream.read()
-        altered = edit(data)
-        driver = self.base.driver
+        altered = _flip_a_bit(data) if how == "bitflip" else data[:-1]
         if "path" in record.locator:
             path = f"{step_token(step)}/{record.locator['path']}"
             driver.unlink(path)
@@ -110,11 +113,9 @@ class Location:
                 driver.write(handle, altered)
             finally:
                 driver.close(handle)
-            return True
-        if "version_id" in record.locator:
-            return False
-        driver.put(record.locator["key"], altered)
-        return True
+        else:
+            driver.put(record.locator["key"], altered)
+        return how
 
     def destroy(self) -> None:
         """Remove everything at this location (best effort)."""
@@ -149,3 +150,9 @@ class LocationFactory:
         return Location(
             child_url(self.base_url, f"conformance-{os.getpid()}-{next(_ids)}"), self.options
         )
+
+
+def _flip_a_bit(data: bytes) -> bytes:
+    changed = bytearray(data)
+    changed[len(changed) // 2] ^= 0x04
+    return bytes(changed)

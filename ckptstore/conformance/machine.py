@@ -195,9 +195,9 @@ def make_state_machine(
             if not names or self.model.corrupted.get(step):
                 return
             name = data.draw(st.sampled_from(names))
-            edit = _flip_a_bit if how == "bitflip" else _drop_the_last_byte
-            if self.location.corrupt(step, name, edit):
-                self.model.shard_corrupted(step, name, how)
+            done = self.location.corrupt(step, name, how)
+            if done is not None:
+                self.model.shard_corrupted(step, name, done)
 
         @invariant()
         def invariants_hold(self) -> None:
@@ -207,13 +207,3 @@ def make_state_machine(
             self.location.destroy()
 
     return CheckpointStoreMachine
-
-
-def _flip_a_bit(data: bytes) -> bytes:
-    changed = bytearray(data)
-    changed[len(changed) // 2] ^= 0x04
-    return bytes(changed)
-
-
-def _drop_the_last_byte(data: bytes) -> bytes:
-    return data[:-1]

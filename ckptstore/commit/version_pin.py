@@ -1,0 +1,235 @@
+"""Publish a manifest that pins object versions: stable shard keys on a versioned bucket.
+
+Layout under the store's prefix (DESIGN §4.4)::
+
+    LATEST                           hint, moved by If-Match CAS (old versions are GC'd)
+    manifests/step-<020d>.json       the commit point: created at most once per step
+    shards/<shard name>              stable keys; every write adds a version
+
+Users with fixed key layouts keep their keys; every write returns a VersionId, and the
+manifest pins ``(key, VersionId)`` for each shard. Readers read by VersionId, so a later write
+of the same key (the next step, another attempt, a foreign writer) never changes a byte of a
+published checkpoint. Deletion deletes *versions*, by id: a plain DELETE only adds a delete
+marker, which hides an object but frees nothing. A pinned version that is gone (deleted or
+expired behind ckptstore's back) makes that checkpoint damaged; it is never read as another
+version of its key.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ckptstore.commit.base import GcItem, GcReport, ShardProblem, ShardSink
+from ckptstore.commit.conditional_put import (
+    LATEST_KEY,
+    MANIFESTS,
+    PROBE_PREFIX,
+    ConditionalPutCommit,
+    _ObjectShardSink,
+)
+from ckptstore.driver import Capability, ObjectInfo
+from ckptstore.errors import (
+    CapabilityError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    ManifestCorruptError,
+    ObjectNotFoundError,
+)
+from ckptstore.manifest import Manifest
+
+__all__ = ["VersionPinCommit"]
+
+log = logging.getLogger(__name__)
+
+SHARDS = "shards/"
+
+
+def _versioned_name(key: str, version_id: str | None) -> str:
+    return f"{key}@{version_id}"
+
+
+class VersionPinCommit(ConditionalPutCommit):
+    """The versioned-object protocol: stable keys, manifests pin versions, GC by version id."""
+
+    name = "version-pin"
+    required_capabilities = frozenset({Capability.CONDITIONAL_CREATE, Capability.VERSIONING})
+
+    def open_root(self, *, create: bool) -> None:
+        self.driver.check_bucket()
+        status = self.driver.bucket_versioning()
+        if status != "Enabled":
+            state = "suspended" if status == "Suspended" else "not enabled"
+            raise CapabilityError(
+                f"{self.url}: versioning is {state} on the bucket; a versioned store pins "
+                f"object versions and needs it. Enable it (aws s3api put-bucket-versioning "
+                f"--bucket BUCKET --versioning-configuration Status=Enabled), or use s3:// "
+                f"for an unversioned bucket"
+            )
+        if create and self.verify_conditional_writes:
+            self._verify_conditional_create()
+
+    def open_shard(
+        self, step: int, attempt: str, name: str, size_hint: int | None = None
+    ) -> ShardSink:
+        return _ObjectShardSink(
+            self.driver,
+            f"{SHARDS}{name}",
+            self.part_size,
+            size_hint,
+            self._parts_executor(),
+            self.concurrency,
+        )
+
+    def _check_sealed(self, manifest: Manifest) -> None:
+        unpinned = [r.name for r in manifest.shards if not r.locator.get("version_id")]
+        if unpinned:
+            raise CapabilityError(
+                f"{self.url}: the storage returned no version id for {unpinned[:3]}; is "
+                f"versioning enabled? Nothing was published"
+            )
+        super()._check_sealed(manifest)
+
+    def abort(self, step: int, attempt: str) -> None:
+        # The versions an attempt wrote are not known here (keys are shared by all steps):
+        # no manifest pins them, so GC deletes them once they are older than the grace period.
+        return None
+
+    def read_manifest(self, step: int) -> Manifest:
+        key = self.manifest_key(step)
+        try:
+            data, _ = self.driver.get(key)
+        except ObjectNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{self.url}: no published checkpoint at step {step}"
+            ) from exc
+        manifest = Manifest.decode(data, where=f"{self.url}/{key}", expected_step=step)
+        for record in manifest.shards:
+            if record.locator.get("key") != f"{SHARDS}{record.name}" or not record.locator.get(
+                "version_id"
+            ):
+                raise ManifestCorruptError(
+                    f"{self.url}/{key}: shard {record.name!r} has a foreign or unpinned "
+                    f"locator {dict(record.locator)!r}"
+                )
+        return manifest
+
+    def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
+        problems: list[ShardProblem] = []
+        for record in manifest.shards:
+            try:
+                info = self.driver.head(
+                    record.locator["key"], version_id=record.locator["version_id"]
+                )
+            except ObjectNotFoundError:
+                problems.append(ShardProblem(record.name, missing=True))
+                continue
+            if info.size != record.size:
+                problems.append(ShardProblem(record.name, False, info.size, record.size))
+        return problems
+
+    def unpublish(self, step: int) -> None:
+        key = self.manifest_key(step)
+        try:
+            pinned = [
+                (r.locator["key"], r.locator["version_id"]) for r in self.read_manifest(step).shards
+            ]
+        except IntegrityError:
+            pinned = []  # unreadable: its versions are unpinned once it is gone; GC takes them
+        self.driver.delete(key)  # a delete marker: the checkpoint is invisible, atomically
+        for version in list(self.driver.list_versions(key)):
+            if version.key == key:
+                self.driver.delete(key, version_id=version.version_id)
+        for shard_key, version_id in pinned:
+            try:
+                self.driver.delete(shard_key, version_id=version_id)
+            except ObjectNotFoundError:
+                continue
+
+    def _pinned(self) -> set[tuple[str, str]] | None:
+        """Every (key, version) a published manifest pins; None if a manifest is unreadable."""
+        pinned: set[tuple[str, str]] = set()
+        for step in self.published_steps():
+            try:
+                manifest = self.read_manifest(step)
+            except CheckpointNotFoundError:
+                continue
+            except IntegrityError:
+                return None
+            pinned.update((r.locator["key"], r.locator["version_id"]) for r in manifest.shards)
+        return pinned
+
+    def collect_garbage(self, *, grace_s: float, now: float, dry_run: bool) -> GcReport:
+        report = GcReport(dry_run=dry_run, grace_s=grace_s)
+        pinned = self._pinned()
+        if pinned is None:
+            log.warning("%s: a manifest is unreadable; GC keeps every shard version", self.url)
+        for version in list(self.driver.list_versions("")):
+            kind = self._garbage_kind(version, pinned)
+            if kind is None:
+                continue
+            item = GcItem(
+                kind,
+                _versioned_name(version.key, version.version_id),
+                max(0.0, now - version.last_modified),
+                version.size,
+            )
+            if item.age_s <= grace_s:
+                report.kept_young.append(item)
+                continue
+            report.removed.append(item)
+            if not dry_run:
+                self.driver.delete(version.key, version_id=version.version_id)
+        self._collect_uploads(report, now)
+        return report
+
+    def _garbage_kind(self, version: ObjectInfo, pinned: set[tuple[str, str]] | None) -> str | None:
+        """What an unneeded version is ("shard-version", ...), or None if it is needed."""
+        current = version.is_latest and not version.is_delete_marker
+        if version.key == LATEST_KEY or version.key.startswith(MANIFESTS):
+            return None if current else "old-version"
+        if version.key.startswith(PROBE_PREFIX):
+            return "probe"
+        if version.key.startswith(SHARDS):
+            if pinned is None or (version.key, version.version_id or "") in pinned:
+                return None
+            return "delete-marker" if version.is_delete_marker else "shard-version"
+        return None
+
+    def _collect_uploads(self, report: GcReport, now: float) -> None:
+        for upload in list(self.driver.list_multipart_uploads(SHARDS)):
+            activity = max(upload.initiated, 0.0)
+            if now - activity > report.grace_s:
+                activity = self._upload_activity(upload)
+            item = GcItem("upload", f"{upload.key} (upload {upload.upload_id})", now - activity)
+            if item.age_s <= report.grace_s:
+                report.kept_young.append(item)
+                continue
+            report.removed.append(item)
+            if not report.dry_run:
+                self._abort_quietly(upload.key, upload.upload_id)
+
+    def stored_names(self, manifest: Manifest) -> set[str]:
+        names = {self.manifest_key(manifest.step)}
+        names.update(
+            _versioned_name(r.locator["key"], r.locator["version_id"]) for r in manifest.shards
+        )
+        return names
+
+    def raw_names(self) -> set[str]:
+        names = set()
+        for version in self.driver.list_versions(""):
+            current = version.is_latest and not version.is_delete_marker
+            if current and (version.key == LATEST_KEY or version.key.startswith(MANIFESTS)):
+                names.add(version.key)
+            else:
+                names.add(_versioned_name(version.key, version.version_id))
+        names.update(
+            f"{upload.key} (upload {upload.upload_id})"
+            for upload in self.driver.list_multipart_uploads("")
+        )
+        return names
+
+    def is_empty(self) -> bool:
+        return next(iter(self.driver.list_versions("")), None) is None and (
+            next(iter(self.driver.list_multipart_uploads("")), None) is None
+        )
