@@ -153,7 +153,7 @@ def test_deleted_pinned_version_is_reported_and_skipped(target: VersionedTarget)
     store.save(2, {"w.bin": b"2" * 100})
     record = store.get(2).shards["w.bin"]
     target.delete_version(record.locator["key"], record.locator["version_id"])
-    with pytest.raises(ShardMissingError, match="'w.bin' is missing"):
+    with pytest.raises(ShardMissingError, match=r"'w\.bin' is missing"):
         store.get(2)
     fallback = store.latest(verified=True)
     assert fallback is not None
