@@ -34,6 +34,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             "<embedded file>",
             "<embedded memory>",
             "<embedded s3>",
+            "<embedded s3+versioned>",
         ]
         metafunc.parametrize("ckpt_target", urls, scope="session")
 

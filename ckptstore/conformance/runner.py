@@ -64,8 +64,9 @@ class Target:
 
 @contextlib.contextmanager
 def embedded_targets() -> Iterator[list[Target]]:
-    """Every built-in backend on embedded defaults (a temporary directory, memory, an
-    S3 server on 127.0.0.1 where moto is installed), removed afterwards."""
+    """Every built-in backend on embedded defaults (a temporary directory, memory, and
+    s3:// and s3+versioned:// on a moto server on 127.0.0.1 where moto is installed),
+    removed afterwards."""
     with contextlib.ExitStack() as stack:
         scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptstore-conf-"))
         bucket = f"conformance-{os.getpid()}-{secrets.token_hex(4)}"
@@ -81,8 +82,11 @@ def embedded_targets() -> Iterator[list[Target]]:
             log.warning("moto is not installed: skipping s3:// (pip install 'ckptstore[embedded]')")
         else:
             part = max(s3.min_part_size, 4096)
-            url = s3.url(f"conformance-{secrets.token_hex(4)}", part_size=part, concurrency=1)
-            targets.append(Target(url, s3.options))
+            run = f"conformance-{secrets.token_hex(4)}"
+            targets.append(Target(s3.url(run, part_size=part, concurrency=1), s3.options))
+            versioned = s3.versioned_bucket(f"{s3.bucket}-versioned")
+            url = versioned.url(run, scheme="s3+versioned", part_size=part, concurrency=1)
+            targets.append(Target(url, versioned.options))
         yield targets
 
 
