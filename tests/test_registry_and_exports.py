@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import pkgutil
 
 import pytest
 
@@ -14,26 +15,8 @@ from ckptstore.errors import BackendUnavailableError, InvalidInputError
 
 def test_all_is_complete_and_exact():
     public = {name for name in dir(ckptstore) if not name.startswith("_")}
-    modules = {
-        "backends",
-        "checkpoint",
-        "checksum",
-        "cli",
-        "commit",
-        "driver",
-        "errors",
-        "manifest",
-        "names",
-        "pending",
-        "progress",
-        "registry",
-        "retention",
-        "store",
-        "urls",
-        "demo",
-        "conformance",
-    }
-    assert set(ckptstore.__all__) == public - modules
+    submodules = {module.name for module in pkgutil.iter_modules(ckptstore.__path__)}
+    assert set(ckptstore.__all__) == public - submodules
     for name in ckptstore.__all__:
         assert getattr(ckptstore, name) is not None
 
