@@ -505,14 +505,16 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         return names
 
     def raw_names(self) -> set[str]:
-        names = {info.key for info in self.driver.list("")}
-        names.update(
+        return {info.key for info in self.driver.list("")} | self._upload_names()
+
+    def _upload_names(self) -> set[str]:
+        return {
             f"{upload.key} (upload {upload.upload_id})"
             for upload in self.driver.list_multipart_uploads("")
-        )
-        return names
+        }
+
+    def _no_uploads(self) -> bool:
+        return next(iter(self.driver.list_multipart_uploads("")), None) is None
 
     def is_empty(self) -> bool:
-        return next(iter(self.driver.list("")), None) is None and (
-            next(iter(self.driver.list_multipart_uploads("")), None) is None
-        )
+        return next(iter(self.driver.list("")), None) is None and self._no_uploads()

@@ -223,13 +223,7 @@ class VersionPinCommit(ConditionalPutCommit):
                 names.add(version.key)
             else:
                 names.add(_versioned_name(version.key, version.version_id))
-        names.update(
-            f"{upload.key} (upload {upload.upload_id})"
-            for upload in self.driver.list_multipart_uploads("")
-        )
-        return names
+        return names | self._upload_names()
 
     def is_empty(self) -> bool:
-        return next(iter(self.driver.list_versions("")), None) is None and (
-            next(iter(self.driver.list_multipart_uploads("")), None) is None
-        )
+        return next(iter(self.driver.list_versions("")), None) is None and self._no_uploads()
