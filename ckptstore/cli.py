@@ -8,8 +8,10 @@ status 1 when a checkpoint is broken.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -397,6 +399,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("ckptstore: interrupted\n")
         return 130
+    except BrokenPipeError:  # the reader went away (| head): not an error of ours
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+        return EXIT_OK
     return status
 
 

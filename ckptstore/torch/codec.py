@@ -1,0 +1,102 @@
+"""State dicts to bytes and back: tensors as safetensors, everything else as JSON.
+
+A nested state (dicts, lists, tuples, numbers, strings, tensors) becomes two blobs: a
+safetensors file holding every tensor, and a JSON skeleton in which each tensor is replaced by
+``{"__tensor__": key}``. Nothing is pickled, so loading never runs code from a checkpoint.
+Tensors that share storage (tied weights) are stored once and come back shared.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from ckptstore.errors import InvalidInputError, ManifestCorruptError
+
+__all__ = ["decode_state", "encode_state"]
+
+_TENSOR, _TUPLE, _FLOAT, _INTKEYS = "__tensor__", "__tuple__", "__float__", "__intkeys__"
+
+
+def encode_state(state: Any, *, copy: bool = False) -> tuple[bytes, bytes]:
+    """Return (safetensors bytes, JSON skeleton bytes) for a nested state.
+
+    ``copy``: clone every tensor first (an asynchronous save snapshots this way, so training
+    may change its tensors while the bytes are written).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach()
+            identity = (
+                tensor.untyped_storage().data_ptr(),
+                int(tensor.storage_offset()),
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
+                tensor.dtype,
+            )
+            key = seen.get(identity)
+            if key is None:
+                key = f"t{len(tensors)}"
+                seen[identity] = key
+                stored = tensor.to("cpu", copy=copy or tensor.device.type == "cpu")
+                tensors[key] = stored.contiguous()
+            return {_TENSOR: key}
+        if isinstance(value, Mapping):
+            if all(isinstance(k, str) for k in value):
+                return {k: walk(v, f"{path}.{k}") for k, v in value.items()}
+            if all(isinstance(k, int) and not isinstance(k, bool) for k in value):
+                return {_INTKEYS: [[k, walk(v, f"{path}.{k}")] for k, v in value.items()]}
+            raise InvalidInputError(f"state at {path or '<root>'}: keys must be all str or all int")
+        if isinstance(value, tuple):
+            return {_TUPLE: [walk(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, float) and not math.isfinite(value):
+            return {_FLOAT: repr(value)}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise InvalidInputError(
+            f"state at {path or '<root>'} holds a {type(value).__name__}, which ckptstore does not "
+            f"store (tensors, numbers, strings, lists, tuples and dicts only: nothing is pickled)"
+        )
+
+    skeleton = walk(state, "")
+    blob = save_safetensors(tensors) if tensors else b""
+    return blob, json.dumps(skeleton, allow_nan=False).encode("utf-8")
+
+
+def decode_state(blob: bytes, skeleton: bytes, *, map_location: Any = "cpu") -> Any:
+    """Rebuild the nested state written by ``encode_state``."""
+    tensors = load_safetensors(blob) if blob else {}
+    if map_location is not None:
+        tensors = {k: v.to(map_location) for k, v in tensors.items()}
+    try:
+        document = json.loads(skeleton.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ManifestCorruptError(f"state skeleton is not JSON: {exc}") from exc
+
+    def build(value: Any) -> Any:
+        if isinstance(value, dict):
+            if set(value) == {_TENSOR}:
+                return tensors[value[_TENSOR]]
+            if set(value) == {_TUPLE}:
+                return tuple(build(v) for v in value[_TUPLE])
+            if set(value) == {_FLOAT}:
+                return float(value[_FLOAT])
+            if set(value) == {_INTKEYS}:
+                return {int(k): build(v) for k, v in value[_INTKEYS]}
+            return {k: build(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [build(v) for v in value]
+        return value
+
+    return build(document)

@@ -1,0 +1,153 @@
+"""A trainer's whole state to a checkpoint and back: model, optimizer, scheduler, data
+position, RNGs and counters, bitwise exact.
+
+Each component is an object with ``state_dict()``/``load_state_dict()`` (a module, an
+optimizer, an LR scheduler, a resumable sampler) or a plain nested mapping. It is stored as two
+shards, ``<name>.safetensors`` (its tensors) and ``<name>.json`` (everything else); the RNG
+states as ``rng.*``; the counters a long run keeps (samples read, successful and skipped
+updates, tokens, ...) go into the manifest's metadata, where ``ckptstore show`` prints them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from ckptstore.checkpoint import Checkpoint
+from ckptstore.errors import InvalidInputError
+from ckptstore.names import check_shard_name
+from ckptstore.store import Store
+from ckptstore.torch.codec import decode_state, encode_state
+from ckptstore.torch.rng import capture_rng, restore_rng
+
+__all__ = ["Snapshot", "Stateful", "load_state", "save_state", "snapshot_state", "write_snapshot"]
+
+RNG = "rng"
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict`` and ``load_state_dict`` (modules, optimizers, ...)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+class Snapshot:
+    """Encoded shards of a trainer state, owned by ckptstore (training may go on)."""
+
+    def __init__(self, shards: dict[str, bytes], metadata: dict[str, Any]) -> None:
+        self.shards = shards
+        self.metadata = metadata
+
+    @property
+    def size(self) -> int:
+        """Bytes held."""
+        return sum(len(blob) for blob in self.shards.values())
+
+
+def _check_components(components: Mapping[str, Any]) -> None:
+    for name in components:
+        check_shard_name(f"{name}.json")
+        if name == RNG:
+            raise InvalidInputError(f"component name {RNG!r} is reserved for the RNG states")
+
+
+def snapshot_state(
+    components: Mapping[str, Any],
+    *,
+    counters: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    rng: bool = True,
+    copy: bool = True,
+) -> Snapshot:
+    """Encode the state now into bytes ckptstore owns; the trainer may then change it."""
+    _check_components(components)
+    shards: dict[str, bytes] = {}
+    for name, component in components.items():
+        state = component.state_dict() if isinstance(component, Stateful) else component
+        tensors, skeleton = encode_state(state, copy=copy)
+        shards[f"{name}.safetensors"] = tensors
+        shards[f"{name}.json"] = skeleton
+    if rng:
+        tensors, skeleton = encode_state(capture_rng(), copy=copy)
+        shards[f"{RNG}.safetensors"] = tensors
+        shards[f"{RNG}.json"] = skeleton
+    document = dict(metadata or {})
+    document["components"] = sorted(components)
+    if counters:
+        document["counters"] = dict(counters)
+    return Snapshot(shards, document)
+
+
+def write_snapshot(
+    store: Store,
+    step: int,
+    snapshot: Snapshot,
+    timings: Mapping[str, float] | None = None,
+    *,
+    started: float | None = None,
+) -> Checkpoint:
+    """Write a snapshot's shards and publish them as ``step``.
+
+    ``started`` (a ``time.perf_counter()`` value): record ``to_commit_s``, the time from then to
+    the sealing of the manifest, just before the atomic publish.
+    """
+    with store.begin(step, snapshot.metadata) as pending:
+        for name, blob in snapshot.shards.items():
+            pending.write(name, blob)
+        for name, seconds in (timings or {}).items():
+            pending.add_timing(name, seconds)
+        if started is not None:
+            pending.add_timing("to_commit_s", time.perf_counter() - started)
+    assert pending.checkpoint is not None
+    return pending.checkpoint
+
+
+def save_state(
+    store: Store,
+    step: int,
+    components: Mapping[str, Any],
+    *,
+    counters: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    rng: bool = True,
+) -> Checkpoint:
+    """Save a trainer's state as ``step``, synchronously; return the published checkpoint."""
+    started = time.perf_counter()
+    snapshot = snapshot_state(components, counters=counters, metadata=metadata, rng=rng, copy=False)
+    blocked = time.perf_counter() - started
+    return write_snapshot(store, step, snapshot, {"blocked_s": blocked, "snapshot_s": blocked})
+
+
+def load_state(
+    checkpoint: Checkpoint,
+    components: Mapping[str, Any],
+    *,
+    map_location: Any = "cpu",
+    rng: bool = True,
+) -> dict[str, Any]:
+    """Restore ``components`` (and the RNGs) from a checkpoint; return its counters.
+
+    A Stateful component gets ``load_state_dict``; for a plain mapping component, its restored
+    state is returned under the component's name.
+    """
+    restored: dict[str, Any] = {}
+    for name, component in components.items():
+        state = decode_state(
+            checkpoint.read(f"{name}.safetensors"),
+            checkpoint.read(f"{name}.json"),
+            map_location=map_location,
+        )
+        if isinstance(component, Stateful):
+            component.load_state_dict(state)
+        else:
+            restored[name] = state
+    if rng and f"{RNG}.json" in checkpoint.shards:
+        restore_rng(
+            decode_state(checkpoint.read(f"{RNG}.safetensors"), checkpoint.read(f"{RNG}.json"))
+        )
+    restored["counters"] = dict(checkpoint.metadata.get("counters", {}))
+    return restored
