@@ -220,17 +220,12 @@ def test_replacing_rename_is_caught_as_i5(tmp_path: Any, scheme: Any) -> None:
     assert _machine_violation(f"broken-replace://{tmp_path}") == "I5"
 
 
-def test_missing_parent_fsync_is_caught_by_power_loss_as_i2(tmp_path: Any) -> None:
+def test_missing_parent_fsync_is_caught_by_power_loss_as_i2(tmp_path: Any, scheme: Any) -> None:
     result = run_power_loss(NoParentFsyncCommit(PosixDriver(str(tmp_path))))
     assert "I2" in {failure.invariant for failure in result.failures}
     # ... and only the power-loss layer can see it: real crashes leave the cache intact
-    assert run_crash_points(_factory_for(tmp_path, NoParentFsyncCommit)).failures == []
-
-
-def _factory_for(tmp_path: Any, cls: type[RenameCommit]) -> LocationFactory:
-    name = f"variant-{cls.__name__.lower()}"
-    registry.register(name, _posix(cls), replace=True)
-    return LocationFactory(f"{name}://{tmp_path}/crash")
+    scheme("broken-nofsync", _posix(NoParentFsyncCommit))
+    assert run_crash_points(LocationFactory(f"broken-nofsync://{tmp_path}/crash")).failures == []
 
 
 def test_latest_before_publish_is_caught_as_i1(scheme: Any) -> None:
