@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptstore.checksum import Crc32c
 from ckptstore.commit.base import ShardSink
-from ckptstore.errors import CheckpointStateError, InvalidInputError, ShardExistsError
+from ckptstore.errors import (
+    CheckpointStateError,
+    CoverageError,
+    InvalidInputError,
+    ShardExistsError,
+)
 from ckptstore.manifest import ShardRecord, WriterInfo
 from ckptstore.names import check_shard_name
 
@@ -224,6 +229,24 @@ class PendingCheckpoint:
                 for chunk in data:
                     writer.write(chunk)
         return writer.close()
+
+    def add_receipts(self, records: Iterable[ShardRecord]) -> None:
+        """Add shards that other processes wrote into this attempt (multi-rank saves).
+
+        Each receipt is a ShardRecord from a ``Store.join`` of the same attempt. A name already
+        present is a CoverageError: no shard may be written twice.
+        """
+        with self._lock:
+            self._check_open()
+            for record in records:
+                check_shard_name(record.name)
+                if record.name in self._records or record.name in self._claimed:
+                    raise CoverageError(
+                        f"step {self.step}: shard {record.name!r} was written twice "
+                        f"(by two ranks?); nothing will be published"
+                    )
+                self._claimed.add(record.name)
+                self._records[record.name] = record
 
     def add_timing(self, name: str, seconds: float) -> None:
         """Record a measured duration in the manifest's timings (e.g. ``blocked_s``)."""

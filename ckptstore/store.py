@@ -20,6 +20,7 @@ from ckptstore.commit.base import CommitStrategy, GcReport
 from ckptstore.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointStateError,
     CkptStoreError,
     CoverageError,
     IntegrityError,
@@ -111,6 +112,32 @@ class Store:
             open_sink=lambda name, size: self.strategy.open_shard(step, attempt_id, name, size),
             publish=self._publish,
             abort=self._abort,
+        )
+
+    def join(self, step: int, attempt: str) -> PendingCheckpoint:
+        """Write shards into an attempt that a coordinator began in another process.
+
+        The returned checkpoint cannot publish: send its ``records`` (receipts) to the
+        coordinator, whose ``add_receipts`` and ``publish`` commit all ranks' shards at once.
+        """
+        check_step(step)
+        attempt_id = check_attempt_id(attempt)
+
+        def refuse(pending: PendingCheckpoint) -> Checkpoint:
+            raise CheckpointStateError(
+                f"{self.url}: step {step}: only the coordinator that began attempt "
+                f"{attempt_id} publishes it; send it this process's receipts"
+            )
+
+        return PendingCheckpoint(
+            step=step,
+            attempt=attempt_id,
+            metadata={},
+            expected=None,
+            writer=WriterInfo.current(),
+            open_sink=lambda name, size: self.strategy.open_shard(step, attempt_id, name, size),
+            publish=refuse,
+            abort=lambda pending: None,  # the coordinator aborts; GC removes what is left
         )
 
     def save(

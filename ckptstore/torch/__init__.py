@@ -7,6 +7,10 @@ checkpoint and back, bitwise exact, synchronously or in the background.
                              "sampler": sampler}, counters={"samples_read": n})
     latest = store.latest()
     counters = load_state(latest, {"model": model, "optimizer": opt, ...})["counters"]
+
+Multi-rank: ``ckptstore.torch.distributed.save_sharded(store, step, {name: data})`` on every
+rank of a torch.distributed group writes each rank's shards into one attempt and publishes
+them in one commit.
 """
 
 from ckptstore.torch.async_save import AsyncSaver

@@ -1,0 +1,78 @@
+"""Multi-rank saves under torchrun (gloo, CPU): one commit for every rank's shards."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+import ckptstore
+from ckptstore.embedded import EmbeddedS3
+
+WORKER = Path(__file__).parent / "dist_save_worker.py"
+
+
+def _torchrun(
+    url: str, step: int, ranks: int, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={ranks}", str(WORKER), "--store", url, "--step", str(step), *extra],
+        capture_output=True, text=True, timeout=180, check=False,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def _target(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> tuple[str, dict[str, Any]]:
+    if kind == "file":
+        return f"file://{tmp_path}/store", {}
+    server: EmbeddedS3 = request.getfixturevalue("moto_s3")
+    return server.url(f"dist-{os.getpid()}-{tmp_path.name}"), server.options
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["file", "s3"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_every_rank_shard_in_one_commit(
+    kind: str, ranks: int, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    url, options = _target(kind, tmp_path, request)
+    env = {} if kind == "file" else request.getfixturevalue("moto_s3").credentials_env()
+    result = _torchrun(url, 3, ranks, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = ckptstore.open(url, **options).latest()
+    assert checkpoint is not None
+    assert checkpoint.step == 3
+    assert checkpoint.names == [f"model/rank{r:05d}.bin" for r in range(ranks)]
+    assert checkpoint.manifest.writer.world_size == ranks
+    assert checkpoint.verify().ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_a_rank_killed_mid_save_publishes_nothing(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    url, options = _target(kind, tmp_path, request)
+    env = {} if kind == "file" else request.getfixturevalue("moto_s3").credentials_env()
+    assert _torchrun(url, 1, 2, env=env).returncode == 0
+    started = time.monotonic()
+    result = _torchrun(url, 2, 2, "--die-rank", "1", env=env)
+    assert result.returncode != 0
+    assert time.monotonic() - started < 120  # the job fails within a bounded time
+    store = ckptstore.open(url, **options)
+    assert store.steps() == [1]
+    assert store.latest().verify().ok
+    later = ckptstore.open(url, clock=lambda: time.time() + 7200, **options)
+    later.gc()
+    assert later.gc(grace=0).removed == []
+    assert store.latest().step == 1
