@@ -76,3 +76,47 @@ def test_a_rank_killed_mid_save_publishes_nothing(
     later.gc()
     assert later.gc(grace=0).removed == []
     assert store.latest().step == 1
+
+
+DCP_WORKER = Path(__file__).parent / "dist_dcp_worker.py"
+
+
+def _dcp(
+    url: str, mode: str, step: int, ranks: int, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={ranks}", str(DCP_WORKER), "--store", url, "--mode", mode,
+         "--step", str(step), *extra],
+        capture_output=True, text=True, timeout=180, check=False,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_dcp_save_and_load_across_world_sizes(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    url, options = _target(kind, tmp_path, request)
+    env = {} if kind == "file" else request.getfixturevalue("moto_s3").credentials_env()
+    for mode, step, ranks in [("save", 1, 2), ("load", 1, 4), ("save", 2, 4), ("load", 2, 2)]:
+        result = _dcp(url, mode, step, ranks, env=env)
+        assert result.returncode == 0, f"{mode} {step} x{ranks}: {result.stderr[-3000:]}"
+    store = ckptstore.open(url, **options)
+    assert store.steps() == [1, 2]
+    assert store.get(1).manifest.writer.world_size == 2
+    assert store.get(2).manifest.writer.world_size == 4
+    assert "dcp-metadata.json" in store.get(2).names
+
+
+@pytest.mark.slow
+def test_dcp_rank_killed_mid_save_publishes_nothing(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    assert _dcp(url, "save", 1, 2).returncode == 0
+    started = time.monotonic()
+    assert _dcp(url, "save", 2, 2, "--die-rank", "1").returncode != 0
+    assert time.monotonic() - started < 120
+    store = ckptstore.open(url)
+    assert store.steps() == [1]
+    assert _dcp(url, "load", 1, 2).returncode == 0  # the previous checkpoint is intact

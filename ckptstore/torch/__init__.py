@@ -10,7 +10,8 @@ checkpoint and back, bitwise exact, synchronously or in the background.
 
 Multi-rank: ``ckptstore.torch.distributed.save_sharded(store, step, {name: data})`` on every
 rank of a torch.distributed group writes each rank's shards into one attempt and publishes
-them in one commit.
+them in one commit. ``ckptstore.torch.dcp`` has the torch.distributed.checkpoint
+StorageWriter and StorageReader.
 """
 
 from ckptstore.torch.async_save import AsyncSaver

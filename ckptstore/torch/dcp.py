@@ -1,0 +1,328 @@
+"""torch.distributed.checkpoint storage over any ckptstore store.
+
+``CkptStoreWriter`` and ``CkptStoreReader`` let ``dcp.save``, ``dcp.async_save`` and
+``dcp.load`` use the ckptstore protocol on every backend. The coordinator begins the attempt
+in ``prepare_global_plan`` and hands its id to every rank through the plans; each rank writes
+one shard, ``__<rank>.distcp``, into that attempt (tensors as raw bytes, DCP's own byte items
+as given); the coordinator's ``finish`` gathers every rank's receipts from the write results,
+checks coverage, stores DCP's metadata as JSON (``dcp-metadata.json``) and publishes. Loading
+reads the manifest's shards, checksummed, through their locators.
+
+Nothing here unpickles: DCP's planner serialises non-tensor values itself (``BYTE_IO`` items)
+and deserialises them on load; tensors and the metadata are stored as bytes and JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptstore.checkpoint import Checkpoint
+from ckptstore.errors import CheckpointNotFoundError, CheckpointStateError, ManifestCorruptError
+from ckptstore.manifest import ShardRecord
+from ckptstore.pending import PendingCheckpoint
+from ckptstore.store import Store
+
+__all__ = ["CkptStoreReader", "CkptStoreWriter"]
+
+METADATA_SHARD = "dcp-metadata.json"
+
+
+def _shard_name(rank: int) -> str:
+    return f"__{rank}.distcp"
+
+
+class CkptStoreWriter(StorageWriter):
+    """A DCP StorageWriter that saves checkpoint ``step`` of ``store`` (one commit)."""
+
+    def __init__(self, store: Store, step: int, metadata: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.store = store
+        self.step = step
+        self.metadata = dict(metadata or {})
+        self.rank = 0
+        self.is_coordinator = True
+        self._pending: PendingCheckpoint | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._pending = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self._pending = self.store.begin(self.step, self.metadata, world_size=len(plans))
+        attempt = self._pending.attempt
+        return [
+            dataclasses.replace(plan, storage_data={"attempt": attempt, "rank": rank})
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        attempt, rank = plan.storage_data["attempt"], plan.storage_data["rank"]
+        pending = (
+            self._pending if self._pending is not None else self.store.join(self.step, attempt)
+        )
+        results: list[WriteResult] = []
+        if plan.items:
+            name = _shard_name(rank)
+            offset = 0
+            entries = []
+            with pending.open_shard(name) as shard:
+                for item in plan.items:
+                    data = planner.resolve_data(item)
+                    info: dict[str, Any] = {"shard": name, "offset": offset}
+                    if item.type == WriteItemType.BYTE_IO:
+                        blob = (
+                            memoryview(data.getbuffer()) if isinstance(data, io.BytesIO) else data
+                        )
+                        length = shard.write(blob)
+                    else:
+                        assert isinstance(data, torch.Tensor)
+                        tensor = data.detach().to("cpu").contiguous()
+                        info["dtype"] = str(tensor.dtype).removeprefix("torch.")
+                        info["shape"] = list(tensor.shape)
+                        length = shard.write(_tensor_bytes(tensor))
+                    info["length"] = length
+                    offset += length
+                    entries.append((item, info))
+            receipt = dataclasses.asdict(shard.close())
+            for index, (item, info) in enumerate(entries):
+                if index == 0:
+                    info["receipt"] = receipt  # travels to the coordinator inside the results
+                results.append(WriteResult(item.index, info["length"], info))
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        pending = self._pending
+        if pending is None:
+            raise CheckpointStateError("finish() without prepare_global_plan() on the coordinator")
+        storage: dict[MetadataIndex, Any] = {}
+        receipts = []
+        for rank_results in results:
+            for result in rank_results:
+                info = dict(result.storage_data)
+                receipt = info.pop("receipt", None)
+                if receipt is not None and receipt["name"] not in {r.name for r in pending.records}:
+                    receipts.append(ShardRecord(**receipt))
+                storage[result.index] = info
+        pending.add_receipts(receipts)
+        metadata.storage_data = storage
+        pending.write(METADATA_SHARD, json.dumps(_encode_metadata(metadata)).encode("utf-8"))
+        pending.publish()
+        self._pending = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=f"{self.store.url}#step={self.step}")
+
+
+class CkptStoreReader(StorageReader):
+    """A DCP StorageReader of checkpoint ``step`` of ``store`` (default: the latest)."""
+
+    def __init__(self, store: Store, step: int | None = None) -> None:
+        super().__init__()
+        self.store = store
+        self.step = step
+        self._checkpoint: Checkpoint | None = None
+        self._storage: dict[MetadataIndex, Any] = {}
+
+    def _open(self) -> Checkpoint:
+        if self._checkpoint is None:
+            checkpoint = self.store.latest() if self.step is None else self.store.get(self.step)
+            if checkpoint is None:
+                raise CheckpointNotFoundError(f"{self.store.url}: no checkpoint to load")
+            self._checkpoint = checkpoint
+        return self._checkpoint
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._checkpoint = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        checkpoint = self._open()
+        if METADATA_SHARD not in checkpoint.shards:
+            raise ManifestCorruptError(
+                f"{self.store.url}: step {checkpoint.step} was not saved by torch.distributed."
+                f"checkpoint (no {METADATA_SHARD})"
+            )
+        return _decode_metadata(json.loads(checkpoint.read(METADATA_SHARD)))
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self._storage = dict(metadata.storage_data or {})
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        checkpoint = self._open()
+        by_shard: dict[str, list[Any]] = {}
+        for item in plan.items:
+            by_shard.setdefault(self._storage[item.storage_index]["shard"], []).append(item)
+        for shard, items in by_shard.items():
+            data = checkpoint.read(shard)  # the whole shard, verified against its CRC32C
+            for item in items:
+                info = self._storage[item.storage_index]
+                blob = data[info["offset"] : info["offset"] + info["length"]]
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(blob))
+                    continue
+                stored = _tensor_from_bytes(blob, info["dtype"], info["shape"])
+                stored = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != stored.size():
+                    raise ManifestCorruptError(
+                        f"{shard}: {item.storage_index.fqn} has size {tuple(stored.size())}, "
+                        f"the load plan expects {tuple(target.size())}"
+                    )
+                target.copy_(stored)
+                planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    array: Any = flat.view(torch.uint8).numpy()
+    return memoryview(array)
+
+
+def _tensor_from_bytes(blob: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
+    target_dtype = getattr(torch, dtype)
+    if not blob:
+        return torch.empty(shape, dtype=target_dtype)
+    raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    return raw.view(target_dtype).reshape(shape)
+
+
+# -- DCP metadata as JSON ------------------------------------------------------------------
+
+
+def _index(index: MetadataIndex) -> dict[str, Any]:
+    return {
+        "fqn": index.fqn,
+        "offset": None if index.offset is None else list(index.offset),
+        "index": index.index,
+    }
+
+
+def _unindex(data: dict[str, Any]) -> MetadataIndex:
+    return MetadataIndex(data["fqn"], data["offset"], data["index"])
+
+
+def _encode_metadata(metadata: Metadata) -> dict[str, Any]:
+    entries: dict[str, Any] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            entries[fqn] = {"kind": "bytes"}
+            continue
+        properties = entry.properties
+        entries[fqn] = {
+            "kind": "tensor",
+            "dtype": str(properties.dtype).removeprefix("torch."),
+            "requires_grad": properties.requires_grad,
+            "size": list(entry.size),
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in entry.chunks],
+        }
+    return {
+        "format": "ckptstore.dcp-metadata",
+        "version": metadata.version,
+        "state_dict_metadata": entries,
+        "planner_data": _plain(metadata.planner_data),
+        "storage_data": [
+            {"index": _index(index), "info": info}
+            for index, info in (metadata.storage_data or {}).items()
+        ],
+    }
+
+
+def _plain(value: Any) -> Any:
+    """Planner data (tuples of path parts) as JSON lists, marked so they come back tuples."""
+    if isinstance(value, dict):
+        return {"__dict__": [[_plain(k), _plain(v)] for k, v in value.items()]}
+    if isinstance(value, (tuple, list)):
+        return {"__tuple__" if isinstance(value, tuple) else "__list__": [_plain(v) for v in value]}
+    return value
+
+
+def _unplain(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "__dict__" in value:
+            return {_unplain(k): _unplain(v) for k, v in value["__dict__"]}
+        if "__tuple__" in value:
+            return tuple(_unplain(v) for v in value["__tuple__"])
+        if "__list__" in value:
+            return [_unplain(v) for v in value["__list__"]]
+    return value
+
+
+def _decode_metadata(document: dict[str, Any]) -> Metadata:
+    if document.get("format") != "ckptstore.dcp-metadata":
+        raise ManifestCorruptError("not a ckptstore DCP metadata document")
+    entries: dict[str, Any] = {}
+    for fqn, entry in document["state_dict_metadata"].items():
+        if entry["kind"] == "bytes":
+            entries[fqn] = BytesStorageMetadata()
+            continue
+        entries[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(
+                dtype=getattr(torch, entry["dtype"]), requires_grad=entry["requires_grad"]
+            ),
+            size=torch.Size(entry["size"]),
+            chunks=[
+                ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"]))
+                for c in entry["chunks"]
+            ],
+        )
+    storage = {_unindex(e["index"]): e["info"] for e in document["storage_data"]}
+    return Metadata(
+        state_dict_metadata=entries,
+        planner_data=_unplain(document["planner_data"]),
+        storage_data=storage,
+        version=document.get("version"),
+    )
