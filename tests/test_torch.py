@@ -208,3 +208,48 @@ def test_sigkilled_training_resumes_bitwise_exact(tmp_path: Path, mode: str) -> 
     assert got["state_sha256"] == expected["state_sha256"]  # parameters and optimizer state
     assert got["losses"] == expected["losses"]  # the per-step loss log, bit for bit
     assert got["counters"] == expected["counters"]
+
+
+SINGLE_PROCESS = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@SINGLE_PROCESS
+def test_dcp_save_load_and_async_save_in_one_process(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.torch.dcp import CkptStoreReader, CkptStoreWriter
+
+    store = ckptstore.open(str(tmp_path / "s"))
+    model, optimizer, _ = _trainer()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "half": torch.ones(3, dtype=torch.bfloat16), "extra": {"epoch": 4}}  # fmt: skip
+    dcp.save(state, storage_writer=CkptStoreWriter(store, 1, {"note": "dcp"}))
+    dcp.async_save(state, storage_writer=CkptStoreWriter(store, 2)).result()
+    assert store.steps() == [1, 2]
+    assert store.get(1).metadata == {"note": "dcp"}
+    fresh_model, fresh_optimizer, _ = _trainer()
+    target = {"model": fresh_model.state_dict(), "optimizer": fresh_optimizer.state_dict(),
+              "half": torch.zeros(3, dtype=torch.bfloat16), "extra": {"epoch": 0}}  # fmt: skip
+    dcp.load(target, storage_reader=CkptStoreReader(store, 1))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(target["model"][name], tensor)
+    assert torch.equal(
+        target["optimizer"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]
+    )
+    assert torch.equal(target["half"], torch.ones(3, dtype=torch.bfloat16))
+    assert target["extra"] == {"epoch": 4}
+
+
+@SINGLE_PROCESS
+def test_dcp_reader_refuses_a_checkpoint_dcp_did_not_write(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.torch.dcp import CkptStoreReader
+
+    store = ckptstore.open(str(tmp_path / "s"))
+    store.save(1, {"plain": b"x"})
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load({"w": torch.zeros(1)}, storage_reader=CkptStoreReader(store))
+    assert "not saved by torch.distributed.checkpoint" in repr(caught.value.failures)

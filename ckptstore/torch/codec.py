@@ -47,8 +47,7 @@ def encode_state(state: Any, *, copy: bool = False) -> tuple[bytes, bytes]:
             if key is None:
                 key = f"t{len(tensors)}"
                 seen[identity] = key
-                stored = tensor.to("cpu", copy=copy or tensor.device.type == "cpu")
-                tensors[key] = stored.contiguous()
+                tensors[key] = _to_host(tensor, copy=copy)
             return {_TENSOR: key}
         if isinstance(value, Mapping):
             if all(isinstance(k, str) for k in value):
@@ -72,6 +71,22 @@ def encode_state(state: Any, *, copy: bool = False) -> tuple[bytes, bytes]:
     skeleton = walk(state, "")
     blob = save_safetensors(tensors) if tensors else b""
     return blob, json.dumps(skeleton, allow_nan=False).encode("utf-8")
+
+
+def _to_host(tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
+    """A contiguous CPU tensor with the same values; a copy that ckptstore owns if ``copy``.
+
+    A CUDA tensor is copied into pinned host memory (the device-to-host copy is then a DMA,
+    and the training stream is not held by pageable memory).
+    """
+    if tensor.device.type == "cuda":
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream(tensor.device).synchronize()
+        return host
+    if copy:
+        return tensor.to("cpu", copy=True).contiguous()
+    return tensor.to("cpu").contiguous()
 
 
 def decode_state(blob: bytes, skeleton: bytes, *, map_location: Any = "cpu") -> Any:
