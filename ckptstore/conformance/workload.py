@@ -12,6 +12,7 @@ cleaned by GC, checked again, audited for leftovers, and used for one more save.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -147,8 +148,14 @@ def recover_and_check(location: Location, model: Model) -> None:
         raise InvariantViolation("I4", f"a save after recovery is not the latest: {latest}")
 
 
-def run_crash_points(new_location: LocationMaker, *, limit: int | None = None) -> CrashPointResult:
-    """Crash the standard workload at every storage call, before and after it took effect."""
+def run_crash_points(
+    new_location: LocationMaker, *, limit: int | None = None, workers: int = 4
+) -> CrashPointResult:
+    """Crash the standard workload at every storage call, before and after it took effect.
+
+    Cases are independent (each has a location of its own), so ``workers`` run at once: on
+    networked storage most of a case is waiting for answers.
+    """
     result = CrashPointResult()
     location = new_location()
     try:
@@ -161,15 +168,23 @@ def run_crash_points(new_location: LocationMaker, *, limit: int | None = None) -
     finally:
         location.destroy()
     result.calls = calls
-    for index in range(calls if limit is None else min(calls, limit)):
-        for mode in (CrashMode.BEFORE, CrashMode.AFTER):
-            _crash_case(result, new_location, big, index, mode)
+    cases = [
+        (index, mode)
+        for index in range(calls if limit is None else min(calls, limit))
+        for mode in (CrashMode.BEFORE, CrashMode.AFTER)
+    ]
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="crash-case") as pool:
+        outcomes = pool.map(lambda case: _crash_case(new_location, big, *case), cases)
+        for outcome in outcomes:  # in case order, so that reports are deterministic
+            result.cases += outcome.cases
+            result.failures.extend(outcome.failures)
     return result
 
 
 def _crash_case(
-    result: CrashPointResult, new_location: LocationMaker, big: int, index: int, mode: CrashMode
-) -> None:
+    new_location: LocationMaker, big: int, index: int, mode: CrashMode
+) -> CrashPointResult:
+    result = CrashPointResult()
     location = new_location()
     model = Model()
     plan = FaultPlan(crash_at=index, crash_mode=mode)
@@ -183,6 +198,7 @@ def _crash_case(
         _run_case(result, name, lambda: recover_and_check(location, model))
     finally:
         location.destroy()
+    return result
 
 
 def _run_case(result: CrashPointResult, name: str, body: Callable[[], None]) -> None:
