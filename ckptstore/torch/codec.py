@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
+from ckptstore.driver import Buffer
 from ckptstore.errors import InvalidInputError, ManifestCorruptError
 
-__all__ = ["decode_state", "encode_state"]
+__all__ = ["decode_state", "encode_state", "encode_state_chunks"]
 
 _TENSOR, _TUPLE, _FLOAT, _INTKEYS = "__tensor__", "__tuple__", "__float__", "__intkeys__"
 
@@ -30,6 +30,13 @@ def encode_state(state: Any, *, copy: bool = False) -> tuple[bytes, bytes]:
     ``copy``: clone every tensor first (an asynchronous save snapshots this way, so training
     may change its tensors while the bytes are written).
     """
+    chunks, skeleton = encode_state_chunks(state, copy=copy)
+    return b"".join(chunks), skeleton
+
+
+def encode_state_chunks(state: Any, *, copy: bool = False) -> tuple[list[Buffer], bytes]:
+    """Like ``encode_state``, but the safetensors file as a list of chunks: its header, then
+    each tensor's own memory, uncopied (unless ``copy``), to be streamed into a shard."""
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
 
@@ -69,8 +76,43 @@ def encode_state(state: Any, *, copy: bool = False) -> tuple[bytes, bytes]:
         )
 
     skeleton = walk(state, "")
-    blob = save_safetensors(tensors) if tensors else b""
-    return blob, json.dumps(skeleton, allow_nan=False).encode("utf-8")
+    chunks = _safetensors_chunks(tensors) if tensors else []
+    return chunks, json.dumps(skeleton, allow_nan=False).encode("utf-8")
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}  # fmt: skip
+
+
+def _safetensors_chunks(tensors: dict[str, torch.Tensor]) -> list[Buffer]:
+    """The safetensors format, streamed: 8-byte header length, JSON header padded with spaces
+    to 8 bytes, then every tensor's bytes in header order (the layout safetensors reads)."""
+    header: dict[str, Any] = {}
+    views: list[Buffer] = []
+    offset = 0
+    for name, tensor in tensors.items():
+        dtype = _SAFETENSORS_DTYPES.get(tensor.dtype)
+        if dtype is None:
+            raise InvalidInputError(f"tensor dtype {tensor.dtype} cannot be stored as safetensors")
+        flat = tensor.reshape(-1)
+        size = flat.numel() * flat.element_size()
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        if size:
+            array: Any = flat.view(torch.uint8).numpy()
+            views.append(memoryview(array))
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return [len(text).to_bytes(8, "little") + text, *views]
 
 
 def _to_host(tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:

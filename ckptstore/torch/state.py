@@ -15,10 +15,11 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from ckptstore.checkpoint import Checkpoint
+from ckptstore.driver import Buffer
 from ckptstore.errors import InvalidInputError
 from ckptstore.names import check_shard_name
 from ckptstore.store import Store
-from ckptstore.torch.codec import decode_state, encode_state
+from ckptstore.torch.codec import decode_state, encode_state_chunks
 from ckptstore.torch.rng import capture_rng, restore_rng
 
 __all__ = ["Snapshot", "Stateful", "load_state", "save_state", "snapshot_state", "write_snapshot"]
@@ -38,14 +39,14 @@ class Stateful(Protocol):
 class Snapshot:
     """Encoded shards of a trainer state, owned by ckptstore (training may go on)."""
 
-    def __init__(self, shards: dict[str, bytes], metadata: dict[str, Any]) -> None:
+    def __init__(self, shards: dict[str, list[Buffer]], metadata: dict[str, Any]) -> None:
         self.shards = shards
         self.metadata = metadata
 
     @property
     def size(self) -> int:
         """Bytes held."""
-        return sum(len(blob) for blob in self.shards.values())
+        return sum(memoryview(c).nbytes for chunks in self.shards.values() for c in chunks)
 
 
 def _check_components(components: Mapping[str, Any]) -> None:
@@ -65,16 +66,16 @@ def snapshot_state(
 ) -> Snapshot:
     """Encode the state now into bytes ckptstore owns; the trainer may then change it."""
     _check_components(components)
-    shards: dict[str, bytes] = {}
+    shards: dict[str, list[Buffer]] = {}
     for name, component in components.items():
         state = component.state_dict() if isinstance(component, Stateful) else component
-        tensors, skeleton = encode_state(state, copy=copy)
+        tensors, skeleton = encode_state_chunks(state, copy=copy)
         shards[f"{name}.safetensors"] = tensors
-        shards[f"{name}.json"] = skeleton
+        shards[f"{name}.json"] = [skeleton]
     if rng:
-        tensors, skeleton = encode_state(capture_rng(), copy=copy)
+        tensors, skeleton = encode_state_chunks(capture_rng(), copy=copy)
         shards[f"{RNG}.safetensors"] = tensors
-        shards[f"{RNG}.json"] = skeleton
+        shards[f"{RNG}.json"] = [skeleton]
     document = dict(metadata or {})
     document["components"] = sorted(components)
     if counters:
@@ -96,8 +97,8 @@ def write_snapshot(
     the sealing of the manifest, just before the atomic publish.
     """
     with store.begin(step, snapshot.metadata) as pending:
-        for name, blob in snapshot.shards.items():
-            pending.write(name, blob)
+        for name, chunks in snapshot.shards.items():
+            pending.write(name, chunks)
         for name, seconds in (timings or {}).items():
             pending.add_timing(name, seconds)
         if started is not None:
