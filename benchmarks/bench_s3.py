@@ -15,7 +15,7 @@ import torch
 from boto3.s3.transfer import TransferConfig
 
 import ckptstore
-from benchmarks.harness import measure, print_table, sizes
+from ckptstore.benchmarking import measure, print_table, sizes
 from ckptstore.embedded import embedded_seaweedfs
 
 MiB = 2**20

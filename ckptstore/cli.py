@@ -19,7 +19,12 @@ from datetime import timedelta
 from typing import Any, TextIO
 
 from ckptstore.checkpoint import Checkpoint
-from ckptstore.errors import BackendUnavailableError, CkptStoreError, IntegrityError
+from ckptstore.errors import (
+    BackendUnavailableError,
+    CkptStoreError,
+    IntegrityError,
+    InvalidOptionError,
+)
 from ckptstore.progress import ProgressBar
 from ckptstore.store import DEFAULT_GRACE, Store, open_store
 
@@ -317,6 +322,17 @@ def cmd_lifecycle(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
+    from ckptstore.bench import run_bench
+    from ckptstore.benchmarking import sizes
+
+    try:
+        size = sizes([args.size])[0]
+    except (ValueError, IndexError, KeyError) as exc:
+        raise InvalidOptionError(f"--size {args.size!r}: use a size like 256M or 2G") from exc
+    return run_bench(args.url, size, args.repeats, out)
+
+
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     from ckptstore.demo import run_demo
 
@@ -362,6 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("rollback", "delete every checkpoint newer than STEP")
     p.add_argument("step", type=int)
     p.set_defaults(func=cmd_rollback)
+    p = command("bench", "save and load through ckptstore against the storage's raw baseline")
+    p.add_argument("--size", default="256M", help="bytes to save and load (default 256M)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.set_defaults(func=cmd_bench)
     p = command("lifecycle", "install the S3 rule that aborts stale multipart uploads")
     p.add_argument("--days", type=int, default=7, help="days after which to abort (default 7)")
     p.set_defaults(func=cmd_lifecycle)

@@ -142,3 +142,12 @@ def test_console_script_and_demo(tmp_path):
     assert "latest(verified=True) -> step 400" in result.stdout
     _status, text = run("ls", str(tmp_path / "demo" / "run"))
     assert [line.split()[0] for line in text.splitlines()[1:]] == ["300", "400", "500"]
+
+
+def test_bench_prints_ratios_against_the_raw_baseline(tmp_path):
+    status, text = run("bench", str(tmp_path / "b"), "--size", "2M", "--repeats", "2")
+    assert status == 0
+    assert "| raw write+fsync / read |" in text
+    assert "| ckptstore |" in text
+    assert text.count("x |") == 4  # a ratio per contender, save and load
+    assert list((tmp_path / "b").iterdir()) == []  # it cleans up after itself

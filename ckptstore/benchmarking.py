@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Result", "evict", "fsync_tree", "measure", "print_table"]
+__all__ = ["Result", "evict", "fsync_tree", "measure", "print_table", "sizes"]
 
 
 @dataclass
@@ -52,7 +52,11 @@ def measure(
 
 
 def print_table(
-    title: str, results: dict[str, Result], baseline: str, size_bytes: int | None = None
+    title: str,
+    results: dict[str, Result],
+    baseline: str,
+    size_bytes: int | None = None,
+    out: Callable[[str], object] = print,
 ) -> list[str]:
     """Print (and return) a table: median, throughput, ratio to the baseline."""
     base = results[baseline].median
@@ -64,7 +68,7 @@ def print_table(
             f"| {result.name} | {result.median * 1000:.1f} ms | {rate} | "
             f"{base / result.median:.2f}x |"
         )
-    print("\n".join(lines) + "\n", flush=True)
+    out("\n".join(lines) + "\n")
     return lines
 
 
