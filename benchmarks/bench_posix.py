@@ -48,8 +48,10 @@ def main() -> None:
 
     def fresh(name: str, repeat: int) -> str:
         path = os.path.join(root, f"{name.replace(' ', '_')}-{repeat}")
-        shutil.rmtree(path, ignore_errors=True)
+        if name in paths:
+            shutil.rmtree(paths[name], ignore_errors=True)  # this contender's previous save
         paths[name] = path
+        os.sync()  # start every contender with no dirty pages left by the previous one
         return path
 
     def raw_save(repeat: int) -> None:
