@@ -39,6 +39,9 @@ class AsyncSaver:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._futures: list[Future[Checkpoint]] = []
+        # One set of host buffers per save in flight, reused from save to save: a snapshot is
+        # then a copy into memory that is already there (no allocation, no page faults).
+        self._buffer_sets: list[dict[str, Any]] = []
         self._closed = False
         self.in_flight_peak = 0
         self._in_flight = 0
@@ -58,31 +61,43 @@ class AsyncSaver:
         self._raise_background_error()
         started = time.perf_counter()
         self._slots.acquire()  # backpressure: wait for a save in flight to finish
+        with self._lock:
+            buffers = self._buffer_sets.pop() if self._buffer_sets else {}
         try:
             snapshot = snapshot_state(
-                components, counters=counters, metadata=metadata, rng=rng, copy=True
+                components,
+                counters=counters,
+                metadata=metadata,
+                rng=rng,
+                copy=True,
+                buffers=buffers,
             )
         except BaseException:
-            self._slots.release()
+            self._release(buffers)
             raise
         blocked = time.perf_counter() - started
         with self._lock:
             self._in_flight += 1
             self.in_flight_peak = max(self.in_flight_peak, self._in_flight)
         future = self._executor.submit(self._write, step, snapshot, started, blocked)
-        future.add_done_callback(self._finished)
+        future.add_done_callback(lambda done: self._finished(done, buffers))
         self._futures.append(future)
         return future
 
     def _write(self, step: int, snapshot: Snapshot, started: float, blocked: float) -> Checkpoint:
         return write_snapshot(self.store, step, snapshot, {"blocked_s": blocked}, started=started)
 
-    def _finished(self, future: Future[Checkpoint]) -> None:
+    def _finished(self, future: Future[Checkpoint], buffers: dict[str, Any]) -> None:
         with self._lock:
             self._in_flight -= 1
             error = future.exception()
             if error is not None and self._error is None:
                 self._error = error
+        self._release(buffers)
+
+    def _release(self, buffers: dict[str, Any]) -> None:
+        with self._lock:
+            self._buffer_sets.append(buffers)  # free for the next snapshot
         self._slots.release()
 
     def _raise_background_error(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -34,9 +34,18 @@ def encode_state(state: Any, *, copy: bool = False) -> tuple[bytes, bytes]:
     return b"".join(chunks), skeleton
 
 
-def encode_state_chunks(state: Any, *, copy: bool = False) -> tuple[list[Buffer], bytes]:
+HostCopier = Callable[[str, torch.Tensor], torch.Tensor]
+"""Copies a tensor (by its key in the state) into host memory that the caller owns."""
+
+
+def encode_state_chunks(
+    state: Any, *, copy: bool = False, copier: HostCopier | None = None
+) -> tuple[list[Buffer], bytes]:
     """Like ``encode_state``, but the safetensors file as a list of chunks: its header, then
-    each tensor's own memory, uncopied (unless ``copy``), to be streamed into a shard."""
+    each tensor's own memory, uncopied (unless ``copy``), to be streamed into a shard.
+
+    ``copier`` (with ``copy``) places the copies, e.g. into buffers reused from save to save.
+    """
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
 
@@ -54,7 +63,10 @@ def encode_state_chunks(state: Any, *, copy: bool = False) -> tuple[list[Buffer]
             if key is None:
                 key = f"t{len(tensors)}"
                 seen[identity] = key
-                tensors[key] = _to_host(tensor, copy=copy)
+                if copy and copier is not None:
+                    tensors[key] = copier(key, tensor)
+                else:
+                    tensors[key] = _to_host(tensor, copy=copy)
             return {_TENSOR: key}
         if isinstance(value, Mapping):
             if all(isinstance(k, str) for k in value):

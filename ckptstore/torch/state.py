@@ -14,6 +14,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.driver import Buffer
 from ckptstore.errors import InvalidInputError
@@ -63,13 +65,19 @@ def snapshot_state(
     metadata: Mapping[str, Any] | None = None,
     rng: bool = True,
     copy: bool = True,
+    buffers: dict[str, Any] | None = None,
 ) -> Snapshot:
-    """Encode the state now into bytes ckptstore owns; the trainer may then change it."""
+    """Encode the state now into bytes ckptstore owns; the trainer may then change it.
+
+    ``buffers`` (a dict kept by the caller from one snapshot to the next): host tensors the
+    copies reuse when shape and dtype match, so that a snapshot is one copy, no allocation.
+    """
     _check_components(components)
     shards: dict[str, list[Buffer]] = {}
     for name, component in components.items():
         state = component.state_dict() if isinstance(component, Stateful) else component
-        tensors, skeleton = encode_state_chunks(state, copy=copy)
+        copier = None if buffers is None else _reusing(buffers, name)
+        tensors, skeleton = encode_state_chunks(state, copy=copy, copier=copier)
         shards[f"{name}.safetensors"] = tensors
         shards[f"{name}.json"] = [skeleton]
     if rng:
@@ -81,6 +89,26 @@ def snapshot_state(
     if counters:
         document["counters"] = dict(counters)
     return Snapshot(shards, document)
+
+
+def _reusing(buffers: dict[str, Any], component: str) -> Any:
+    def copy_into(key: str, tensor: Any) -> Any:
+        slot = f"{component}/{key}"
+        host = buffers.get(slot)
+        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+            host = _new_host_buffer(tensor)
+            buffers[slot] = host
+        host.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+        if tensor.device.type == "cuda":
+            torch.cuda.current_stream(tensor.device).synchronize()
+        return host
+
+    return copy_into
+
+
+def _new_host_buffer(tensor: Any) -> Any:
+    pinned = tensor.device.type == "cuda"
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
 
 
 def write_snapshot(
