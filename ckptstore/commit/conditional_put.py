@@ -335,10 +335,8 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     def read_manifest(self, step: int) -> Manifest:
         key = self.manifest_key(step)
         try:
-            info = self.driver.head(key)
-            if info.size > MAX_MANIFEST_BYTES:
-                raise ManifestCorruptError(f"{self.url}/{key}: manifest too large")
-            data, _ = self.driver.get(key)
+            with self.driver.open_read(key) as stream:  # one request, bounded in memory
+                data = stream.read(MAX_MANIFEST_BYTES + 1)
         except ObjectNotFoundError as exc:
             raise CheckpointNotFoundError(
                 f"{self.url}: no published checkpoint at step {step}"

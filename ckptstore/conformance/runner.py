@@ -133,7 +133,7 @@ def run_backend(
 
 
 CRASH_WORKERS = 4
-MACHINE_BUDGET_S = {"ci": 40.0}
+MACHINE_BUDGET_S = {"ci": 25.0}
 """Seconds the property-based layer may take per profile (None: the profile's examples)."""
 EXAMPLE_COST_IN_CRASH_CASES = 8.0
 """An example of the state machine costs about as much storage traffic as this many crash
@@ -191,7 +191,7 @@ def _state_machine(
     budget = MACHINE_BUDGET_S.get(profile)
     if budget is not None:
         affordable = int(budget / max(per_case_s * EXAMPLE_COST_IN_CRASH_CASES, 1e-6))
-        examples = max(6, min(settings.max_examples, affordable))
+        examples = max(5, min(settings.max_examples, affordable))
         settings = hypothesis.settings(settings, max_examples=examples)
     say(f"property-based crash injection (profile {profile}, {settings.max_examples} examples)")
     printed: list[str] = []
