@@ -19,15 +19,22 @@ from ckptstore.embedded import EmbeddedS3
 WORKER = Path(__file__).parent / "dist_save_worker.py"
 
 
-def _torchrun(
-    url: str, step: int, ranks: int, *extra: str, env: dict[str, str] | None = None
+def _launch(
+    worker: Path, ranks: int, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
+    """Run ``worker`` under torchrun with ``ranks`` CPU processes (gloo)."""
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={ranks}", str(WORKER), "--store", url, "--step", str(step), *extra],
+         f"--nproc-per-node={ranks}", str(worker), *args],
         capture_output=True, text=True, timeout=180, check=False,
         env={**os.environ, **(env or {})},
     )  # fmt: skip
+
+
+def _torchrun(
+    url: str, step: int, ranks: int, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return _launch(WORKER, ranks, "--store", url, "--step", str(step), *extra, env=env)
 
 
 def _target(
@@ -84,13 +91,8 @@ DCP_WORKER = Path(__file__).parent / "dist_dcp_worker.py"
 def _dcp(
     url: str, mode: str, step: int, ranks: int, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={ranks}", str(DCP_WORKER), "--store", url, "--mode", mode,
-         "--step", str(step), *extra],
-        capture_output=True, text=True, timeout=180, check=False,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    args = ("--store", url, "--mode", mode, "--step", str(step), *extra)
+    return _launch(DCP_WORKER, ranks, *args, env=env)
 
 
 @pytest.mark.slow
