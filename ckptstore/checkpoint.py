@@ -8,7 +8,9 @@ differ; ``read`` and ``read_into`` check before they return anything.
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, BinaryIO
@@ -20,7 +22,21 @@ from ckptstore.manifest import Manifest, ShardRecord
 __all__ = ["Checkpoint", "ShardReader", "VerifyReport"]
 
 _CHUNK = 8 * 1024 * 1024
+_PIPELINE_PIECE = 16 * 1024 * 1024
+"""A read at least twice this large checksums each piece while the next one is read."""
 Opener = Callable[[Manifest, ShardRecord], BinaryIO]
+
+_crc_executor: ThreadPoolExecutor | None = None
+_crc_executor_lock = threading.Lock()
+
+
+def _checksum_executor() -> ThreadPoolExecutor:
+    """Threads that checksum pieces already read while the reader reads the next ones."""
+    global _crc_executor
+    with _crc_executor_lock:
+        if _crc_executor is None:
+            _crc_executor = ThreadPoolExecutor(4, thread_name_prefix="ckptstore-crc")
+        return _crc_executor
 
 
 class ShardReader(io.RawIOBase):
@@ -43,13 +59,47 @@ class ShardReader(io.RawIOBase):
         if remaining <= 0:
             self._finish()
             return 0
-        count = self._raw.readinto(view[:remaining])  # type: ignore[attr-defined]
+        view = view[:remaining]
+        if view.nbytes >= 2 * _PIPELINE_PIECE and not view.readonly:
+            count = self._readinto_pipelined(view)
+        else:
+            count = self._raw.readinto(view) or 0  # type: ignore[attr-defined]
+            self._crc.update(view[:count])
         if not count:
             self._fail(f"truncated: {self._crc.size} of {self.record.size} bytes")
-        self._crc.update(view[:count])
         if self._crc.size == self.record.size:
             self._finish()
         return int(count)
+
+    def _readinto_pipelined(self, view: memoryview) -> int:
+        """Fill ``view`` piece by piece, checksumming each piece while the next is read.
+
+        Every piece is checksummed before this returns, so the caller's buffer is never read
+        by another thread after it has it back.
+        """
+        got = 0
+        checksumming: Future[None] | None = None
+        try:
+            while got < view.nbytes:
+                piece = view[got : got + _PIPELINE_PIECE]
+                count = 0
+                while count < piece.nbytes:
+                    more = self._raw.readinto(piece[count:])  # type: ignore[attr-defined]
+                    if not more:
+                        break
+                    count += more
+                if checksumming is not None:
+                    checksumming.result()
+                    checksumming = None
+                if count:
+                    checksumming = _checksum_executor().submit(self._crc.update, piece[:count])
+                got += count
+                if count < piece.nbytes:
+                    break
+        finally:
+            if checksumming is not None:
+                checksumming.result()
+        return got
 
     def readall(self) -> bytes:
         """Read the rest of the shard; verified before it is returned."""

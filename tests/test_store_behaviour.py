@@ -244,6 +244,22 @@ class TestIntegrity:
         assert fallback.step == 1
         assert fallback.read("w") == _blob(300_000, 1)
 
+    def test_large_reads_checksum_every_piece(self, backend, store):
+        """A read into a large buffer checksums pieces in another thread: none may be skipped."""
+        size = 2 * 16 * MiB + 5
+        data = _blob(size, 3)
+        store.save(1, {"w": data})
+        buffer = bytearray(size)
+        assert store.get(1).read_into("w", buffer) == size
+        assert buffer == data
+        for index in (7, 16 * MiB + 3, size - 1):
+            backend.rewrite_shard(store, 1, "w", lambda d, i=index: _flip_bit(data, i))
+            with pytest.raises(ShardCorruptError, match="CRC32C"):
+                store.get(1).read_into("w", bytearray(size))
+        backend.rewrite_shard(store, 1, "w", lambda d: data[:-1] + b"\0\0")
+        with pytest.raises(ShardCorruptError):
+            store.get(1)  # the size differs: found without reading
+
     def test_truncated_shard(self, backend, store):
         store.save(1, {"w": b"a" * 1000})
         store.save(2, {"w": b"b" * 1000})

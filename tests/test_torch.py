@@ -20,12 +20,14 @@ from torch import nn  # noqa: E402
 
 import ckptstore  # noqa: E402
 from ckptstore import CkptStoreError, InvalidInputError  # noqa: E402
+from ckptstore.errors import ShardCorruptError  # noqa: E402
 from ckptstore.torch import (  # noqa: E402
     AsyncSaver,
     capture_rng,
     decode_state,
     encode_state,
     load_state,
+    read_tensors,
     restore_rng,
     save_state,
 )
@@ -61,6 +63,71 @@ def test_codec_round_trip_keeps_structure_dtypes_and_sharing() -> None:
 def test_codec_refuses_what_it_would_have_to_pickle() -> None:
     with pytest.raises(InvalidInputError, match="nothing is pickled"):
         encode_state({"f": lambda: 1})
+
+
+_ALL_DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn,
+    torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
+]  # fmt: skip
+
+
+def _bitwise_equal(a: Any, b: Any) -> bool:
+    return bool(
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+def test_safetensors_files_are_read_straight_into_tensors_both_ways() -> None:
+    import io
+
+    from safetensors.torch import load as safetensors_load
+    from safetensors.torch import save as safetensors_save
+
+    tensors = {f"d{i}": torch.arange(6).reshape(2, 3).to(d) for i, d in enumerate(_ALL_DTYPES)}
+    tensors |= {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
+    theirs = safetensors_save(tensors, metadata={"by": "safetensors"})
+    back = read_tensors(io.BytesIO(theirs), len(theirs))
+    assert back.keys() == tensors.keys()
+    assert all(_bitwise_equal(back[key], tensor) for key, tensor in tensors.items())
+    ours, _ = encode_state(tensors)
+    by_safetensors = safetensors_load(ours)
+    back = read_tensors(io.BytesIO(ours), len(ours))
+    assert back.keys() == by_safetensors.keys()
+    assert all(_bitwise_equal(back[key], tensor) for key, tensor in by_safetensors.items())
+
+
+def _safetensors(header: dict[str, Any], data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data
+
+
+@pytest.mark.parametrize(
+    ("blob", "problem"),
+    [
+        (b"\x01\x00", "too short"),
+        ((1 << 40).to_bytes(8, "little") + b"{}", "header length"),
+        (_safetensors({"a": {"dtype": "F32", "shape": [1 << 30], "data_offsets": [0, 4]}},
+                      b"abcd"), "do not hold"),
+        (_safetensors({"a": {"dtype": "X9", "shape": [1], "data_offsets": [0, 4]}}, b"abcd"),
+         "bad entry"),
+        (_safetensors({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                       "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, b"abcdef"),
+         "starts at 2"),
+        (_safetensors({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}, b"abcd"),
+         "the file has 4"),
+        (b"\x04\x00\x00\x00\x00\x00\x00\x00[1,]", "not JSON"),
+    ],
+)  # fmt: skip
+def test_a_damaged_safetensors_header_is_refused_before_anything_is_allocated(
+    blob: bytes, problem: str
+) -> None:
+    import io
+
+    with pytest.raises(ShardCorruptError, match=problem):
+        read_tensors(io.BytesIO(blob), len(blob))
 
 
 def test_rng_states_round_trip() -> None:

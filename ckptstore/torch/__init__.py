@@ -15,7 +15,7 @@ StorageWriter and StorageReader.
 """
 
 from ckptstore.torch.async_save import AsyncSaver
-from ckptstore.torch.codec import decode_state, encode_state
+from ckptstore.torch.codec import decode_state, encode_state, read_tensors
 from ckptstore.torch.rng import capture_rng, restore_rng
 from ckptstore.torch.state import Snapshot, Stateful, load_state, save_state, snapshot_state
 
@@ -27,6 +27,7 @@ __all__ = [
     "decode_state",
     "encode_state",
     "load_state",
+    "read_tensors",
     "restore_rng",
     "save_state",
     "snapshot_state",

@@ -8,18 +8,27 @@ Tensors that share storage (tied weights) are stored once and come back shared.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load as load_safetensors
 
 from ckptstore.driver import Buffer
-from ckptstore.errors import InvalidInputError, ManifestCorruptError
+from ckptstore.errors import InvalidInputError, ManifestCorruptError, ShardCorruptError
 
-__all__ = ["decode_state", "encode_state", "encode_state_chunks"]
+__all__ = ["decode_state", "encode_state", "encode_state_chunks", "read_tensors"]
+
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class Readable(Protocol):
+    """A binary stream that can fill a caller's buffer (a file, a ``ShardReader``)."""
+
+    def readinto(self, buffer: Any, /) -> int | None: ...
+
 
 _TENSOR, _TUPLE, _FLOAT, _INTKEYS = "__tensor__", "__tuple__", "__float__", "__intkeys__"
 
@@ -92,7 +101,7 @@ def encode_state_chunks(
     return chunks, json.dumps(skeleton, allow_nan=False).encode("utf-8")
 
 
-_SAFETENSORS_DTYPES = {
+_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
@@ -143,9 +152,96 @@ def _to_host(tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
     return tensor.to("cpu").contiguous()
 
 
-def decode_state(blob: bytes, skeleton: bytes, *, map_location: Any = "cpu") -> Any:
-    """Rebuild the nested state written by ``encode_state``."""
-    tensors = load_safetensors(blob) if blob else {}
+_DTYPES_BY_NAME = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+
+
+def read_tensors(stream: Readable, size: int, *, where: str = "tensors") -> dict[str, torch.Tensor]:
+    """Read a safetensors file of ``size`` bytes from ``stream`` straight into new CPU tensors.
+
+    Each tensor's bytes are read into its own memory: no intermediate copy of the file. The
+    header is checked before anything is allocated (known dtypes, sizes that match the shapes,
+    data that covers the file exactly), so a damaged header cannot ask for more memory than the
+    file holds. The stream is read to its end (a ``ShardReader`` verifies its CRC32C there).
+    """
+
+    def corrupt(problem: str) -> ShardCorruptError:
+        return ShardCorruptError(f"{where}: not a valid safetensors file: {problem}")
+
+    if size == 0:  # a state without tensors is stored as an empty shard
+        if _fill(stream, memoryview(bytearray(1))):
+            raise corrupt("longer than 0 bytes")
+        return {}
+    prefix = bytearray(8)
+    if size < 8 or _fill(stream, memoryview(prefix)) != 8:
+        raise corrupt(f"{size} bytes is too short")
+    header_size = int.from_bytes(prefix, "little")
+    if not 2 <= header_size <= min(_MAX_HEADER, size - 8):
+        raise corrupt(f"header length {header_size} does not fit a {size}-byte file")
+    header_bytes = bytearray(header_size)
+    if _fill(stream, memoryview(header_bytes)) != header_size:
+        raise corrupt("truncated header")
+    try:
+        header = json.loads(header_bytes.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise corrupt(f"header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise corrupt("header is not a JSON object")
+    layout: list[tuple[int, str, torch.dtype, list[int], int]] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES_BY_NAME[entry["dtype"]]
+            shape = [int(d) for d in entry["shape"]]
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise corrupt(f"tensor {name!r} has a bad entry {entry!r}") from exc
+        nbytes = math.prod(shape) * dtype.itemsize
+        if min(shape, default=0) < 0 or end - begin != nbytes:
+            raise corrupt(f"tensor {name!r}: offsets {begin}..{end} do not hold shape {shape}")
+        layout.append((begin, name, dtype, shape, nbytes))
+    layout.sort(key=lambda item: item[0])
+    position = 0
+    for begin, name, _dtype, _shape, nbytes in layout:
+        if begin != position:
+            raise corrupt(f"tensor {name!r} starts at {begin}, expected {position}")
+        position = begin + nbytes
+    if position != size - 8 - header_size:
+        raise corrupt(f"tensors hold {position} bytes, the file has {size - 8 - header_size}")
+    tensors: dict[str, torch.Tensor] = {}
+    for _begin, name, dtype, shape, nbytes in layout:
+        tensor = torch.empty(shape, dtype=dtype)
+        if nbytes:
+            array: Any = tensor.reshape(-1).view(torch.uint8).numpy()
+            if _fill(stream, memoryview(array)) != nbytes:
+                raise corrupt(f"truncated in tensor {name!r}")
+        tensors[name] = tensor
+    if _fill(stream, memoryview(bytearray(1))):
+        raise corrupt(f"longer than {size} bytes")
+    return tensors
+
+
+def _fill(stream: Readable, view: memoryview) -> int:
+    """Read until ``view`` is full or the stream ends; return the bytes read."""
+    got = 0
+    while got < view.nbytes:
+        count = stream.readinto(view[got:])
+        if not count:
+            break
+        got += count
+    return got
+
+
+def decode_state(
+    tensors: bytes | Mapping[str, torch.Tensor], skeleton: bytes, *, map_location: Any = "cpu"
+) -> Any:
+    """Rebuild the nested state written by ``encode_state``.
+
+    ``tensors``: the safetensors bytes, or the tensors already read (``read_tensors``).
+    """
+    if isinstance(tensors, (bytes, bytearray, memoryview)):
+        blob = bytes(tensors)
+        tensors = read_tensors(io.BytesIO(blob), len(blob)) if blob else {}
     if map_location is not None:
         tensors = {k: v.to(map_location) for k, v in tensors.items()}
     try:
@@ -156,7 +252,10 @@ def decode_state(blob: bytes, skeleton: bytes, *, map_location: Any = "cpu") -> 
     def build(value: Any) -> Any:
         if isinstance(value, dict):
             if set(value) == {_TENSOR}:
-                return tensors[value[_TENSOR]]
+                key = value[_TENSOR]
+                if not isinstance(key, str) or key not in tensors:
+                    raise ManifestCorruptError(f"state skeleton names a missing tensor {key!r}")
+                return tensors[key]
             if set(value) == {_TUPLE}:
                 return tuple(build(v) for v in value[_TUPLE])
             if set(value) == {_FLOAT}:

@@ -21,7 +21,7 @@ from ckptstore.driver import Buffer
 from ckptstore.errors import InvalidInputError
 from ckptstore.names import check_shard_name
 from ckptstore.store import Store
-from ckptstore.torch.codec import decode_state, encode_state_chunks
+from ckptstore.torch.codec import decode_state, encode_state_chunks, read_tensors
 from ckptstore.torch.rng import capture_rng, restore_rng
 
 __all__ = ["Snapshot", "Stateful", "load_state", "save_state", "snapshot_state", "write_snapshot"]
@@ -165,18 +165,22 @@ def load_state(
     """
     restored: dict[str, Any] = {}
     for name, component in components.items():
-        state = decode_state(
-            checkpoint.read(f"{name}.safetensors"),
-            checkpoint.read(f"{name}.json"),
-            map_location=map_location,
-        )
+        state = _read_state(checkpoint, name, map_location)
         if isinstance(component, Stateful):
             component.load_state_dict(state)
         else:
             restored[name] = state
     if rng and f"{RNG}.json" in checkpoint.shards:
-        restore_rng(
-            decode_state(checkpoint.read(f"{RNG}.safetensors"), checkpoint.read(f"{RNG}.json"))
-        )
+        restore_rng(_read_state(checkpoint, RNG, None))
     restored["counters"] = dict(checkpoint.metadata.get("counters", {}))
     return restored
+
+
+def _read_state(checkpoint: Checkpoint, name: str, map_location: Any) -> Any:
+    """One component's state: its tensors read straight into new tensors, verified."""
+    skeleton = checkpoint.read(f"{name}.json")
+    shard = f"{name}.safetensors"
+    with checkpoint.open(shard) as stream:
+        where = f"{checkpoint.url} step {checkpoint.step}: shard {shard!r}"
+        tensors = read_tensors(stream, checkpoint.shards[shard].size, where=where)
+    return decode_state(tensors, skeleton, map_location=map_location)
