@@ -120,6 +120,13 @@ class FileSystemDriver(Protocol):
     def write(self, handle: int, data: Buffer) -> None:
         """Append all of ``data`` to the open file."""
 
+    def start_writeback(self, handle: int) -> None:
+        """Start writing the open file's data to storage without waiting; promises nothing.
+
+        A hint that lets the writeback of one shard overlap the writing of the next; only
+        ``fsync`` makes data durable. Drivers without such a call do nothing.
+        """
+
     def fsync(self, handle: int) -> None:
         """Make the open file's data durable."""
 

@@ -20,6 +20,7 @@ from ckptstore.errors import (
     CoverageError,
     InvalidInputError,
     ShardExistsError,
+    StorageError,
 )
 from ckptstore.manifest import ShardRecord, WriterInfo
 from ckptstore.names import check_shard_name
@@ -40,7 +41,7 @@ ShardData = bytes | bytearray | memoryview | _Readable | Iterable[Any] | Any
 
 
 class ShardWriter:
-    """Streams one shard into its attempt; ``close`` makes it durable and records it."""
+    """Streams one shard into its attempt; ``close`` finishes and records it (durable at seal)."""
 
     def __init__(self, pending: PendingCheckpoint, name: str, sink: ShardSink) -> None:
         self.name = name
@@ -65,13 +66,20 @@ class ShardWriter:
         return self._crc.size
 
     def close(self) -> ShardRecord:
-        """Make the shard durable and add it to the checkpoint; return its record."""
+        """Finish the shard and add it to the checkpoint; return its record.
+
+        The shard is durable once the checkpoint is sealed (``publish`` seals first).
+        """
         if self._record is not None:
             return self._record
         if self._closed:
             raise CheckpointStateError(f"shard {self.name!r} was aborted")
         self._closed = True
-        locator = self._sink.close()
+        try:
+            locator = self._sink.close()
+        except BaseException:
+            self._pending._shard_failed(self.name)
+            raise
         record = ShardRecord(self.name, self._crc.size, self._crc.hexdigest(), dict(locator))
         self._pending._add_record(record)
         self._record = record
@@ -127,6 +135,7 @@ class PendingCheckpoint:
         expected: frozenset[str] | None,
         writer: WriterInfo,
         open_sink: Callable[[str, int | None], ShardSink],
+        seal: Callable[[], None],
         publish: Callable[[PendingCheckpoint], Checkpoint],
         abort: Callable[[PendingCheckpoint], None],
     ) -> None:
@@ -140,6 +149,7 @@ class PendingCheckpoint:
         self.started_perf = time.perf_counter()
         self.timings: dict[str, float] = {}
         self._open_sink = open_sink
+        self._seal = seal
         self._publish = publish
         self._abort = abort
         self._lock = threading.Lock()
@@ -229,6 +239,24 @@ class PendingCheckpoint:
                 for chunk in data:
                     writer.write(chunk)
         return writer.close()
+
+    def seal(self) -> list[ShardRecord]:
+        """Make every shard closed so far durable; return their records (the receipts).
+
+        ``publish`` seals by itself. A process that joined another's attempt (``Store.join``)
+        seals before it sends its receipts to the coordinator.
+        """
+        self._check_open()
+        return self._seal_records()
+
+    def _seal_records(self) -> list[ShardRecord]:
+        records = self.records
+        try:
+            self._seal()  # makes durable every shard recorded before it started
+        except StorageError:
+            self.state = "failed"  # a shard's data may be lost: this attempt is done
+            raise
+        return records
 
     def add_receipts(self, records: Iterable[ShardRecord]) -> None:
         """Add shards that other processes wrote into this attempt (multi-rank saves).

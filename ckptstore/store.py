@@ -110,6 +110,7 @@ class Store:
             expected=expected,
             writer=WriterInfo.current(world_size=world_size),
             open_sink=lambda name, size: self.strategy.open_shard(step, attempt_id, name, size),
+            seal=lambda: self.strategy.seal(step, attempt_id),
             publish=self._publish,
             abort=self._abort,
         )
@@ -117,8 +118,8 @@ class Store:
     def join(self, step: int, attempt: str) -> PendingCheckpoint:
         """Write shards into an attempt that a coordinator began in another process.
 
-        The returned checkpoint cannot publish: send its ``records`` (receipts) to the
-        coordinator, whose ``add_receipts`` and ``publish`` commit all ranks' shards at once.
+        The returned checkpoint cannot publish: ``seal`` it and send the receipts it returns to
+        the coordinator, whose ``add_receipts`` and ``publish`` commit all ranks' shards at once.
         """
         check_step(step)
         attempt_id = check_attempt_id(attempt)
@@ -136,8 +137,9 @@ class Store:
             expected=None,
             writer=WriterInfo.current(),
             open_sink=lambda name, size: self.strategy.open_shard(step, attempt_id, name, size),
+            seal=lambda: self.strategy.seal(step, attempt_id),
             publish=refuse,
-            abort=lambda pending: None,  # the coordinator aborts; GC removes what is left
+            abort=lambda pending: self.strategy.release(step, attempt_id),
         )
 
     def save(
@@ -157,11 +159,21 @@ class Store:
         except CkptStoreError:
             self._abort(pending)
             raise
+        pending.state = "publishing"  # no shard may start now
+        try:
+            shards = tuple(pending._seal_records())
+        except StorageError:
+            pending.state = "open"
+            self._abort(pending)  # a shard may not be durable: nothing can publish this attempt
+            raise
+        except BaseException:
+            pending.state = "failed"
+            raise
         write_s = time.perf_counter() - pending.started_perf
         manifest = Manifest(
             step=pending.step,
             attempt=pending.attempt,
-            shards=tuple(pending.records),
+            shards=shards,
             writer=pending.writer,
             created_at=datetime.fromtimestamp(pending.started, timezone.utc),
             committed_at=datetime.fromtimestamp(self.clock(), timezone.utc),
@@ -169,7 +181,6 @@ class Store:
             metadata=pending.metadata,
             backend=self.strategy.name,
         )
-        pending.state = "publishing"
         try:
             self.strategy.publish(manifest)
         except CheckpointExistsError:

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from ckptstore import CheckpointExistsError, StoreNotFoundError
+from ckptstore import CheckpointExistsError, CheckpointStateError, StoreNotFoundError
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.rename import RenameCommit
-from ckptstore.errors import ObjectNotFoundError, TargetExistsError
+from ckptstore.errors import ObjectNotFoundError, StorageError, TargetExistsError
 from ckptstore.store import Store
 
 
@@ -31,10 +31,9 @@ class RecordingDriver:
             result = method(*args)
             if name == "create":
                 self.paths[result] = args[0]
+            by_handle = name in ("write", "fsync", "close", "start_writeback")
             shown = tuple(
-                self.paths.get(a, a) if name in ("write", "fsync", "close") else a
-                for a in args
-                if isinstance(a, (str, int))
+                self.paths.get(a, a) if by_handle else a for a in args if isinstance(a, (str, int))
             )
             self.calls.append((name, *map(str, shown)))
             return result
@@ -55,15 +54,18 @@ def test_publish_makes_everything_durable_before_and_after_the_rename(recorded):
     with store.begin(7) as pending:
         pending.write("model/layer0/w.bin", b"w" * 10)
         pending.write("trainer.json", b"{}")
+        shards = [c[1] for c in driver.calls if c[0] == "create"]
         driver.calls.clear()
     calls = driver.calls
     staging = next(c[1] for c in calls if c[0] == "rename_noreplace")
     index = {c: i for i, c in enumerate(calls)}
     manifest = f"{staging}/manifest.json"
-    assert calls[0] == ("create", manifest)
+    for shard in shards:  # sealed: every shard durable before the manifest exists
+        assert index[("fsync", shard)] < index[("close", shard)] < index[("create", manifest)]
     assert index[("fsync", manifest)] < index[("close", manifest)]
     for directory in ("data/model/layer0", "data/model", "data", ""):
         path = f"{staging}/{directory}".rstrip("/")
+        assert index[("close", manifest)] < index[("fsync_dir", path)]
         assert (
             index[("fsync_dir", path)]
             < index[("rename_noreplace", staging, "step-" + "0" * 19 + "7")]
@@ -84,16 +86,77 @@ def test_publish_makes_everything_durable_before_and_after_the_rename(recorded):
     ]
 
 
-def test_every_shard_is_fsynced_before_it_counts(recorded):
+def test_a_closed_shard_starts_its_writeback_and_is_fsynced_at_the_seal(recorded):
     store, driver = recorded
     pending = store.begin(1)
     writer = pending.open_shard("a")
     writer.write(b"123")
-    assert not any(c[0] == "fsync" for c in driver.calls)
     writer.close()
     path = next(c[1] for c in driver.calls if c[0] == "create")
+    assert driver.calls[-1] == ("start_writeback", path)
+    assert not any(c[0] in ("fsync", "close") for c in driver.calls)
+    assert [r.name for r in pending.seal()] == ["a"]
     assert driver.calls[-2:] == [("fsync", path), ("close", path)]
     pending.abort()
+
+
+def test_at_most_64_closed_shards_wait_for_their_fsync(recorded):
+    store, driver = recorded
+    pending = store.begin(1)
+    for i in range(70):
+        pending.write(f"s{i:02d}", b"x")
+    fsynced = [c[1].rsplit("/", 1)[1] for c in driver.calls if c[0] == "fsync"]
+    assert fsynced == [f"s{i:02d}" for i in range(6)]  # the oldest first
+    pending.abort()
+    closed = {c[1] for c in driver.calls if c[0] == "close"}
+    assert len(closed) == 70  # an abort closes what it held open
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+class FailingFsync(RecordingDriver):
+    """fsync fails (EIO) for every file named ``bad``."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "fsync":
+            return super().__getattr__(name)
+
+        def fsync(handle: int) -> None:
+            if self.paths[handle].endswith("/bad"):
+                raise StorageError(5, "fsync: Input/output error")
+            self.inner.fsync(handle)
+
+        return fsync
+
+
+def test_a_failed_fsync_fails_the_publish_and_every_later_seal(tmp_path):
+    driver = FailingFsync(PosixDriver(str(tmp_path / "store")))
+    store = Store(RenameCommit(driver))  # type: ignore[arg-type]
+    store.strategy.open_root(create=True)
+    before = _open_fds()
+    pending = store.begin(1)
+    pending.write("bad", b"lost")
+    pending.write("good", b"kept")
+    with pytest.raises(StorageError, match="Input/output"):
+        pending.publish()
+    assert pending.state == "aborted"
+    assert store.steps() == []
+    assert os.listdir(tmp_path / "store") == []  # the attempt was removed
+    assert _open_fds() == before
+    coordinator = store.begin(2)
+    joined = store.join(2, coordinator.attempt)
+    joined.write("bad", b"lost")
+    with pytest.raises(StorageError):
+        joined.seal()
+    with pytest.raises(CheckpointStateError, match="failed"):
+        joined.write("late", b"x")  # the attempt is done: the first shard's data may be gone
+    with pytest.raises(CheckpointStateError, match="failed"):
+        joined.seal()
+    joined.abort()
+    coordinator.abort()
+    assert _open_fds() == before
 
 
 def test_rename_noreplace_never_replaces(tmp_path):

@@ -27,7 +27,7 @@ __all__ = ["CommitStrategy", "GcItem", "GcReport", "ShardProblem", "ShardSink"]
 
 
 class ShardSink(abc.ABC):
-    """Where one shard's bytes go during an attempt; durable once ``close`` returns."""
+    """Where one shard's bytes go during an attempt; durable once its attempt is sealed."""
 
     @abc.abstractmethod
     def write(self, data: memoryview) -> None:
@@ -35,7 +35,11 @@ class ShardSink(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> Mapping[str, str]:
-        """Make the shard durable and return its locator for the manifest."""
+        """Finish the shard and return its locator for the manifest.
+
+        The shard is complete; it is durable once ``CommitStrategy.seal`` returns for its
+        attempt (object stores: already when ``close`` returns).
+        """
 
     @abc.abstractmethod
     def abort(self) -> None:
@@ -162,6 +166,16 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
         self, step: int, attempt: str, name: str, size_hint: int | None = None
     ) -> ShardSink:
         """Open a sink for a new shard of the attempt (``size_hint``: its size, if known)."""
+
+    def seal(self, step: int, attempt: str) -> None:
+        """Make every shard this process closed in the attempt durable (I2's first half).
+
+        Called before publish, and by each rank of a multi-rank save before it sends its
+        receipts. Strategies whose sinks are durable at close do nothing.
+        """
+
+    def release(self, step: int, attempt: str) -> None:
+        """Let go of what this process holds open for the attempt; its staged data stays."""
 
     @abc.abstractmethod
     def publish(self, manifest: Manifest) -> None:

@@ -13,13 +13,19 @@ Commit: every shard written and fsynced; the manifest written last and fsynced; 
 directory fsynced, deepest first; ``rename_noreplace(staging, final)``; the root fsynced. A
 published directory always holds a manifest, so even a plain ``rename`` fallback fails on it
 rather than replacing it.
+
+A shard's fsync waits for its data to reach the disk. To let that writeback overlap the
+writing of the next shards, a closed shard file stays open with its writeback started; the
+seal (before the manifest, or before a rank sends its receipts) fsyncs them all. At most
+``_UNSYNCED_LIMIT`` files of an attempt wait so, the oldest being fsynced first.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from ckptstore.commit.base import CommitStrategy, GcItem, GcReport, ShardProblem, ShardSink
 from ckptstore.driver import Capability, FileSystemDriver
@@ -30,6 +36,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     ShardExistsError,
     ShardMissingError,
+    StorageError,
     TargetExistsError,
 )
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord
@@ -45,11 +52,90 @@ LATEST_NAME = "LATEST"
 PENDING_MARK = ".pending-"
 TRASH_PREFIX = ".trash-"
 LATEST_TMP_PREFIX = ".LATEST.tmp-"
+_UNSYNCED_LIMIT = 64
+_RenameT = TypeVar("_RenameT", bound="RenameCommit")
+
+
+class _UnsyncedFiles:
+    """The closed shard files of one attempt whose writeback is started but not waited for.
+
+    ``seal`` fsyncs and closes them all, and from then on a file added late (a shard that was
+    still being written) is fsynced at once. A failed fsync is remembered: the attempt's data
+    may be lost, so every later seal of it fails too.
+    """
+
+    def __init__(self, driver: FileSystemDriver) -> None:
+        self._driver = driver
+        self._files: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+        self._state = "open"
+        self._failure: StorageError | None = None
+
+    def add(self, path: str, handle: int) -> None:
+        """Start the file's writeback and keep it; fsync the oldest when too many wait."""
+        with self._lock:
+            if self._state == "discarded":
+                self._driver.close(handle)
+                return
+            self._files.append((path, handle))
+            if self._state == "sealed":
+                self._sync_locked(len(self._files))
+                return
+            try:
+                self._driver.start_writeback(handle)
+            except StorageError:
+                log.debug("starting the writeback of %s failed", path, exc_info=True)
+            if len(self._files) > _UNSYNCED_LIMIT:
+                self._sync_locked(len(self._files) - _UNSYNCED_LIMIT)
+
+    def seal(self) -> None:
+        """Make every file added so far durable, or raise why one may not be."""
+        with self._lock:
+            if self._state == "open":
+                self._state = "sealed"
+            self._sync_locked(len(self._files))
+
+    def _sync_locked(self, count: int) -> None:
+        if self._failure is not None:
+            self.discard_locked()
+            raise self._failure
+        for _ in range(count):
+            _path, handle = self._files.pop(0)
+            try:
+                self._driver.fsync(handle)
+            except StorageError as exc:
+                self._failure = exc
+                self._driver.close(handle)
+                self.discard_locked()  # the attempt cannot publish: close the rest too
+                raise
+            self._driver.close(handle)
+
+    def discard(self) -> None:
+        """Close every file without waiting for it (the attempt is abandoned)."""
+        with self._lock:
+            self._state = "discarded"
+            self.discard_locked()
+
+    def discard_locked(self) -> None:
+        files, self._files = self._files, []
+        for path, handle in files:
+            try:
+                self._driver.close(handle)
+            except OSError:
+                log.debug("closing %s of an abandoned attempt failed", path, exc_info=True)
 
 
 class _FileShardSink(ShardSink):
-    def __init__(self, driver: FileSystemDriver, path: str, locator: str, handle: int) -> None:
+    def __init__(
+        self,
+        driver: FileSystemDriver,
+        unsynced: _UnsyncedFiles,
+        path: str,
+        locator: str,
+        handle: int,
+    ) -> None:
         self._driver = driver
+        self._unsynced = unsynced
         self._path = path
         self._locator = locator
         self._handle: int | None = handle
@@ -61,10 +147,7 @@ class _FileShardSink(ShardSink):
     def close(self) -> Mapping[str, str]:
         assert self._handle is not None
         handle, self._handle = self._handle, None
-        try:
-            self._driver.fsync(handle)
-        finally:
-            self._driver.close(handle)
+        self._unsynced.add(self._path, handle)
         return {"path": self._locator}
 
     def abort(self) -> None:
@@ -83,8 +166,26 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
     required_capabilities = frozenset({Capability.RENAME_NOREPLACE, Capability.DURABLE_FSYNC})
     fixed_names = frozenset({LATEST_NAME})
 
+    def __init__(self, driver: FileSystemDriver) -> None:
+        super().__init__(driver)
+        self._unsynced: dict[tuple[int, str], _UnsyncedFiles] = {}
+        self._unsynced_lock = threading.Lock()
+
+    def with_driver(self: _RenameT, driver: Any) -> _RenameT:
+        clone = super().with_driver(driver)
+        clone._unsynced = {}
+        clone._unsynced_lock = threading.Lock()
+        return clone
+
     def open_root(self, *, create: bool) -> None:
         self.driver.ensure_root(create)
+
+    def _unsynced_files(self, step: int, attempt: str) -> _UnsyncedFiles:
+        with self._unsynced_lock:
+            files = self._unsynced.get((step, attempt))
+            if files is None:
+                files = self._unsynced[step, attempt] = _UnsyncedFiles(self.driver)
+            return files
 
     # -- writing -------------------------------------------------------------------------
 
@@ -118,13 +219,27 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             handle = self.create_shard_file(path, size_hint)
         except TargetExistsError as exc:
             raise ShardExistsError(f"shard {name!r} already exists in this attempt") from exc
-        return _FileShardSink(self.driver, path, f"{DATA_DIR}/{name}", handle)
+        unsynced = self._unsynced_files(step, attempt)
+        return _FileShardSink(self.driver, unsynced, path, f"{DATA_DIR}/{name}", handle)
 
     def create_shard_file(self, path: str, size_hint: int | None) -> int:
         """Create a shard's file exclusively; subclasses may choose its layout by size."""
         return self.driver.create(path)
 
+    def seal(self, step: int, attempt: str) -> None:
+        with self._unsynced_lock:
+            files = self._unsynced.pop((step, attempt), None)
+        if files is not None:
+            files.seal()
+
+    def release(self, step: int, attempt: str) -> None:
+        with self._unsynced_lock:
+            files = self._unsynced.pop((step, attempt), None)
+        if files is not None:
+            files.discard()
+
     def publish(self, manifest: Manifest) -> None:
+        self.seal(manifest.step, manifest.attempt)
         staging = self.staging_dir(manifest.step, manifest.attempt)
         handle = self.driver.create(f"{staging}/{MANIFEST_NAME}")
         try:
@@ -148,6 +263,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         self.driver.fsync_dir("")
 
     def abort(self, step: int, attempt: str) -> None:
+        self.release(step, attempt)
         self._discard(self.staging_dir(step, attempt))
 
     # -- reading -------------------------------------------------------------------------

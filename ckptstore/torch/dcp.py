@@ -116,6 +116,7 @@ class CkptStoreWriter(StorageWriter):
                     offset += length
                     entries.append((item, info))
             receipt = dataclasses.asdict(shard.close())
+            pending.seal()  # the shard is durable before its receipt travels
             for index, (item, info) in enumerate(entries):
                 if index == 0:
                     info["receipt"] = receipt  # travels to the coordinator inside the results

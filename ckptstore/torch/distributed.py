@@ -61,7 +61,8 @@ def save_sharded(
     try:
         for name, data in shards.items():
             pending.write(name, data)
-        mine: tuple[str, Any] = ("ok", [dataclasses.asdict(r) for r in pending.records])
+        receipts = pending.seal()  # durable before the receipts travel
+        mine: tuple[str, Any] = ("ok", [dataclasses.asdict(r) for r in receipts])
     except CkptStoreError as exc:
         mine = ("error", f"rank {rank}: {exc}")
     gathered: list[Any] | None = [None] * world if rank == COORDINATOR else None
