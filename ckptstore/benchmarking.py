@@ -27,6 +27,10 @@ class Result:
     def median(self) -> float:
         return statistics.median(self.seconds)
 
+    @property
+    def best(self) -> float:
+        return min(self.seconds)
+
 
 def measure(
     contenders: dict[str, Callable[[int], object]],
@@ -58,15 +62,21 @@ def print_table(
     size_bytes: int | None = None,
     out: Callable[[str], object] = print,
 ) -> list[str]:
-    """Print (and return) a table: median, throughput, ratio to the baseline."""
-    base = results[baseline].median
-    lines = [f"### {title}", "", "| contender | median | throughput | vs " + baseline + " |",
-             "| --- | --- | --- | --- |"]  # fmt: skip
+    """Print (and return) a table: median and best time, throughput, ratios to the baseline.
+
+    Both ratios are printed: on a machine whose storage is shared, slow repeats come in bursts
+    that hit every contender (the distribution is bimodal), and the best of the repeats then
+    says more about the code than the median of few repeats does.
+    """
+    base, base_best = results[baseline].median, results[baseline].best
+    lines = [f"### {title}", "",
+             f"| contender | median | best | throughput (best) | vs {baseline} (median) | (best) |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for result in results.values():
-        rate = f"{size_bytes / result.median / 2**30:.2f} GiB/s" if size_bytes else "-"
+        rate = f"{size_bytes / result.best / 2**30:.2f} GiB/s" if size_bytes else "-"
         lines.append(
-            f"| {result.name} | {result.median * 1000:.1f} ms | {rate} | "
-            f"{base / result.median:.2f}x |"
+            f"| {result.name} | {result.median * 1000:.1f} ms | {result.best * 1000:.1f} ms | "
+            f"{rate} | {base / result.median:.2f}x | {base_best / result.best:.2f}x |"
         )
     out("\n".join(lines) + "\n")
     return lines

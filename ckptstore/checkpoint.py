@@ -22,7 +22,7 @@ from ckptstore.manifest import Manifest, ShardRecord
 __all__ = ["Checkpoint", "ShardReader", "VerifyReport"]
 
 _CHUNK = 8 * 1024 * 1024
-_PIPELINE_PIECE = 16 * 1024 * 1024
+_PIPELINE_PIECE = 64 * 1024 * 1024
 """A read at least twice this large checksums each piece while the next one is read."""
 Opener = Callable[[Manifest, ShardRecord], BinaryIO]
 

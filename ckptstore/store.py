@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -103,16 +104,18 @@ class Store:
             raise CheckpointExistsError(f"{self.url}: step {step} is already published")
         attempt_id = new_attempt_id() if attempt is None else check_attempt_id(attempt)
         self.strategy.begin(step, attempt_id)
-        return PendingCheckpoint(
-            step=step,
-            attempt=attempt_id,
-            metadata=clean_metadata,
-            expected=expected,
-            writer=WriterInfo.current(world_size=world_size),
-            open_sink=lambda name, size: self.strategy.open_shard(step, attempt_id, name, size),
-            seal=lambda: self.strategy.seal(step, attempt_id),
-            publish=self._publish,
-            abort=self._abort,
+        return self._released_when_dropped(
+            PendingCheckpoint(
+                step=step,
+                attempt=attempt_id,
+                metadata=clean_metadata,
+                expected=expected,
+                writer=WriterInfo.current(world_size=world_size),
+                open_sink=lambda name, size: self.strategy.open_shard(step, attempt_id, name, size),
+                seal=lambda: self.strategy.seal(step, attempt_id),
+                publish=self._publish,
+                abort=self._abort,
+            )
         )
 
     def join(self, step: int, attempt: str) -> PendingCheckpoint:
@@ -130,17 +133,25 @@ class Store:
                 f"{attempt_id} publishes it; send it this process's receipts"
             )
 
-        return PendingCheckpoint(
-            step=step,
-            attempt=attempt_id,
-            metadata={},
-            expected=None,
-            writer=WriterInfo.current(),
-            open_sink=lambda name, size: self.strategy.open_shard(step, attempt_id, name, size),
-            seal=lambda: self.strategy.seal(step, attempt_id),
-            publish=refuse,
-            abort=lambda pending: self.strategy.release(step, attempt_id),
+        return self._released_when_dropped(
+            PendingCheckpoint(
+                step=step,
+                attempt=attempt_id,
+                metadata={},
+                expected=None,
+                writer=WriterInfo.current(),
+                open_sink=lambda name, size: self.strategy.open_shard(step, attempt_id, name, size),
+                seal=lambda: self.strategy.seal(step, attempt_id),
+                publish=refuse,
+                abort=lambda pending: self.strategy.release(step, attempt_id),
+            )
         )
+
+    def _released_when_dropped(self, pending: PendingCheckpoint) -> PendingCheckpoint:
+        """A pending checkpoint dropped without publish or abort lets go of the files it holds
+        open (its staged data stays for GC)."""
+        weakref.finalize(pending, _release_quietly, self.strategy, pending.step, pending.attempt)
+        return pending
 
     def save(
         self, step: int, shards: Mapping[str, ShardData], metadata: Mapping[str, Any] | None = None
@@ -380,6 +391,14 @@ class Store:
     def is_empty(self) -> bool:
         """Tell whether the store holds nothing at all (no checkpoints, no leftovers)."""
         return self.strategy.is_empty()
+
+
+def _release_quietly(strategy: CommitStrategy[Any], step: int, attempt: str) -> None:
+    """Run from a finalizer, where an exception has nowhere to go: log it instead."""
+    try:
+        strategy.release(step, attempt)
+    except BaseException:  # a crash simulated by the conformance suite, too
+        log.debug("releasing attempt %s of step %d failed", attempt, step, exc_info=True)
 
 
 def open_store(

@@ -149,5 +149,5 @@ def test_bench_prints_ratios_against_the_raw_baseline(tmp_path):
     assert status == 0
     assert "| raw write+fsync / read |" in text
     assert "| ckptstore |" in text
-    assert text.count("x |") == 4  # a ratio per contender, save and load
+    assert text.count("x |") == 8  # two ratios (median, best) per contender, save and load
     assert list((tmp_path / "b").iterdir()) == []  # it cleans up after itself

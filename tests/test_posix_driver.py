@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+import ckptstore
 from ckptstore import CheckpointExistsError, CheckpointStateError, StoreNotFoundError
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.rename import RenameCommit
@@ -196,3 +197,15 @@ def test_store_root_must_exist_for_readers(tmp_path):
         open_store(f"file://{tmp_path}/file")
     store = open_store(f"file://{tmp_path}/deep/new/store")
     assert store.is_empty()
+
+
+def test_a_dropped_pending_checkpoint_closes_the_files_it_held(tmp_path):
+    import gc
+
+    store = ckptstore.open(str(tmp_path / "store"))
+    before = _open_fds()
+    for step in range(1, 300):
+        store.begin(step).write("a", b"abandoned")  # never published nor aborted
+    gc.collect()
+    assert _open_fds() == before
+    assert store.steps() == []

@@ -244,15 +244,18 @@ class TestIntegrity:
         assert fallback.step == 1
         assert fallback.read("w") == _blob(300_000, 1)
 
-    def test_large_reads_checksum_every_piece(self, backend, store):
+    def test_large_reads_checksum_every_piece(self, backend, store, monkeypatch):
         """A read into a large buffer checksums pieces in another thread: none may be skipped."""
-        size = 2 * 16 * MiB + 5
+        from ckptstore import checkpoint
+
+        monkeypatch.setattr(checkpoint, "_PIPELINE_PIECE", MiB)
+        size = 2 * MiB + 5
         data = _blob(size, 3)
         store.save(1, {"w": data})
         buffer = bytearray(size)
         assert store.get(1).read_into("w", buffer) == size
         assert buffer == data
-        for index in (7, 16 * MiB + 3, size - 1):
+        for index in (7, MiB + 3, size - 1):
             backend.rewrite_shard(store, 1, "w", lambda d, i=index: _flip_bit(data, i))
             with pytest.raises(ShardCorruptError, match="CRC32C"):
                 store.get(1).read_into("w", bytearray(size))

@@ -204,7 +204,10 @@ class PosixDriver:
 
     def open_read(self, path: str) -> BinaryIO:
         with self._translate("open", path):
-            return open(self._abs(path), "rb", buffering=_READ_BUFFER)
+            stream = open(self._abs(path), "rb", buffering=_READ_BUFFER)  # noqa: SIM115
+        with contextlib.suppress(OSError, AttributeError):  # a hint: twice the readahead
+            os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return stream
 
     def unlink(self, path: str) -> None:
         with self._translate("unlink", path):
