@@ -97,7 +97,7 @@ class _UnsyncedFiles:
 
     def _sync_locked(self, count: int) -> None:
         if self._failure is not None:
-            self.discard_locked()
+            self._close_all_locked()
             raise self._failure
         for _ in range(count):
             _path, handle = self._files.pop(0)
@@ -106,7 +106,7 @@ class _UnsyncedFiles:
             except StorageError as exc:
                 self._failure = exc
                 self._driver.close(handle)
-                self.discard_locked()  # the attempt cannot publish: close the rest too
+                self._close_all_locked()  # the attempt cannot publish: close the rest too
                 raise
             self._driver.close(handle)
 
@@ -114,9 +114,9 @@ class _UnsyncedFiles:
         """Close every file without waiting for it (the attempt is abandoned)."""
         with self._lock:
             self._state = "discarded"
-            self.discard_locked()
+            self._close_all_locked()
 
-    def discard_locked(self) -> None:
+    def _close_all_locked(self) -> None:
         files, self._files = self._files, []
         for path, handle in files:
             try:
