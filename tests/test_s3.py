@@ -148,6 +148,50 @@ def test_wrong_credentials_are_a_clear_error(seaweedfs_s3: EmbeddedS3) -> None:
     assert _keys(server, "denied/") == []
 
 
+@pytest.mark.parametrize(
+    ("operation", "listing"),
+    [("list_objects_v2", "list"), ("list_object_versions", "list_versions")],
+)
+def test_a_listing_survives_a_transient_error_between_its_pages(
+    moto_s3: EmbeddedS3, operation: str, listing: str
+) -> None:
+    """A page that fails once is asked for again from its marker: the listing is whole."""
+    from botocore.exceptions import ClientError
+
+    store = ckptstore.open(moto_s3.url(f"pages-{operation}"), **moto_s3.options)
+    for step in range(1, 8):
+        store.save(step, {"w": b"x"})
+    driver = store.strategy.driver
+    whole = sorted(info.key for info in getattr(driver, listing)(""))
+    real = getattr(driver.client, operation)
+    calls = []
+
+    def small_pages_and_one_throttle(**kwargs: Any) -> Any:
+        calls.append(kwargs)
+        if len(calls) == 3:
+            error = {"Error": {"Code": "SlowDown", "Message": "slow down"}}
+            raise ClientError(error, operation)  # type: ignore[arg-type]
+        return real(**kwargs, MaxKeys=2)
+
+    driver.client = _Wrapped(driver.client, operation, small_pages_and_one_throttle)
+    try:
+        assert sorted(info.key for info in getattr(driver, listing)("")) == whole
+    finally:
+        driver.client = driver.client.inner
+    assert len(whole) >= 8
+    assert len(calls) > 3  # several pages, one of them asked for twice
+
+
+class _Wrapped:
+    """A boto3 client with one operation replaced."""
+
+    def __init__(self, inner: Any, operation: str, replacement: Any) -> None:
+        self.inner, self._operation, self._replacement = inner, operation, replacement
+
+    def __getattr__(self, name: str) -> Any:
+        return self._replacement if name == self._operation else getattr(self.inner, name)
+
+
 def test_missing_bucket_is_a_clear_error(moto_s3: EmbeddedS3) -> None:
     url = moto_s3.url("x").replace(f"s3://{moto_s3.bucket}/", "s3://no-such-bucket-here/")
     with pytest.raises(StoreNotFoundError, match=r"no-such-bucket-here.*does not exist"):

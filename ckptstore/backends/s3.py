@@ -83,6 +83,19 @@ def _crc32c_b64(data: Buffer) -> str:
     return base64.b64encode(crc32c_of(data).to_bytes(4, "big")).decode("ascii")
 
 
+_PAGE_MARKERS: dict[str, tuple[tuple[str, str], ...]] = {
+    "list_objects_v2": (("ContinuationToken", "NextContinuationToken"),),
+    "list_object_versions": (
+        ("KeyMarker", "NextKeyMarker"), ("VersionIdMarker", "NextVersionIdMarker"),
+    ),
+    "list_multipart_uploads": (
+        ("KeyMarker", "NextKeyMarker"), ("UploadIdMarker", "NextUploadIdMarker"),
+    ),
+    "list_parts": (("PartNumberMarker", "NextPartNumberMarker"),),
+}  # fmt: skip
+"""Request parameter <- response field that continue each listing after a truncated page."""
+
+
 def _timestamp(value: Any) -> float:
     return value.timestamp() if isinstance(value, datetime) else time.time()
 
@@ -288,13 +301,26 @@ class S3Driver:
                 )
 
     def _pages(self, operation: str, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        paginator = self.client.get_paginator(operation)
-        pages = iter(paginator.paginate(**args))
+        """Every page of a listing; each page request is retried on its own.
+
+        (A botocore paginator cannot be resumed after an error: retrying ``next`` on it would
+        end the listing early, and a short listing would mislead GC and discovery.)
+        """
+        markers = _PAGE_MARKERS[operation]
+        call = getattr(self.client, operation)
+        request = dict(args)
         while True:
-            page = self._retried(operation, lambda: next(pages, None))
-            if page is None:
-                return
+            page: dict[str, Any] = self._retried(operation, lambda: call(**request))
             yield page
+            if not page.get("IsTruncated"):
+                return
+            following = {ask: page[given] for ask, given in markers if page.get(given)}
+            if not following or all(request.get(k) == v for k, v in following.items()):
+                raise StorageError(
+                    f"{self.url}: {operation} says the listing is truncated but gives no new "
+                    f"marker to continue from ({following or 'none'})"
+                )
+            request.update(following)
 
     def create_multipart(self, key: str) -> str:
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key)}
