@@ -147,10 +147,15 @@ def test_retention_and_gc_leave_only_pinned_versions(target: VersionedTarget) ->
     assert {c.step: c.read("w.bin") for c in retained} == {4: b"\x04" * 3000, 5: b"\x05" * 3000}
 
 
-def test_deleted_pinned_version_is_reported_and_skipped(target: VersionedTarget) -> None:
+@pytest.mark.parametrize("others", [0, 5])  # few shards: a HEAD each; more: one listing
+def test_deleted_pinned_version_is_reported_and_skipped(
+    target: VersionedTarget, others: int
+) -> None:
     store = target.open()
-    store.save(1, {"w.bin": b"1" * 100})
-    store.save(2, {"w.bin": b"2" * 100})
+    extra = {f"layer/{i}.bin": bytes([i]) * 10 for i in range(others)}
+    store.save(1, {"w.bin": b"1" * 100, **extra})
+    store.save(2, {"w.bin": b"2" * 100, **extra})
+    assert store.get(2).verify().ok
     record = store.get(2).shards["w.bin"]
     target.delete_version(record.locator["key"], record.locator["version_id"])
     with pytest.raises(ShardMissingError, match=r"'w\.bin' is missing"):
