@@ -85,29 +85,28 @@ def print_table(
 def fsync_tree(path: str) -> None:
     """fsync every file and directory under ``path`` (for baselines that do not)."""
     for directory, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        for name in [*files, ""]:  # "": the directory itself, after its files
+            _with_open(os.path.join(directory, name), os.fsync)
 
 
 def evict(path: str) -> None:
     """Drop ``path``'s files from the page cache, so that loads read the disk."""
+
+    def drop(fd: int) -> None:
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     for directory, _, files in os.walk(path):
         for name in files:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            _with_open(os.path.join(directory, name), drop)
+
+
+def _with_open(path: str, action: Callable[[int], object]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        action(fd)
+    finally:
+        os.close(fd)
 
 
 def sizes(text: Sequence[str]) -> list[int]:

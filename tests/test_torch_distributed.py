@@ -39,11 +39,13 @@ def _torchrun(
 
 def _target(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> tuple[str, dict[str, Any]]:
+) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """The store's URL, its options here, and the environment its worker processes need."""
     if kind == "file":
-        return f"file://{tmp_path}/store", {}
+        return f"file://{tmp_path}/store", {}, {}
     server: EmbeddedS3 = request.getfixturevalue("moto_s3")
-    return server.url(f"dist-{os.getpid()}-{tmp_path.name}"), server.options
+    url = server.url(f"dist-{os.getpid()}-{tmp_path.name}")
+    return url, server.options, server.credentials_env()
 
 
 @pytest.mark.slow
@@ -52,8 +54,7 @@ def _target(
 def test_every_rank_shard_in_one_commit(
     kind: str, ranks: int, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    url, options = _target(kind, tmp_path, request)
-    env = {} if kind == "file" else request.getfixturevalue("moto_s3").credentials_env()
+    url, options, env = _target(kind, tmp_path, request)
     result = _torchrun(url, 3, ranks, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     checkpoint = ckptstore.open(url, **options).latest()
@@ -69,8 +70,7 @@ def test_every_rank_shard_in_one_commit(
 def test_a_rank_killed_mid_save_publishes_nothing(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    url, options = _target(kind, tmp_path, request)
-    env = {} if kind == "file" else request.getfixturevalue("moto_s3").credentials_env()
+    url, options, env = _target(kind, tmp_path, request)
     assert _torchrun(url, 1, 2, env=env).returncode == 0
     started = time.monotonic()
     result = _torchrun(url, 2, 2, "--die-rank", "1", env=env)
@@ -100,8 +100,7 @@ def _dcp(
 def test_dcp_save_and_load_across_world_sizes(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    url, options = _target(kind, tmp_path, request)
-    env = {} if kind == "file" else request.getfixturevalue("moto_s3").credentials_env()
+    url, options, env = _target(kind, tmp_path, request)
     for mode, step, ranks in [("save", 1, 2), ("load", 1, 4), ("save", 2, 4), ("load", 2, 2)]:
         result = _dcp(url, mode, step, ranks, env=env)
         assert result.returncode == 0, f"{mode} {step} x{ranks}: {result.stderr[-3000:]}"
