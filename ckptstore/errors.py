@@ -15,6 +15,7 @@ and ``except ValueError`` keep working in code that does not know ckptstore::
     ├── CapabilityError                           storage lacks what the protocol needs
     ├── StoreNotFoundError (FileNotFoundError)    no store (directory, bucket) at the URL
     ├── CheckpointNotFoundError (FileNotFoundError)
+    │   └── NotACheckpointError                   named like a step, not published: a stray
     ├── ShardNotFoundError (FileNotFoundError)    no such shard name in a checkpoint
     ├── CheckpointExistsError (FileExistsError)   the step is already published (I5)
     ├── ShardExistsError (FileExistsError)        a shard name written twice in one attempt
@@ -56,6 +57,7 @@ __all__ = [
     "InvalidStepError",
     "InvalidURLError",
     "ManifestCorruptError",
+    "NotACheckpointError",
     "ObjectNotFoundError",
     "PreconditionFailedError",
     "RefusedError",
@@ -118,6 +120,11 @@ class StoreNotFoundError(CkptStoreError, FileNotFoundError):
 
 class CheckpointNotFoundError(CkptStoreError, FileNotFoundError):
     """No published checkpoint exists at the requested step (or at all)."""
+
+
+class NotACheckpointError(CheckpointNotFoundError):
+    """An entry is named like a step but the protocol did not publish it (a stray: an
+    operator's mkdir, a partial copy); ckptstore never counts, returns or deletes it."""
 
 
 class ShardNotFoundError(CkptStoreError, FileNotFoundError):

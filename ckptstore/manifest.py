@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MAX_MANIFEST_BYTES",
     "MAX_METADATA_BYTES",
+    "MAX_METADATA_DEPTH",
     "Manifest",
     "ShardRecord",
     "WriterInfo",
@@ -36,6 +38,9 @@ FORMAT_NAME = "ckptstore.manifest"
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_METADATA_BYTES = 16 * 1024 * 1024
+MAX_METADATA_DEPTH = 64
+"""Nesting of lists and objects in trainer metadata; the manifest adds two levels around it."""
+MAX_MANIFEST_DEPTH = MAX_METADATA_DEPTH + 2
 
 JSONObject = Mapping[str, Any]
 
@@ -128,8 +133,17 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestCorruptError(f"{where}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
         try:
-            document = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ManifestCorruptError(f"{where}: manifest is not UTF-8: {exc}") from exc
+        if _nesting_exceeds(text, MAX_MANIFEST_DEPTH):
+            # Checked before parsing: json's recursive parser would raise RecursionError.
+            raise ManifestCorruptError(
+                f"{where}: manifest nests lists or objects deeper than {MAX_MANIFEST_DEPTH}"
+            )
+        try:
+            document = json.loads(text)
+        except (ValueError, RecursionError) as exc:
             raise ManifestCorruptError(
                 f"{where}: manifest is not valid JSON (truncated or overwritten?): {exc}"
             ) from exc
@@ -150,11 +164,21 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     if not isinstance(metadata, Mapping):
         raise InvalidMetadataError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    if _depth(metadata) > MAX_METADATA_DEPTH:
+        raise InvalidMetadataError(
+            f"metadata nests lists or dicts deeper than {MAX_METADATA_DEPTH} levels"
+        )
     bad_key = _non_string_key(metadata)
     if bad_key is not None:
         raise InvalidMetadataError(f"metadata keys must be strings, got {bad_key}")
     try:
-        text = json.dumps(dict(metadata), allow_nan=False, sort_keys=True)
+        text = json.dumps(dict(metadata), allow_nan=False, sort_keys=True, ensure_ascii=False)
+        text.encode("utf-8")  # a lone surrogate ('\ud800') has no UTF-8 form: refused here,
+        # before any shard is written, not at publish
+    except UnicodeEncodeError as exc:
+        raise InvalidMetadataError(
+            f"metadata holds a string that is not valid Unicode (lone surrogate): {exc}"
+        ) from exc
     except (TypeError, ValueError) as exc:
         raise InvalidMetadataError(
             f"metadata must be JSON (str keys; str, int, finite float, bool, None, lists, "
@@ -164,6 +188,45 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         raise InvalidMetadataError(f"metadata larger than {MAX_METADATA_BYTES} bytes of JSON")
     result: dict[str, Any] = json.loads(text)
     return result
+
+
+def _depth(value: object) -> int:
+    """How deeply lists, tuples and mappings nest in ``value`` (iterative: no recursion limit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_METADATA_DEPTH:
+            return deepest  # enough to refuse; a cyclic value stops here too
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+_JSON_NOISE = re.compile(r'"(?:[^"\\]|\\.)*"|[^\[\]{}"]+')
+
+
+def _nesting_exceeds(text: str, limit: int) -> bool:
+    """Tell whether JSON ``text`` nests arrays and objects deeper than ``limit``.
+
+    Strings and everything but brackets are dropped first, so the walk is over brackets only.
+    """
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    level = 0
+    for bracket in _JSON_NOISE.sub("", text):
+        if bracket in "[{":
+            level += 1
+            if level > limit:
+                return True
+        elif bracket in "]}":
+            level -= 1
+    return False
 
 
 def _non_string_key(value: object) -> str | None:
@@ -261,7 +324,7 @@ def _shard_from_document(entry: object) -> ShardRecord:
     if not isinstance(entry, dict):
         raise TypeError("shard entry is not an object")
     try:
-        name = check_shard_name(entry["name"])
+        name = check_shard_name(entry["name"], stored=True)
     except ValueError as exc:
         raise ManifestCorruptError(f"unsafe shard name in manifest: {exc}") from exc
     size = _require(entry, "size", int)

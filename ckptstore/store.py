@@ -9,12 +9,14 @@ process that dies at any instant loses only its unpublished attempt.
 from __future__ import annotations
 
 import builtins
+import errno
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.commit.base import CommitStrategy, GcReport
@@ -25,25 +27,47 @@ from ckptstore.errors import (
     CkptStoreError,
     CoverageError,
     IntegrityError,
+    InvalidInputError,
     InvalidOptionError,
+    NotACheckpointError,
     RefusedError,
     ShardCorruptError,
     ShardMissingError,
     StorageError,
+    TransientStorageError,
 )
-from ckptstore.manifest import Manifest, WriterInfo, check_metadata
+from ckptstore.hint import ignore_hint
+from ckptstore.manifest import Manifest, ShardRecord, WriterInfo, check_metadata
 from ckptstore.names import check_attempt_id, check_shard_name, check_step, new_attempt_id
 from ckptstore.pending import PendingCheckpoint, ShardData
 from ckptstore.registry import resolve
 from ckptstore.retention import CheckpointAge, RetentionPolicy
 from ckptstore.urls import parse_url
 
-__all__ = ["DEFAULT_GRACE", "Store", "open_store"]
+__all__ = ["DEFAULT_GRACE", "Store", "StrayEntry", "open_store"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE = timedelta(hours=1)
 Clock = Callable[[], float]
+_LATEST_ROUNDS = 16
+"""Listings latest() makes while every candidate is deleted under it before it gives up."""
+
+
+@dataclass(frozen=True)
+class StrayEntry:
+    """An entry named like a step that is not a readable checkpoint; ckptstore leaves it alone."""
+
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Confirmed:
+    """What a Store read of a published manifest: which attempt, and when it was committed."""
+
+    attempt: str
+    committed_at: datetime
 
 
 def _seconds(value: timedelta | float, what: str) -> float:
@@ -69,6 +93,7 @@ class Store:
         self.strategy = strategy
         self.retention = retention
         self.clock = clock
+        self._confirmed: dict[int, _Confirmed] = {}
 
     @property
     def url(self) -> str:
@@ -204,7 +229,7 @@ class Store:
             pending.state = "failed"
             raise
         pending.state = "published"
-        pending.checkpoint = Checkpoint(manifest, self.strategy.open_shard_reader, self.url)
+        pending.checkpoint = Checkpoint(manifest, self._opener, self.url)
         self._after_publish(pending.step)
         return pending.checkpoint
 
@@ -227,9 +252,18 @@ class Store:
 
     def _after_publish(self, step: int) -> None:
         try:
-            self.strategy.advance_latest_hint(step)
+            hint = self._latest_hint()
+            if hint is not None and hint > step and not self.strategy.is_published(hint):
+                self.strategy.reset_latest_hint(step)  # a hint past every checkpoint: repaired
+            else:
+                self.strategy.advance_latest_hint(step)
         except StorageError as exc:
-            log.warning("%s: step %d published, LATEST hint not updated: %s", self.url, step, exc)
+            # Readers do not need the hint; say so once, not at every publish.
+            log.debug("%s: step %d published, LATEST hint not updated: %s", self.url, step, exc)
+            ignore_hint(
+                f"{self.url}/LATEST",
+                f"publishing could not rewrite it ({type(exc).__name__}, errno {exc.errno})",
+            )
         if self.retention is not None:
             try:
                 self.apply_retention()
@@ -254,43 +288,141 @@ class Store:
     # -- reading -------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Every published step, ascending (from the names; manifests are not read)."""
-        return self.strategy.published_steps()
+        """Every published checkpoint's step, ascending.
+
+        A step counts when its manifest is there and parses; an entry named like a step
+        without one is a stray (see ``strays``), never counted, returned or deleted.
+        """
+        return self._checkpoint_steps(self.strategy.published_steps())
+
+    def strays(self) -> builtins.list[StrayEntry]:
+        """Entries named like a step that are not readable checkpoints, with the reason.
+
+        Strays (an operator's mkdir, a partial copy, a damaged manifest) are left alone by
+        retention, rollback and GC; ``ls`` and ``verify`` report them.
+        """
+        found = []
+        for step in self.strategy.published_steps():
+            try:
+                self._confirm(step)
+            except CheckpointNotFoundError as exc:
+                if isinstance(exc, NotACheckpointError):
+                    found.append(StrayEntry(step, str(exc)))
+            except IntegrityError as exc:
+                found.append(StrayEntry(step, str(exc)))
+        return found
+
+    def _confirm(self, step: int) -> _Confirmed:
+        """Read ``step``'s manifest unless it was read before; cache what retention needs."""
+        known = self._confirmed.get(step)
+        if known is None:
+            manifest = self.strategy.read_manifest(step)
+            known = self._confirmed[step] = _Confirmed(manifest.attempt, manifest.committed_at)
+        return known
+
+    def _checkpoint_steps(self, candidates: Iterable[int]) -> builtins.list[int]:
+        """The ``candidates`` whose manifest parses (each read once per Store), ascending.
+
+        A published manifest never changes, so it is read once; a cached step that is no
+        longer listed is forgotten (it may be published again by another attempt).
+        """
+        listed = sorted(candidates)
+        for stale in set(self._confirmed) - set(listed):
+            self._confirmed.pop(stale, None)
+        steps = []
+        for step in listed:
+            try:
+                self._confirm(step)
+            except (CheckpointNotFoundError, IntegrityError):
+                continue
+            steps.append(step)
+        return steps
 
     def get(self, step: int) -> Checkpoint:
         """Return the published checkpoint at ``step``, checked for completeness (I1).
 
-        Raises CheckpointNotFoundError, ManifestCorruptError or ShardMissingError.
+        Raises CheckpointNotFoundError (also when a delete or retention unpublishes the step
+        while it is being checked: never an integrity error for that), NotACheckpointError for
+        a stray entry named like a step, ManifestCorruptError or ShardMissingError.
         """
         manifest = self.strategy.read_manifest(check_step(step))
         problems = self.strategy.shard_problems(manifest)
         if problems:
+            self._check_still_published(manifest)
             error = ShardMissingError if any(p.missing for p in problems) else ShardCorruptError
             raise error(
                 f"{self.url}: step {step} is damaged: {'; '.join(map(str, problems[:5]))}"
                 + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
             )
-        return Checkpoint(manifest, self.strategy.open_shard_reader, self.url)
+        self._confirmed[step] = _Confirmed(manifest.attempt, manifest.committed_at)
+        return Checkpoint(manifest, self._opener, self.url)
+
+    def _check_still_published(self, manifest: Manifest) -> None:
+        """Raise CheckpointNotFoundError if ``manifest`` is no longer the published one.
+
+        Missing shards of a checkpoint that is being unpublished (its manifest goes first) are
+        a race with a deletion, not damage.
+        """
+        try:
+            current = self.strategy.read_manifest(manifest.step)
+        except IntegrityError:
+            return
+        if current.attempt != manifest.attempt:
+            raise CheckpointNotFoundError(
+                f"{self.url}: step {manifest.step} was deleted and published again meanwhile"
+            )
+
+    def _opener(self, manifest: Manifest, record: ShardRecord) -> BinaryIO:
+        try:
+            return self.strategy.open_shard_reader(manifest, record)
+        except ShardMissingError:
+            self._check_still_published(manifest)
+            raise
 
     def latest(self, *, verified: bool = False) -> Checkpoint | None:
         """Return the newest published checkpoint, or None if there is none.
 
         With ``verified=True``, every shard's CRC32C is read and checked, and a checkpoint that
         fails is skipped for the next older one (I6). Without it, a damaged newest checkpoint
-        raises an IntegrityError rather than being silently passed over.
+        raises an IntegrityError rather than being silently passed over. A checkpoint deleted
+        while it is being read is passed over, and when the LATEST hint's candidates run out the
+        reader lists every step: None means that no checkpoint exists.
         """
-        candidates: list[int] = []
-        if not verified:
-            hint = self.strategy.read_latest_hint()
-            if hint is not None:
-                candidates = self.strategy.published_steps(min_step=hint)
-        if not candidates:
-            candidates = self.strategy.published_steps()
+        hint = None if verified else self._latest_hint()
+        for round_ in range(_LATEST_ROUNDS):
+            from_hint = hint is not None and round_ == 0
+            candidates = self.strategy.published_steps(min_step=(hint or 0) if from_hint else 0)
+            checkpoint, raced = self._newest_of(candidates, verified=verified)
+            if checkpoint is not None:
+                return checkpoint
+            if not from_hint and not raced:
+                return None
+        raise TransientStorageError(
+            errno.EAGAIN,
+            f"{self.url}: every checkpoint listed was deleted before it could be read, "
+            f"{_LATEST_ROUNDS} times in a row; try again",
+        )
+
+    def _latest_hint(self) -> int | None:
+        try:
+            return self.strategy.read_latest_hint()
+        except (StorageError, InvalidInputError) as exc:  # the hint only saves a listing
+            ignore_hint(f"{self.url}/LATEST", str(exc))
+            return None
+
+    def _newest_of(
+        self, candidates: Sequence[int], *, verified: bool
+    ) -> tuple[Checkpoint | None, bool]:
+        """The newest readable checkpoint of ``candidates``, and whether a deletion raced us."""
+        raced = False
         for step in reversed(candidates):
             try:
                 checkpoint = self.get(step)
+            except NotACheckpointError:
+                continue  # a stray: reported by ls and verify, never returned
             except CheckpointNotFoundError:
-                continue  # deleted since it was listed
+                raced = True  # unpublished since it was listed
+                continue
             except IntegrityError as exc:
                 if verified:
                     log.warning("%s: skipping damaged step %d: %s", self.url, step, exc)
@@ -299,12 +431,16 @@ class Store:
                     f"{exc}; latest(verified=True) falls back to the newest intact checkpoint"
                 ) from exc
             if verified:
-                report = checkpoint.verify()
+                try:
+                    report = checkpoint.verify()
+                except CheckpointNotFoundError:
+                    raced = True
+                    continue
                 if not report.ok:
                     log.warning("%s: skipping corrupt step %d: %s", self.url, step, report.problems)
                     continue
-            return checkpoint
-        return None
+            return checkpoint, raced
+        return None, raced
 
     def list(self) -> builtins.list[Checkpoint]:
         """Every published checkpoint that is complete, ascending by step (damaged ones logged)."""
@@ -323,11 +459,13 @@ class Store:
     def delete(self, step: int, *, force: bool = False) -> None:
         """Unpublish ``step`` atomically, then delete its data.
 
-        Refuses (RefusedError) to delete the newest checkpoint unless ``force``.
+        Refuses (RefusedError) to delete the newest checkpoint unless ``force``. A stray entry
+        named like a step is not a checkpoint: NotACheckpointError, and it is left alone.
         """
         check_step(step)
-        steps = self.strategy.published_steps()
+        steps = self.steps()
         if step not in steps:
+            self.strategy.read_manifest(step)  # raises the precise error: stray, or not found
             raise CheckpointNotFoundError(f"{self.url}: no published checkpoint at step {step}")
         if step == steps[-1] and not force:
             raise RefusedError(
@@ -335,49 +473,73 @@ class Store:
                 f"(--force on the command line), or a rollback to an older step"
             )
         self.strategy.unpublish(step)
+        self._confirmed.pop(step, None)
         if step == steps[-1]:
             self.strategy.reset_latest_hint(steps[-2] if len(steps) > 1 else None)
 
     def rollback(self, step: int) -> builtins.list[int]:
-        """Delete every checkpoint newer than ``step`` (newest first); return their steps."""
+        """Delete every checkpoint newer than ``step`` (newest first); return their steps.
+
+        Strays newer than ``step`` are not checkpoints: they are left alone.
+        """
         check_step(step)
-        if not self.strategy.is_published(step):
+        try:
+            self.get(step)
+        except CheckpointNotFoundError as exc:
             raise CheckpointNotFoundError(
-                f"{self.url}: cannot roll back to step {step}: it is not published"
-            )
-        newer = self.strategy.published_steps(min_step=step + 1)
+                f"{self.url}: cannot roll back to step {step}: it is not published ({exc})"
+            ) from exc
+        newer = self._checkpoint_steps(self.strategy.published_steps(min_step=step + 1))
+        removed = []
         for doomed in reversed(newer):
-            self.strategy.unpublish(doomed)
+            if self._unpublish_confirmed(doomed):
+                removed.append(doomed)
         self.strategy.reset_latest_hint(step)
-        return newer
+        return sorted(removed)
+
+    def _unpublish_confirmed(self, step: int) -> bool:
+        """Unpublish ``step`` if it is still the checkpoint this Store confirmed; True if so.
+
+        The manifest is read again just before: a checkpoint deleted and published again by
+        another attempt, or replaced by a stray, since it was confirmed is not touched.
+        """
+        known = self._confirmed.pop(step, None)
+        try:
+            current = self.strategy.read_manifest(step)
+        except (CheckpointNotFoundError, IntegrityError):
+            return False
+        if known is not None and current.attempt != known.attempt:
+            return False
+        try:
+            self.strategy.unpublish(step)
+        except CheckpointNotFoundError:
+            return False  # deleted concurrently
+        return True
 
     def apply_retention(self, policy: RetentionPolicy | None = None) -> builtins.list[int]:
         """Delete the checkpoints ``policy`` (default: the store's) does not keep; never the
-        newest. Returns the deleted steps."""
+        newest. Returns the deleted steps.
+
+        Only checkpoints count and are deleted: a stray entry named like a step is neither
+        counted as one of the kept nor removed.
+        """
         policy = policy or self.retention
         if policy is None:
             return []
-        steps = self.strategy.published_steps()
+        steps = self.steps()
         if len(steps) <= 1:
             return []
         ages = [CheckpointAge(step, self._committed_at(step, policy)) for step in steps]
         now = datetime.fromtimestamp(self.clock(), timezone.utc)
         keep = policy.keep(ages, now) | {steps[-1]}
         doomed = [step for step in steps if step not in keep]
-        for step in doomed:
-            try:
-                self.strategy.unpublish(step)
-            except CheckpointNotFoundError:
-                continue  # deleted concurrently
-        return doomed
+        return [step for step in doomed if self._unpublish_confirmed(step)]
 
     def _committed_at(self, step: int, policy: RetentionPolicy) -> datetime | None:
         if not policy.needs_times:
             return None
-        try:
-            return self.strategy.read_manifest(step).committed_at
-        except (IntegrityError, CheckpointNotFoundError):
-            return None
+        known = self._confirmed.get(step)
+        return None if known is None else known.committed_at
 
     def gc(self, *, grace: timedelta | float = DEFAULT_GRACE, dry_run: bool = False) -> GcReport:
         """Remove leftovers of dead attempts idle for longer than ``grace`` (I7).
