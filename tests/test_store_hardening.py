@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 import pytest
+from conftest import BackendUnderTest, FileBackend, MemoryBackend, S3Backend
 
 from ckptstore import KeepLast
 from ckptstore.errors import (
@@ -22,7 +23,6 @@ from ckptstore.errors import (
 )
 from ckptstore.manifest import MAX_METADATA_DEPTH, Manifest
 from ckptstore.store import Store
-from conftest import BackendUnderTest, FileBackend, MemoryBackend, S3Backend
 
 ARABIC_INDIC_DIGITS = "".join(chr(0x0660 + (i % 10)) for i in range(20))
 
