@@ -1,8 +1,12 @@
 """The ``ckptstore`` command: ls, show, verify, gc, delete, rollback and demo.
 
 Every command takes a store URL (or a bare path) and ``--json`` for machine-readable output.
-Errors print one line, ``ckptstore: error: ...``, and exit with status 2; ``verify`` exits with
-status 1 when a checkpoint is broken.
+Every error, bad arguments included, prints one line, ``ckptstore: error: ...``, and exits with
+status 2; with ``--json`` (``--json-stdout`` for ``conformance``) stdout also gets a JSON object
+``{"error": message, "type": error class}``, so a script can parse every outcome. ``verify``
+exits with status 1 when a checkpoint is broken. Anything read from storage (a shard name, a
+writer's host, a stray entry's name) is printed with its control, format (bidi) and separator
+characters escaped, so what an operator reads is what is stored.
 """
 
 from __future__ import annotations
@@ -14,33 +18,134 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.errors import (
     BackendUnavailableError,
+    CheckpointNotFoundError,
     CkptStoreError,
     IntegrityError,
+    InvalidInputError,
     InvalidOptionError,
+    NotACheckpointError,
+    StorageError,
 )
+from ckptstore.names import MAX_STEP
 from ckptstore.progress import ProgressBar
 from ckptstore.store import DEFAULT_GRACE, Store, open_store
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_BROKEN, EXIT_ERROR = 0, 1, 2
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+# ASCII digits, whole string: ``\d`` would take Arabic-Indic digits and ``$`` a trailing newline.
+_DURATION_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*", re.ASCII)
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_DAYS = 36500
+"""The longest duration or day count any option takes (100 years): a larger one is a typo, and
+timedelta and datetime arithmetic overflow not far above it."""
+_SIZE_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([KMG]?)", re.ASCII | re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+STRAY = "stray (not a checkpoint, left alone)"
+VANISHED = "vanished (deleted while being read)"
 
 
 def parse_duration(text: str) -> timedelta:
-    """Parse ``90``, ``90s``, ``15m``, ``1h`` or ``2d`` into a timedelta."""
-    match = _DURATION_RE.match(text)
+    """Parse ``90``, ``90s``, ``15m``, ``1h`` or ``2d`` into a timedelta of at most 100 years."""
+    match = _DURATION_RE.fullmatch(text)
     if not match:
-        raise argparse.ArgumentTypeError(f"invalid duration {text!r} (examples: 30s, 15m, 1h, 2d)")
-    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+        raise argparse.ArgumentTypeError(
+            f"invalid duration {_shown(text)} (examples: 30s, 15m, 1h, 2d)"
+        )
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    # Bounded before timedelta(): 99999999999d overflows it, and 400 digits make a float inf.
+    if not seconds <= MAX_DAYS * 86400:
+        raise argparse.ArgumentTypeError(
+            f"duration {_shown(text)} is longer than {MAX_DAYS} days (100 years)"
+        )
+    return timedelta(seconds=seconds)
+
+
+def parse_step(text: str) -> int:
+    """Parse a step: ASCII decimal digits, in [0, 10**20)."""
+    significant = text.lstrip("0") or "0"
+    # Length first: int() refuses more than 4300 digits (leading zeros included).
+    if not re.fullmatch(r"[0-9]+", text, re.ASCII) or len(significant) > len(str(MAX_STEP)):
+        raise argparse.ArgumentTypeError(
+            f"invalid step {_shown(text)}: a whole number in [0, {MAX_STEP}]"
+        )
+    return int(significant)  # at most 20 digits: never above MAX_STEP
+
+
+def counted(low: int, high: int) -> Callable[[str], int]:
+    """Return a parser of whole numbers (ASCII digits) in [low, high]."""
+
+    def parse(text: str) -> int:
+        digits = text.strip()
+        # Length first: int() of thousands of digits is slow, and refused past 4300.
+        if not re.fullmatch(r"[0-9]{1,12}", digits, re.ASCII) or not low <= int(digits) <= high:
+            raise argparse.ArgumentTypeError(
+                f"invalid value {_shown(text)}: a whole number from {low} to {high}"
+            )
+        return int(digits)
+
+    return parse
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count like ``4096``, ``64K``, ``256M`` or ``2G`` (at least one byte)."""
+    match = _SIZE_RE.fullmatch(text.strip())
+    size = 0
+    if match:
+        size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"invalid size {_shown(text)}: use a size like 256M or 2G")
+    limit = _bench_memory_limit()
+    if size > limit:
+        raise argparse.ArgumentTypeError(
+            f"size {_shown(text)} is more than this machine can hold twice in memory "
+            f"(at most {human_size(limit)})"
+        )
+    return size
+
+
+def _bench_memory_limit() -> int:
+    """Half the physical memory: bench holds the data it saves and the buffers it loads into."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (AttributeError, ValueError, OSError):
+        return 2**40
+
+
+def _output_file(text: str) -> str:
+    """An output path whose directory exists: checked before a run of minutes, not after it."""
+    directory = os.path.dirname(os.path.abspath(text)) if text else ""
+    if not text or not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"cannot write {_shown(text)}: no such directory")
+    return text
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """``text`` quoted for an error message: escaped, and cut short if it is long."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def printable(text: str) -> str:
+    """Return ``text`` with every character a terminal does not show as itself escaped.
+
+    Control (``\\n``, ``\\x1b``, NEL ``\\x85``), format (bidi override ``\\u202e``, zero-width)
+    and separator (``\\u2028``) characters become Python escapes: a name or message read from
+    storage cannot end, recolour, hide or reorder a line of output.
+    """
+    if text.isprintable():
+        return text
+    return "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape", "backslashreplace").decode("ascii")
+        for ch in text
+    )
 
 
 def human_size(size: int) -> str:
@@ -58,6 +163,7 @@ def _open(url: str) -> Store:
 
 
 def _print_table(rows: Sequence[Sequence[str]], out: TextIO) -> None:
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
@@ -74,20 +180,56 @@ def _summary(checkpoint: Checkpoint) -> dict[str, Any]:
     }
 
 
+def _entry(store: Store, step: int) -> tuple[dict[str, Any], Checkpoint | None]:
+    """What the entry named like ``step`` is, and its checkpoint if it is a complete one.
+
+    Never raises for one entry: a stray, a checkpoint deleted since the listing, a damaged or
+    an unreadable one is reported as such, so one entry cannot hide the others.
+    """
+    try:
+        checkpoint = store.get(step)
+    except NotACheckpointError as exc:
+        return {"step": step, "status": "stray", "problem": str(exc)}, None
+    except CheckpointNotFoundError as exc:
+        # Still listed, yet not found: an entry that never was a checkpoint (a plain file
+        # named like a step), not one deleted since the listing.
+        status = "stray" if step in _listed_steps(store) else "vanished"
+        return {"step": step, "status": status, "problem": str(exc)}, None
+    except IntegrityError as exc:
+        return {"step": step, "status": "broken", "problem": str(exc)}, None
+    except StorageError as exc:
+        return {"step": step, "status": "unreadable", "problem": str(exc)}, None
+    return _summary(checkpoint), checkpoint
+
+
+def _listed_steps(store: Store) -> list[int]:
+    """Every step an entry of the store is named after: checkpoints and strays alike.
+
+    Store.steps() counts only checkpoints whose manifest parses; ls and verify also show the
+    entries it leaves out (strays, damaged manifests), each for what it is.
+    """
+    return store.strategy.published_steps()
+
+
+def _status_text(entry: dict[str, Any]) -> str:
+    status = entry["status"]
+    if status == "stray":
+        return STRAY
+    if status == "vanished":
+        return VANISHED
+    return f"{status.upper()}: {entry['problem']}"
+
+
 def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
+    """List every entry; exit 0 when the listing itself succeeded, whatever an entry is."""
     store = _open(args.url)
-    entries: list[dict[str, Any]] = []
-    for step in store.steps():
-        try:
-            entries.append(_summary(store.get(step)))
-        except IntegrityError as exc:
-            entries.append({"step": step, "status": "broken", "problem": str(exc)})
+    entries = [_entry(store, step)[0] for step in _listed_steps(store)]
     if args.json:
         json.dump({"url": store.url, "checkpoints": entries}, out, indent=2)
         out.write("\n")
         return EXIT_OK
     if not entries:
-        out.write(f"no checkpoints in {store.url}\n")
+        out.write(f"no checkpoints in {printable(store.url)}\n")
         return EXIT_OK
     rows = [["STEP", "COMMITTED (UTC)", "SIZE", "SHARDS", "STATUS"]]
     for entry in entries:
@@ -102,7 +244,7 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
                 ]
             )
         else:
-            rows.append([str(entry["step"]), "-", "-", "-", f"BROKEN: {entry['problem']}"])
+            rows.append([str(entry["step"]), "-", "-", "-", _status_text(entry)])
     _print_table(rows, out)
     return EXIT_OK
 
@@ -112,7 +254,7 @@ def _pick(store: Store, step: int | None) -> Checkpoint:
         return store.get(step)
     latest = store.latest()
     if latest is None:
-        raise CkptStoreError(f"{store.url}: no checkpoints")
+        raise CheckpointNotFoundError(f"{store.url}: no checkpoints")
     return latest
 
 
@@ -138,7 +280,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
         lines.append(f"timings     {timing}")
     if manifest.metadata:
         lines.append("metadata    " + json.dumps(dict(manifest.metadata), sort_keys=True)[:2000])
-    out.write("\n".join(lines) + "\n\n")
+    out.write("\n".join(map(printable, lines)) + "\n\n")
     shown = manifest.shards if args.all_shards else manifest.shards[:50]
     rows = [["SHARD", "SIZE", "CRC32C"]]
     rows += [[s.name, human_size(s.size), s.crc32c] for s in shown]
@@ -148,52 +290,102 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+_STATUSES = ("ok", "broken", "unreadable", "vanished", "stray")
+_CHECKED = _STATUSES[:3]  # the statuses of an entry that is a checkpoint
+
+
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
+    """Verify; exit 1 if a checkpoint is broken, else 2 if one could not be read, else 0.
+
+    Strays and checkpoints deleted while being verified are reported and do not count; a
+    named STEP that is not a checkpoint is an error.
+    """
+    if args.all and args.step is not None:
+        raise InvalidInputError("verify takes a STEP or --all, not both")
     store = _open(args.url)
-    if args.all:
-        steps = store.steps()
-    elif args.step is not None:
-        steps = [args.step]
+    if args.step is not None:
+        results = [_verify_one(store, args.step, quiet=args.json, named=True)]
+    elif args.all:
+        results = [_verify_one(store, step, quiet=args.json) for step in _listed_steps(store)]
     else:
-        latest_steps = store.steps()[-1:]
-        steps = latest_steps
-    if not steps:
-        raise CkptStoreError(f"{store.url}: no checkpoints")
-    results: list[dict[str, Any]] = []
-    for step in steps:
-        results.append(_verify_one(store, step, quiet=args.json))
-    broken = [r for r in results if r["status"] != "ok"]
+        results = _verify_latest(store, quiet=args.json)
+    if not any(result["status"] in _CHECKED for result in results):
+        strays = sum(result["status"] == "stray" for result in results)
+        note = f" ({strays} stray entries, left alone)" if strays else ""
+        raise CheckpointNotFoundError(f"{store.url}: no checkpoints{note}")
     if args.json:
         json.dump({"url": store.url, "results": results}, out, indent=2)
         out.write("\n")
     else:
-        for result in results:
-            if result["status"] == "ok":
-                out.write(f"step {result['step']}: ok ({human_size(result['bytes'])} checked)\n")
-            else:
-                out.write(f"step {result['step']}: BROKEN\n")
-                for problem in result["problems"]:
-                    out.write(f"  {problem}\n")
-        out.write(f"{len(results) - len(broken)} ok, {len(broken)} broken\n")
-    return EXIT_BROKEN if broken else EXIT_OK
+        _print_verify(results, out)
+    statuses = {result["status"] for result in results}
+    if "broken" in statuses:
+        return EXIT_BROKEN
+    return EXIT_ERROR if "unreadable" in statuses else EXIT_OK
 
 
-def _verify_one(store: Store, step: int, *, quiet: bool) -> dict[str, Any]:
-    try:
-        checkpoint = store.get(step)
-    except IntegrityError as exc:
-        return {"step": step, "status": "broken", "problems": [str(exc)], "bytes": 0}
+def _print_verify(results: list[dict[str, Any]], out: TextIO) -> None:
+    for result in results:
+        step, status = result["step"], result["status"]
+        if status == "ok":
+            out.write(f"step {step}: ok ({human_size(result['bytes'])} checked)\n")
+        elif status == "broken":
+            out.write(f"step {step}: BROKEN\n")
+            for problem in result["problems"]:
+                out.write(f"  {printable(problem)}\n")
+        else:
+            entry = {"status": status, "problem": "; ".join(result["problems"])}
+            out.write(f"step {step}: {printable(_status_text(entry))}\n")
+    counts = {status: sum(r["status"] == status for r in results) for status in _STATUSES}
+    summary = f"{counts['ok']} ok, {counts['broken']} broken"
+    summary += "".join(f", {counts[s]} {s}" for s in _STATUSES[2:] if counts[s])
+    out.write(summary + "\n")
+
+
+def _verify_latest(store: Store, *, quiet: bool) -> list[dict[str, Any]]:
+    """Verify the newest checkpoint; strays and deleted ones on the way are reported too."""
+    results = []
+    for step in reversed(_listed_steps(store)):
+        results.append(_verify_one(store, step, quiet=quiet))
+        if results[-1]["status"] in _CHECKED:
+            break
+    return results
+
+
+def _verify_one(store: Store, step: int, *, quiet: bool, named: bool = False) -> dict[str, Any]:
+    """Read every shard of ``step`` and check it; ``named``: a STEP the user asked for, whose
+    absence is an error rather than a row."""
+    if named:
+        try:
+            checkpoint: Checkpoint | None = store.get(step)
+        except IntegrityError as exc:
+            return _verify_result(step, "broken", [str(exc)])
+    else:
+        entry, checkpoint = _entry(store, step)
+        if checkpoint is None:
+            return _verify_result(step, entry["status"], [entry["problem"]])
+    assert checkpoint is not None
     bar = ProgressBar(f"step {step}", checkpoint.size, enabled=not quiet)
     try:
         report = checkpoint.verify(progress=bar.advance)
+    except CheckpointNotFoundError as exc:  # unpublished by a delete or retention meanwhile
+        if named:
+            raise
+        return _verify_result(step, "vanished", [str(exc)])
+    except StorageError as exc:  # a read failed: the bytes were not checked, not found wrong
+        if named:
+            raise
+        return _verify_result(step, "unreadable", [str(exc)])
     finally:
         bar.finish()
-    return {
-        "step": step,
-        "status": "ok" if report.ok else "broken",
-        "problems": [f"{name}: {problem}" for name, problem in sorted(report.problems.items())],
-        "bytes": report.bytes_checked,
-    }
+    problems = [f"{name}: {problem}" for name, problem in sorted(report.problems.items())]
+    result = _verify_result(step, "ok" if report.ok else "broken", problems)
+    result["bytes"] = report.bytes_checked
+    return result
+
+
+def _verify_result(step: int, status: str, problems: list[str]) -> dict[str, Any]:
+    return {"step": step, "status": status, "problems": problems, "bytes": 0}
 
 
 def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
@@ -214,12 +406,15 @@ def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
         out.write("\n")
         return EXIT_OK
     verb = "would remove" if report.dry_run else "removed"
-    for item in report.removed:
+    for item in report.removed:  # names are listed from storage: printed escaped
         out.write(
-            f"{verb} {item.kind} {item.name} (idle {_age(item.age_s)}, {human_size(item.size)})\n"
+            f"{verb} {item.kind} {printable(item.name)} "
+            f"(idle {_age(item.age_s)}, {human_size(item.size)})\n"
         )
     for item in report.kept_young:
-        out.write(f"kept {item.kind} {item.name}: active {_age(item.age_s)} ago (< grace)\n")
+        out.write(
+            f"kept {item.kind} {printable(item.name)}: active {_age(item.age_s)} ago (< grace)\n"
+        )
     out.write(
         f"{verb} {len(report.removed)} leftover(s), {human_size(report.removed_bytes)}; "
         f"kept {len(report.kept_young)} younger than {_age(report.grace_s)}\n"
@@ -244,7 +439,7 @@ def cmd_delete(args: argparse.Namespace, out: TextIO) -> int:
         json.dump({"url": store.url, "deleted": [args.step]}, out)
         out.write("\n")
     else:
-        out.write(f"deleted step {args.step} from {store.url}\n")
+        out.write(f"deleted step {args.step} from {printable(store.url)}\n")
     return EXIT_OK
 
 
@@ -256,7 +451,7 @@ def cmd_rollback(args: argparse.Namespace, out: TextIO) -> int:
         out.write("\n")
     else:
         listed = ", ".join(map(str, deleted)) or "nothing"
-        out.write(f"rolled back {store.url} to step {args.step}; deleted {listed}\n")
+        out.write(f"rolled back {printable(store.url)} to step {args.step}; deleted {listed}\n")
     return EXIT_OK
 
 
@@ -294,14 +489,19 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     else:
         with embedded_targets() as targets:
             reports = run(targets)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            handle.write(to_json(reports))
-    if args.junit:
-        with open(args.junit, "w", encoding="utf-8") as handle:
-            handle.write(to_junit(reports))
+    for path, render in ((args.json, to_json), (args.junit, to_junit)):
+        if path:
+            _write_report(path, render(reports))
     out.write(to_json(reports) + "\n" if args.json_stdout else render_text(reports))
     return EXIT_OK if all(report.ok for report in reports) else EXIT_BROKEN
+
+
+def _write_report(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as exc:
+        raise InvalidOptionError(f"cannot write the report to {path!r}: {exc}") from exc
 
 
 def cmd_lifecycle(args: argparse.Namespace, out: TextIO) -> int:
@@ -316,21 +516,19 @@ def cmd_lifecycle(args: argparse.Namespace, out: TextIO) -> int:
     else:
         prefix = rule["Filter"]["Prefix"] or "(the whole bucket)"
         out.write(
-            f"installed lifecycle rule {rule['ID']}: abort incomplete multipart uploads under "
-            f"{prefix} {args.days} day(s) after they start\n"
+            printable(
+                f"installed lifecycle rule {rule['ID']}: abort incomplete multipart uploads "
+                f"under {prefix} {args.days} day(s) after they start"
+            )
+            + "\n"
         )
     return EXIT_OK
 
 
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     from ckptstore.bench import run_bench
-    from ckptstore.benchmarking import sizes
 
-    try:
-        size = sizes([args.size])[0]
-    except (ValueError, IndexError, KeyError) as exc:
-        raise InvalidOptionError(f"--size {args.size!r}: use a size like 256M or 2G") from exc
-    return run_bench(args.url, size, args.repeats, out)
+    return run_bench(args.url, args.size, args.repeats, out)
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
@@ -339,9 +537,17 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     return run_demo(args.dir, out)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that raises its errors instead of printing usage and exiting, so bad
+    arguments are reported like every other error: one line (and JSON with --json), status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise InvalidInputError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``ckptstore`` command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ckptstore", description="Crash-safe ML training checkpoints on any storage."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -355,11 +561,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("ls", "list published checkpoints").set_defaults(func=cmd_ls)
     p = command("show", "show a checkpoint's manifest (default: the latest)")
-    p.add_argument("step", nargs="?", type=int)
+    p.add_argument("step", nargs="?", type=parse_step)
     p.add_argument("--all-shards", action="store_true", help="list every shard")
     p.set_defaults(func=cmd_show)
     p = command("verify", "read and check every shard's CRC32C (default: the latest)")
-    p.add_argument("step", nargs="?", type=int)
+    p.add_argument("step", nargs="?", type=parse_step)
     p.add_argument("--all", action="store_true", help="verify every checkpoint")
     p.set_defaults(func=cmd_verify)
     p = command("gc", "remove leftovers of dead saves idle for longer than the grace period")
@@ -372,18 +578,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     p.set_defaults(func=cmd_gc)
     p = command("delete", "delete one checkpoint (the newest only with --force)")
-    p.add_argument("step", type=int)
+    p.add_argument("step", type=parse_step)
     p.add_argument("--force", action="store_true", help="allow deleting the newest")
     p.set_defaults(func=cmd_delete)
     p = command("rollback", "delete every checkpoint newer than STEP")
-    p.add_argument("step", type=int)
+    p.add_argument("step", type=parse_step)
     p.set_defaults(func=cmd_rollback)
     p = command("bench", "save and load through ckptstore against the storage's raw baseline")
-    p.add_argument("--size", default="256M", help="bytes to save and load (default 256M)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--size", type=parse_size, default="256M", help="bytes to save and load (default 256M)"
+    )
+    p.add_argument("--repeats", type=counted(1, 1000), default=3, help="(default 3)")
     p.set_defaults(func=cmd_bench)
     p = command("lifecycle", "install the S3 rule that aborts stale multipart uploads")
-    p.add_argument("--days", type=int, default=7, help="days after which to abort (default 7)")
+    p.add_argument(
+        "--days",
+        type=counted(1, MAX_DAYS),
+        default=7,
+        help="days after which to abort (default 7)",
+    )
     p.set_defaults(func=cmd_lifecycle)
     p = sub.add_parser(
         "conformance",
@@ -396,8 +609,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("urls", nargs="*", metavar="URL", help="store URLs (default: embedded)")
     p.add_argument("--profile", choices=("ci", "thorough"), default="ci")
-    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
-    p.add_argument("--junit", metavar="FILE", help="also write the report as JUnit XML")
+    p.add_argument(
+        "--json", metavar="FILE", type=_output_file, help="also write the report as JSON"
+    )
+    p.add_argument(
+        "--junit", metavar="FILE", type=_output_file, help="also write the report as JUnit XML"
+    )
     p.add_argument("--json-stdout", action="store_true", help="print JSON instead of tables")
     p.add_argument("--yes", action="store_true", help="run even where the URL is not empty")
     p.set_defaults(func=cmd_conformance)
@@ -407,17 +624,67 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _EscapingFormatter(logging.Formatter):
+    """Warnings quote names read from storage: escaped, one line each, like errors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record))
+
+
+def _wants_json(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` asks for JSON on stdout, from its words alone: for errors found while
+    parsing them, before there is a namespace to ask (argparse accepts unique prefixes)."""
+    words = list(argv)
+    if words[:1] == ["conformance"]:  # its --json names a file; --json-stdout prints JSON
+        return any(len(w) > len("--json") and "--json-stdout".startswith(w) for w in words)
+    return any(len(w) >= len("--j") and "--json".startswith(w) for w in words)
+
+
+def _report_error(kind: str, message: str, *, as_json: bool, out: TextIO) -> None:
+    """One escaped line on stderr; with --json, also ``{"error", "type"}`` on stdout."""
+    label = "interrupted" if kind == "KeyboardInterrupt" else f"error: {printable(message)}"
+    sys.stderr.write(f"ckptstore: {label}\n")
+    if as_json:
+        json.dump({"error": message, "type": kind}, out)
+        out.write("\n")
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """A Python warning (Lustre striping unavailable, ...) as one escaped line, no source."""
+    sys.stderr.write(f"ckptstore: warning: {printable(str(message))}\n")
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Run the command line; return the exit status."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="ckptstore: warning: %(message)s")
+    words = sys.argv[1:] if argv is None else list(argv)
+    handler = logging.StreamHandler()
+    handler.setFormatter(_EscapingFormatter("ckptstore: warning: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    with warnings.catch_warnings():  # restores the caller's warning display on return
+        warnings.showwarning = _show_warning
+        return _run(words, out or sys.stdout)
+
+
+def _run(words: list[str], out: TextIO) -> int:
+    as_json = _wants_json(words)
     try:
-        status: int = args.func(args, out or sys.stdout)
+        args = build_parser().parse_args(words)
+        as_json = (
+            args.json_stdout if args.command == "conformance" else getattr(args, "json", 0) is True
+        )
+        status: int = args.func(args, out)
     except CkptStoreError as exc:
-        sys.stderr.write(f"ckptstore: error: {exc}\n")
+        _report_error(type(exc).__name__, str(exc), as_json=as_json, out=out)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        sys.stderr.write("ckptstore: interrupted\n")
+        _report_error("KeyboardInterrupt", "interrupted", as_json=as_json, out=out)
         return 130
     except BrokenPipeError:  # the reader went away (| head): not an error of ours
         with contextlib.suppress(OSError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import secrets
 import time
+import unicodedata
 
 from ckptstore.errors import InvalidShardNameError, InvalidStepError
 
@@ -21,14 +22,19 @@ __all__ = [
     "check_shard_name",
     "check_step",
     "new_attempt_id",
+    "parse_attempt_name",
+    "parse_step_token",
     "step_token",
 ]
 
 MAX_STEP = 10**20 - 1
 MAX_SHARD_NAME_BYTES = 1024
 MAX_SEGMENT_BYTES = 255
-_ATTEMPT_RE = re.compile(r"^[0-9a-z]{8,64}$")
-_STEP_TOKEN_RE = re.compile(r"^step-(\d{20})$")
+# ASCII classes and fullmatch only: ``\d`` matches any Unicode digit (Arabic-Indic, ...) and
+# ``$`` matches before a trailing newline, so a stray entry named like a step or an attempt id
+# would otherwise parse as one.
+_ATTEMPT_RE = re.compile(r"[0-9a-z]{8,64}", re.ASCII)
+_STEP_TOKEN_RE = re.compile(r"step-([0-9]{20})", re.ASCII)
 
 
 def check_step(step: object) -> int:
@@ -47,27 +53,48 @@ def step_token(step: int) -> str:
 
 def parse_step_token(token: str) -> int | None:
     """Return the step of an exact ``step-<020d>`` token, or None for any other string."""
-    match = _STEP_TOKEN_RE.match(token)
+    match = _STEP_TOKEN_RE.fullmatch(token)
     return int(match.group(1)) if match else None
 
 
-def check_shard_name(name: object) -> str:
+def parse_attempt_name(name: str, separator: str) -> tuple[int, str] | None:
+    """Return (step, attempt) of an exact ``step-<020d><separator><attempt id>`` name, or None.
+
+    Cleanup uses it to recognise what the protocol made: anything else is left alone.
+    """
+    token, found, attempt = name.partition(separator)
+    step = parse_step_token(token) if found else None
+    if step is None or not _ATTEMPT_RE.fullmatch(attempt):
+        return None
+    return step, attempt
+
+
+def check_shard_name(name: object, *, stored: bool = False) -> str:
     """Return ``name`` if it is a safe shard name; raise InvalidShardNameError naming the flaw.
 
     A shard name is relative and '/'-separated, with no empty, ``.`` or ``..`` segment, no
-    backslash, no NUL or control character, at most 1024 UTF-8 bytes and 255 bytes a segment.
+    backslash, no control, format (bidi, zero-width) or line/paragraph separator character, at
+    most 1024 UTF-8 bytes and 255 bytes a segment. ``stored=True`` (a name read back from a
+    manifest) keeps only the rules every version enforced at write time, so a checkpoint saved
+    before a display-only rule was added stays readable; such names are printed escaped.
     """
     if not isinstance(name, str):
         raise InvalidShardNameError(f"shard name must be a str, got {type(name).__name__}")
     if not name:
         raise InvalidShardNameError("shard name is empty")
-    problem = _shard_name_problem(name)
+    problem = _shard_name_problem(name, stored=stored)
     if problem:
         raise InvalidShardNameError(f"invalid shard name {name!r}: {problem}")
     return name
 
 
-def _shard_name_problem(name: str) -> str | None:
+# Control (C0, DEL, C1 such as NEL U+0085), format (bidi overrides U+202E, zero-width joiners)
+# and line/paragraph separators (U+2028/9): a name holding one can end or reorder a line of a
+# listing, so what an operator reads is not what is stored.
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
+def _shard_name_problem(name: str, *, stored: bool = False) -> str | None:
     try:
         encoded = name.encode("utf-8")
     except UnicodeEncodeError:
@@ -80,6 +107,8 @@ def _shard_name_problem(name: str) -> str | None:
         return "contains a backslash"
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in name):
         return "contains a NUL or control character"
+    if not stored and any(unicodedata.category(ch) in _UNSAFE_CATEGORIES for ch in name):
+        return "contains a control, format (bidi, zero-width) or line separator character"
     for segment in name.split("/"):
         if segment == "":
             return "empty path segment ('//' or trailing '/')"
@@ -98,7 +127,7 @@ def new_attempt_id() -> str:
 
 def check_attempt_id(attempt: object) -> str:
     """Return ``attempt`` if it is 8 to 64 lowercase letters and digits; raise ValueError."""
-    if not isinstance(attempt, str) or not _ATTEMPT_RE.match(attempt):
+    if not isinstance(attempt, str) or not _ATTEMPT_RE.fullmatch(attempt):
         raise InvalidShardNameError(f"invalid attempt id {attempt!r}")
     return attempt
 
