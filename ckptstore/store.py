@@ -527,13 +527,33 @@ class Store:
         if policy is None:
             return []
         steps = self.steps()
-        if len(steps) <= 1:
-            return []
-        ages = [CheckpointAge(step, self._committed_at(step, policy)) for step in steps]
         now = datetime.fromtimestamp(self.clock(), timezone.utc)
-        keep = policy.keep(ages, now) | {steps[-1]}
-        doomed = [step for step in steps if step not in keep]
-        return [step for step in doomed if self._unpublish_confirmed(step)]
+        while len(steps) > 1:
+            ages = [CheckpointAge(step, self._committed_at(step, policy)) for step in steps]
+            keep = policy.keep(ages, now) | {steps[-1]}
+            doomed = [step for step in steps if step not in keep]
+            if not doomed:
+                return []
+            # The kept checkpoints newer than what goes are what justify deleting it: read
+            # their manifests afresh (a cached one may have rotted since) and decide again
+            # without any that no longer parses.
+            stale = {s for s in keep if s > doomed[0] and not self._still_confirmed(s)}
+            if not stale:
+                return [step for step in doomed if self._unpublish_confirmed(step)]
+            steps = [step for step in steps if step not in stale]
+        return []
+
+    def _still_confirmed(self, step: int) -> bool:
+        """Read ``step``'s manifest afresh: True if it parses and is the attempt confirmed."""
+        known = self._confirmed.get(step)
+        try:
+            current = self.strategy.read_manifest(step)
+        except (CheckpointNotFoundError, IntegrityError):
+            self._confirmed.pop(step, None)
+            return False
+        if known is not None and known.attempt != current.attempt:
+            self._confirmed[step] = _Confirmed(current.attempt, current.committed_at)
+        return True
 
     def _committed_at(self, step: int, policy: RetentionPolicy) -> datetime | None:
         if not policy.needs_times:

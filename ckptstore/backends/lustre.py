@@ -68,7 +68,7 @@ class LustreDriver(PosixDriver):
         if self.api is None:
             return self.create(path)
         try:
-            return self.api.create(self._abs(path), layout)
+            return self._opened(self.api.create(self._abs(path), layout), path)
         except StorageError as exc:
             if exc.errno == errno.EEXIST:
                 raise TargetExistsError(errno.EEXIST, f"create {self._abs(path)}: exists") from exc

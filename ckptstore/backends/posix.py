@@ -35,6 +35,13 @@ _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 _WRITE_CHUNK = 64 * 1024 * 1024
 _READ_BUFFER = 1024 * 1024
+_READ_FLAGS = (
+    os.O_RDONLY
+    | os.O_NONBLOCK  # a FIFO must not block the open
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NOCTTY", 0)  # a terminal device must not become the controlling one
+    | getattr(os, "O_CLOEXEC", 0)
+)
 
 
 _SYNC_FILE_RANGE_WRITE = 2
@@ -78,6 +85,7 @@ class PosixDriver:
             raise InvalidURLError(f"POSIX store root must be an absolute path, got {root!r}")
         self.root = os.path.normpath(root)
         self.url = f"file://{self.root}"
+        self._paths: dict[int, str] = {}
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
@@ -88,6 +96,21 @@ class PosixDriver:
             yield
         except OSError as exc:
             raise _translated(exc, f"{op} {self._abs(path)}") from exc
+
+    @contextlib.contextmanager
+    def _translate_handle(self, op: str, handle: int, path: str | None = None) -> Iterator[None]:
+        """Translate an error of a call on an open file, naming the file's path, not its fd."""
+        try:
+            yield
+        except OSError as exc:
+            path = path if path is not None else self._paths.get(handle)
+            what = self._abs(path) if path is not None else f"{self.url} <fd {handle}>"
+            raise _translated(exc, f"{op} {what}") from exc
+
+    def _opened(self, handle: int, path: str) -> int:
+        """Remember which path a new handle writes, for the messages of its errors."""
+        self._paths[handle] = path
+        return handle
 
     def ensure_root(self, create: bool) -> None:
         if os.path.isdir(self.root):
@@ -113,11 +136,11 @@ class PosixDriver:
     def create(self, path: str) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         with self._translate("create", path):
-            return os.open(self._abs(path), flags, 0o644)
+            return self._opened(os.open(self._abs(path), flags, 0o644), path)
 
     def write(self, handle: int, data: Buffer) -> None:
         view = memoryview(data).cast("B")
-        with self._translate("write", f"<fd {handle}>"):
+        with self._translate_handle("write", handle):
             while view.nbytes:
                 written = os.write(handle, view[:_WRITE_CHUNK])
                 view = view[written:]
@@ -130,11 +153,14 @@ class PosixDriver:
             self._sync_file_range(handle, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
     def fsync(self, handle: int) -> None:
-        with self._translate("fsync", f"<fd {handle}>"):
+        with self._translate_handle("fsync", handle):
             os.fsync(handle)
 
     def close(self, handle: int) -> None:
-        with self._translate("close", f"<fd {handle}>"):
+        # Forgotten before the descriptor's number is free: another thread's create may reuse
+        # it at once, and its path must not be forgotten in its place.
+        path = self._paths.pop(handle, None)
+        with self._translate_handle("close", handle, path):
             os.close(handle)
 
     def fsync_dir(self, path: str) -> None:
@@ -203,10 +229,35 @@ class PosixDriver:
         )
 
     def open_read(self, path: str) -> BinaryIO:
-        with self._translate("open", path):
-            stream = open(self._abs(path), "rb", buffering=_READ_BUFFER)  # noqa: SIM115
+        """Open a regular file for reading; anything else is a StorageError, never a wait.
+
+        A FIFO planted as ``LATEST`` or as a manifest would block a plain open (and then every
+        read) until a writer appears: the open does not block (O_NONBLOCK), a non-regular file
+        is refused after it (errno EISDIR for a directory, EINVAL for a FIFO, device or
+        symbolic link), and only a regular file is read, in blocking mode. The store never
+        makes a symbolic link, so a final one (O_NOFOLLOW) is refused rather than followed
+        out of the store.
+        """
+        where = self._abs(path)
+        try:
+            fd = os.open(where, _READ_FLAGS)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _not_regular(where, "a symbolic link") from exc
+            raise _translated(exc, f"open {where}") from exc
+        try:
+            with self._translate("open", path):
+                mode = os.fstat(fd).st_mode
+            if not stat_module.S_ISREG(mode):
+                raise _not_regular(where, _kind(mode))
+            with self._translate("open", path):
+                os.set_blocking(fd, True)  # reads of a regular file wait for the disk
+                stream = os.fdopen(fd, "rb", buffering=_READ_BUFFER)
+        except BaseException:
+            os.close(fd)
+            raise
         with contextlib.suppress(OSError, AttributeError):  # a hint: twice the readahead
-            os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return stream
 
     def unlink(self, path: str) -> None:
@@ -216,6 +267,23 @@ class PosixDriver:
     def rmdir(self, path: str) -> None:
         with self._translate("rmdir", path):
             os.rmdir(self._abs(path))
+
+
+def _not_regular(where: str, kind: str) -> StorageError:
+    code = errno.EISDIR if kind == "a directory" else errno.EINVAL
+    return StorageError(code, f"open {where}: not a regular file ({kind})")
+
+
+def _kind(mode: int) -> str:
+    kinds = (
+        (stat_module.S_ISDIR, "a directory"),
+        (stat_module.S_ISFIFO, "a FIFO"),
+        (stat_module.S_ISSOCK, "a socket"),
+        (stat_module.S_ISCHR, "a character device"),
+        (stat_module.S_ISBLK, "a block device"),
+        (stat_module.S_ISLNK, "a symbolic link"),
+    )
+    return next((name for test, name in kinds if test(mode)), f"file mode {mode:o}")
 
 
 def _translated(exc: OSError, what: str) -> StorageError:

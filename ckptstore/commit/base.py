@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Generic, Protocol, TypeVar
@@ -23,7 +24,7 @@ from ckptstore.driver import Capability
 from ckptstore.errors import CapabilityError
 from ckptstore.manifest import Manifest, ShardRecord
 
-__all__ = ["CommitStrategy", "GcItem", "GcReport", "ShardProblem", "ShardSink"]
+__all__ = ["CommitStrategy", "GcItem", "GcReport", "ShardProblem", "ShardSink", "clock_lead"]
 
 
 class ShardSink(abc.ABC):
@@ -81,11 +82,27 @@ class GcReport:
     grace_s: float
     removed: list[GcItem] = field(default_factory=list)
     kept_young: list[GcItem] = field(default_factory=list)
+    missing_operations: list[str] = field(default_factory=list)
+    """Storage operations GC needed that the storage does not implement (e.g.
+    ``ListMultipartUploads``): what only they could find was not collected; see ``warnings``."""
+    warnings: list[str] = field(default_factory=list)
+    """What the operator should know and do (e.g. install a lifecycle rule), one sentence each."""
 
     @property
     def removed_bytes(self) -> int:
         """Total size of what was (or would be) removed."""
         return sum(item.size for item in self.removed)
+
+
+def clock_lead(now: float) -> float:
+    """How far a caller's clock runs ahead of this host's: a test clock's deliberate advance.
+
+    GC ages leftovers on the storage's own clock, never on this host's, which may be skewed.
+    The ``now`` a Store passes (its clock) counts only by how far it leads this host's clock:
+    zero in production, where the Store's clock is this host's, and the advance by which a
+    test ages leftovers past the grace period. A clock behind this host's counts as none.
+    """
+    return max(0.0, now - time.time())
 
 
 class _Driver(Protocol):
@@ -227,7 +244,12 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
 
     @abc.abstractmethod
     def collect_garbage(self, *, grace_s: float, now: float, dry_run: bool) -> GcReport:
-        """Remove leftovers of dead attempts idle for longer than ``grace_s`` (I7)."""
+        """Remove leftovers of dead attempts idle for longer than ``grace_s`` (I7).
+
+        Idle time is measured on the storage's clock (a file system's timestamps, an object
+        store's), so that a GC host whose clock is skewed removes nothing live; ``now``, the
+        caller's clock, counts only by ``clock_lead(now)``.
+        """
 
     @abc.abstractmethod
     def is_empty(self) -> bool:

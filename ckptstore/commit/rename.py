@@ -16,31 +16,51 @@ rather than replacing it.
 
 A shard's fsync waits for its data to reach the disk. To let that writeback overlap the
 writing of the next shards, a closed shard file stays open with its writeback started; the
-seal (before the manifest, or before a rank sends its receipts) fsyncs them all. At most
-``_UNSYNCED_LIMIT`` files of an attempt wait so, the oldest being fsynced first.
+seal (before the manifest, or before a rank sends its receipts) fsyncs them all. How many
+files wait so is bounded per attempt and by the process's descriptor limit (``unsynced.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO, TypeVar
 
-from ckptstore.commit.base import CommitStrategy, GcItem, GcReport, ShardProblem, ShardSink
+from ckptstore.commit.base import (
+    CommitStrategy,
+    GcItem,
+    GcReport,
+    ShardProblem,
+    ShardSink,
+    clock_lead,
+)
+from ckptstore.commit.unsynced import UnsyncedFiles
 from ckptstore.driver import Capability, FileSystemDriver
 from ckptstore.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    InvalidShardNameError,
     ManifestCorruptError,
+    NotACheckpointError,
     ObjectNotFoundError,
     ShardExistsError,
     ShardMissingError,
+    StorageAccessDeniedError,
     StorageError,
     TargetExistsError,
 )
+from ckptstore.hint import MAX_HINT_BYTES, encode_hint, ignore_hint, parse_hint
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord
-from ckptstore.names import new_attempt_id, parse_step_token, step_token
+from ckptstore.names import (
+    check_attempt_id,
+    new_attempt_id,
+    parse_attempt_name,
+    parse_step_token,
+    step_token,
+)
 
 __all__ = ["RenameCommit"]
 
@@ -52,102 +72,42 @@ LATEST_NAME = "LATEST"
 PENDING_MARK = ".pending-"
 TRASH_PREFIX = ".trash-"
 LATEST_TMP_PREFIX = ".LATEST.tmp-"
-_UNSYNCED_LIMIT = 64
+GC_CLOCK_PREFIX = ".gc-clock-"
+# A path component that is a file (ENOTDIR), a manifest that is a directory (EISDIR), a FIFO or
+# device planted as one (ENXIO, or EFTYPE/EINVAL from a regular-files-only open).
+_WRONG_KIND_ERRNOS = frozenset(
+    {errno.ENOTDIR, errno.EISDIR, errno.ENXIO, errno.EINVAL, getattr(errno, "EFTYPE", errno.EINVAL)}
+)
 _RenameT = TypeVar("_RenameT", bound="RenameCommit")
-
-
-class _UnsyncedFiles:
-    """The closed shard files of one attempt whose writeback is started but not waited for.
-
-    ``seal`` fsyncs and closes them all, and from then on a file added late (a shard that was
-    still being written) is fsynced at once. A failed fsync is remembered: the attempt's data
-    may be lost, so every later seal of it fails too.
-    """
-
-    def __init__(self, driver: FileSystemDriver) -> None:
-        self._driver = driver
-        self._files: list[tuple[str, int]] = []
-        self._lock = threading.Lock()
-        self._state = "open"
-        self._failure: StorageError | None = None
-
-    def add(self, path: str, handle: int) -> None:
-        """Start the file's writeback and keep it; fsync the oldest when too many wait."""
-        with self._lock:
-            if self._state == "discarded":
-                self._driver.close(handle)
-                return
-            self._files.append((path, handle))
-            if self._state == "sealed":
-                self._sync_locked(len(self._files))
-                return
-            try:
-                self._driver.start_writeback(handle)
-            except StorageError:
-                log.debug("starting the writeback of %s failed", path, exc_info=True)
-            if len(self._files) > _UNSYNCED_LIMIT:
-                self._sync_locked(len(self._files) - _UNSYNCED_LIMIT)
-
-    def seal(self) -> None:
-        """Make every file added so far durable, or raise why one may not be."""
-        with self._lock:
-            if self._state == "open":
-                self._state = "sealed"
-            self._sync_locked(len(self._files))
-
-    def _sync_locked(self, count: int) -> None:
-        if self._failure is not None:
-            self._close_all_locked()
-            raise self._failure
-        for _ in range(count):
-            _path, handle = self._files.pop(0)
-            try:
-                self._driver.fsync(handle)
-            except StorageError as exc:
-                self._failure = exc
-                self._driver.close(handle)
-                self._close_all_locked()  # the attempt cannot publish: close the rest too
-                raise
-            self._driver.close(handle)
-
-    def discard(self) -> None:
-        """Close every file without waiting for it (the attempt is abandoned)."""
-        with self._lock:
-            self._state = "discarded"
-            self._close_all_locked()
-
-    def _close_all_locked(self) -> None:
-        files, self._files = self._files, []
-        for path, handle in files:
-            try:
-                self._driver.close(handle)
-            except OSError:
-                log.debug("closing %s of an abandoned attempt failed", path, exc_info=True)
 
 
 class _FileShardSink(ShardSink):
     def __init__(
         self,
         driver: FileSystemDriver,
-        unsynced: _UnsyncedFiles,
+        unsynced: UnsyncedFiles,
         path: str,
         locator: str,
         handle: int,
+        errors: Callable[[], contextlib.AbstractContextManager[None]],
     ) -> None:
         self._driver = driver
         self._unsynced = unsynced
         self._path = path
         self._locator = locator
         self._handle: int | None = handle
+        self._errors = errors
 
     def write(self, data: memoryview) -> None:
         assert self._handle is not None
-        self._driver.write(self._handle, data)
+        with self._errors():
+            self._driver.write(self._handle, data)
 
     def close(self) -> Mapping[str, str]:
         assert self._handle is not None
         handle, self._handle = self._handle, None
-        self._unsynced.add(self._path, handle)
+        with self._errors():
+            self._unsynced.add(self._path, handle)
         return {"path": self._locator}
 
     def abort(self) -> None:
@@ -168,7 +128,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
 
     def __init__(self, driver: FileSystemDriver) -> None:
         super().__init__(driver)
-        self._unsynced: dict[tuple[int, str], _UnsyncedFiles] = {}
+        self._unsynced: dict[tuple[int, str], UnsyncedFiles] = {}
         self._unsynced_lock = threading.Lock()
 
     def with_driver(self: _RenameT, driver: Any) -> _RenameT:
@@ -180,11 +140,11 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
     def open_root(self, *, create: bool) -> None:
         self.driver.ensure_root(create)
 
-    def _unsynced_files(self, step: int, attempt: str) -> _UnsyncedFiles:
+    def _unsynced_files(self, step: int, attempt: str) -> UnsyncedFiles:
         with self._unsynced_lock:
             files = self._unsynced.get((step, attempt))
             if files is None:
-                files = self._unsynced[step, attempt] = _UnsyncedFiles(self.driver)
+                files = self._unsynced[step, attempt] = UnsyncedFiles(self.driver)
             return files
 
     # -- writing -------------------------------------------------------------------------
@@ -202,6 +162,15 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
     def open_shard(
         self, step: int, attempt: str, name: str, size_hint: int | None = None
     ) -> ShardSink:
+        with self._attempt_errors(step, attempt):
+            path, handle = self._create_shard(step, attempt, name, size_hint)
+        unsynced = self._unsynced_files(step, attempt)
+        errors = lambda: self._attempt_errors(step, attempt)  # noqa: E731
+        return _FileShardSink(self.driver, unsynced, path, f"{DATA_DIR}/{name}", handle, errors)
+
+    def _create_shard(
+        self, step: int, attempt: str, name: str, size_hint: int | None
+    ) -> tuple[str, int]:
         base = f"{self.staging_dir(step, attempt)}/{DATA_DIR}"
         segments = name.split("/")
         for depth in range(1, len(segments)):
@@ -216,17 +185,19 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
                     ) from None
         path = f"{base}/{name}"
         try:
-            handle = self.create_shard_file(path, size_hint)
+            return path, self.create_shard_file(path, size_hint)
         except TargetExistsError as exc:
             raise ShardExistsError(f"shard {name!r} already exists in this attempt") from exc
-        unsynced = self._unsynced_files(step, attempt)
-        return _FileShardSink(self.driver, unsynced, path, f"{DATA_DIR}/{name}", handle)
 
     def create_shard_file(self, path: str, size_hint: int | None) -> int:
         """Create a shard's file exclusively; subclasses may choose its layout by size."""
         return self.driver.create(path)
 
     def seal(self, step: int, attempt: str) -> None:
+        with self._attempt_errors(step, attempt):
+            self._seal_files(step, attempt)
+
+    def _seal_files(self, step: int, attempt: str) -> None:
         with self._unsynced_lock:
             files = self._unsynced.pop((step, attempt), None)
         if files is not None:
@@ -239,8 +210,30 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             files.discard()
 
     def publish(self, manifest: Manifest) -> None:
-        self.seal(manifest.step, manifest.attempt)
-        staging = self.staging_dir(manifest.step, manifest.attempt)
+        step, attempt = manifest.step, manifest.attempt
+        staging = self.staging_dir(step, attempt)
+        try:
+            with self._attempt_errors(step, attempt):
+                self._seal_files(step, attempt)
+                self._write_manifest(staging, manifest)
+        except Exception:
+            # Before the rename the outcome is certain: nothing is published, and no other
+            # process publishes this attempt. Its staging data goes now (ENOSPC while writing
+            # the manifest, a failed fsync), not after gc's grace period.
+            self._abort_quietly(step, attempt)
+            raise
+        with self._attempt_errors(step, attempt):
+            try:
+                self.driver.rename_noreplace(staging, step_token(step))
+            except TargetExistsError as exc:
+                raise CheckpointExistsError(
+                    f"{self.url}: step {step} is already published; "
+                    f"the existing checkpoint was left intact"
+                ) from exc
+        self.driver.fsync_dir("")
+
+    def _write_manifest(self, staging: str, manifest: Manifest) -> None:
+        """Write and fsync the manifest, then make every entry of the staging tree durable."""
         handle = self.driver.create(f"{staging}/{MANIFEST_NAME}")
         try:
             self.driver.write(handle, memoryview(manifest.encode()))
@@ -253,14 +246,48 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             self.driver.fsync_dir(f"{staging}/{DATA_DIR}/{directory}")
         self.driver.fsync_dir(f"{staging}/{DATA_DIR}")
         self.driver.fsync_dir(staging)
+
+    def _abort_quietly(self, step: int, attempt: str) -> None:
         try:
-            self.driver.rename_noreplace(staging, step_token(manifest.step))
-        except TargetExistsError as exc:
-            raise CheckpointExistsError(
-                f"{self.url}: step {manifest.step} is already published; "
-                f"the existing checkpoint was left intact"
+            self.abort(step, attempt)
+        except StorageError as exc:
+            log.warning(
+                "%s: could not remove attempt %s of step %d (gc will): %s",
+                self.url,
+                attempt,
+                step,
+                exc,
+            )
+
+    @contextlib.contextmanager
+    def _attempt_errors(self, step: int, attempt: str) -> Iterator[None]:
+        """Report a failure of an attempt whose staging directory is gone as what it is.
+
+        GC removes an attempt idle for longer than its grace period. Its writer, if alive
+        after all, then fails at its next shard open, write or fsync, its seal, its manifest
+        or its publishing rename with ENOENT (or ESTALE), which alone would not say why.
+        """
+        try:
+            yield
+        except StorageError as exc:
+            if self._staging_exists(step, attempt):
+                raise
+            raise ObjectNotFoundError(
+                errno.ENOENT,
+                f"{self.url}: attempt {attempt} of step {step} was removed by garbage "
+                f"collection (its staging directory {self.staging_dir(step, attempt)} is "
+                f"gone); the grace period must exceed the longest time a live save goes "
+                f"without writing. Nothing of this attempt was published ({exc})",
             ) from exc
-        self.driver.fsync_dir("")
+
+    def _staging_exists(self, step: int, attempt: str) -> bool:
+        try:
+            self.driver.stat(self.staging_dir(step, attempt))
+        except ObjectNotFoundError:
+            return False
+        except StorageError:
+            return True  # unknown: the original error stands
+        return True
 
     def abort(self, step: int, attempt: str) -> None:
         self.release(step, attempt)
@@ -285,13 +312,18 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
     def read_manifest(self, step: int) -> Manifest:
         final = step_token(step)
         where = f"{self.url}/{final}/{MANIFEST_NAME}"
-        if not self.is_published(step):
-            raise CheckpointNotFoundError(f"{self.url}: no published checkpoint at step {step}")
         try:
             with self.driver.open_read(f"{final}/{MANIFEST_NAME}") as stream:
                 data = stream.read(MAX_MANIFEST_BYTES + 1)
         except ObjectNotFoundError as exc:
-            raise ManifestCorruptError(f"{where}: published checkpoint has no manifest") from exc
+            raise self._no_manifest(step) from exc
+        except StorageError as exc:
+            if exc.errno not in _WRONG_KIND_ERRNOS:
+                raise
+            # `step-N` is a file (ENOTDIR), or its manifest is a directory or a FIFO.
+            if not self.is_published(step):
+                raise self._no_manifest(step) from exc
+            raise ManifestCorruptError(f"{where}: not a regular file ({exc})") from exc
         manifest = Manifest.decode(data, where=where, expected_step=step)
         for record in manifest.shards:
             if dict(record.locator) != {"path": f"{DATA_DIR}/{record.name}"}:
@@ -299,6 +331,28 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
                     f"{where}: shard {record.name!r} has a foreign locator {record.locator!r}"
                 )
         return manifest
+
+    def _exists(self, path: str) -> bool:
+        try:
+            self.driver.stat(path)
+        except ObjectNotFoundError:
+            return False
+        return True
+
+    def _no_manifest(self, step: int) -> CheckpointNotFoundError:
+        """The error for a step without a manifest: unpublished meanwhile, or never published.
+
+        A published directory always holds its manifest (it is written before the publishing
+        rename), so a directory without one is a stray (an operator's mkdir, a partial copy),
+        not a damaged checkpoint; and one that has just gone was unpublished by a racing
+        delete or retention, which is not damage either.
+        """
+        if self._exists(step_token(step)):
+            return NotACheckpointError(
+                f"{self.url}/{step_token(step)} is not a checkpoint: it has no manifest "
+                f"(a stray entry; ckptstore leaves it alone)"
+            )
+        return CheckpointNotFoundError(f"{self.url}: no published checkpoint at step {step}")
 
     def open_shard_reader(self, manifest: Manifest, record: ShardRecord) -> BinaryIO:
         path = f"{step_token(manifest.step)}/{DATA_DIR}/{record.name}"
@@ -325,16 +379,16 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
     # -- LATEST hint ---------------------------------------------------------------------
 
     def read_latest_hint(self) -> int | None:
+        where = f"{self.url}/{LATEST_NAME}"
         try:
             with self.driver.open_read(LATEST_NAME) as stream:
-                text = stream.read(64)
+                text = stream.read(MAX_HINT_BYTES)
         except ObjectNotFoundError:
             return None
-        try:
-            return int(text.decode("ascii").strip())
-        except (UnicodeDecodeError, ValueError):
-            log.warning("%s/%s is unreadable (%r); ignoring the hint", self.url, LATEST_NAME, text)
+        except StorageError as exc:  # a directory or FIFO named LATEST, an unreadable file
+            ignore_hint(where, str(exc))
             return None
+        return parse_hint(text, where=where)
 
     def advance_latest_hint(self, step: int) -> None:
         current = self.read_latest_hint()
@@ -355,11 +409,16 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         tmp = f"{LATEST_TMP_PREFIX}{new_attempt_id()}"
         handle = self.driver.create(tmp)
         try:
-            self.driver.write(handle, memoryview(f"{step}\n".encode("ascii")))
+            self.driver.write(handle, memoryview(encode_hint(step)))
             self.driver.fsync(handle)
         finally:
             self.driver.close(handle)
-        self.driver.rename_replace(tmp, LATEST_NAME)
+        try:
+            self.driver.rename_replace(tmp, LATEST_NAME)
+        except StorageError:
+            # LATEST is a directory, say: leave no temporary pointer behind for GC.
+            self._remove_tree(tmp)
+            raise
         self.driver.fsync_dir("")
 
     # -- removal -------------------------------------------------------------------------
@@ -377,32 +436,80 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         self._remove_tree(trash)
 
     def collect_garbage(self, *, grace_s: float, now: float, dry_run: bool) -> GcReport:
+        """Remove trash, and staging and temporary files idle for longer than ``grace_s``.
+
+        Idle time is measured on the file system's clock, not this host's: GC first creates a
+        file ``.gc-clock-<id>`` in the store's root (removed at the end) and compares each
+        leftover's newest mtime with that file's. Any skew between this host's clock and the
+        file system's is tolerated. What remains: on a file system that stamps files with the
+        writing client's clock (Lustre) rather than one server's, a writer whose clock runs
+        behind this host's by d looks d idler, so the grace period must exceed the longest
+        pause of a live save plus d. Where the file cannot be created (a read-only store,
+        where nothing can be removed either), ``now`` is used.
+        """
         report = GcReport(dry_run=dry_run, grace_s=grace_s)
         try:
+            clock_file, fs_now = self._file_system_now(now)
+        except ObjectNotFoundError:
+            return report  # no store directory
+        try:
             names = self.driver.listdir("")
+            lead = clock_lead(now) if clock_file is not None else 0.0
+            for name in names:
+                if name != clock_file:
+                    self._collect(name, fs_now + lead, report)
         except ObjectNotFoundError:
             return report
-        for name in names:
-            if name.startswith(TRASH_PREFIX):
-                kind, always = "trash", True
-            elif PENDING_MARK in name and parse_step_token(name.split(PENDING_MARK)[0]) is not None:
-                kind, always = "staging", False
-            elif name.startswith(LATEST_TMP_PREFIX):
-                kind, always = "pointer-temp", False
-            else:
-                continue
-            try:
-                newest, size = self._activity(name)
-            except ObjectNotFoundError:
-                continue
-            item = GcItem(kind=kind, name=name, age_s=max(0.0, now - newest), size=size)
-            if not always and item.age_s <= grace_s:
-                report.kept_young.append(item)
-                continue
-            report.removed.append(item)
-            if not dry_run:
-                self._discard(name)
+        finally:
+            if clock_file is not None:
+                self._remove_quietly(clock_file)
         return report
+
+    def _collect(self, name: str, now: float, report: GcReport) -> None:
+        """Remove one root entry if the protocol made it and it is idle for longer than the
+        grace period (trash at any age)."""
+        kind_always = _garbage_kind(name)
+        if kind_always is None:
+            return  # not made by the protocol: a stray is left alone
+        kind, always = kind_always
+        try:
+            newest, size = self._activity(name)
+        except ObjectNotFoundError:
+            return
+        idle = now - newest  # negative: changed after this gc started
+        item = GcItem(kind=kind, name=name, age_s=max(0.0, idle), size=size)
+        if not always and idle < report.grace_s:
+            if kind != "gc-clock":  # another gc's, in use: not worth a line of the report
+                report.kept_young.append(item)
+            return
+        report.removed.append(item)
+        if not report.dry_run:
+            self._discard(name)
+
+    def _file_system_now(self, now: float) -> tuple[str | None, float]:
+        """Create a file to read the file system's clock: its name and its mtime.
+
+        ``(None, now)`` where no file can be created in the store's root.
+        """
+        name = f"{GC_CLOCK_PREFIX}{new_attempt_id()}"
+        try:
+            self.driver.close(self.driver.create(name))
+        except StorageError as exc:
+            if not isinstance(exc, StorageAccessDeniedError) and exc.errno != errno.EROFS:
+                raise
+            log.info("%s: gc ages leftovers by this host's clock (%s)", self.url, exc)
+            return None, now
+        try:
+            return name, self.driver.stat(name).mtime
+        except BaseException:
+            self._remove_quietly(name)
+            raise
+
+    def _remove_quietly(self, name: str) -> None:
+        try:
+            self.driver.unlink(name)
+        except StorageError as exc:  # a later gc removes it once it is older than its grace
+            log.debug("%s: could not remove %s: %s", self.url, name, exc)
 
     def stored_names(self, manifest: Manifest) -> set[str]:
         final = step_token(manifest.step)
@@ -422,6 +529,8 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             except ObjectNotFoundError:
                 continue
             for child in children:
+                if not directory and child.startswith(GC_CLOCK_PREFIX):
+                    continue  # a running gc's clock reading, not part of the store
                 path = f"{directory}/{child}" if directory else child
                 names.add(path)
                 try:
@@ -433,9 +542,10 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
 
     def is_empty(self) -> bool:
         try:
-            return not self.driver.listdir("")
+            names = self.driver.listdir("")
         except ObjectNotFoundError:
             return True
+        return all(name.startswith(GC_CLOCK_PREFIX) for name in names)  # a running gc's
 
     def _activity(self, path: str) -> tuple[float, int]:
         """Return the newest mtime anywhere under ``path`` and the total size of its files."""
@@ -474,6 +584,32 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             self.driver.rmdir(path)
         except ObjectNotFoundError:
             return  # removed concurrently by another cleaner
+
+
+def _garbage_kind(name: str) -> tuple[str, bool] | None:
+    """What the protocol made a root entry ``name`` for, and whether GC removes it at any age.
+
+    Names are matched exactly (a fresh attempt id at the end of each), so an operator's
+    ``.trash-mine`` or ``step-...pending-copy`` is not taken for the protocol's own.
+    """
+    if name.startswith(TRASH_PREFIX) and check_attempt_name_tail(name):
+        return "trash", True
+    if parse_attempt_name(name, PENDING_MARK) is not None:
+        return "staging", False
+    if name.startswith(LATEST_TMP_PREFIX) and check_attempt_name_tail(name):
+        return "pointer-temp", False
+    if name.startswith(GC_CLOCK_PREFIX) and check_attempt_name_tail(name):
+        return "gc-clock", False  # left by a gc that died
+    return None
+
+
+def check_attempt_name_tail(name: str) -> bool:
+    """True if ``name`` ends with ``-`` and an attempt id, as every trash and temporary does."""
+    _, dash, tail = name.rpartition("-")
+    try:
+        return bool(dash) and check_attempt_id(tail) == tail
+    except InvalidShardNameError:
+        return False
 
 
 def _directories_of(manifest: Manifest) -> list[str]:
