@@ -20,6 +20,7 @@ from ckptstore.errors import (
     ManifestCorruptError,
     NotACheckpointError,
     RefusedError,
+    ShardCorruptError,
 )
 from ckptstore.manifest import MAX_METADATA_DEPTH, Manifest
 from ckptstore.store import Store
@@ -315,3 +316,17 @@ def test_memory_backend_strays_have_no_effect_on_gc(tmp_path: Any) -> None:
         assert "runs/r1/step-00000000000000000070.partial-copy/w.bin" in backend.raw_names()
     finally:
         backend.close()
+
+
+def test_a_fifo_planted_as_a_shard_is_damage_not_a_hang(tmp_path: Any) -> None:
+    backend = FileBackend(tmp_path)
+    store = backend.open()
+    _save(store, 1)
+    checkpoint = store.get(1)
+    path = os.path.join(backend.root, "step-00000000000000000001", "data", "w.bin")
+    os.unlink(path)
+    os.mkfifo(path)
+    with pytest.raises(ShardCorruptError):
+        store.get(1)
+    report = checkpoint.verify()
+    assert not report.ok and "not a regular file" in report.problems["w.bin"]

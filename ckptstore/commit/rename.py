@@ -46,6 +46,7 @@ from ckptstore.errors import (
     ManifestCorruptError,
     NotACheckpointError,
     ObjectNotFoundError,
+    ShardCorruptError,
     ShardExistsError,
     ShardMissingError,
     StorageAccessDeniedError,
@@ -323,7 +324,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             # `step-N` is a file (ENOTDIR), or its manifest is a directory or a FIFO.
             if not self.is_published(step):
                 raise self._no_manifest(step) from exc
-            raise ManifestCorruptError(f"{where}: not a regular file ({exc})") from exc
+            raise ManifestCorruptError(f"{where}: {exc.strerror}") from exc
         manifest = Manifest.decode(data, where=where, expected_step=step)
         for record in manifest.shards:
             if dict(record.locator) != {"path": f"{DATA_DIR}/{record.name}"}:
@@ -361,6 +362,13 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         except ObjectNotFoundError as exc:
             raise ShardMissingError(
                 f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({path})"
+            ) from exc
+        except StorageError as exc:
+            if exc.errno not in _WRONG_KIND_ERRNOS:
+                raise
+            raise ShardCorruptError(  # a directory, FIFO or symlink planted as the shard
+                f"{self.url}: step {manifest.step}: shard {record.name!r} is not a regular "
+                f"file ({path}: {exc.strerror})"
             ) from exc
 
     def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
