@@ -14,8 +14,8 @@ subclasses.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol, runtime_checkable
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "ObjectStoreDriver",
     "PartInfo",
     "UploadInfo",
+    "UploadProgress",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -75,6 +76,8 @@ class ObjectInfo:
     version_id: str | None = None
     is_delete_marker: bool = False
     is_latest: bool = True
+    metadata: Mapping[str, str] | None = field(default=None, compare=False, hash=False)
+    """User metadata (``x-amz-meta-*``) where the call returns it (HEAD, GET); listings don't."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,17 @@ class UploadInfo:
     key: str
     upload_id: str
     initiated: float
+
+
+@dataclass(frozen=True)
+class UploadProgress:
+    """What an incomplete multipart upload has received so far (S3 ListParts)."""
+
+    last_activity: float
+    """When it last received a part (its initiation if none)."""
+    size: int
+    """The bytes of the parts it holds: what aborting it frees."""
+    parts: int
 
 
 @runtime_checkable
@@ -181,8 +195,13 @@ class ObjectStoreDriver(Protocol):
         *,
         if_none_match: bool = False,
         if_match: str | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> ObjectInfo:
-        """Store ``data`` at ``key`` atomically (optionally only if absent or if etag matches)."""
+        """Store ``data`` at ``key`` atomically (optionally only if absent or if etag matches).
+
+        ``metadata``: user metadata stored with the object (ASCII keys and values), returned
+        by ``head`` and ``get``.
+        """
 
     def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
         """Return an object's bytes (the newest version unless ``version_id``) and its info."""
@@ -202,8 +221,8 @@ class ObjectStoreDriver(Protocol):
     def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:
         """Yield every version and delete marker under ``prefix``."""
 
-    def create_multipart(self, key: str) -> str:
-        """Start a multipart upload; return its upload id."""
+    def create_multipart(self, key: str, *, metadata: Mapping[str, str] | None = None) -> str:
+        """Start a multipart upload (its object gets ``metadata``); return its upload id."""
 
     def upload_part(self, key: str, upload_id: str, part_number: int, data: Buffer) -> PartInfo:
         """Upload one part (numbered from 1)."""
@@ -227,4 +246,11 @@ class ObjectStoreDriver(Protocol):
 
         GC asks before declaring an upload dead: a long upload keeps uploading parts, and some
         servers report a fixed, fake initiation time.
+        """
+
+    def upload_progress(self, upload: UploadInfo) -> UploadProgress:
+        """When an incomplete upload last received a part, and the bytes its parts hold.
+
+        GC ages an upload by it (as ``upload_activity``) and reports what aborting it frees.
+        Raises ObjectNotFoundError when the upload was completed or aborted meanwhile.
         """

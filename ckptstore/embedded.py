@@ -27,6 +27,10 @@ from ckptstore.errors import BackendUnavailableError, StorageError
 
 __all__ = ["EmbeddedS3", "embedded_moto", "embedded_seaweedfs"]
 
+SEAWEEDFS_MIN_PART_SIZE = 5 * 1024 * 1024
+"""SeaweedFS accepts smaller parts but refuses them at CompleteMultipartUpload
+(``EntityTooSmall``), like AWS: every part but the last must be at least 5 MiB."""
+
 
 @dataclass(frozen=True)
 class EmbeddedS3:
@@ -215,7 +219,12 @@ def embedded_seaweedfs(bucket: str = "ckptstore") -> Iterator[EmbeddedS3]:
             )
         try:
             embedded = EmbeddedS3(
-                "seaweedfs", f"http://127.0.0.1:{ports['s3']}", access, secret, bucket, 1
+                "seaweedfs",
+                f"http://127.0.0.1:{ports['s3']}",
+                access,
+                secret,
+                bucket,
+                SEAWEEDFS_MIN_PART_SIZE,
             )
             try:
                 _wait_for_bucket(embedded, 60, alive=lambda: process.poll() is None)

@@ -50,7 +50,7 @@ def parse_url(url: str) -> StoreURL:
         return StoreURL(raw=url, scheme="file", netloc="", path=os.path.abspath(url))
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    if not _SCHEME_RE.match(scheme):
+    if not _SCHEME_RE.fullmatch(scheme):
         raise InvalidURLError(f"{url!r}: invalid scheme {parts.scheme!r}")
     if parts.fragment:
         raise InvalidURLError(f"{url!r}: a store URL has no #fragment")

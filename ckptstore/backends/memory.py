@@ -22,7 +22,14 @@ from typing import BinaryIO
 
 from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
 from ckptstore.commit.version_pin import VersionPinCommit
-from ckptstore.driver import Buffer, Capability, ObjectInfo, PartInfo, UploadInfo
+from ckptstore.driver import (
+    Buffer,
+    Capability,
+    ObjectInfo,
+    PartInfo,
+    UploadInfo,
+    UploadProgress,
+)
 from ckptstore.errors import (
     InvalidOptionError,
     InvalidURLError,
@@ -47,6 +54,7 @@ class _Version:
     etag: str
     last_modified: float
     is_delete_marker: bool = False
+    metadata: Mapping[str, str] | None = None
 
 
 @dataclass
@@ -55,6 +63,7 @@ class _Upload:
     initiated: float
     parts: dict[int, tuple[bytes, str]] = field(default_factory=dict)
     part_times: dict[int, float] = field(default_factory=dict)
+    metadata: Mapping[str, str] | None = None
 
 
 def _etag(data: bytes) -> str:
@@ -110,9 +119,11 @@ class MemoryBucket:
             raise ObjectNotFoundError(2, f"memory://{self.name}/{key}{detail}: no such object")
         return found
 
-    def store(self, key: str, data: bytes, etag: str) -> _Version:
+    def store(
+        self, key: str, data: bytes, etag: str, metadata: Mapping[str, str] | None = None
+    ) -> _Version:
         """Add (versioned) or replace (unversioned) the object at ``key``."""
-        version = _Version(self._new_version_id(), data, etag, self.clock())
+        version = _Version(self._new_version_id(), data, etag, self.clock(), metadata=metadata)
         if self.versioned:
             self.objects.setdefault(key, []).append(version)
         else:
@@ -183,7 +194,9 @@ class MemoryDriver:
             caps.add(Capability.VERSIONING)
         self.capabilities = frozenset(caps)
 
-    def _info(self, key: str, version: _Version, is_latest: bool = True) -> ObjectInfo:
+    def _info(
+        self, key: str, version: _Version, is_latest: bool = True, *, listed: bool = False
+    ) -> ObjectInfo:
         return ObjectInfo(
             key=key,
             size=len(version.data),
@@ -192,6 +205,7 @@ class MemoryDriver:
             version_id=version.version_id if self.bucket.versioned else None,
             is_delete_marker=version.is_delete_marker,
             is_latest=is_latest,
+            metadata=None if listed else dict(version.metadata or {}),  # S3 lists none
         )
 
     def check_bucket(self) -> None:
@@ -206,12 +220,14 @@ class MemoryDriver:
         *,
         if_none_match: bool = False,
         if_match: str | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> ObjectInfo:
         body = bytes(data)
         full = self.prefix + key
         with self.bucket.lock:
             self.bucket.check_conditions(full, if_none_match, if_match)
-            return self._info(key, self.bucket.store(full, body, _etag(body)))
+            stored = self.bucket.store(full, body, _etag(body), metadata)
+            return self._info(key, stored)
 
     def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
         with self.bucket.lock:
@@ -250,7 +266,7 @@ class MemoryDriver:
                     continue
                 current = self.bucket.current(full)
                 if current is not None:
-                    snapshot.append(self._info(full[len(self.prefix) :], current))
+                    snapshot.append(self._info(full[len(self.prefix) :], current, listed=True))
         return iter(snapshot)
 
     def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:
@@ -261,13 +277,16 @@ class MemoryDriver:
                 if full.startswith(full_prefix):
                     versions = self.bucket.objects[full]
                     for index, version in enumerate(reversed(versions)):
-                        snapshot.append(self._info(full[len(self.prefix) :], version, index == 0))
+                        relative = full[len(self.prefix) :]
+                        snapshot.append(self._info(relative, version, index == 0, listed=True))
         return iter(snapshot)
 
-    def create_multipart(self, key: str) -> str:
+    def create_multipart(self, key: str, *, metadata: Mapping[str, str] | None = None) -> str:
         upload_id = secrets.token_hex(12)
         with self.bucket.lock:
-            self.bucket.uploads[upload_id] = _Upload(self.prefix + key, self.bucket.clock())
+            self.bucket.uploads[upload_id] = _Upload(
+                self.prefix + key, self.bucket.clock(), metadata=metadata
+            )
         return upload_id
 
     def _upload(self, key: str, upload_id: str) -> _Upload:
@@ -310,7 +329,7 @@ class MemoryDriver:
             for _body, etag in (upload.parts[n] for n in numbers):
                 digest.update(bytes.fromhex(etag.strip('"')))
             etag = f'"{digest.hexdigest()}-{len(parts)}"'
-            version = self.bucket.store(upload.key, b"".join(chunks), etag)
+            version = self.bucket.store(upload.key, b"".join(chunks), etag, upload.metadata)
             del self.bucket.uploads[upload_id]
             return self._info(key, version)
 
@@ -333,9 +352,16 @@ class MemoryDriver:
         return "Enabled" if self.bucket.versioned else ""
 
     def upload_activity(self, upload: UploadInfo) -> float:
+        return self.upload_progress(upload).last_activity
+
+    def upload_progress(self, upload: UploadInfo) -> UploadProgress:
         with self.bucket.lock:
             found = self._upload(upload.key, upload.upload_id)
-            return max([found.initiated, *found.part_times.values()])
+            return UploadProgress(
+                last_activity=max([found.initiated, *found.part_times.values()]),
+                size=sum(len(body) for body, _etag in found.parts.values()),
+                parts=len(found.parts),
+            )
 
 
 def open_memory(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:

@@ -4,15 +4,20 @@ Works with AWS S3 and S3-compatible systems (``endpoint_url``). Shards go to att
 keys, as single puts or as multipart uploads whose parts upload concurrently, each with its
 CRC32C sent as an S3 additional checksum; the manifest is published with ``If-None-Match: *``.
 Idempotent calls are retried on transient errors with bounded exponential backoff and jitter
-(tenacity); conditional writes are never retried blindly: their unknown outcomes surface as
-``IndeterminateOutcomeError`` and the protocol reads back (I8).
+(tenacity); conditional writes are never retried blindly: a conditional create whose outcome is
+unknown is resolved by reading the key back, and a compare-and-swap's surfaces as
+``IndeterminateOutcomeError`` for the protocol to read back (I8). A body read that breaks
+mid-way resumes with a ranged GET conditional on the object's ETag.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
+import functools
 import hashlib
+import io
 import logging
 import re
 import threading
@@ -23,6 +28,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 
 import boto3
 from botocore.config import Config
+from botocore.exceptions import BotoCoreError
 from tenacity import (
     Retrying,
     retry_if_exception_type,
@@ -36,7 +42,7 @@ from ckptstore.backends.s3_errors import translate_s3_errors
 from ckptstore.checksum import crc32c_of
 from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
 from ckptstore.commit.version_pin import VersionPinCommit
-from ckptstore.driver import Buffer, Capability, ObjectInfo, PartInfo, UploadInfo
+from ckptstore.driver import Buffer, Capability, ObjectInfo, PartInfo, UploadInfo, UploadProgress
 from ckptstore.errors import (
     InvalidOptionError,
     InvalidURLError,
@@ -54,6 +60,13 @@ log = logging.getLogger(__name__)
 
 S3_MIN_PART_SIZE = 5 * 1024 * 1024
 S3_MAX_PARTS = 10_000
+POOL_HEADROOM = 32
+"""Connections beyond ``concurrency`` part uploads: the threads that call a store (ranks in
+threads, async saves, readers) and other stores opened with the same options, which share the
+client. Unused slots cost nothing; a full pool discards connections with a warning."""
+_READ_PIECE = 1024 * 1024
+"""Largest single body read. A read that breaks returns nothing (urllib3 drops what it got),
+so a resume starts from the last whole piece: a broken connection costs at most this much."""
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 T = TypeVar("T")
 
@@ -126,6 +139,7 @@ class S3Driver:
         self.url = url or f"s3://{bucket}/{self.prefix}".rstrip("/")
         self.min_part_size = min_part_size
         self.checksums = checksums
+        self.max_attempts = max_attempts
         self._encryption: dict[str, str] = {}
         if sse:
             self._encryption["ServerSideEncryption"] = sse
@@ -172,6 +186,7 @@ class S3Driver:
             etag=str(response.get("ETag", "")),
             last_modified=_timestamp(response.get("LastModified")),
             version_id=_version(response.get("VersionId")),
+            metadata=response.get("Metadata"),
         )
 
     # -- the driver interface ------------------------------------------------------------
@@ -198,10 +213,13 @@ class S3Driver:
         *,
         if_none_match: bool = False,
         if_match: str | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> ObjectInfo:
         body = bytes(data)
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key), "Body": body}
         args.update(self._encryption)
+        if metadata:
+            args["Metadata"] = dict(metadata)
         if self.checksums:
             args["ChecksumCRC32C"] = _crc32c_b64(body)
         if if_none_match:
@@ -211,10 +229,49 @@ class S3Driver:
             return self._info(key, response, len(body))
         if if_match is not None:
             return self._put_if_match(key, args, if_match, len(body))
-        response = self._once(
-            f"PutObject {key} (If-None-Match)", lambda: self.client.put_object(**args)
-        )
-        return self._info(key, response, len(body))
+        return self._create(key, args, body)
+
+    def _create(self, key: str, args: dict[str, Any], body: bytes) -> ObjectInfo:
+        """PutObject If-None-Match: * retried until its outcome is known (I8).
+
+        After a transient failure, and after a refusal that follows one (our earlier try may
+        be what is there), the key is read back: absent, nothing was created and the
+        conditional put is safe to send again; holding our bytes, our put took effect; holding
+        other bytes, another writer created it first (``PreconditionFailedError``). Identical
+        bytes count as ours: callers create keys or contents unique to the writer (a fresh
+        probe key, a manifest naming its attempt).
+        """
+        what = f"PutObject {key} (If-None-Match)"
+        in_doubt = False
+
+        def attempt() -> ObjectInfo:
+            nonlocal in_doubt
+            try:
+                response = self._once(what, lambda: self.client.put_object(**args))
+                return self._info(key, response, len(body))
+            except PreconditionFailedError:
+                if not in_doubt:
+                    raise
+            except TransientStorageError as exc:
+                in_doubt = True
+                log.debug("%s: %s; reading back", what, exc)
+            return self._created_by_us(what, key, body)
+
+        result: ObjectInfo = self._retrying(attempt)
+        return result
+
+    def _created_by_us(self, what: str, key: str, body: bytes) -> ObjectInfo:
+        """The outcome of a conditional create in doubt, from the key's bytes."""
+        try:
+            stored, info = self._read_whole(key, None)
+        except ObjectNotFoundError:
+            raise TransientStorageError(
+                errno.EAGAIN, f"{what}: not created; trying again"
+            ) from None  # a late copy of the lost put can only be refused: If-None-Match
+        if stored != body:
+            raise PreconditionFailedError(412, f"{what}: another writer created it first")
+        log.info("%s: the outcome of a broken call was read back: created", what)
+        return info
 
     def _put_if_match(self, key: str, args: dict[str, Any], etag: str, size: int) -> ObjectInfo:
         """PutObject If-Match, working around servers that reject one of the ETag quotings."""
@@ -237,20 +294,32 @@ class S3Driver:
         raise PreconditionFailedError(412, f"{self.url}/{key}: If-Match refused in both quotings")
 
     def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
-        def call() -> tuple[bytes, ObjectInfo]:
-            response = self.client.get_object(**self._object_args(key, version_id))
-            with response["Body"] as body:
-                data = body.read()
-            return data, self._info(key, response, len(data))
+        """The whole object, surviving broken connections (resumed, or read again whole if
+        the object was replaced between two pieces: the bytes are always one object's)."""
+        for tries_left in reversed(range(self.max_attempts)):
+            try:
+                return self._retrying(self._read_whole, key, version_id)
+            except _ObjectReplacedError:
+                if not tries_left:
+                    raise
+        raise AssertionError("unreachable")  # max_attempts >= 1
 
-        return self._retried(f"GetObject {key}", call)
+    def _read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
+        with self._open_stream(key, version_id, retried=False) as stream:
+            data = stream.read()
+        return data, self._info(key, stream.response, len(data))
 
     def open_read(self, key: str, *, version_id: str | None = None) -> BinaryIO:
-        response = self._retried(
-            f"GetObject {key}", lambda: self.client.get_object(**self._object_args(key, version_id))
-        )
-        where = f"reading s3://{self.bucket}/{self._full(key)}"
-        return cast(BinaryIO, _TranslatedStream(response["Body"], where, self.bucket))
+        """A stream of the object that resumes after a broken connection (callers check the
+        bytes end to end: a shard's CRC32C, a manifest's own checksum)."""
+        return cast(BinaryIO, self._open_stream(key, version_id, retried=True))
+
+    def _open_stream(self, key: str, version_id: str | None, *, retried: bool) -> _ResumingStream:
+        args = self._object_args(key, version_id)
+        what = f"GetObject {key}"
+        call = self._retried if retried else self._once
+        response = call(what, lambda: self.client.get_object(**args))
+        return _ResumingStream(self, key, args, response)
 
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
         response = self._retried(
@@ -322,9 +391,11 @@ class S3Driver:
                 )
             request.update(following)
 
-    def create_multipart(self, key: str) -> str:
+    def create_multipart(self, key: str, *, metadata: Mapping[str, str] | None = None) -> str:
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key)}
         args.update(self._encryption)
+        if metadata:
+            args["Metadata"] = dict(metadata)
         if self.checksums:
             args["ChecksumAlgorithm"] = "CRC32C"
         response = self._retried(
@@ -371,14 +442,28 @@ class S3Driver:
         if if_none_match:
             response = self._once(what, lambda: self.client.complete_multipart_upload(**args))
         else:
-            response = self._complete_idempotently(what, key, args)
-        # botocore turns a 200 response with an embedded <Error> into an error; an answer
-        # without an ETag is refused too, rather than taken for success.
+            response = self._complete_idempotently(what, key, args, size)
+        # botocore turns a 200 response with an embedded <Error> into an error. Some servers
+        # answer success with an empty <ETag>: the object's own HEAD says what was made.
         if not response.get("ETag"):
-            raise StorageError(errno.EIO, f"{what}: the answer has no ETag: {response!r}")
+            response = self._completed_object(what, key, size)
         return self._info(key, response, size)
 
-    def _complete_idempotently(self, what: str, key: str, args: dict[str, Any]) -> dict[str, Any]:
+    def _completed_object(self, what: str, key: str, size: int) -> dict[str, Any]:
+        """ETag, size and version of a just-completed object, from a HEAD: the key is
+        attempt-unique, so the object there is the one the completion made (if its size is)."""
+        info = self.head(key)
+        if not info.etag or info.size != size:
+            raise StorageError(
+                errno.EIO,
+                f"{what}: the completion's answer did not say what it made, and the object's "
+                f"HEAD shows {info.size} bytes, ETag {info.etag or 'none'} (expected {size} bytes)",
+            )
+        return {"ETag": info.etag, "ContentLength": info.size, "VersionId": info.version_id}
+
+    def _complete_idempotently(
+        self, what: str, key: str, args: dict[str, Any], size: int
+    ) -> dict[str, Any]:
         """Retry a completion; a retry that finds the upload gone finds our object instead."""
         tried = False
 
@@ -395,8 +480,7 @@ class S3Driver:
         except ObjectNotFoundError:
             if not tried:
                 raise
-            info = self.head(key)  # keys are attempt-unique: an object there is ours
-            return {"ETag": info.etag, "ContentLength": info.size, "VersionId": info.version_id}
+            return self._completed_object(what, key, size)
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         self._retried(
@@ -424,6 +508,20 @@ class S3Driver:
                 newest = max(newest, _timestamp(part.get("LastModified")))
         return newest
 
+    def upload_progress(self, upload: UploadInfo) -> UploadProgress:
+        args = {
+            "Bucket": self.bucket,
+            "Key": self._full(upload.key),
+            "UploadId": upload.upload_id,
+        }
+        newest, size, parts = upload.initiated, 0, 0
+        for page in self._pages("list_parts", args):
+            for part in page.get("Parts", []):
+                newest = max(newest, _timestamp(part.get("LastModified")))
+                size += int(part.get("Size", 0))
+                parts += 1
+        return UploadProgress(last_activity=newest, size=size, parts=parts)
+
     def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
         args = {"Bucket": self.bucket, "Prefix": self._full(prefix)}
         for page in self._pages("list_multipart_uploads", args):
@@ -439,29 +537,106 @@ def _version(value: Any) -> str | None:
     return None if value in (None, "", "null") else str(value)
 
 
-class _TranslatedStream:
-    """A GetObject body whose read errors are ckptstore errors."""
+class _ObjectReplacedError(ObjectNotFoundError):
+    """The object was replaced or deleted while being read: the bytes being read are gone."""
 
-    def __init__(self, body: Any, what: str, bucket: str) -> None:
-        self._body = body
-        self._what = what
-        self._bucket = bucket
+
+class _ResumingStream:
+    """A GetObject body that resumes after a broken connection; its errors are ckptstore's.
+
+    A read that breaks mid-body (reset, timeout, short body) asks again from the byte reached,
+    with a ranged GET conditional on the first answer's ETag (If-Match) and version: the
+    stream never splices two objects' bytes. Each read gets ``max_attempts`` tries.
+    """
+
+    def __init__(
+        self, driver: S3Driver, key: str, args: Mapping[str, Any], response: Mapping[str, Any]
+    ) -> None:
+        self.response = response
+        self._driver = driver
+        self._key = key
+        self._args = dict(args)
+        self._body: Any = response["Body"]
+        self._size = int(response.get("ContentLength", -1))
+        self._etag = str(response.get("ETag") or "")
+        self._position = 0
+        self._what = f"reading s3://{driver.bucket}/{driver._full(key)}"
 
     def read(self, size: int = -1) -> bytes:
-        with translate_s3_errors(self._what, bucket=self._bucket):
-            data: bytes = self._body.read(None if size < 0 else size)
-            return data
+        pieces = []
+        left = size
+        while left != 0:
+            want = _READ_PIECE if left < 0 else min(left, _READ_PIECE)
+            piece = self._resilient(functools.partial(self._read_body, want), len)
+            if not piece:
+                break
+            pieces.append(piece)
+            left -= len(piece) if left > 0 else 0
+        return b"".join(pieces)
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        data = self.read(view.nbytes)
-        view[: len(data)] = data
-        return len(data)
+        got = 0
+        while got < view.nbytes:
+            piece = view[got : got + _READ_PIECE]
+            count = self._resilient(functools.partial(self._readinto_body, piece), int)
+            if not count:
+                break
+            got += count
+        return got
+
+    def _read_body(self, size: int) -> bytes:
+        return bytes(self._body.read(size))  # the body of the moment: a resume replaces it
+
+    def _readinto_body(self, view: memoryview) -> int:
+        return int(self._body.readinto(view))
+
+    def _resilient(self, read: Callable[[], T], size_of: Callable[[T], int]) -> T:
+        """``read()`` from the current body; a broken body is replaced by a resumed one."""
+        for tries_left in reversed(range(self._driver.max_attempts)):
+            try:
+                with translate_s3_errors(self._what, bucket=self._driver.bucket):
+                    result = read()
+            except TransientStorageError as exc:
+                if not tries_left or not self._etag:  # without an ETag, a resume could splice
+                    raise
+                self._resume(exc)
+                continue
+            self._position += size_of(result)
+            return result
+        raise AssertionError("unreachable")  # max_attempts >= 1
+
+    def _resume(self, cause: TransientStorageError) -> None:
+        """Replace the broken body by the object's rest, from a GET Range If-Match."""
+        with contextlib.suppress(Exception):  # the old connection is broken anyway
+            self._body.close()
+        if 0 <= self._size <= self._position:
+            self._body = io.BytesIO()  # everything arrived; only the end of the answer broke
+            return
+        args = {**self._args, "Range": f"bytes={self._position}-", "IfMatch": self._etag}
+        what = f"GetObject {self._key} from byte {self._position}"
+        try:
+            response = self._driver._retried(what, lambda: self._driver.client.get_object(**args))
+        except (PreconditionFailedError, ObjectNotFoundError) as exc:
+            raise _ObjectReplacedError(
+                errno.ESTALE,
+                f"{self._what}: the object was replaced or deleted while being read (after "
+                f"byte {self._position}, the connection broke: {cause})",
+            ) from exc
+        reached = str(response.get("ContentRange", ""))
+        if not reached.startswith(f"bytes {self._position}-"):
+            response["Body"].close()
+            raise StorageError(
+                errno.EIO, f"{what}: the server ignored the Range (answered {reached or 'whole'})"
+            ) from cause
+        log.info("%s: connection broke (%s); resumed at byte %d", self._what, cause,
+                 self._position)  # fmt: skip
+        self._body = response["Body"]
 
     def close(self) -> None:
         self._body.close()
 
-    def __enter__(self) -> _TranslatedStream:
+    def __enter__(self) -> _ResumingStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -494,26 +669,32 @@ def _new_client(options: Mapping[str, object]) -> Any:
         )
     config = Config(
         s3={"addressing_style": addressing},
-        retries={"max_attempts": 1, "mode": "standard"},
+        # One attempt in all: botocore's ``max_attempts`` counts retries and 1 would resend a
+        # conditional put blindly (a lost answer then comes back as a 412 for our own write).
+        retries={"total_max_attempts": 1, "mode": "standard"},
         connect_timeout=option_int(options, "connect_timeout", 5, minimum=1),
         read_timeout=option_int(options, "read_timeout", 60, minimum=1),
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
-        max_pool_connections=max(10, option_int(options, "concurrency", 8, minimum=1) + 2),
-    )
-    session = boto3.session.Session(
-        profile_name=str(options["profile"]) if options.get("profile") else None,
-        region_name=str(options["region"]) if options.get("region") else None,
-        **{k: str(options[k]) for k in CREDENTIAL_OPTIONS if options.get(k)},
+        max_pool_connections=option_int(options, "concurrency", 8, minimum=1) + POOL_HEADROOM,
     )
     endpoint = str(options["endpoint_url"]) if options.get("endpoint_url") else None
-    return session.client("s3", endpoint_url=endpoint, config=config)
+    try:
+        session = boto3.session.Session(
+            profile_name=str(options["profile"]) if options.get("profile") else None,
+            region_name=str(options["region"]) if options.get("region") else None,
+            **{k: str(options[k]) for k in CREDENTIAL_OPTIONS if options.get(k)},
+        )
+        return session.client("s3", endpoint_url=endpoint, config=config)
+    except (ValueError, BotoCoreError) as exc:
+        # A malformed endpoint_url or region, an unknown profile: a bad option, not a crash.
+        raise InvalidOptionError(f"s3:// client options: {exc}") from exc
 
 
 def parse_location(url: StoreURL) -> tuple[str, str]:
     """Bucket and prefix of an s3:// URL, validated."""
     bucket = url.netloc
-    if not _BUCKET_RE.match(bucket) or ".." in bucket:
+    if not _BUCKET_RE.fullmatch(bucket) or ".." in bucket:
         raise InvalidURLError(f"{url.raw}: {bucket!r} is not a valid S3 bucket name")
     return bucket, url.path.strip("/")
 

@@ -3,23 +3,35 @@
 Throttling, 5xx, timeouts and dropped connections are transient. A failure after which a
 write may or may not have happened (a read timeout, a connection reset after the request was
 sent) is an ``IndeterminateOutcomeError``: the caller must read back before deciding (I8).
+
+botocore wraps most transport errors, but not all: a connection that breaks while botocore
+reads a (non-streamed) answer raises urllib3's ``ProtocolError`` raw, and a body read can raise
+``IncompleteReadError`` or ``http.client`` errors. Every one of them is translated here, so
+no third-party exception crosses the driver boundary.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import http.client
 from collections.abc import Iterator
 
+import urllib3.exceptions
 from botocore.exceptions import (
     BotoCoreError,
+    ChecksumError,
     ClientError,
-    ConnectionClosedError,
     ConnectTimeoutError,
     EndpointConnectionError,
+    FlexibleChecksumError,
+    HTTPClientError,
+    IncompleteReadError,
     NoCredentialsError,
     PartialCredentialsError,
+    ProxyConnectionError,
     ReadTimeoutError,
+    SSLError,
 )
 
 from ckptstore.errors import (
@@ -67,24 +79,59 @@ def translate_s3_errors(what: str, *, bucket: str) -> Iterator[None]:
     """Translate botocore errors raised inside the block into ckptstore errors naming ``what``."""
     try:
         yield
+    except CkptStoreError:
+        raise  # translated already (a nested block): an OSError subclass, but not a transport's
     except ClientError as exc:
         raise _from_client_error(exc, what, bucket) from exc
-    except (ReadTimeoutError, ConnectionClosedError) as exc:
-        raise IndeterminateOutcomeError(
-            errno.ETIMEDOUT, f"{what}: no answer ({exc}); the request may have taken effect"
-        ) from exc
-    except (EndpointConnectionError, ConnectTimeoutError) as exc:
+    except _NOT_SENT as exc:
         raise TransientStorageError(
             errno.ECONNREFUSED, f"{what}: cannot reach the S3 endpoint: {exc}"
         ) from exc
+    except SSLError as exc:  # a certificate problem does not go away when retried
+        if "CERTIFICATE_VERIFY_FAILED" in str(exc) or "certificate verify failed" in str(exc):
+            raise StorageError(errno.EIO, f"{what}: TLS certificate refused: {exc}") from exc
+        raise _broken(what, exc) from exc
+    except _BROKEN as exc:
+        raise _broken(what, exc) from exc
     except (NoCredentialsError, PartialCredentialsError) as exc:
         raise StorageAccessDeniedError(
             errno.EACCES,
             f"{what}: no AWS credentials found (environment, ~/.aws, instance role, or the "
             f"aws_access_key_id/aws_secret_access_key options): {exc}",
         ) from exc
-    except BotoCoreError as exc:
+    except BotoCoreError as exc:  # a request botocore refused to send (bad parameters, config)
         raise StorageError(errno.EIO, f"{what}: {exc}") from exc
+    except OSError as exc:  # a socket error no library wrapped
+        raise _broken(what, exc) from exc
+
+
+_NOT_SENT = (
+    EndpointConnectionError,
+    ConnectTimeoutError,
+    ProxyConnectionError,
+    urllib3.exceptions.ConnectTimeoutError,  # urllib3's NewConnectionError too
+)
+"""Failures before the request left: retrying cannot duplicate it."""
+
+_BROKEN = (
+    HTTPClientError,  # botocore's ConnectionClosedError, ReadTimeoutError, ResponseStreamingError
+    IncompleteReadError,  # a body shorter than its Content-Length
+    ChecksumError,  # an answer damaged in transit
+    FlexibleChecksumError,
+    urllib3.exceptions.HTTPError,  # ProtocolError, ReadTimeoutError... when botocore lets them by
+    http.client.HTTPException,  # IncompleteRead, RemoteDisconnected, BadStatusLine
+)
+"""Failures after the request may have reached the server: the exchange broke."""
+
+
+def _broken(what: str, exc: BaseException) -> IndeterminateOutcomeError:
+    """The exchange broke after the request may have been sent: worth retrying where that is
+    safe, and for a conditional write an unknown outcome to resolve by reading back (I8)."""
+    timeout = isinstance(exc, (ReadTimeoutError, TimeoutError, urllib3.exceptions.TimeoutError))
+    code = errno.ETIMEDOUT if timeout else errno.ECONNRESET
+    return IndeterminateOutcomeError(
+        code, f"{what}: the connection broke ({exc}); the request may have taken effect"
+    )
 
 
 def _from_client_error(exc: ClientError, what: str, bucket: str) -> CkptStoreError:

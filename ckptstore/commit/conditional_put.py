@@ -15,15 +15,27 @@ manifest back and comparing attempt ids (I8).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import random
 import threading
+import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import BinaryIO
+from datetime import timezone
+from typing import BinaryIO, TypeVar
 
 from ckptstore.commit.base import CommitStrategy, GcItem, GcReport, ShardProblem, ShardSink
-from ckptstore.driver import Capability, ObjectInfo, ObjectStoreDriver, PartInfo, UploadInfo
+from ckptstore.driver import (
+    Capability,
+    ObjectInfo,
+    ObjectStoreDriver,
+    PartInfo,
+    UploadInfo,
+    UploadProgress,
+)
 from ckptstore.errors import (
     CapabilityError,
     CheckpointExistsError,
@@ -34,11 +46,13 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
     ShardMissingError,
+    StorageAccessDeniedError,
     StorageError,
     TransientStorageError,
 )
+from ckptstore.hint import MAX_HINT_BYTES, parse_hint
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord
-from ckptstore.names import new_attempt_id, parse_step_token, step_token
+from ckptstore.names import new_attempt_id, parse_attempt_name, parse_step_token, step_token
 
 __all__ = ["ConditionalPutCommit"]
 
@@ -52,6 +66,75 @@ DEFAULT_PART_SIZE = 8 * _MiB
 PARTS_PER_TIER = 1000
 PUBLISH_TRIES = 5
 CAS_TRIES = 16
+PROBE_TRIES = 4
+"""Tries of each request of the conditional-create probe (its key is fresh: safe to retry)."""
+GC_WAS_HERE = (
+    "Only garbage collection deletes an unpublished attempt's data: GC took it as dead because "
+    "it wrote nothing for longer than GC's grace period (default 1 h; `ckptstore gc --grace`, "
+    "`Store.gc(grace=...)`), as measured on the storage's clock"
+)
+T = TypeVar("T")
+_UNREADABLE = "<unreadable>"
+
+_host_clock: Callable[[], float] = time.time
+"""This host's clock; GC compares it with the caller's clock only (tests patch it)."""
+
+
+def _unsupported(exc: StorageError) -> bool:
+    """The storage does not implement the operation (501 NotImplemented): no retry helps."""
+    return exc.errno == 501 or "NotImplemented" in str(exc)
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(1.0, 0.05 * 2**attempt) * (0.5 + random.random()))
+
+
+class _ConditionalCreateChecks:
+    """Which storage (driver type, endpoint, bucket) this process has probed, and the outcome.
+
+    A writer verifies conditional create before its first publish, once per process and
+    bucket; a refusal is remembered too, so that every later save fails as fast.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._locks: dict[tuple[str, str, str], threading.Lock] = {}
+        self.outcomes: dict[tuple[str, str, str], CapabilityError | None] = {}
+
+    def ensure(self, driver: ObjectStoreDriver, probe: Callable[[], None]) -> None:
+        """Run ``probe`` unless it already passed for this storage; re-raise its refusal."""
+        identity = _storage_identity(driver)
+        with self._lock:
+            lock = self._locks.setdefault(identity, threading.Lock())
+        with lock:  # concurrent first saves of one process probe once
+            if identity not in self.outcomes:
+                try:
+                    probe()
+                except CapabilityError as exc:
+                    self.outcomes[identity] = exc
+                else:
+                    self.outcomes[identity] = None
+            refusal = self.outcomes[identity]
+        if refusal is not None:
+            raise CapabilityError(str(refusal))
+
+
+def _storage_identity(driver: ObjectStoreDriver) -> tuple[str, str, str]:
+    """The storage a driver writes to: its type, its endpoint and its bucket."""
+    kind = f"{type(driver).__module__}.{type(driver).__qualname__}"
+    bucket: object = getattr(driver, "bucket", None)
+    if bucket is None:
+        return kind, "", driver.url
+    client_meta = getattr(getattr(driver, "client", None), "meta", None)
+    endpoint = str(getattr(client_meta, "endpoint_url", "") or "")
+    if isinstance(bucket, str):
+        return kind, endpoint, bucket
+    return kind, endpoint, f"{getattr(bucket, 'name', '')}#{id(bucket)}"  # in-process buckets
+
+
+_CONDITIONAL_CREATE = _ConditionalCreateChecks()
+_CAS_REFUSALS: set[str] = set()
+_CAS_REFUSALS_LOCK = threading.Lock()
 
 
 def part_size_for(part_number: int, base: int) -> int:
@@ -68,6 +151,7 @@ class _ObjectShardSink(ShardSink):
 
     With ``executor``, up to ``in_flight`` parts upload concurrently; each holds its own copy
     of its bytes, so memory stays bounded by ``in_flight`` parts whatever the shard's size.
+    ``metadata`` is stored with the object (the versioned layout names the attempt there).
     """
 
     def __init__(
@@ -78,9 +162,11 @@ class _ObjectShardSink(ShardSink):
         size_hint: int | None,
         executor: ThreadPoolExecutor | None,
         in_flight: int,
+        metadata: Mapping[str, str] | None = None,
     ) -> None:
         self._driver = driver
         self._key = key
+        self._metadata = metadata
         self._base = part_size
         if size_hint is not None:  # known size: fixed parts that fit the part-count limit
             needed = -(-size_hint // driver.max_parts)
@@ -114,17 +200,22 @@ class _ObjectShardSink(ShardSink):
 
     def _upload(self, part: memoryview) -> None:
         if self._upload_id is None:
-            self._upload_id = self._driver.create_multipart(self._key)
+            if self._metadata:
+                self._upload_id = self._driver.create_multipart(self._key, metadata=self._metadata)
+            else:
+                self._upload_id = self._driver.create_multipart(self._key)
         number = self._next_number
         if number > self._driver.max_parts:
             raise StorageError(f"{self._key}: more than {self._driver.max_parts} parts")
         self._next_number += 1
         upload_id = self._upload_id
         if self._executor is None:
-            self._parts.append(self._driver.upload_part(self._key, upload_id, number, part))
+            with self._gone_means_collected():
+                self._parts.append(self._driver.upload_part(self._key, upload_id, number, part))
             return
         while len(self._pending) >= self._in_flight:
-            self._parts.append(self._pending.popleft().result())
+            with self._gone_means_collected():
+                self._parts.append(self._pending.popleft().result())
         body = bytes(part)  # the caller may reuse its buffer once write() returns
         self._pending.append(
             self._executor.submit(self._driver.upload_part, self._key, upload_id, number, body)
@@ -132,17 +223,40 @@ class _ObjectShardSink(ShardSink):
 
     def _drain(self) -> None:
         while self._pending:
-            self._parts.append(self._pending.popleft().result())
+            with self._gone_means_collected():
+                self._parts.append(self._pending.popleft().result())
+
+    @contextlib.contextmanager
+    def _gone_means_collected(self) -> Iterator[None]:
+        """Say who removed an upload that vanished under its writer ("No such upload" does not).
+
+        Nothing but GC (or an operator) aborts another process's upload: a writer whose upload
+        is gone was idle for longer than GC's grace period.
+        """
+        try:
+            yield
+        except ObjectNotFoundError as exc:
+            raise ObjectNotFoundError(
+                errno.ENOENT,
+                f"{self._driver.url}/{self._key}: the multipart upload {self._upload_id} was "
+                f"removed by garbage collection; nothing of this attempt can be published. "
+                f"{GC_WAS_HERE} ({exc})",
+            ) from exc
 
     def close(self) -> Mapping[str, str]:
         if self._upload_id is None:
-            info = self._driver.put(self._key, bytes(self._buffer))
+            body = bytes(self._buffer)
+            if self._metadata:
+                info = self._driver.put(self._key, body, metadata=self._metadata)
+            else:
+                info = self._driver.put(self._key, body)
         else:
             if self._buffer or self._next_number == 1:
                 self._upload(memoryview(self._buffer))
             self._drain()
             parts = sorted(self._parts, key=lambda p: p.part_number)
-            info = self._driver.complete_multipart(self._key, self._upload_id, parts)
+            with self._gone_means_collected():
+                info = self._driver.complete_multipart(self._key, self._upload_id, parts)
             self._upload_id = None
         self._buffer = bytearray()
         locator = {"key": self._key, "etag": info.etag}
@@ -175,7 +289,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     required_capabilities = frozenset({Capability.CONDITIONAL_CREATE})
     fixed_names = frozenset({LATEST_KEY})
     verify_conditional_writes = True
-    """Probe conditional create when a writer opens the store (the conformance suite turns
+    """Probe conditional create before a writer's first publish (the conformance suite turns
     this off, to measure and report storage that ckptstore would refuse)."""
 
     def __init__(
@@ -209,28 +323,99 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
             return self._executor
 
     def open_root(self, *, create: bool) -> None:
+        """Check the bucket is there; writes nothing (read-only credentials can open).
+
+        Conditional create is verified lazily, before the first save (``begin``/``publish``).
+        """
         self.driver.check_bucket()
-        if create and self.verify_conditional_writes:
-            self._verify_conditional_create()
+
+    def ensure_conditional_create(self) -> None:
+        """Refuse to publish on storage that ignores If-None-Match (I5): probed once per
+        process and bucket, before the first save; a reader never probes."""
+        if self.verify_conditional_writes:
+            _CONDITIONAL_CREATE.ensure(self.driver, self._verify_conditional_create)
 
     def _verify_conditional_create(self) -> None:
         """Refuse storage that ignores If-None-Match on PutObject: publishing would not be
-        exclusive there (I5). Three small requests, made once when a writer opens the store."""
+        exclusive there (I5). Four small requests on a fresh key, each retried on a transient
+        error, and every version of the probe object deleted after."""
         key = f"{PROBE_PREFIX}{new_attempt_id()}"
-        first = self.driver.put(key, b"1", if_none_match=True)
+        versions: set[str] = set()
         try:
+            self._probe_create(key, versions)
+            if self._probe_second_create(key, versions):
+                raise CapabilityError(
+                    f"{self.url}: the storage ignored If-None-Match: * on PutObject (conditional "
+                    f"create). ckptstore publishes a checkpoint by creating its manifest only if "
+                    f"absent; without it two writers could overwrite each other's checkpoints. "
+                    f"Use storage with conditional writes (AWS S3, recent MinIO, SeaweedFS, ...)"
+                )
+        finally:
+            self._delete_probe(key, versions)
+
+    def _probe_create(self, key: str, versions: set[str]) -> None:
+        """Create the probe object, whose key is fresh: a try whose answer was lost is found."""
+        for attempt in range(PROBE_TRIES):
             try:
-                self.driver.put(key, b"2", if_none_match=True)
+                info = self._probe_put(key, b"1")
             except PreconditionFailedError:
-                return
+                data, info = self.driver.get(key)  # fresh key: only an earlier try of ours
+                if data != b"1":
+                    raise
+            except TransientStorageError:
+                if attempt == PROBE_TRIES - 1:
+                    raise
+                _backoff(attempt)
+                continue
+            if info.version_id:
+                versions.add(info.version_id)
+            return
+
+    def _probe_second_create(self, key: str, versions: set[str]) -> bool:
+        """Create the probe key again: True if the storage let it through (it must refuse)."""
+        for attempt in range(PROBE_TRIES):
+            try:
+                info = self._probe_put(key, b"2")
+            except PreconditionFailedError:
+                break
+            except TransientStorageError:
+                if attempt == PROBE_TRIES - 1:
+                    raise
+                _backoff(attempt)
+                continue
+            if info.version_id:
+                versions.add(info.version_id)
+            return True
+        data, info = self.driver.get(key)  # a lost answer may hide an overwrite
+        if info.version_id:
+            versions.add(info.version_id)
+        return data != b"1"
+
+    def _probe_put(self, key: str, body: bytes) -> ObjectInfo:
+        try:
+            return self.driver.put(key, body, if_none_match=True)
+        except PreconditionFailedError:
+            raise
+        except StorageError as exc:
+            if not _unsupported(exc):
+                raise
             raise CapabilityError(
-                f"{self.url}: the storage ignored If-None-Match: * on PutObject (conditional "
-                f"create). ckptstore publishes a checkpoint by creating its manifest only if "
-                f"absent; without it two writers could overwrite each other's checkpoints. Use "
-                f"storage with conditional writes (AWS S3, recent MinIO, SeaweedFS, ...)"
-            )
-        finally:  # by version id where there is one: a plain DELETE would leave the version
-            self.driver.delete(key, version_id=first.version_id)
+                f"{self.url}: the storage does not implement If-None-Match: * on PutObject "
+                f"(conditional create): {exc}. ckptstore publishes a checkpoint by creating its "
+                f"manifest only if absent; it cannot publish safely there"
+            ) from exc
+
+    def _delete_probe(self, key: str, versions: set[str]) -> None:
+        """Delete every version of the probe object (a plain DELETE would leave versions)."""
+        try:
+            if not versions:
+                self.driver.delete(key)
+                return
+            listed = {v.version_id for v in self.driver.list_versions(key) if v.key == key}
+            for version_id in sorted(versions | {v for v in listed if v}):
+                self.driver.delete(key, version_id=version_id)
+        except StorageError as exc:  # a probe left behind is GC's ("probe", after the grace)
+            log.warning("%s: could not delete the probe %s: %s", self.url, key, exc)
 
     # -- writing -------------------------------------------------------------------------
 
@@ -245,7 +430,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         return f"{MANIFESTS}{step_token(step)}.json"
 
     def begin(self, step: int, attempt: str) -> None:
-        return None  # attempt-unique keys need no preparation
+        # Attempt-unique keys need no preparation; a store that cannot publish safely refuses
+        # here, before a single shard is written.
+        self.ensure_conditional_create()
 
     def open_shard(
         self, step: int, attempt: str, name: str, size_hint: int | None = None
@@ -256,6 +443,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         )
 
     def publish(self, manifest: Manifest) -> None:
+        self.ensure_conditional_create()
         self._check_sealed(manifest)
         key = self.manifest_key(manifest.step)
         body = manifest.encode()
@@ -280,12 +468,66 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         )
 
     def _check_sealed(self, manifest: Manifest) -> None:
-        """Every shard the manifest lists is stored, complete, at its locator: else no publish."""
-        problems = self.shard_problems(manifest)
-        if problems:
+        """Every shard the manifest lists is stored, complete, at its locator: else no publish.
+
+        Each object the attempt wrote is asked directly (HEAD, by version where pinned), never
+        a listing: a listing may lag behind the very writes it would have to confirm.
+        """
+        problems = self._written_problems(manifest)
+        if not problems:
+            return
+        listed = "; ".join(map(str, problems[:5])) + (
+            f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+        )
+        if all(problem.missing for problem in problems):
+            began = manifest.created_at.astimezone(timezone.utc).isoformat(timespec="seconds")
             raise ShardMissingError(
-                f"{self.url}: step {manifest.step} cannot be published: "
-                f"{'; '.join(map(str, problems[:5]))}"
+                f"{self.url}: step {manifest.step} cannot be published: attempt "
+                f"{manifest.attempt} was removed by garbage collection ({listed}); nothing was "
+                f"published. {GC_WAS_HERE}; this attempt began at {began}. Save again, with a GC "
+                f"grace period longer than a save's longest pause"
+            )
+        raise ShardMissingError(
+            f"{self.url}: step {manifest.step} cannot be published: {listed}; nothing was published"
+        )
+
+    def _written_problems(self, manifest: Manifest) -> list[ShardProblem]:
+        """What is wrong with the shards of ``manifest``, asked of each object (concurrently)."""
+        records: Sequence[ShardRecord] = manifest.shards
+        executor = self._parts_executor()
+        if executor is None or len(records) < 2:
+            found = [self._stored_problem(record) for record in records]
+        else:
+            found = list(executor.map(self._stored_problem, records))
+        return [problem for problem in found if problem is not None]
+
+    def _stored_problem(self, record: ShardRecord) -> ShardProblem | None:
+        """What is wrong with one shard's object (None: present, with the recorded size)."""
+        try:
+            info = self.driver.head(
+                record.locator["key"], version_id=record.locator.get("version_id")
+            )
+        except ObjectNotFoundError:
+            return ShardProblem(record.name, missing=True)
+        if info.size != record.size:
+            return ShardProblem(record.name, False, info.size, record.size)
+        return None
+
+    def _check_still_published(self, manifest: Manifest) -> None:
+        """Raise CheckpointNotFoundError if ``manifest`` is no longer the published one.
+
+        Unpublishing deletes the manifest before the data: shards missing under a checkpoint
+        whose manifest is gone are a race with a deletion, not damage.
+        """
+        owner = self._published_attempt(manifest.step)
+        if owner is None:
+            raise CheckpointNotFoundError(
+                f"{self.url}: step {manifest.step} was unpublished while it was being read"
+            )
+        if owner not in (manifest.attempt, _UNREADABLE):
+            raise CheckpointNotFoundError(
+                f"{self.url}: step {manifest.step} was deleted and published again (attempt "
+                f"{owner}) while it was being read"
             )
 
     def _exists(self, step: int) -> CheckpointExistsError:
@@ -301,14 +543,34 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         try:
             return Manifest.decode(data, where=self.manifest_key(step)).attempt
         except IntegrityError:
-            return "<unreadable>"
+            return _UNREADABLE
 
     def abort(self, step: int, attempt: str) -> None:
         prefix = self.attempt_prefix(step, attempt)
-        for upload in list(self.driver.list_multipart_uploads(prefix)):
+        for upload in self._uploads(prefix):
             self.driver.abort_multipart(upload.key, upload.upload_id)
         for info in list(self.driver.list(prefix)):
             self.driver.delete(info.key)
+
+    def _uploads(self, prefix: str, report: GcReport | None = None) -> list[UploadInfo]:
+        """The incomplete multipart uploads under ``prefix``; none where the storage does not
+        implement ListMultipartUploads (noted in ``report``, with the remedy)."""
+        try:
+            return list(self.driver.list_multipart_uploads(prefix))
+        except StorageError as exc:
+            if not _unsupported(exc):
+                raise
+            log.debug("%s: ListMultipartUploads is not implemented: %s", self.url, exc)
+            if report is not None and "ListMultipartUploads" not in report.missing_operations:
+                report.missing_operations.append("ListMultipartUploads")
+                report.warnings.append(
+                    f"the storage does not implement ListMultipartUploads ({exc}): incomplete "
+                    f"multipart uploads of dead attempts were not looked for, and their parts "
+                    f"still take space. Install a lifecycle rule that aborts them (`ckptstore "
+                    f"lifecycle {self.url}`, or the storage's own equivalent); everything else "
+                    f"was collected"
+                )
+            return []
 
     # -- reading -------------------------------------------------------------------------
 
@@ -361,35 +623,47 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
             ) from exc
 
     def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
+        """One listing of the attempt; what it does not show as recorded is asked of the object
+        itself (a listing may lag or end early). CheckpointNotFoundError, not a problem, when
+        the checkpoint was unpublished meanwhile."""
         prefix = self.attempt_prefix(manifest.step, manifest.attempt)
         stored: dict[str, ObjectInfo] = {i.key: i for i in self.driver.list(prefix)}
         problems: list[ShardProblem] = []
         for record in manifest.shards:
             info = stored.get(f"{prefix}{record.name}")
-            if info is None:
-                problems.append(ShardProblem(record.name, missing=True))
-            elif info.size != record.size:
-                problems.append(ShardProblem(record.name, False, info.size, record.size))
+            if info is not None and info.size == record.size:
+                continue
+            problem = self._stored_problem(record)
+            if problem is not None:
+                problems.append(problem)
+        if problems:
+            self._check_still_published(manifest)
         return problems
 
     # -- LATEST hint ---------------------------------------------------------------------
 
     def _read_latest(self) -> tuple[int | None, str | None]:
+        """The hint's step (None if absent or unreadable) and its etag, for a CAS."""
+        where = f"{self.url}/{LATEST_KEY}"
         try:
             data, info = self.driver.get(LATEST_KEY)
         except ObjectNotFoundError:
             return None, None
-        try:
-            return int(data.decode("ascii").strip()), info.etag
-        except (UnicodeDecodeError, ValueError):
-            log.warning("%s/%s is unreadable; replacing the hint", self.url, LATEST_KEY)
-            return None, info.etag
+        return parse_hint(data[:MAX_HINT_BYTES], where=where), info.etag
 
     def read_latest_hint(self) -> int | None:
         return self._read_latest()[0]
 
     def advance_latest_hint(self, step: int) -> None:
+        """Move the hint forward by compare-and-swap (If-Match), never backward, never blindly.
+
+        Losing to another writer re-reads and tries again. A storage that refuses the
+        conditional write itself (501 NotImplemented, a 400 for the header, a 412 although
+        the ETag has not changed) is not contention: the hint is left as it is, with a warning
+        that says what the storage answered. Readers list past the hint either way.
+        """
         body = f"{step}\n".encode("ascii")
+        transient_left = 3
         for _ in range(CAS_TRIES):
             current, etag = self._read_latest()
             if current is not None and current >= step:
@@ -400,9 +674,45 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                 else:
                     self.driver.put(LATEST_KEY, body, if_match=etag)
                 return
-            except (PreconditionFailedError, ObjectNotFoundError):
+            except PreconditionFailedError as exc:
+                if etag is not None and self._read_latest()[1] == etag:
+                    self._cas_refused(step, f"412 on the unchanged ETag {etag} ({exc})")
+                    return
                 continue  # another writer moved it: re-read, and only move forward
-        log.warning("%s: LATEST hint not advanced to %d (contended); readers list", self.url, step)
+            except ObjectNotFoundError:
+                continue  # removed meanwhile (a rollback, a delete): re-read
+            except StorageError as exc:
+                if isinstance(exc, TransientStorageError) and not _unsupported(exc):
+                    transient_left -= 1
+                    if transient_left >= 0:
+                        _backoff(2 - transient_left)
+                        continue  # re-read: a lost answer may have moved it already
+                    raise
+                self._cas_refused(step, str(exc))
+                return
+        log.warning(
+            "%s: LATEST hint not advanced to %d: other writers moved it %d times meanwhile "
+            "(contended); readers list past it",
+            self.url,
+            step,
+            CAS_TRIES,
+        )
+
+    def _cas_refused(self, step: int, answer: str) -> None:
+        """Say, once per store and then quietly, that the storage refused the hint's CAS."""
+        with _CAS_REFUSALS_LOCK:
+            first = self.url not in _CAS_REFUSALS
+            _CAS_REFUSALS.add(self.url)
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "%s: LATEST hint not advanced to %d: the storage refused the conditional write "
+            "itself, which is not contention; it answered: %s. It does not support "
+            "compare-and-swap on PutObject (If-Match), so the hint stays where it is; readers "
+            "list past it (the hint only saves a listing)",
+            self.url,
+            step,
+            answer,
+        )
 
     def reset_latest_hint(self, step: int | None) -> None:
         if step is None:
@@ -423,48 +733,51 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                 self.driver.delete(info.key)
 
     def collect_garbage(self, *, grace_s: float, now: float, dry_run: bool) -> GcReport:
+        """Remove attempts that no manifest references and that have been idle for longer than
+        ``grace_s`` by the storage's clock, and stale probes; never a published checkpoint's
+        data, whatever a listing says.
+
+        Ages are measured on the storage's own clock: a marker object written at the start
+        gives the storage's "now", and an attempt's age is that minus the newest LastModified
+        of its objects and its uploads' parts, all stamped by the storage. Skew tolerated: any
+        offset of the GC host's clock (and of the writers'); what must hold is that the
+        storage's clock does not jump forward, nor its nodes' clocks differ, by more than the
+        grace period minus a live save's longest pause (S3's LastModified has one-second
+        resolution: ages are accurate to about a second). ``now`` is the caller's clock: only
+        how far it runs ahead of this host's clock is added (none with the default clock;
+        tests move an injected clock forward to age leftovers).
+
+        Listings only say what to look at: before an attempt is judged, its step's manifest is
+        read directly; the attempt it names, or every attempt of a step whose manifest is
+        unreadable, is left alone. A listing that lags or ends early can leave garbage behind,
+        never remove published data.
+        """
         report = GcReport(dry_run=dry_run, grace_s=grace_s)
-        protected_attempts: set[str] = set()
-        protected_steps: set[int] = set()
-        for step in self.published_steps():
-            try:
-                protected_attempts.add(self.attempt_prefix(step, self.read_manifest(step).attempt))
-            except CheckpointNotFoundError:
-                continue
-            except IntegrityError:
-                protected_steps.add(step)  # unreadable manifest: keep every attempt of the step
+        storage_now = self._storage_now(now, report)
         groups: dict[str, list[ObjectInfo]] = {}
         for info in self.driver.list(""):
             if info.key.startswith(MANIFESTS) or info.key == LATEST_KEY:
                 continue
-            if info.key.startswith(PROBE_PREFIX):  # left by a writer that died while opening
-                self._collect_probe(report, info, now)
+            if info.key.startswith(PROBE_PREFIX):  # left by a writer that died while probing
+                self._collect_probe(report, info, storage_now)
                 continue
             head = info.key.split("/", 1)[0] + "/"
             groups.setdefault(head, []).append(info)
         uploads: dict[str, list[UploadInfo]] = {}
-        for upload in self.driver.list_multipart_uploads(""):
+        for upload in self._uploads("", report):
             uploads.setdefault(upload.key.split("/", 1)[0] + "/", []).append(upload)
+        owners: dict[int, str | None] = {}
         for prefix in sorted(set(groups) | set(uploads)):
-            prefix_step = parse_step_token(prefix.split(".", 1)[0])
-            if (
-                prefix_step is None
-                or prefix in protected_attempts
-                or prefix_step in protected_steps
-            ):
+            parsed = parse_attempt_name(prefix.removesuffix("/"), ".")  # what an attempt made
+            if parsed is None:
+                continue
+            step, attempt = parsed
+            if step not in owners:  # read directly: a listing of manifests may miss it
+                owners[step] = self._published_attempt(step)
+            if owners[step] in (attempt, _UNREADABLE):
                 continue
             objects, pending = groups.get(prefix, []), uploads.get(prefix, [])
-            newest = max([i.last_modified for i in objects], default=0.0)
-            for upload in pending:  # parts uploaded lately keep an attempt alive
-                if now - max(newest, upload.initiated) > report.grace_s:
-                    newest = max(newest, self._upload_activity(upload))
-                newest = max(newest, upload.initiated)
-            item = GcItem(
-                kind="attempt",
-                name=prefix,
-                age_s=max(0.0, now - newest),
-                size=sum(i.size for i in objects),
-            )
+            item = self._attempt_item(prefix, objects, pending, storage_now)
             if item.age_s <= grace_s:
                 report.kept_young.append(item)
                 continue
@@ -476,6 +789,39 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                     self.driver.delete(info.key)
         return report
 
+    def _storage_now(self, now: float, report: GcReport) -> float:
+        """The storage's clock now: the LastModified of a marker object written for the purpose
+        (and deleted), plus how far the caller's clock ``now`` runs ahead of this host's."""
+        ahead = now - _host_clock()
+        key = f"{PROBE_PREFIX}clock-{new_attempt_id()}"
+        try:
+            written = self.driver.put(key, b"")
+        except StorageAccessDeniedError as exc:
+            if not report.dry_run:
+                raise
+            report.warnings.append(
+                f"could not write GC's clock marker ({exc}): ages were measured by this host's "
+                f"clock, which may differ from the storage's"
+            )
+            return now
+        try:
+            stamp = self.driver.head(key, version_id=written.version_id).last_modified
+        finally:
+            self._delete_probe(key, {written.version_id} if written.version_id else set())
+        return stamp + ahead
+
+    def _attempt_item(
+        self, prefix: str, objects: list[ObjectInfo], pending: list[UploadInfo], now: float
+    ) -> GcItem:
+        """An attempt as GC reports it: its age by its newest write, and every byte it holds."""
+        newest = max([info.last_modified for info in objects], default=0.0)
+        size = sum(info.size for info in objects)
+        for upload in pending:  # parts uploaded lately keep an attempt alive; their bytes count
+            progress = self._upload_progress(upload)
+            newest = max(newest, upload.initiated, progress.last_activity)
+            size += progress.size
+        return GcItem(kind="attempt", name=prefix, age_s=max(0.0, now - newest), size=size)
+
     def _collect_probe(self, report: GcReport, info: ObjectInfo, now: float) -> None:
         item = GcItem("probe", info.key, max(0.0, now - info.last_modified), info.size)
         if item.age_s <= report.grace_s:
@@ -485,11 +831,11 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         if not report.dry_run:
             self.driver.delete(info.key)
 
-    def _upload_activity(self, upload: UploadInfo) -> float:
+    def _upload_progress(self, upload: UploadInfo) -> UploadProgress:
         try:
-            return self.driver.upload_activity(upload)
+            return self.driver.upload_progress(upload)
         except ObjectNotFoundError:
-            return upload.initiated  # completed or aborted meanwhile
+            return UploadProgress(upload.initiated, 0, 0)  # completed or aborted meanwhile
 
     def _abort_quietly(self, key: str, upload_id: str) -> None:
         try:
@@ -506,13 +852,10 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         return {info.key for info in self.driver.list("")} | self._upload_names()
 
     def _upload_names(self) -> set[str]:
-        return {
-            f"{upload.key} (upload {upload.upload_id})"
-            for upload in self.driver.list_multipart_uploads("")
-        }
+        return {f"{upload.key} (upload {upload.upload_id})" for upload in self._uploads("")}
 
     def _no_uploads(self) -> bool:
-        return next(iter(self.driver.list_multipart_uploads("")), None) is None
+        return not self._uploads("")
 
     def is_empty(self) -> bool:
         return next(iter(self.driver.list("")), None) is None and self._no_uploads()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 
 from ckptstore.commit.base import GcItem, GcReport, ShardProblem, ShardSink
 from ckptstore.commit.conditional_put import (
@@ -36,19 +37,35 @@ from ckptstore.errors import (
     ManifestCorruptError,
     ObjectNotFoundError,
 )
-from ckptstore.manifest import Manifest, ShardRecord
+from ckptstore.manifest import Manifest
+from ckptstore.names import parse_attempt_name, parse_step_token, step_token
 
 __all__ = ["VersionPinCommit"]
 
 log = logging.getLogger(__name__)
 
 SHARDS = "shards/"
+ATTEMPT_METADATA = "ckptstore-attempt"
+"""User metadata of every shard version: ``step-<020d>.<attempt>``, the attempt that wrote it.
+GC reads it to find, without a listing, the one manifest that could pin the version."""
 _LIST_FROM_SHARDS = 4
 """From this many shards on, one listing of versions replaces a HEAD per shard."""
 
 
 def _versioned_name(key: str, version_id: str | None) -> str:
     return f"{key}@{version_id}"
+
+
+def _current_manifest_steps(versions: Iterable[ObjectInfo]) -> set[int]:
+    """The steps whose manifest a version listing shows as current (a second listing API)."""
+    steps = set()
+    for version in versions:
+        name = version.key[len(MANIFESTS) :] if version.key.startswith(MANIFESTS) else ""
+        if version.is_latest and not version.is_delete_marker and name.endswith(".json"):
+            step = parse_step_token(name[: -len(".json")])
+            if step is not None:
+                steps.add(step)
+    return steps
 
 
 class VersionPinCommit(ConditionalPutCommit):
@@ -68,8 +85,6 @@ class VersionPinCommit(ConditionalPutCommit):
                 f"--bucket BUCKET --versioning-configuration Status=Enabled), or use s3:// "
                 f"for an unversioned bucket"
             )
-        if create and self.verify_conditional_writes:
-            self._verify_conditional_create()
 
     def open_shard(
         self, step: int, attempt: str, name: str, size_hint: int | None = None
@@ -81,6 +96,7 @@ class VersionPinCommit(ConditionalPutCommit):
             size_hint,
             self._parts_executor(),
             self.concurrency,
+            metadata={ATTEMPT_METADATA: f"{step_token(step)}.{attempt}"},
         )
 
     def _check_sealed(self, manifest: Manifest) -> None:
@@ -117,9 +133,15 @@ class VersionPinCommit(ConditionalPutCommit):
         return manifest
 
     def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
+        problems = self._pinned_problems(manifest)
+        if problems:
+            self._check_still_published(manifest)
+        return problems
+
+    def _pinned_problems(self, manifest: Manifest) -> list[ShardProblem]:
         records = manifest.shards
         if len(records) < _LIST_FROM_SHARDS:
-            return [problem for r in records if (problem := self._version_problem(r))]
+            return [problem for r in records if (problem := self._stored_problem(r))]
         # One listing of versions instead of a HEAD per shard; what it does not show as
         # expected is asked of the version itself (a listing may lag behind a write).
         prefix = os.path.commonprefix([r.locator["key"] for r in records])  # noqa: RUF071 (keys)
@@ -131,20 +153,10 @@ class VersionPinCommit(ConditionalPutCommit):
         problems = []
         for record in records:
             if listed.get((record.locator["key"], record.locator["version_id"])) != record.size:
-                problem = self._version_problem(record)
+                problem = self._stored_problem(record)
                 if problem is not None:
                     problems.append(problem)
         return problems
-
-    def _version_problem(self, record: ShardRecord) -> ShardProblem | None:
-        """What is wrong with a pinned version (None: present, with the recorded size)."""
-        try:
-            info = self.driver.head(record.locator["key"], version_id=record.locator["version_id"])
-        except ObjectNotFoundError:
-            return ShardProblem(record.name, missing=True)
-        if info.size != record.size:
-            return ShardProblem(record.name, False, info.size, record.size)
-        return None
 
     def unpublish(self, step: int) -> None:
         key = self.manifest_key(step)
@@ -164,10 +176,10 @@ class VersionPinCommit(ConditionalPutCommit):
             except ObjectNotFoundError:
                 continue
 
-    def _pinned(self) -> set[tuple[str, str]] | None:
-        """Every (key, version) a published manifest pins; None if a manifest is unreadable."""
+    def _pinned(self, steps: Iterable[int]) -> set[tuple[str, str]] | None:
+        """Every (key, version) the manifests of ``steps`` pin; None if one is unreadable."""
         pinned: set[tuple[str, str]] = set()
-        for step in self.published_steps():
+        for step in steps:
             try:
                 manifest = self.read_manifest(step)
             except CheckpointNotFoundError:
@@ -178,27 +190,44 @@ class VersionPinCommit(ConditionalPutCommit):
         return pinned
 
     def collect_garbage(self, *, grace_s: float, now: float, dry_run: bool) -> GcReport:
+        """Remove versions no manifest pins that are older than ``grace_s`` by the storage's
+        clock, and stale uploads; never a version a published manifest pins.
+
+        Ages are measured on the storage's clock, as in ``ConditionalPutCommit``. The pins
+        come from every manifest either listing shows (ListObjectsV2 and the version
+        listing); then each shard version about to be removed is confirmed unpinned by the
+        one manifest that could pin it, read directly: that of the attempt that wrote it
+        (named in the version's metadata). A current manifest version is never removed. A
+        listing that lags or ends early can leave garbage, never remove published data (for
+        versions written before their attempt was recorded with them, the listings decide).
+        """
         report = GcReport(dry_run=dry_run, grace_s=grace_s)
-        pinned = self._pinned()
+        storage_now = self._storage_now(now, report)
+        versions = list(self.driver.list_versions(""))
+        steps = set(self.published_steps()) | _current_manifest_steps(versions)
+        pinned = self._pinned(sorted(steps))
         if pinned is None:
             log.warning("%s: a manifest is unreadable; GC keeps every shard version", self.url)
-        for version in list(self.driver.list_versions("")):
+        manifests: dict[int, Manifest | None] = {}
+        for version in versions:
             kind = self._garbage_kind(version, pinned)
             if kind is None:
                 continue
             item = GcItem(
                 kind,
                 _versioned_name(version.key, version.version_id),
-                max(0.0, now - version.last_modified),
+                max(0.0, storage_now - version.last_modified),
                 version.size,
             )
             if item.age_s <= grace_s:
                 report.kept_young.append(item)
                 continue
+            if self._still_needed(version, kind, manifests):
+                continue
             report.removed.append(item)
             if not dry_run:
                 self.driver.delete(version.key, version_id=version.version_id)
-        self._collect_uploads(report, now)
+        self._collect_uploads(report, storage_now)
         return report
 
     def _garbage_kind(self, version: ObjectInfo, pinned: set[tuple[str, str]] | None) -> str | None:
@@ -214,12 +243,66 @@ class VersionPinCommit(ConditionalPutCommit):
             return "delete-marker" if version.is_delete_marker else "shard-version"
         return None
 
+    def _still_needed(
+        self, version: ObjectInfo, kind: str, manifests: dict[int, Manifest | None]
+    ) -> bool:
+        """Ask storage directly whether a version the listings call garbage is needed after all.
+
+        A shard version is needed if the manifest of the attempt that wrote it pins it (or is
+        unreadable); an "old" manifest version if it is in fact the current one.
+        """
+        if kind == "old-version" and version.key.startswith(MANIFESTS):
+            try:
+                current = self.driver.head(version.key)
+            except ObjectNotFoundError:
+                return False
+            return current.version_id == version.version_id
+        if kind != "shard-version":
+            return False
+        try:
+            info = self.driver.head(version.key, version_id=version.version_id)
+        except ObjectNotFoundError:
+            return True  # gone already: nothing to remove
+        parsed = parse_attempt_name((info.metadata or {}).get(ATTEMPT_METADATA, ""), ".")
+        if parsed is None:
+            return False  # not written by an attempt that recorded itself: the listings decide
+        step = parsed[0]
+        if step not in manifests:
+            try:
+                manifests[step] = self.read_manifest(step)
+            except CheckpointNotFoundError:
+                manifests[step] = None
+            except IntegrityError:
+                log.warning(
+                    "%s: step %d's manifest is unreadable; its versions stay", self.url, step
+                )
+                return True
+        manifest = manifests[step]
+        if manifest is None:
+            return False
+        needed = any(
+            (r.locator["key"], r.locator["version_id"]) == (version.key, version.version_id)
+            for r in manifest.shards
+        )
+        if needed:
+            log.warning(
+                "%s: %s is pinned by step %d, whose manifest no listing showed; it stays",
+                self.url,
+                _versioned_name(version.key, version.version_id),
+                step,
+            )
+        return needed
+
     def _collect_uploads(self, report: GcReport, now: float) -> None:
-        for upload in list(self.driver.list_multipart_uploads(SHARDS)):
-            activity = max(upload.initiated, 0.0)
-            if now - activity > report.grace_s:
-                activity = self._upload_activity(upload)
-            item = GcItem("upload", f"{upload.key} (upload {upload.upload_id})", now - activity)
+        for upload in self._uploads(SHARDS, report):
+            progress = self._upload_progress(upload)
+            activity = max(upload.initiated, progress.last_activity)
+            item = GcItem(
+                "upload",
+                f"{upload.key} (upload {upload.upload_id})",
+                max(0.0, now - activity),
+                progress.size,
+            )
             if item.age_s <= report.grace_s:
                 report.kept_young.append(item)
                 continue

@@ -16,7 +16,15 @@ from typing import Any
 
 from ckptstore.errors import IndeterminateOutcomeError, TransientStorageError
 
-__all__ = ["CrashMode", "FaultInjector", "FaultPlan", "SimulatedCrash"]
+__all__ = [
+    "CrashMode",
+    "FaultInjector",
+    "FaultPlan",
+    "InjectedFault",
+    "InjectedTimeoutError",
+    "InjectedTransientError",
+    "SimulatedCrash",
+]
 
 FILE_SYSTEM_CALLS = frozenset(
     {
@@ -29,7 +37,7 @@ OBJECT_STORE_CALLS = frozenset(
     {
         "check_bucket", "put", "get", "open_read", "head", "delete", "list", "list_versions",
         "create_multipart", "upload_part", "complete_multipart", "abort_multipart",
-        "list_multipart_uploads", "upload_activity", "bucket_versioning",
+        "list_multipart_uploads", "upload_activity", "upload_progress", "bucket_versioning",
     }
 )  # fmt: skip
 _LAZY_RESULTS = frozenset({"list", "list_versions", "list_multipart_uploads"})
@@ -37,6 +45,18 @@ _LAZY_RESULTS = frozenset({"list", "list_versions", "list_multipart_uploads"})
 
 class SimulatedCrash(BaseException):
     """The process died here. A BaseException, so that ``except Exception`` cannot survive it."""
+
+
+class InjectedFault:
+    """Marks an error the injector made up: never taken for a failure of the storage itself."""
+
+
+class InjectedTransientError(InjectedFault, TransientStorageError):
+    """An injected transient failure (a 503): the call did not reach storage."""
+
+
+class InjectedTimeoutError(InjectedFault, IndeterminateOutcomeError):
+    """An injected timeout after the call took effect."""
 
 
 class CrashMode(enum.Enum):
@@ -117,7 +137,7 @@ class FaultInjector:
             ):
                 self.transient_injected.append(record)
                 if transient is CrashMode.BEFORE:
-                    raise TransientStorageError(503, f"injected transient fault at {name}")
+                    raise InjectedTransientError(503, f"injected transient fault at {name}")
             result = method(*args, **kwargs)
             if name in _LAZY_RESULTS:
                 result = _Materialised(list(result))
@@ -134,7 +154,7 @@ class FaultInjector:
             if dies_after:
                 self._die(record)
             if fails_after:
-                raise IndeterminateOutcomeError(110, f"injected timeout after {name} took effect")
+                raise InjectedTimeoutError(110, f"injected timeout after {name} took effect")
             return result
 
         return call
