@@ -7,6 +7,10 @@ newest complete checkpoint and ends with exactly the parameters, optimizer state
 of a run that was never interrupted. Everything that decides the next step is in the
 checkpoint: model, AdamW moments, the warmup + cosine LR schedule, the shuffling sampler's
 position, every RNG, and the counters (samples read, successful and skipped updates).
+
+It prints one line per event, flushed at once: "saving N" when a save of step N begins,
+"snapshot N" (with --async) when the state is copied and training goes on, and "saved N" only
+once checkpoint N is published: a restart from then on resumes at step N or later.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import hashlib
 import json
 import math
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -76,6 +82,25 @@ def warmup_cosine(warmup: int, total: int) -> Any:
     return factor
 
 
+_say_lock = threading.Lock()
+
+
+def say(line: str) -> None:
+    """Print one whole line at once: an async save's "saved" comes from another thread."""
+    with _say_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def say_when_published(future: Future[ckptstore.Checkpoint]) -> None:
+    """Print "saved N" when the background save has published N (never at the snapshot)."""
+    error = future.exception()
+    if error is None:
+        say(f"saved {future.result().step}")
+    else:  # the next save raises it too; say so now, next to the step it belongs to
+        print(f"save failed: {error!r}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True, help="store URL or directory")
@@ -106,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if latest is not None:
         counters = load_state(latest, components)["counters"]
         step = latest.step
-        print(f"resumed from step {step}", flush=True)
+        say(f"resumed from step {step}")
     saver = AsyncSaver(store, max_in_flight=1) if args.use_async else None
 
     while step < args.steps:
@@ -126,14 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         counters["samples_read"] += len(batch)
         step += 1
         if step % args.save_every == 0 or step == args.steps:
-            print(f"saving {step}", flush=True)
+            say(f"saving {step}")
             if saver is not None:
-                saver.save(step, components, counters=counters)
+                future = saver.save(step, components, counters=counters)
+                say(f"snapshot {step}")  # copied: training goes on, nothing is published yet
+                future.add_done_callback(say_when_published)
             else:
                 save_state(store, step, components, counters=counters)
-            print(f"saved {step}", flush=True)
+                say(f"saved {step}")
     if saver is not None:
-        saver.close()
+        saver.close()  # waits for the saves in flight (their "saved" lines come first)
 
     if args.result:
         tensors, skeleton = encode_state(
@@ -147,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         with open(args.result, "w", encoding="utf-8") as handle:
             json.dump(digest, handle)
-    print(f"done at step {step} in {time.process_time():.1f}s CPU", flush=True)
+    say(f"done at step {step} in {time.process_time():.1f}s CPU")
     return 0
 
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,19 +19,28 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import ckptstore
 from ckptstore import CapabilityError, registry
-from ckptstore.backends.memory import MemoryDriver, drop_bucket, get_bucket
+from ckptstore.backends.memory import MemoryDriver, drop_bucket, get_bucket, open_memory
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.checkpoint import ShardReader
 from ckptstore.cli import main
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import DATA_DIR, MANIFEST_NAME, RenameCommit, _directories_of
+from ckptstore.conformance import outcomes
+from ckptstore.conformance.faults import InjectedTimeoutError
 from ckptstore.conformance.location import LocationFactory
-from ckptstore.conformance.machine import PROFILES, make_state_machine
+from ckptstore.conformance.machine import PROFILES, make_state_machine, run_state_machine
 from ckptstore.conformance.mixins import ConformanceTests
 from ckptstore.conformance.model import InvariantViolation
+from ckptstore.conformance.outcomes import StorageFailure, storage_failure
 from ckptstore.conformance.powerloss import run_power_loss
 from ckptstore.conformance.probes import VIOLATED, run_probes
 from ckptstore.conformance.workload import run_crash_points
+from ckptstore.errors import (
+    CkptStoreError,
+    ObjectNotFoundError,
+    StorageError,
+    TransientStorageError,
+)
 from ckptstore.manifest import Manifest
 from ckptstore.names import step_token
 from ckptstore.store import Store
@@ -278,9 +288,125 @@ def test_overwriting_conditional_put_is_caught_as_i5_and_by_the_probe(scheme: An
         OverwritingMemoryDriver(get_bucket(url.netloc), url.path)))  # fmt: skip
     url = f"broken-put://{bucket}/run"
     with pytest.raises(CapabilityError, match="If-None-Match"):
-        ckptstore.open(url)  # a writer refuses such storage outright...
+        ckptstore.open(url).begin(1)  # a writer refuses such storage outright...
     location = LocationFactory(url)()  # ... and the suite, which measures it, reports it
     probes = {p.capability: p for p in run_probes(location)}
     assert probes["conditional-create"].declared
     assert probes["conditional-create"].measured == VIOLATED
     assert _machine_violation(url) == "I5"
+
+
+# -- a failing storage is a storage error: neither a pass nor a violation -----------------
+
+
+class FailingLists:
+    """Broken storage, not a broken protocol: listings under the suite's own locations answer
+    500, as if the driver's retries had run out; the first ``times`` of them (None: all)."""
+
+    def __init__(self, times: int | None) -> None:
+        self.times, self.failed = times, 0
+        self._lock = threading.Lock()
+
+    def _fails(self, driver: MemoryDriver) -> bool:
+        if "conformance-" not in driver.prefix:  # the URL's root: the suite can start
+            return False
+        with self._lock:  # crash cases run four at a time
+            self.failed += 1
+            return self.times is None or self.failed <= self.times
+
+    def open(self, url: Any, options: Any) -> ConditionalPutCommit:
+        storage = self
+
+        class ListFailingMemoryDriver(MemoryDriver):
+            def list(self, prefix: str, *, start_after: str | None = None) -> Any:
+                if storage._fails(self):
+                    raise TransientStorageError(500, f"ListObjectsV2 {prefix!r}: InternalError")
+                return super().list(prefix, start_after=start_after)
+
+        strategy = open_memory(url, options)
+        return strategy.with_driver(ListFailingMemoryDriver(strategy.driver.bucket, url.path))
+
+
+@pytest.fixture
+def failing_lists(scheme: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``make(times)``: the URL of a memory store whose listings fail ``times`` times (None:
+    always), with no pause between the suite's runs of a case."""
+    monkeypatch.setattr(outcomes, "RETRY_PAUSE_S", 0.0)
+    bucket = f"failing-{os.getpid()}"
+
+    def make(times: int | None) -> str:
+        scheme("failing-list", FailingLists(times).open)
+        return f"failing-list://{bucket}/run?{MEMORY_OPTIONS}"
+
+    yield make
+    drop_bucket(bucket)
+
+
+def test_a_storage_that_keeps_failing_is_reported_as_a_storage_error(
+    tmp_path: Any, failing_lists: Any
+) -> None:
+    out = io.StringIO()
+    status = main(
+        [
+            "conformance", failing_lists(None),
+            "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml"),
+        ],
+        out,
+    )  # fmt: skip
+    text = out.getvalue()
+    assert status == 2, text  # neither 0 (a pass) nor 1 (a violation)
+    assert "VIOLATED" not in text
+    assert "STORAGE ERRORS on failing-list://" in text
+    assert "not violations" in text
+    assert "InternalError" in text  # the storage's own message, as evidence
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["ok"] is False
+    assert report["outcome"] == "storage error"
+    backend = report["backends"][0]
+    assert backend["outcome"] == "storage error"
+    assert {v["status"] for v in backend["invariants"].values()} == {"storage error"}
+    measured = {p["capability"]: p["measured"] for p in backend["capabilities"]}
+    assert measured["strong-list-after-write"] == "storage error"  # its probe lists
+    assert measured["conditional-create"] == "held"  # it does not
+    junit = (tmp_path / "r.xml").read_text()
+    assert '<error message="storage error"' in junit
+    assert "<failure" not in junit
+
+
+def test_a_case_the_storage_fails_is_run_again_and_then_judged(failing_lists: Any) -> None:
+    result = run_crash_points(LocationFactory(failing_lists(2)), limit=2)
+    assert result.retried >= 1  # the run without a crash met a 500, and was run again
+    assert result.storage_errors == []
+    assert result.failures == []
+    assert result.cases == 1 + 2 * 2  # the run without a crash, then 2 calls x 2 modes
+
+
+def test_the_state_machine_stops_at_a_storage_failure_and_runs_again(
+    failing_lists: Any,
+) -> None:
+    url = failing_lists(2)
+    machine = make_state_machine(LocationFactory(url), multipart_size=0)
+    run_state_machine(machine, settings(PROFILES["ci"], max_examples=3))  # third run: clean
+    always = make_state_machine(LocationFactory(failing_lists(None)), multipart_size=0)
+    with pytest.raises(
+        StorageFailure, match=r"not an invariant violation \(the storage failed all 3 runs\)"
+    ):
+        run_state_machine(always, settings(PROFILES["ci"], max_examples=3))
+
+
+def _from(error: BaseException, cause: BaseException) -> BaseException:
+    error.__cause__ = cause  # as ``raise error from cause`` leaves it
+    return error
+
+
+def test_only_the_storage_own_failures_are_storage_errors() -> None:
+    server = TransientStorageError(500, "InternalError")
+    assert storage_failure(server) is server
+    broke_a_check = _from(InvariantViolation("I7", "a live save failed"), server)
+    assert storage_failure(broke_a_check) is server  # undecided, not I7
+    injected = InjectedTimeoutError(110, "injected timeout")
+    assert storage_failure(injected) is None  # the suite's own fault...
+    assert storage_failure(_from(CkptStoreError("outcome unknown"), injected)) is None  # and so
+    gone = ObjectNotFoundError(2, "attempt removed by garbage collection")
+    assert storage_failure(_from(StorageError(5, "cannot publish"), gone)) is None  # an answer
+    assert storage_failure(InvariantViolation("I1", "torn")) is None

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
-import os
 import random
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from child_output import ChildOutput
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -228,30 +230,78 @@ def test_async_errors_surface_at_the_future_and_the_next_save(tmp_path: Path) ->
     saver.close()
 
 
+RUN_WAIT_S = 240.0
+"""How long one run of the example may take to reach what a test waits for (it imports torch,
+on a machine that may be busy): a bound against hanging, not a timing assertion."""
+
+
 def _run_example(store: Path, result: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, str(EXAMPLE), "--store", str(store), "--steps", "40",
-         "--save-every", "5", "--result", str(result), *extra],
+        [sys.executable, str(EXAMPLE), "--store", str(store), "--steps", "80",
+         "--save-every", "4", "--result", str(result), *extra],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
-def _kill_once(store: Path, result: Path, extra: tuple[str, ...], mid_save: bool, rng: Any) -> bool:
-    """Run the example and SIGKILL it mid-save or mid-training; False if it finished first."""
+def _finish(process: subprocess.Popen[str]) -> str:
+    """Wait (bounded) for a run to end by itself; its output. A hung run fails the test."""
+    try:
+        output, _ = process.communicate(timeout=RUN_WAIT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"the example did not finish within {RUN_WAIT_S:.0f} s")
+    assert process.returncode == 0, output
+    return output
+
+
+def _step_of(line: str, event: str) -> int:
+    """N in the example's line "<event> N" ("saving", "snapshot", "saved"); -1 otherwise."""
+    word, _, number = line.partition(" ")
+    return int(number) if word == event and number.isdigit() else -1
+
+
+def _run_on(output: ChildOutput, seconds: float, until: str) -> None:
+    """Let the example go on for ``seconds``, or until its next ``until`` line if sooner.
+
+    Where in that window the kill lands is random; nothing the test asserts depends on it.
+    Ending at the next line bounds how far one run gets, so that every kill finds work left.
+    """
+    deadline = time.monotonic() + seconds
+    try:
+        while (line := output.next_line(deadline - time.monotonic())) is not None:
+            if _step_of(line, until) >= 0:
+                return
+    except EOFError:
+        pytest.fail(f"the example finished before it could be killed:\n{output.lines[-5:]}")
+
+
+def _kill_after_a_commit(
+    store: Path, result: Path, extra: tuple[str, ...], mid_save: bool, rng: Any, committed: int
+) -> int:
+    """Run the example until it publishes a step after ``committed``, then SIGKILL it inside
+    its next save or in its training steps; return the newest step it said it saved."""
     with _run_example(store, result, *extra) as process:
         assert process.stdout is not None
-        for line in process.stdout:
-            if mid_save and line.startswith("saving"):
-                time.sleep(rng.uniform(0, 0.005))  # somewhere inside the save
-            elif not mid_save and line.startswith("saved"):
-                time.sleep(rng.uniform(0, 0.05))  # somewhere in the training steps
+        output = ChildOutput(process.stdout)
+        try:
+            line = output.wait_for(
+                lambda text: _step_of(text, "saved") > committed,
+                RUN_WAIT_S,
+                f'"saved N" for a step after {committed} (a new published checkpoint)',
+            )
+            if mid_save:
+                saved = _step_of(line, "saved")
+                output.wait_for(
+                    lambda text: _step_of(text, "saving") > saved, RUN_WAIT_S, "the next save"
+                )
+                _run_on(output, rng.uniform(0, 0.03), until="saved")  # inside that save
             else:
-                continue
-            os.kill(process.pid, signal.SIGKILL)
+                _run_on(output, rng.uniform(0, 0.05), until="saving")  # in the training steps
+        finally:
+            process.send_signal(signal.SIGKILL)  # also when a wait failed: never leave it running
             process.wait(60)
-            return True
-        process.wait(120)
-        return False
+        lines = output.drain(60)
+    return max(_step_of(line, "saved") for line in lines)
 
 
 @pytest.mark.slow
@@ -260,21 +310,95 @@ def test_sigkilled_training_resumes_bitwise_exact(tmp_path: Path, mode: str) -> 
     extra = ("--async",) if mode == "async" else ()
     reference = tmp_path / "reference.json"
     with _run_example(tmp_path / "uninterrupted", reference, *extra) as process:
-        assert process.wait(300) == 0
+        _finish(process)
     rng = random.Random(1234 if mode == "sync" else 4321)
-    result = tmp_path / "resumed.json"
+    result, interrupted = tmp_path / "resumed.json", tmp_path / "interrupted"
+    committed = 0
     kinds = [True, False, True, False, True]  # three kills mid-save, two mid-training
     for mid_save in kinds:
-        assert _kill_once(tmp_path / "interrupted", result, extra, mid_save, rng)
-    with _run_example(tmp_path / "interrupted", result, *extra) as process:
-        assert process.stdout is not None
-        output = process.stdout.read()
-        assert process.wait(300) == 0
-    assert "resumed from step" in output
+        said = _kill_after_a_commit(interrupted, result, extra, mid_save, rng, committed)
+        latest = ckptstore.open(str(interrupted)).latest()
+        assert latest is not None, f"step {said} was published, then nothing survived the kill"
+        assert latest.step >= said  # what was published survives the kill
+        committed = latest.step
+    with _run_example(interrupted, result, *extra) as process:
+        output = _finish(process)
+    assert f"resumed from step {committed}" in output
     expected, got = json.loads(reference.read_text()), json.loads(result.read_text())
     assert got["state_sha256"] == expected["state_sha256"]  # parameters and optimizer state
     assert got["losses"] == expected["losses"]  # the per-step loss log, bit for bit
     assert got["counters"] == expected["counters"]
+
+
+class _PublishedAtEachLine(io.StringIO):
+    """A stdout that notes, for each line written, the steps the store had published then."""
+
+    def __init__(self, store: Path, open_store: Any) -> None:
+        super().__init__()
+        self.store, self.open_store = store, open_store
+        self.lines: list[tuple[str, list[int]]] = []
+        self.said_more_than_saving = threading.Event()
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        self._partial += text
+        while "\n" in self._partial:
+            line, self._partial = self._partial.split("\n", 1)
+            self.lines.append((line, self.open_store(str(self.store)).steps()))
+            if _step_of(line, "saving") < 0:
+                self.said_more_than_saving.set()
+        return len(text)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_example_says_saved_only_once_the_checkpoint_is_published(
+    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The line "saved N" means N is published: a kill after it never loses N. With --async, the
+    snapshot is its own line, and a publish held back until the example has said what it says
+    at the snapshot shows that "saved N" waits for the publish."""
+    spec = importlib.util.spec_from_file_location("train_resume_example", EXAMPLE)
+    assert spec is not None
+    assert spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    store, real_open = tmp_path / "store", ckptstore.open
+    stdout = _PublishedAtEachLine(store, real_open)
+
+    def open_with_a_held_publish(url: str, **options: Any) -> ckptstore.Store:
+        opened = real_open(url, **options)
+        publish = opened.strategy.publish
+
+        def held_publish(manifest: Any) -> None:  # in the background: the trainer goes on
+            stdout.said_more_than_saving.wait(RUN_WAIT_S)
+            publish(manifest)
+
+        opened.strategy.publish = held_publish  # type: ignore[method-assign]
+        return opened
+
+    if mode == "async":
+        monkeypatch.setattr(ckptstore, "open", open_with_a_held_publish)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    extra = ["--async"] if mode == "async" else []
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    rng_state = torch.random.get_rng_state()
+    try:
+        args = ["--store", str(store), "--steps", "8", "--save-every", "4", "--width", "16"]
+        assert example.main([*args, *extra]) == 0
+    finally:  # the example sets process-wide torch state: give the other tests theirs back
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.random.set_rng_state(rng_state)
+    said = [line for line, _ in stdout.lines]
+    saved = [(_step_of(line, "saved"), published) for line, published in stdout.lines]
+    assert [step for step, _ in saved if step >= 0] == [4, 8], said
+    for step, published in saved:
+        if step >= 0:
+            assert published, f'"saved {step}" said while nothing was published: {said}'
+            assert max(published) >= step, f'"saved {step}" said before it was published: {said}'
+    if mode == "async":
+        for step in (4, 8):
+            assert said.index(f"snapshot {step}") < said.index(f"saved {step}"), said
 
 
 SINGLE_PROCESS = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

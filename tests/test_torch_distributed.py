@@ -17,18 +17,27 @@ import ckptstore
 from ckptstore.embedded import EmbeddedS3
 
 WORKER = Path(__file__).parent / "dist_save_worker.py"
+JOB_WAIT_S = 240.0
+"""Longer than the workers' 60 s gloo timeout plus torch's start-up on a busy machine."""
 
 
 def _launch(
     worker: Path, ranks: int, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``worker`` under torchrun with ``ranks`` CPU processes (gloo)."""
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={ranks}", str(worker), *args],
-        capture_output=True, text=True, timeout=180, check=False,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    """Run ``worker`` under torchrun with ``ranks`` CPU processes (gloo).
+
+    A job that does not end within ``JOB_WAIT_S`` fails the test: this bound, not a timed
+    assertion, is what checks that a rank's death fails the job instead of hanging it.
+    """
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={ranks}", str(worker), *args],
+            capture_output=True, text=True, timeout=JOB_WAIT_S, check=False,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"torchrun {' '.join(args)} did not end within {JOB_WAIT_S:.0f} s: {exc}")
 
 
 def _torchrun(
@@ -71,11 +80,9 @@ def test_a_rank_killed_mid_save_publishes_nothing(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     url, options, env = _target(kind, tmp_path, request)
-    assert _torchrun(url, 1, 2, env=env).returncode == 0
-    started = time.monotonic()
-    result = _torchrun(url, 2, 2, "--die-rank", "1", env=env)
+    assert _torchrun(url, 1, 2, env=env).returncode == 0  # published: a commit before the kill
+    result = _torchrun(url, 2, 2, "--die-rank", "1", env=env)  # fails, within JOB_WAIT_S
     assert result.returncode != 0
-    assert time.monotonic() - started < 120  # the job fails within a bounded time
     store = ckptstore.open(url, **options)
     assert store.steps() == [1]
     assert store.latest().verify().ok
@@ -114,10 +121,8 @@ def test_dcp_save_and_load_across_world_sizes(
 @pytest.mark.slow
 def test_dcp_rank_killed_mid_save_publishes_nothing(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/store"
-    assert _dcp(url, "save", 1, 2).returncode == 0
-    started = time.monotonic()
-    assert _dcp(url, "save", 2, 2, "--die-rank", "1").returncode != 0
-    assert time.monotonic() - started < 120
+    assert _dcp(url, "save", 1, 2).returncode == 0  # published: a commit before the kill
+    assert _dcp(url, "save", 2, 2, "--die-rank", "1").returncode != 0  # within JOB_WAIT_S
     store = ckptstore.open(url)
     assert store.steps() == [1]
     assert _dcp(url, "load", 1, 2).returncode == 0  # the previous checkpoint is intact

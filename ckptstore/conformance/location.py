@@ -129,8 +129,11 @@ class Location:
                         driver.unlink(name)
                 driver.rmdir("")
             else:
-                for upload in list(driver.list_multipart_uploads("")):
-                    driver.abort_multipart(upload.key, upload.upload_id)
+                try:
+                    for upload in list(driver.list_multipart_uploads("")):
+                        driver.abort_multipart(upload.key, upload.upload_id)
+                except StorageError:  # e.g. 501 NotImplemented: the objects go all the same
+                    pass
                 for info in list(driver.list_versions("")):
                     driver.delete(info.key, version_id=info.version_id)
                 for info in list(driver.list("")):

@@ -7,7 +7,8 @@ storage call, before or after it took effect), read, verify, apply retention, co
 (with and without aging the leftovers, and while a save is still live), restart the store,
 race a second writer at the same step, corrupt a shard behind the store's back, and inject
 transient faults. After every step the model checks I1 to I7; a failure is shrunk by
-hypothesis to a short sequence of rules.
+hypothesis to a short sequence of rules. Where the storage itself fails a step (after its
+driver's retries), the example stops at once with ``StorageFailure``: undecided, not shrunk.
 """
 
 from __future__ import annotations
@@ -18,16 +19,27 @@ from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from ckptstore.conformance.faults import CrashMode, FaultPlan, SimulatedCrash
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
+from ckptstore.conformance.outcomes import (
+    StorageFailure,
+    abort_on_storage_failure,
+    retry_storage_failures,
+)
 from ckptstore.conformance.workload import GRACE, pattern, save
 from ckptstore.errors import CheckpointExistsError, CkptStoreError
 from ckptstore.retention import KeepLast
 
-__all__ = ["PROFILES", "make_state_machine"]
+__all__ = ["PROFILES", "make_state_machine", "run_state_machine"]
 
 PROFILES = {
     "ci": settings(
@@ -62,6 +74,7 @@ def make_state_machine(
     class CheckpointStoreMachine(RuleBasedStateMachine):
         """One store, one model, and every way a trainer, a crash or a disk can treat it."""
 
+        @abort_on_storage_failure
         def __init__(self) -> None:
             super().__init__()
             self.location = new_location()
@@ -83,6 +96,7 @@ def make_state_machine(
             crash=st.none() | st.tuples(st.integers(0, 40), _modes),
             skip=st.integers(0, 2),
         )
+        @abort_on_storage_failure
         def save(
             self, shard_sizes: list[int], crash: tuple[int, CrashMode] | None, skip: int
         ) -> None:
@@ -98,6 +112,7 @@ def make_state_machine(
                 self.restart()
 
         @rule(index=st.integers(0, 40), mode=_modes)
+        @abort_on_storage_failure
         def save_with_transient_fault(self, index: int, mode: CrashMode) -> None:
             saved = self._new_save([100, 4096])
             store, _ = self.location.open(FaultPlan(transient={index: mode}))
@@ -107,6 +122,7 @@ def make_state_machine(
                 pass  # the save may fail; whatever it left must still satisfy the model
 
         @rule()
+        @abort_on_storage_failure
         def read_latest(self) -> None:
             try:
                 latest = self.store.latest()
@@ -120,11 +136,13 @@ def make_state_machine(
                         pass
 
         @rule()
+        @abort_on_storage_failure
         def read_all_and_verify(self) -> None:
             for checkpoint in self.store.list():
                 checkpoint.verify()
 
         @rule(keep=st.integers(1, 3))
+        @abort_on_storage_failure
         def retention(self, keep: int) -> None:
             steps = self.store.steps()
             if steps:
@@ -132,6 +150,7 @@ def make_state_machine(
             self.store.apply_retention(KeepLast(keep))
 
         @rule(age=st.booleans())
+        @abort_on_storage_failure
         def gc(self, age: bool) -> None:
             if age:
                 self.location.clock.advance(2 * GRACE.total_seconds())
@@ -139,6 +158,7 @@ def make_state_machine(
             self.store.gc(grace=GRACE)
 
         @rule()
+        @abort_on_storage_failure
         def gc_during_a_live_save(self) -> None:
             saved = self._new_save([100, 100])
             self.model.save_started(saved)
@@ -157,10 +177,12 @@ def make_state_machine(
             self.model.save_committed(saved)
 
         @rule()
+        @abort_on_storage_failure
         def restart(self) -> None:
             self.store, _ = self.location.open()
 
         @rule(first_wins=st.booleans())
+        @abort_on_storage_failure
         def concurrent_writers(self, first_wins: bool) -> None:
             one, two = self._new_save([100]), self._new_save([4096, 1])
             two.step = one.step
@@ -185,6 +207,7 @@ def make_state_machine(
 
         @precondition(lambda self: can_corrupt and bool(self.store.steps()))
         @rule(data=st.data(), how=st.sampled_from(["bitflip", "truncate"]))
+        @abort_on_storage_failure
         def corrupt_a_shard(self, data: Any, how: str) -> None:
             step = data.draw(st.sampled_from(self.store.steps()))
             try:
@@ -200,6 +223,7 @@ def make_state_machine(
                 self.model.shard_corrupted(step, name, done)
 
         @invariant()
+        @abort_on_storage_failure
         def invariants_hold(self) -> None:
             check_invariants(self.store, self.model)
 
@@ -207,3 +231,22 @@ def make_state_machine(
             self.location.destroy()
 
     return CheckpointStoreMachine
+
+
+def run_state_machine(machine: type[RuleBasedStateMachine], profile: settings) -> None:
+    """Run ``machine`` as a test; again, afresh, while the storage fails an example.
+
+    Raises what hypothesis raises (``InvariantViolation``, shrunk), or ``StorageFailure`` if
+    the storage failed every run: an undecided outcome, never a pass nor a violation.
+    """
+
+    def once() -> StorageFailure | None:
+        try:
+            run_state_machine_as_test(machine, settings=profile)
+        except StorageFailure as failure:
+            return failure
+        return None
+
+    failure, retries = retry_storage_failures(once, lambda outcome: outcome is not None)
+    if failure is not None:
+        raise StorageFailure(failure.error, runs=retries + 1) from failure

@@ -1,19 +1,23 @@
 """Capability probes: measure on the real system what its driver declares (DESIGN §5).
 
 Each probe works in a fresh location, through the driver alone, and reports ``held``,
-``violated`` or ``not measured`` with a detail a storage engineer can act on. Some systems that
+``violated`` or ``not measured`` with a detail a storage engineer can act on; or ``storage
+error`` when the storage failed the probe on every try (see ``outcomes``), which measures
+nothing. Some systems that
 claim S3 compatibility ignore ``If-None-Match`` on some calls, or reject quoted ETags in
 ``If-Match``: that is what these probes exist to find.
 """
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.conformance.location import Location
+from ckptstore.conformance.outcomes import STORAGE_ERROR, retry_storage_failures, storage_failure
 from ckptstore.driver import Capability
 from ckptstore.errors import (
     CkptStoreError,
@@ -22,7 +26,7 @@ from ckptstore.errors import (
     TargetExistsError,
 )
 
-__all__ = ["HELD", "NOT_MEASURED", "VIOLATED", "ProbeResult", "run_probes"]
+__all__ = ["HELD", "NOT_MEASURED", "STORAGE_ERROR", "VIOLATED", "ProbeResult", "run_probes"]
 
 HELD, VIOLATED, NOT_MEASURED = "held", "violated", "not measured"
 
@@ -49,12 +53,22 @@ def run_probes(location: Location) -> list[ProbeResult]:
             if capability in declared:  # declared, but nothing here can measure it
                 results.append(ProbeResult(capability.value, True, NOT_MEASURED, "no probe"))
             continue
-        try:
-            measured, detail = probe(driver)
-        except CkptStoreError as exc:
-            measured, detail = VIOLATED, f"probe failed: {exc}"
+        (measured, detail), _ = retry_storage_failures(
+            functools.partial(_measure, probe, driver),
+            lambda outcome: outcome[0] == STORAGE_ERROR,
+        )
         results.append(ProbeResult(capability.value, capability in declared, measured, detail))
     return results
+
+
+def _measure(probe: Callable[[Any], tuple[str, str]], driver: Any) -> tuple[str, str]:
+    try:
+        return probe(driver)
+    except CkptStoreError as exc:
+        failure = storage_failure(exc)
+        if failure is not None:  # the storage failed: the capability is neither there nor not
+            return STORAGE_ERROR, f"the storage failed the probe on every try: {failure!r}"
+        return VIOLATED, f"probe failed: {exc}"
 
 
 def _name() -> str:

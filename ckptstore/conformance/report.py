@@ -4,6 +4,11 @@ It is written for a storage engineer: which capabilities the driver declares and
 probes measured, each invariant I1 to I8 held / violated / not applicable with the failing
 cases (for the property-based layer, hypothesis's shrunk sequence of steps), and how much
 was covered (crash points, power-loss states, examples).
+
+A case that the storage kept failing (``outcomes``) is a third outcome, ``storage error``:
+the invariants it was checking are reported so, with the storage's errors, unless another
+case violated them. A storage error is not ``ok`` (nothing was proved), and it is not a
+violation: the text says which it is, JSON gives an ``outcome``, JUnit an ``error``.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ from typing import Any
 from xml.etree import ElementTree
 
 from ckptstore.conformance.model import INVARIANTS
+from ckptstore.conformance.outcomes import STORAGE_ERROR
 from ckptstore.conformance.probes import HELD, NOT_MEASURED, ProbeResult
 
 __all__ = ["BackendReport", "InvariantResult", "render_text", "to_json", "to_junit"]
 
 HELD_STATUS, VIOLATED_STATUS, NOT_APPLICABLE = "held", "violated", "not applicable"
 NOT_CHECKED = "not checked"
+STORAGE_ERROR_STATUS = STORAGE_ERROR
+"""Undecided: the storage failed the cases that check it, on every run."""
 
 
 @dataclass
@@ -68,30 +76,67 @@ class BackendReport:
         if len(result.evidence) < 5:
             result.evidence.append(evidence)
 
+    def storage_error(self, keys: tuple[str, ...], evidence: str) -> None:
+        """Record a case the storage failed on every run: its invariants are undecided
+        (unless a violation was, or is later, found: that stands)."""
+        for key in keys:
+            result = self.invariants[key]
+            if result.status == VIOLATED_STATUS:
+                continue
+            if result.status != STORAGE_ERROR_STATUS:
+                result.status = STORAGE_ERROR_STATUS
+                result.evidence = []
+            if len(result.evidence) < 5:
+                result.evidence.append(evidence)
+
     @property
     def capability_mismatches(self) -> list[ProbeResult]:
         """Capabilities declared but not found on the real system."""
         return [
-            c for c in self.capabilities if c.declared and c.measured not in (HELD, NOT_MEASURED)
+            c
+            for c in self.capabilities
+            if c.declared and c.measured not in (HELD, NOT_MEASURED, STORAGE_ERROR)
         ]
 
     @property
+    def storage_errors(self) -> list[str]:
+        """What the storage's failures left undecided: invariants and capabilities."""
+        return [
+            f"{r.invariant} {r.name}"
+            for r in self.invariants.values()
+            if r.status == STORAGE_ERROR_STATUS
+        ] + [f"capability {c.capability}" for c in self.capabilities if c.measured == STORAGE_ERROR]
+
+    @property
+    def outcome(self) -> str:
+        """``violated`` (an invariant, or a declared capability missing), else ``storage
+        error`` (something undecided), else ``held``."""
+        if self.capability_mismatches or any(
+            r.status == VIOLATED_STATUS for r in self.invariants.values()
+        ):
+            return VIOLATED_STATUS
+        return STORAGE_ERROR_STATUS if self.storage_errors else HELD_STATUS
+
+    @property
     def ok(self) -> bool:
-        """No invariant violated and no declared capability missing."""
-        return not self.capability_mismatches and all(
-            r.status != VIOLATED_STATUS for r in self.invariants.values()
-        )
+        """Everything checked held: nothing violated, and nothing left undecided by storage
+        errors."""
+        return self.outcome == HELD_STATUS
 
 
 def _measured(probe: ProbeResult) -> str:
     if probe.measured == NOT_MEASURED:
         return "-"
+    if probe.measured == STORAGE_ERROR:
+        return "?"
     return "yes" if probe.measured == HELD else "no"
 
 
 def _verdict(probe: ProbeResult) -> str:
     if probe.measured == NOT_MEASURED:
         return ""
+    if probe.measured == STORAGE_ERROR:
+        return "STORAGE ERROR (undecided)"
     if probe.declared and probe.measured != HELD:
         return "MISSING (declared, not found)"
     if not probe.declared and probe.measured == HELD:
@@ -112,34 +157,53 @@ def render_text(reports: list[BackendReport]) -> str:
         lines.append("")
         lines.append(f"  {'invariant':<36} status")
         for result in report.invariants.values():
-            status = result.status.upper() if result.status == VIOLATED_STATUS else result.status
+            loud = result.status in (VIOLATED_STATUS, STORAGE_ERROR_STATUS)
+            status = result.status.upper() if loud else result.status
             lines.append(f"  {result.invariant + ' ' + result.name:<36} {status}")
-            if result.status == VIOLATED_STATUS:
+            if loud:
                 for evidence in result.evidence:
                     lines.extend("      " + part for part in evidence.splitlines())
         lines.append("")
         for key, value in report.coverage.items():
             lines.append(f"  {key}: {value}")
         lines.append("")
-    failing = [r.url for r in reports if not r.ok]
-    verdict = "all invariants held" if not failing else f"VIOLATIONS on {', '.join(failing)}"
-    lines.append(f"conformance: {len(reports)} backend(s); {verdict}")
+    lines.append(f"conformance: {len(reports)} backend(s); {_summary(reports)}")
     return "\n".join(lines) + "\n"
+
+
+def _summary(reports: list[BackendReport]) -> str:
+    violating = [r.url for r in reports if r.outcome == VIOLATED_STATUS]
+    undecided = [r.url for r in reports if r.outcome == STORAGE_ERROR_STATUS]
+    parts = [f"VIOLATIONS on {', '.join(violating)}"] if violating else []
+    if undecided:
+        parts.append(
+            f"STORAGE ERRORS on {', '.join(undecided)} (the storage kept failing after "
+            f"retries: undecided, not violations; run again)"
+        )
+    return "; ".join(parts) or "all invariants held"
 
 
 def to_json(reports: list[BackendReport]) -> str:
     """The report as JSON."""
+    outcomes = [r.outcome for r in reports]
+    worst = next((o for o in (VIOLATED_STATUS, STORAGE_ERROR_STATUS) if o in outcomes), HELD_STATUS)
     return json.dumps(
-        {"ok": all(r.ok for r in reports), "backends": [asdict(r) for r in reports]}, indent=2
+        {
+            "ok": all(r.ok for r in reports),
+            "outcome": worst,
+            "backends": [{**asdict(r), "outcome": r.outcome} for r in reports],
+        },
+        indent=2,
     )
 
 
 def to_junit(reports: list[BackendReport]) -> str:
-    """The report as JUnit XML: one suite per backend, a case per invariant and capability."""
+    """The report as JUnit XML: one suite per backend, a case per invariant and capability; a
+    violation is a ``failure``, a storage error an ``error`` (the case could not run)."""
     root = ElementTree.Element("testsuites", name="ckptstore conformance")
     for report in reports:
         suite = ElementTree.SubElement(root, "testsuite", name=report.url)
-        failures = 0
+        failures = errors = 0
         for result in report.invariants.values():
             case = ElementTree.SubElement(
                 suite, "testcase", classname=report.url, name=f"{result.invariant} {result.name}"
@@ -148,6 +212,10 @@ def to_junit(reports: list[BackendReport]) -> str:
                 failures += 1
                 failure = ElementTree.SubElement(case, "failure", message="violated")
                 failure.text = "\n\n".join(result.evidence)
+            elif result.status == STORAGE_ERROR_STATUS:
+                errors += 1
+                error = ElementTree.SubElement(case, "error", message=STORAGE_ERROR)
+                error.text = "\n\n".join(result.evidence)
             elif result.status in (NOT_APPLICABLE, NOT_CHECKED):
                 ElementTree.SubElement(case, "skipped", message=result.status)
         for probe in report.capabilities:
@@ -158,9 +226,14 @@ def to_junit(reports: list[BackendReport]) -> str:
                 failures += 1
                 failure = ElementTree.SubElement(case, "failure", message="declared, not found")
                 failure.text = probe.detail
+            elif probe.measured == STORAGE_ERROR:
+                errors += 1
+                error = ElementTree.SubElement(case, "error", message=STORAGE_ERROR)
+                error.text = probe.detail
             elif probe.measured == NOT_MEASURED:
                 ElementTree.SubElement(case, "skipped", message=probe.detail)
         suite.set("tests", str(len(report.invariants) + len(report.capabilities)))
         suite.set("failures", str(failures))
+        suite.set("errors", str(errors))
         suite.set("time", f"{report.duration_s:.3f}")
     return ElementTree.tostring(root, encoding="unicode")

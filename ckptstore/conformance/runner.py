@@ -2,7 +2,8 @@
 
 Layers: capability probes; exhaustive crash points; unknown outcomes of conditional writes
 (object stores); power loss (file systems); the property-based state machine. Each layer
-marks the invariants it checks as held unless it found a violation.
+marks the invariants it checks as held unless it found a violation, or unless the storage
+failed one of its cases on every run (a storage error: undecided, see ``outcomes``).
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from typing import Any
 
 import hypothesis
 from hypothesis.reporting import with_reporter
-from hypothesis.stateful import run_state_machine_as_test
 
 from ckptstore.conformance.location import LocationFactory, open_for_measuring
-from ckptstore.conformance.machine import PROFILES, make_state_machine
+from ckptstore.conformance.machine import PROFILES, make_state_machine, run_state_machine
 from ckptstore.conformance.model import InvariantViolation
+from ckptstore.conformance.outcomes import StorageFailure, storage_failure
 from ckptstore.conformance.powerloss import run_power_loss
 from ckptstore.conformance.probes import run_probes
 from ckptstore.conformance.report import BackendReport
 from ckptstore.conformance.workload import (
+    CrashPointResult,
     big_shard_size,
     run_crash_points,
     run_indeterminate_outcomes,
@@ -147,14 +149,33 @@ def _crash_points(report: BackendReport, factory: LocationFactory, say: Progress
     result = run_crash_points(factory, workers=CRASH_WORKERS)
     # What one case costs when run alone (the state machine runs one thing at a time).
     per_case = (time.monotonic() - started) * CRASH_WORKERS / max(result.cases, 1)
-    report.checked("I1", "I2", "I3", "I4", "I7")
+    report.checked(*CRASH_POINT_INVARIANTS)
     for failure in result.failures:
         report.violated(failure.invariant, f"{failure.case}: {failure.message}")
+    _undecided(report, CRASH_POINT_INVARIANTS, result)
     report.coverage["crash points"] = (
         f"{result.calls} storage calls x 2 modes (before, after): "
-        f"{result.cases - 1} crashes, each recovered, GC'd and checked"
+        f"{result.cases - 1} crashes, each recovered, GC'd and checked" + _retries(result)
     )
     return per_case
+
+
+CRASH_POINT_INVARIANTS = ("I1", "I2", "I3", "I4", "I7")
+MACHINE_INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7")
+
+
+def _undecided(report: BackendReport, keys: tuple[str, ...], result: CrashPointResult) -> None:
+    for error in result.storage_errors:
+        report.storage_error(keys, f"{error.case}: {error.message}")
+
+
+def _retries(result: CrashPointResult) -> str:
+    notes = []
+    if result.retried:
+        notes.append(f"{result.retried} run(s) of a case repeated after a storage error")
+    if result.storage_errors:
+        notes.append(f"{len(result.storage_errors)} case(s) undecided (storage error)")
+    return "".join(f"; {note}" for note in notes)
 
 
 def _indeterminate(report: BackendReport, factory: LocationFactory, say: Progress) -> None:
@@ -164,7 +185,10 @@ def _indeterminate(report: BackendReport, factory: LocationFactory, say: Progres
         report.checked("I8")
     for failure in result.failures:
         report.violated(failure.invariant, f"{failure.case}: {failure.message}")
-    report.coverage["unknown outcomes"] = f"a timeout after each of {result.cases} storage calls"
+    _undecided(report, ("I8",), result)
+    report.coverage["unknown outcomes"] = (
+        f"a timeout after each of {result.cases} storage calls" + _retries(result)
+    )
 
 
 def _power_loss(report: BackendReport, strategy: Any, profile: str, say: Progress) -> None:
@@ -194,18 +218,33 @@ def _state_machine(
         examples = max(5, min(settings.max_examples, affordable))
         settings = hypothesis.settings(settings, max_examples=examples)
     say(f"property-based crash injection (profile {profile}, {settings.max_examples} examples)")
+    note = _run_machine(report, machine, settings)
+    report.checked(*MACHINE_INVARIANTS)
+    report.coverage["property-based"] = (
+        f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps{note}"
+    )
+
+
+def _run_machine(report: BackendReport, machine: Any, settings: hypothesis.settings) -> str:
+    """Run the state machine, recording what it found; a note for the coverage line."""
+    undecided = "; stopped by the storage's failure on every run (undecided)"
     printed: list[str] = []
     try:
         with with_reporter(lambda value: printed.append(str(value))):
-            run_state_machine_as_test(machine, settings=settings)
+            run_state_machine(machine, settings)
+    except StorageFailure as failure:  # on every run: undecided, neither held nor violated
+        report.storage_error(MACHINE_INVARIANTS, f"property-based: {failure}")
+        return undecided
     except InvariantViolation as violation:
         report.violated(violation.invariant, _shrunk(violation.detail, printed))
     except Exception as exc:  # anything else the store raised is reported, not hidden
-        report.violated("I1", _shrunk(f"unexpected error: {exc!r}", printed))
-    report.checked("I1", "I2", "I3", "I4", "I5", "I6", "I7")
-    report.coverage["property-based"] = (
-        f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps"
-    )
+        cause = storage_failure(exc)  # one that hypothesis shrank: the storage failed
+        if cause is None:
+            report.violated("I1", _shrunk(f"unexpected error: {exc!r}", printed))
+            return ""
+        report.storage_error(MACHINE_INVARIANTS, f"property-based: {cause!r}")
+        return undecided
+    return ""
 
 
 def _shrunk(message: str, printed: list[str]) -> str:

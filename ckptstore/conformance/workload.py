@@ -7,10 +7,14 @@ latest checkpoint back. It is run once to count its storage calls; then, for eve
 is run again with the process dying before call k, and again with it dying after call k took
 effect. After each crash a fresh store (a restarted trainer) is checked against the model,
 cleaned by GC, checked again, audited for leftovers, and used for one more save.
+
+A case that the storage itself fails (see ``outcomes``) is run again from a fresh location; if
+the storage keeps failing it, the case is reported as a storage error, never as a failure.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,6 +23,11 @@ from datetime import timedelta
 from ckptstore.conformance.faults import CrashMode, FaultPlan, SimulatedCrash
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
+from ckptstore.conformance.outcomes import (
+    STORAGE_ERROR,
+    retry_storage_failures,
+    storage_failure,
+)
 from ckptstore.driver import Capability
 from ckptstore.errors import CheckpointExistsError, CkptStoreError
 from ckptstore.manifest import Manifest
@@ -127,6 +136,18 @@ class CrashPointResult:
     cases: int = 0
     failures: list[CaseFailure] = field(default_factory=list)
     invariants_checked: set[str] = field(default_factory=set)
+    storage_errors: list[CaseFailure] = field(default_factory=list)
+    """Cases the storage failed on every run: undecided, neither passed nor failed."""
+    retried: int = 0
+    """Runs of cases that were run again because the storage failed them."""
+
+    def add(self, other: CrashPointResult) -> None:
+        """Count the cases of ``other`` in this result too."""
+        self.cases += other.cases
+        self.failures.extend(other.failures)
+        self.invariants_checked |= other.invariants_checked
+        self.storage_errors.extend(other.storage_errors)
+        self.retried += other.retried
 
 
 def recover_and_check(location: Location, model: Model) -> None:
@@ -157,44 +178,81 @@ def run_crash_points(
     networked storage most of a case is waiting for answers.
     """
     result = CrashPointResult()
-    location = new_location()
-    try:
-        big = big_shard_size(location)
-        model = Model()
-        plan = FaultPlan()
-        store = standard_workload(location, plan, model, big)
-        calls = len(store.strategy.driver.calls)
-        _run_case(result, "no crash", lambda: recover_and_check(location, model))
-    finally:
-        location.destroy()
-    result.calls = calls
+    baseline = _retried(functools.partial(_baseline, new_location))
+    result.add(baseline)
+    if baseline.storage_errors:  # the workload never ran through: no call to crash at
+        return result
+    result.calls = baseline.calls
     cases = [
         (index, mode)
-        for index in range(calls if limit is None else min(calls, limit))
+        for index in range(baseline.calls if limit is None else min(baseline.calls, limit))
         for mode in (CrashMode.BEFORE, CrashMode.AFTER)
     ]
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="crash-case") as pool:
-        outcomes = pool.map(lambda case: _crash_case(new_location, big, *case), cases)
+        outcomes = pool.map(
+            lambda case: _retried(functools.partial(_crash_case, new_location, *case)), cases
+        )
         for outcome in outcomes:  # in case order, so that reports are deterministic
-            result.cases += outcome.cases
-            result.failures.extend(outcome.failures)
+            result.add(outcome)
     return result
 
 
-def _crash_case(
-    new_location: LocationMaker, big: int, index: int, mode: CrashMode
-) -> CrashPointResult:
+def _retried(run_once: Callable[[], CrashPointResult]) -> CrashPointResult:
+    """Run a case again, afresh, while the storage fails it; say so if it always did."""
+    outcome, retries = retry_storage_failures(run_once, lambda done: bool(done.storage_errors))
+    outcome.retried += retries
+    for error in outcome.storage_errors:
+        error.message += f" (the storage failed all {retries + 1} runs of this case)"
+    return outcome
+
+
+def _undecided(result: CrashPointResult, name: str, error: CkptStoreError) -> CrashPointResult:
+    """Record the case as failed by the storage; re-raise ``error`` if the storage did not."""
+    failure = storage_failure(error)
+    if failure is None:
+        raise error
+    result.cases += 1
+    result.storage_errors.append(CaseFailure(name, STORAGE_ERROR, f"{failure!r}"))
+    return result
+
+
+def _baseline(new_location: LocationMaker) -> CrashPointResult:
+    """The workload without a crash, then checked: counts the storage calls to crash at."""
     result = CrashPointResult()
-    location = new_location()
-    model = Model()
-    plan = FaultPlan(crash_at=index, crash_mode=mode)
+    try:
+        location = new_location()
+    except CkptStoreError as exc:
+        return _undecided(result, "no crash", exc)
+    try:
+        model = Model()
+        try:
+            store = standard_workload(location, FaultPlan(), model, big_shard_size(location))
+        except CkptStoreError as exc:
+            return _undecided(result, "no crash", exc)
+        result.calls = len(store.strategy.driver.calls)
+        _run_case(result, "no crash", lambda: recover_and_check(location, model))
+    finally:
+        location.destroy()
+    return result
+
+
+def _crash_case(new_location: LocationMaker, index: int, mode: CrashMode) -> CrashPointResult:
+    result = CrashPointResult()
     name = f"crash {mode.value} call {index}"
     try:
+        location = new_location()
+    except CkptStoreError as exc:
+        return _undecided(result, name, exc)
+    try:
+        model = Model()
+        plan = FaultPlan(crash_at=index, crash_mode=mode)
         try:
-            standard_workload(location, plan, model, big)
+            standard_workload(location, plan, model, big_shard_size(location))
             name += " (not reached)"
         except SimulatedCrash as crash:
             name = f"{name}: {crash}"
+        except CkptStoreError as exc:  # before the crash point: the storage failed the workload
+            return _undecided(result, name, exc)
         _run_case(result, name, lambda: recover_and_check(location, model))
     finally:
         location.destroy()
@@ -205,10 +263,14 @@ def _run_case(result: CrashPointResult, name: str, body: Callable[[], None]) -> 
     result.cases += 1
     try:
         body()
-    except InvariantViolation as violation:
-        result.failures.append(CaseFailure(name, violation.invariant, violation.detail))
-    except CkptStoreError as exc:
-        result.failures.append(CaseFailure(name, "I1", f"recovery failed: {exc!r}"))
+    except (InvariantViolation, CkptStoreError) as exc:
+        failure = storage_failure(exc)
+        if failure is not None:  # the storage failed the check: it decided nothing
+            result.storage_errors.append(CaseFailure(name, STORAGE_ERROR, f"{failure!r}"))
+        elif isinstance(exc, InvariantViolation):
+            result.failures.append(CaseFailure(name, exc.invariant, exc.detail))
+        else:
+            result.failures.append(CaseFailure(name, "I1", f"recovery failed: {exc!r}"))
 
 
 def run_indeterminate_outcomes(new_location: LocationMaker) -> CrashPointResult:
@@ -218,37 +280,65 @@ def run_indeterminate_outcomes(new_location: LocationMaker) -> CrashPointResult:
     its own earlier write for another writer's (CheckpointExistsError).
     """
     result = CrashPointResult()
-    location = new_location()
-    try:
-        store, injector = location.open()
-        save(store, Model(), Saved(1, _shards(1, 0), {}))
-        calls = injector.count
-    finally:
-        location.destroy()
-    for index in range(calls):
-        location = new_location()
-        try:
-            _indeterminate_case(result, location, index)
-        finally:
-            location.destroy()
+    baseline = _retried(functools.partial(_count_save_calls, new_location))
+    result.add(baseline)
+    if baseline.storage_errors:
+        return result
+    for index in range(baseline.calls):
+        result.add(_retried(functools.partial(_indeterminate_case, new_location, index)))
     return result
 
 
-def _indeterminate_case(result: CrashPointResult, location: Location, index: int) -> None:
+def _count_save_calls(new_location: LocationMaker) -> CrashPointResult:
+    """One save without faults, to count its storage calls (not itself a case)."""
+    result = CrashPointResult()
+    try:
+        location = new_location()
+    except CkptStoreError as exc:
+        return _undecided(result, "a save without faults", exc)
+    try:
+        store, injector = location.open()
+        save(store, Model(), Saved(1, _shards(1, 0), {}))
+        result.calls = injector.count
+    except CkptStoreError as exc:
+        return _undecided(result, "a save without faults", exc)
+    finally:
+        location.destroy()
+    return result
+
+
+def _indeterminate_case(new_location: LocationMaker, index: int) -> CrashPointResult:
+    result = CrashPointResult()
+    name = f"timeout after call {index}"
+    try:
+        location = new_location()
+    except CkptStoreError as exc:
+        return _undecided(result, name, exc)
+    try:
+        _time_out_after(result, location, index, name)
+    except CkptStoreError as exc:
+        return _undecided(result, name, exc)
+    finally:
+        location.destroy()
+    return result
+
+
+def _time_out_after(result: CrashPointResult, location: Location, index: int, name: str) -> None:
     model = Model()
     store, injector = location.open(FaultPlan(transient={index: CrashMode.AFTER}))
     saved = Saved(1, _shards(1, 0), {})
-    name = f"timeout after call {index}"
     try:
         save(store, model, saved)
     except CheckpointExistsError as exc:
         record = injector.transient_injected[0] if injector.transient_injected else None
+        result.cases += 1
         result.failures.append(
             CaseFailure(f"{name} {record}", "I8", f"own publish taken for another's: {exc}")
         )
         return
-    except CkptStoreError:
-        pass
+    except CkptStoreError as exc:
+        if storage_failure(exc) is not None:
+            raise  # the storage failed the save, not the injected timeout: nothing to judge
     record = injector.transient_injected[0] if injector.transient_injected else None
     if record is not None:
         name = f"{name}: {record}"
@@ -257,6 +347,7 @@ def _indeterminate_case(result: CrashPointResult, location: Location, index: int
     clean, _ = location.open()
     failed_but_published = bool(model.in_doubt.get(1)) and clean.steps() == [1]
     if failed_but_published and record is not None and record.conditional:
+        result.cases += 1
         result.failures.append(
             CaseFailure(name, "I8", "the publish took effect but the save reported failure")
         )

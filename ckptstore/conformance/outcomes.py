@@ -1,0 +1,119 @@
+"""A storage failure is not a verdict: the storage's own errors, told apart from violations.
+
+Each case of the suite ends in one of three outcomes: its invariants held; one was violated;
+or the storage under test kept failing (a 5xx, a reset connection, a timeout, EIO, after the
+driver's own retries), so that the case proved nothing either way. Such a case is run again,
+at most ``CASE_ATTEMPTS`` times; if the storage still fails it, it is reported as a
+``storage error``: never as a pass (nothing was checked) and never as a violation (the
+protocol did nothing wrong).
+
+What is *not* a storage failure: a fault the suite injected, and anything raised because of
+one (``InjectedFault`` in the chain of causes); a simulated crash; and the storage's definite
+answers (not found, exists, precondition failed), which the protocol must handle, so that one
+escaping a case is judged as before, by the invariant it breaks.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+from ckptstore.conformance.faults import InjectedFault
+from ckptstore.errors import (
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StorageError,
+    TargetExistsError,
+)
+
+__all__ = [
+    "CASE_ATTEMPTS",
+    "STORAGE_ERROR",
+    "StorageFailure",
+    "abort_on_storage_failure",
+    "retry_storage_failures",
+    "storage_failure",
+]
+
+STORAGE_ERROR = "storage error"
+CASE_ATTEMPTS = 3
+"""Runs of one case (the first and two retries) before the storage's failure is reported."""
+RETRY_PAUSE_S = 0.5
+"""Pause before the n-th retry, times n: a server that answers 500 under load gets a rest."""
+
+_ANSWERS = (ObjectNotFoundError, PreconditionFailedError, TargetExistsError)
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class StorageFailure(BaseException):
+    """The storage under test failed a case, which is therefore undecided.
+
+    A BaseException, as ``SimulatedCrash`` is: hypothesis stops at once instead of shrinking
+    (and then flaking on) a server's error as if it were a failing example.
+    """
+
+    def __init__(self, error: StorageError, *, runs: int = 1) -> None:
+        every = f" (the storage failed all {runs} runs)" if runs > 1 else ""
+        super().__init__(f"{STORAGE_ERROR}, not an invariant violation{every}: {error!r}")
+        self.error = error
+
+
+def storage_failure(error: BaseException) -> StorageError | None:
+    """The failure of the storage under test that ``error`` comes from, or None.
+
+    Follows the explicit causes (``raise ... from``): the deepest ``StorageError`` is where the
+    trouble began. It is a storage failure unless it is a definite answer about the data, or an
+    injected fault is in the chain.
+    """
+    deepest: StorageError | None = None
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, StorageFailure):
+            return current.error
+        if isinstance(current, InjectedFault):
+            return None
+        if isinstance(current, StorageError):
+            deepest = current
+        current = current.__cause__
+    if deepest is None or isinstance(deepest, _ANSWERS):
+        return None
+    return deepest
+
+
+def abort_on_storage_failure(function: Callable[P, T]) -> Callable[P, T]:
+    """``function``, raising ``StorageFailure`` where the storage failed it (a rule of the state
+    machine: the example stops there, undecided, instead of being judged or shrunk)."""
+
+    @functools.wraps(function)
+    def guarded(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return function(*args, **kwargs)
+        except Exception as exc:
+            failure = storage_failure(exc)
+            if failure is None:
+                raise
+            raise StorageFailure(failure) from exc
+
+    return guarded
+
+
+def retry_storage_failures(
+    run_once: Callable[[], T], failed: Callable[[T], bool], *, attempts: int = CASE_ATTEMPTS
+) -> tuple[T, int]:
+    """Run a case until it is not ``failed`` by the storage, at most ``attempts`` times.
+
+    Returns the last outcome and how many runs were retried. A run must start afresh (a new
+    location): nothing of a failed run is reused.
+    """
+    outcome = run_once()
+    retries = 0
+    while failed(outcome) and retries + 1 < attempts:
+        retries += 1
+        time.sleep(RETRY_PAUSE_S * retries)
+        outcome = run_once()
+    return outcome, retries
