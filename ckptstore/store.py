@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.commit.base import CommitStrategy, GcReport
@@ -30,6 +30,7 @@ from ckptstore.errors import (
     InvalidInputError,
     InvalidOptionError,
     NotACheckpointError,
+    ObjectNotFoundError,
     RefusedError,
     ShardCorruptError,
     ShardMissingError,
@@ -320,15 +321,19 @@ class Store:
             known = self._confirmed[step] = _Confirmed(manifest.attempt, manifest.committed_at)
         return known
 
-    def _checkpoint_steps(self, candidates: Iterable[int]) -> builtins.list[int]:
+    def _checkpoint_steps(
+        self, candidates: Iterable[int], *, min_step: int = 0
+    ) -> builtins.list[int]:
         """The ``candidates`` whose manifest parses (each read once per Store), ascending.
 
-        A published manifest never changes, so it is read once; a cached step that is no
-        longer listed is forgotten (it may be published again by another attempt).
+        ``candidates`` is a listing of every step from ``min_step`` on. A published manifest
+        never changes, so it is read once; a cached step in that range that is no longer
+        listed is forgotten (it may be published again by another attempt).
         """
         listed = sorted(candidates)
         for stale in set(self._confirmed) - set(listed):
-            self._confirmed.pop(stale, None)
+            if stale >= min_step:
+                self._confirmed.pop(stale, None)
         steps = []
         for step in listed:
             try:
@@ -374,10 +379,21 @@ class Store:
 
     def _opener(self, manifest: Manifest, record: ShardRecord) -> BinaryIO:
         try:
-            return self.strategy.open_shard_reader(manifest, record)
+            stream = self.strategy.open_shard_reader(manifest, record)
         except ShardMissingError:
             self._check_still_published(manifest)
             raise
+        return cast(
+            BinaryIO, _VanishingShardStream(stream, lambda: self._vanished(manifest, record))
+        )
+
+    def _vanished(self, manifest: Manifest, record: ShardRecord) -> CkptStoreError:
+        """The error for a shard that disappeared while it was being read."""
+        self._check_still_published(manifest)  # unpublished meanwhile: CheckpointNotFoundError
+        return ShardMissingError(
+            f"{self.url}: step {manifest.step}: shard {record.name!r} disappeared while being "
+            f"read, and the checkpoint is still published"
+        )
 
     def latest(self, *, verified: bool = False) -> Checkpoint | None:
         """Return the newest published checkpoint, or None if there is none.
@@ -464,6 +480,8 @@ class Store:
         """
         check_step(step)
         steps = self.steps()
+        while steps and not self._still_confirmed(steps[-1]):
+            steps.pop()  # the cached newest no longer parses: the guard protects the next
         if step not in steps:
             self.strategy.read_manifest(step)  # raises the precise error: stray, or not found
             raise CheckpointNotFoundError(f"{self.url}: no published checkpoint at step {step}")
@@ -489,7 +507,9 @@ class Store:
             raise CheckpointNotFoundError(
                 f"{self.url}: cannot roll back to step {step}: it is not published ({exc})"
             ) from exc
-        newer = self._checkpoint_steps(self.strategy.published_steps(min_step=step + 1))
+        newer = self._checkpoint_steps(
+            self.strategy.published_steps(min_step=step + 1), min_step=step + 1
+        )
         removed = []
         for doomed in reversed(newer):
             if self._unpublish_confirmed(doomed):
@@ -573,6 +593,33 @@ class Store:
     def is_empty(self) -> bool:
         """Tell whether the store holds nothing at all (no checkpoints, no leftovers)."""
         return self.strategy.is_empty()
+
+
+class _VanishingShardStream:
+    """A shard stream whose object vanishing mid-read (a resumed read finding it deleted) is
+    reported as the checkpoint's deletion, or as a missing shard, never as a storage error."""
+
+    def __init__(self, raw: BinaryIO, vanished: Callable[[], CkptStoreError]) -> None:
+        self._raw = raw
+        self._vanished = vanished
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._raw.read(size)
+        except ObjectNotFoundError as exc:
+            raise self._vanished() from exc
+
+    def readinto(self, buffer: Any) -> int:
+        try:
+            return int(self._raw.readinto(buffer))  # type: ignore[attr-defined]
+        except ObjectNotFoundError as exc:
+            raise self._vanished() from exc
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
 
 
 def _release_quietly(strategy: CommitStrategy[Any], step: int, attempt: str) -> None:

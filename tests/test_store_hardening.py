@@ -6,6 +6,7 @@ Each test runs on file://, memory:// and s3:// (the embedded moto server) throug
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import Any
@@ -19,8 +20,10 @@ from ckptstore.errors import (
     InvalidMetadataError,
     ManifestCorruptError,
     NotACheckpointError,
+    ObjectNotFoundError,
     RefusedError,
     ShardCorruptError,
+    ShardMissingError,
 )
 from ckptstore.manifest import MAX_METADATA_DEPTH, Manifest
 from ckptstore.store import Store
@@ -330,3 +333,76 @@ def test_a_fifo_planted_as_a_shard_is_damage_not_a_hang(tmp_path: Any) -> None:
         store.get(1)
     report = checkpoint.verify()
     assert not report.ok and "not a regular file" in report.problems["w.bin"]
+
+
+def test_the_delete_guard_reads_the_newest_manifest_afresh(backend: BackendUnderTest) -> None:
+    store = backend.open()
+    for step in (1, 2, 3):
+        _save(store, step)
+    assert store.steps() == [1, 2, 3]  # every manifest now confirmed and cached
+    backend.rewrite_manifest(store, 3, lambda data: data[: len(data) // 2])
+    with pytest.raises(RefusedError):
+        store.delete(2)  # the newest intact checkpoint now
+
+
+def test_a_shard_vanishing_mid_read_is_the_checkpoints_deletion(
+    backend: BackendUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resumed read that finds the object gone (S3) is not a raw storage error."""
+    store = backend.open()
+    for step in (1, 2):
+        _save(store, step)
+    opened = store.strategy.open_shard_reader
+
+    class Vanishing:
+        def __init__(self, raw: Any) -> None:
+            self.raw = raw
+
+        def read(self, size: int = -1) -> bytes:
+            raise ObjectNotFoundError(2, "GetObject: replaced or deleted while being read")
+
+        readinto = read
+
+        def close(self) -> None:
+            self.raw.close()
+
+    monkeypatch.setattr(store.strategy, "open_shard_reader", lambda m, r: Vanishing(opened(m, r)))
+    with pytest.raises(ShardMissingError, match="disappeared"):
+        store.get(2).read("w.bin")  # still published: the shard is missing
+    checkpoint = store.get(1)
+    backend.open().delete(1)
+    with pytest.raises(CheckpointNotFoundError):
+        checkpoint.read("w.bin")
+
+
+def test_dropping_one_ranks_pending_checkpoint_keeps_the_others_durable(tmp_path: Any) -> None:
+    """Two ranks in one process join one attempt; one is dropped after sealing."""
+    store = FileBackend(tmp_path).open()
+    driver = store.strategy.driver  # type: ignore[attr-defined]
+    paths: dict[int, str] = {}
+    synced: list[str] = []
+    create, fsync = driver.create, driver.fsync
+
+    def recording_create(path: str) -> int:
+        handle = create(path)
+        paths[handle] = path
+        return int(handle)
+
+    def recording_fsync(handle: int) -> None:
+        synced.append(paths.get(handle, "?"))
+        fsync(handle)
+
+    driver.create, driver.fsync = recording_create, recording_fsync
+    coordinator = store.begin(1, world_size=2)
+    one, two = store.join(1, coordinator.attempt), store.join(1, coordinator.attempt)
+    one.write("r0.bin", b"0" * 100)
+    receipts = one.seal()
+    two.write("r1.bin", b"1" * 100)  # closed, held open with its writeback started
+    del one
+    gc.collect()  # the dropped rank's finalizer runs
+    receipts += two.seal()
+    assert any(p.endswith("data/r1.bin") for p in synced), synced
+    coordinator.add_receipts(receipts)
+    coordinator.publish()
+    latest = store.latest()
+    assert latest is not None and latest.read("r1.bin") == b"1" * 100

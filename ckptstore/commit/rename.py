@@ -42,6 +42,7 @@ from ckptstore.driver import Capability, FileSystemDriver
 from ckptstore.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    IntegrityError,
     InvalidShardNameError,
     ManifestCorruptError,
     NotACheckpointError,
@@ -205,6 +206,17 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             files.seal()
 
     def release(self, step: int, attempt: str) -> None:
+        """Let go of the attempt's held files in this process: each is fsynced and closed.
+
+        Not discarded: other ranks in this process that joined the same attempt may still seal
+        and publish them. The entry stays, so a failed fsync here fails their seal too.
+        """
+        with self._unsynced_lock:
+            files = self._unsynced.get((step, attempt))
+        if files is not None:
+            files.seal()
+
+    def _discard_held(self, step: int, attempt: str) -> None:
         with self._unsynced_lock:
             files = self._unsynced.pop((step, attempt), None)
         if files is not None:
@@ -223,15 +235,27 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             # the manifest, a failed fsync), not after gc's grace period.
             self._abort_quietly(step, attempt)
             raise
-        with self._attempt_errors(step, attempt):
-            try:
-                self.driver.rename_noreplace(staging, step_token(step))
-            except TargetExistsError as exc:
-                raise CheckpointExistsError(
-                    f"{self.url}: step {step} is already published; "
-                    f"the existing checkpoint was left intact"
-                ) from exc
+        try:
+            with self._attempt_errors(step, attempt):
+                try:
+                    self.driver.rename_noreplace(staging, step_token(step))
+                except TargetExistsError as exc:
+                    raise CheckpointExistsError(
+                        f"{self.url}: step {step} is already published; "
+                        f"the existing checkpoint was left intact"
+                    ) from exc
+        except ObjectNotFoundError:
+            # A rename that took effect but answered an error (an NFS retransmit's ENOENT)
+            # leaves no staging directory either: it published, GC did not remove it.
+            if self._published_attempt(step) != attempt:
+                raise
         self.driver.fsync_dir("")
+
+    def _published_attempt(self, step: int) -> str | None:
+        try:
+            return self.read_manifest(step).attempt
+        except (CheckpointNotFoundError, IntegrityError, StorageError):
+            return None
 
     def _write_manifest(self, staging: str, manifest: Manifest) -> None:
         """Write and fsync the manifest, then make every entry of the staging tree durable."""
@@ -291,7 +315,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         return True
 
     def abort(self, step: int, attempt: str) -> None:
-        self.release(step, attempt)
+        self._discard_held(step, attempt)  # the whole attempt goes: nothing to make durable
         self._discard(self.staging_dir(step, attempt))
 
     # -- reading -------------------------------------------------------------------------
