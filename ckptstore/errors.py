@@ -30,6 +30,7 @@ and ``except ValueError`` keep working in code that does not know ckptstore::
         ├── StorageAccessDeniedError (PermissionError)
         ├── ObjectNotFoundError (FileNotFoundError)
         ├── PreconditionFailedError               a conditional write lost (If-None-Match/If-Match)
+        │   └── PreconditionInferredError         ... as read back after a broken call, no 412
         ├── TargetExistsError (FileExistsError)      create/mkdir/rename found the target
         └── TransientStorageError                 worth retrying (throttling, 5xx, timeouts)
             └── IndeterminateOutcomeError         the call may or may not have taken effect
@@ -60,6 +61,7 @@ __all__ = [
     "NotACheckpointError",
     "ObjectNotFoundError",
     "PreconditionFailedError",
+    "PreconditionInferredError",
     "RefusedError",
     "ShardCorruptError",
     "ShardExistsError",
@@ -181,6 +183,12 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
 
 class PreconditionFailedError(StorageError):
     """A conditional write was refused: the object exists (If-None-Match) or changed (If-Match)."""
+
+
+class PreconditionInferredError(PreconditionFailedError):
+    """A conditional create taken as refused without the server saying so: after a broken
+    call, the key held other bytes. The server never answered 412, so this says nothing about
+    whether it honours If-None-Match (the conditional-create probe must not count it)."""
 
 
 class TargetExistsError(StorageError, FileExistsError):

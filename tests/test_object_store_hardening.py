@@ -720,3 +720,191 @@ def test_shard_problems_of_an_unpublished_step_is_not_found(
 def _version_kwargs(manifest: Any) -> dict[str, str]:
     version = manifest.shards[0].locator.get("version_id")
     return {"version_id": version} if version else {}
+
+
+# -- review: versioned GC never uncovers an unpublished manifest -----------------------------
+
+
+class DiesInUnpublish(MemoryDriver):
+    """A writer that dies during its ``die_at``-th delete of a manifest key (after it)."""
+
+    die_at = 1
+
+    def delete(self, key: str, *, version_id: str | None = None) -> None:
+        super().delete(key, version_id=version_id)
+        if key.startswith("manifests/"):
+            self.die_at -= 1
+            if self.die_at == 0:
+                raise RuntimeError("the process died")
+
+
+def _manifest_versions(store: Store, step: int) -> list[tuple[bool, bool]]:
+    """(is_delete_marker, is_latest) of each stored version of ``step``'s manifest."""
+    key = store.strategy.manifest_key(step)
+    return [
+        (v.is_delete_marker, v.is_latest)
+        for v in store.strategy.driver.list_versions(key)
+        if v.key == key
+    ]
+
+
+@pytest.mark.parametrize("die_at", [1, 2], ids=["after-the-marker", "after-a-version-delete"])
+@pytest.mark.parametrize("operation", ["delete", "rollback"])
+def test_versioned_gc_never_republishes_an_interrupted_unpublish(
+    bucket_name: str, die_at: int, operation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = memory_store(DiesInUnpublish, bucket_name, versioned=True)
+    for step in (1, 2):
+        store.save(step, {"model.bin": blob(1000, step)})
+    monkeypatch.setattr(store.strategy.driver, "die_at", die_at)
+    with pytest.raises(RuntimeError, match="died"):
+        store.delete(2, force=True) if operation == "delete" else store.rollback(1)
+    assert store.steps() == [1]
+    store.clock = lambda: time.time() + 2 * HOUR
+    for _ in range(2):  # the marker goes once nothing is left below it, maybe a pass later
+        store.gc(grace=GRACE)
+        assert store.steps() == [1]
+        assert store.latest().step == 1
+    assert _manifest_versions(store, 2) == []
+    assert store.get(1).read("model.bin") == blob(1000, 1)
+
+
+def test_versioned_gc_keeps_a_marker_whose_hidden_versions_another_page_lists(
+    bucket_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = memory_store(MemoryDriver, bucket_name, versioned=True)
+    for step in (1, 2):
+        store.save(step, {"model.bin": blob(1000, step)})
+    store.strategy.driver.delete(store.strategy.manifest_key(2))  # an unpublish, interrupted
+    listing = store.strategy.driver.list_versions
+    monkeypatch.setattr(  # GC's listing shows the marker, not the version below it
+        store.strategy.driver,
+        "list_versions",
+        lambda prefix: iter(
+            [
+                v
+                for v in listing(prefix)
+                if prefix or not v.key.startswith("manifests/") or v.is_delete_marker
+            ]
+        ),
+    )
+    store.clock = lambda: time.time() + 2 * HOUR
+    report = store.gc(grace=GRACE)
+    assert "delete-marker" not in [item.kind for item in report.removed]
+    monkeypatch.undo()
+    assert _manifest_versions(store, 2) == [(True, True), (False, False)]
+    assert store.steps() == [1]
+    store.gc(grace=GRACE)
+    store.gc(grace=GRACE)
+    assert store.steps() == [1]
+    assert _manifest_versions(store, 2) == []
+
+
+def _manifest_versions_on_another_page(request: Request) -> Action:
+    """A rule whose store-wide version listings end before the versions of step 2's
+    manifest (only its delete marker is on the page); a listing of that key shows all."""
+    manifest = "/manifests/step-00000000000000000002.json"
+
+    def edit(body: bytes) -> bytes:
+        def entry(match: re.Match[bytes]) -> bytes:
+            return b"" if manifest.encode() in match.group(0) else match.group(0)
+
+        return re.sub(rb"<Version>.*?</Version>", entry, body, flags=re.S)
+
+    whole_store = "versions" in request.query and request.query.get("prefix", "").endswith("/")
+    return Rewrite(edit) if request.method == "GET" and whole_store else Forward()
+
+
+def test_versioned_gc_on_s3_never_republishes_an_interrupted_unpublish(
+    moto_s3: EmbeddedS3,
+) -> None:
+    base = moto_s3.versioned_bucket("hardening-versioned")
+    with S3Proxy(base, _manifest_versions_on_another_page) as proxy:
+        server = proxy.through(base)
+        prefix = f"unpublish-{os.getpid()}-{next(_ids)}"
+        url = server.url(prefix, scheme="s3+versioned", part_size=65536)
+        store = ckptstore.open(url, **server.options)
+        for step in (1, 2):
+            store.save(step, {"model.bin": blob(1000, step)})
+        # An unpublish that died right after its delete marker.
+        base.client().delete_object(
+            Bucket=base.bucket, Key=f"{prefix}/{store.strategy.manifest_key(2)}"
+        )
+        later = ckptstore.open(url, clock=lambda: time.time() + 2 * HOUR, **server.options)
+        later.gc(grace=GRACE)
+        assert later.steps() == [1]
+        assert later.latest().step == 1
+        assert later.get(1).read("model.bin") == blob(1000, 1)
+        assert sorted(m for m, _ in _manifest_versions(later, 2)) == [False, True]  # both stay
+
+
+# -- review: the probe counts only a 412 the server sent ------------------------------------
+
+
+def _ignoring_the_condition(
+    store: Store, monkeypatch: pytest.MonkeyPatch, fail: Callable[[int], bool]
+) -> list[bytes]:
+    """Make ``store``'s S3 client ignore If-None-Match, and fail the n-th probe put (from 1)
+    with a connect timeout, before it is sent, when ``fail(n)``; returns the probe bodies."""
+    from botocore.exceptions import ConnectTimeoutError
+
+    client = store.strategy.driver.client  # type: ignore[attr-defined]
+    put_object = client.put_object
+    probes: list[bytes] = []
+
+    def put(**args: Any) -> Any:
+        args.pop("IfNoneMatch", None)  # the storage ignores the condition
+        if PROBE_PREFIX in args["Key"] and "clock-" not in args["Key"]:
+            probes.append(args["Body"])
+            if fail(len(probes)):
+                raise ConnectTimeoutError(endpoint_url=str(client.meta.endpoint_url))
+        return put_object(**args)
+
+    monkeypatch.setattr(client, "put_object", put)
+    return probes
+
+
+def test_the_probe_is_not_fooled_by_a_refusal_read_back_after_a_broken_call(
+    moto_s3: EmbeddedS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = moto_s3.url(f"inferred-{os.getpid()}-{next(_ids)}", part_size=65536)
+    store = ckptstore.open(url, **moto_s3.options)
+    probes = _ignoring_the_condition(store, monkeypatch, lambda n: n == 2)
+    with pytest.raises(CapabilityError, match="ignored If-None-Match"):
+        store.save(1, {"model.bin": b"weights"})
+    assert probes == [b"1", b"2", b"2"]  # the second create was sent again, and let through
+    assert store.steps() == []
+
+
+def test_a_probe_without_an_answer_from_the_server_decides_nothing(
+    moto_s3: EmbeddedS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = moto_s3.url(f"no-answer-{os.getpid()}-{next(_ids)}", part_size=65536)
+    store = ckptstore.open(url, **moto_s3.options)
+    broken = [True]
+    _ignoring_the_condition(store, monkeypatch, lambda n: broken[0] and n >= 2)
+    with pytest.raises(TransientStorageError, match="no answer from the storage itself"):
+        store.save(1, {"model.bin": b"weights"})
+    assert store.steps() == []
+    broken[0] = False  # no verdict was cached: the next save probes again
+    with pytest.raises(CapabilityError, match="ignored If-None-Match"):
+        store.save(1, {"model.bin": b"weights"})
+    assert store.steps() == []
+
+
+# -- review: a caller's clock behind this host's counts as none -----------------------------
+
+
+def test_gc_with_a_caller_clock_behind_this_host_still_collects_a_dead_attempt(
+    bucket_name: str,
+) -> None:
+    storage_time = [time.time()]
+    memory_store(MemoryDriver, bucket_name, clock=lambda: storage_time[0])
+    store = ckptstore.open(f"memory://{bucket_name}/run", clock=lambda: time.time() - 2 * HOUR)
+    dead = store.begin(1)
+    dead.write("model.bin", blob(1000, 1))
+    del dead  # its writer died
+    storage_time[0] += 2 * HOUR  # two hours pass for the storage
+    report = store.gc(grace=GRACE)
+    assert [item.kind for item in report.removed] == ["attempt"]
+    assert report.removed[0].age_s == pytest.approx(2 * HOUR, abs=60)

@@ -48,6 +48,7 @@ from ckptstore.errors import (
     InvalidURLError,
     ObjectNotFoundError,
     PreconditionFailedError,
+    PreconditionInferredError,
     StorageError,
     StoreNotFoundError,
     TransientStorageError,
@@ -237,7 +238,9 @@ class S3Driver:
         After a transient failure, and after a refusal that follows one (our earlier try may
         be what is there), the key is read back: absent, nothing was created and the
         conditional put is safe to send again; holding our bytes, our put took effect; holding
-        other bytes, another writer created it first (``PreconditionFailedError``). Identical
+        other bytes, another writer created it first: ``PreconditionFailedError`` if the
+        server answered 412, ``PreconditionInferredError`` if it answered nothing (a storage
+        ignoring If-None-Match gets the same verdict: it must not pass for a refusal). Identical
         bytes count as ours: callers create keys or contents unique to the writer (a fresh
         probe key, a manifest naming its attempt).
         """
@@ -252,16 +255,18 @@ class S3Driver:
             except PreconditionFailedError:
                 if not in_doubt:
                     raise
+                return self._created_by_us(what, key, body, refused=True)
             except TransientStorageError as exc:
                 in_doubt = True
                 log.debug("%s: %s; reading back", what, exc)
-            return self._created_by_us(what, key, body)
+            return self._created_by_us(what, key, body, refused=False)
 
         result: ObjectInfo = self._retrying(attempt)
         return result
 
-    def _created_by_us(self, what: str, key: str, body: bytes) -> ObjectInfo:
-        """The outcome of a conditional create in doubt, from the key's bytes."""
+    def _created_by_us(self, what: str, key: str, body: bytes, *, refused: bool) -> ObjectInfo:
+        """The outcome of a conditional create in doubt, from the key's bytes; ``refused``:
+        the server itself answered this try with 412."""
         try:
             stored, info = self._read_whole(key, None)
         except ObjectNotFoundError:
@@ -269,7 +274,11 @@ class S3Driver:
                 errno.EAGAIN, f"{what}: not created; trying again"
             ) from None  # a late copy of the lost put can only be refused: If-None-Match
         if stored != body:
-            raise PreconditionFailedError(412, f"{what}: another writer created it first")
+            if refused:
+                raise PreconditionFailedError(412, f"{what}: another writer created it first")
+            raise PreconditionInferredError(  # no 412 seen: the probe must not count it
+                412, f"{what}: another writer created it first (read back; no 412 received)"
+            )
         log.info("%s: the outcome of a broken call was read back: created", what)
         return info
 

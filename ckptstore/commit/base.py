@@ -94,15 +94,16 @@ class GcReport:
         return sum(item.size for item in self.removed)
 
 
-def clock_lead(now: float) -> float:
+def clock_lead(now: float, host_now: float | None = None) -> float:
     """How far a caller's clock runs ahead of this host's: a test clock's deliberate advance.
 
     GC ages leftovers on the storage's own clock, never on this host's, which may be skewed.
     The ``now`` a Store passes (its clock) counts only by how far it leads this host's clock:
     zero in production, where the Store's clock is this host's, and the advance by which a
     test ages leftovers past the grace period. A clock behind this host's counts as none.
+    ``host_now``: this host's clock now, if read elsewhere (default: ``time.time()``).
     """
-    return max(0.0, now - time.time())
+    return max(0.0, now - (time.time() if host_now is None else host_now))
 
 
 class _Driver(Protocol):

@@ -27,7 +27,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timezone
 from typing import BinaryIO, TypeVar
 
-from ckptstore.commit.base import CommitStrategy, GcItem, GcReport, ShardProblem, ShardSink
+from ckptstore.commit.base import (
+    CommitStrategy,
+    GcItem,
+    GcReport,
+    ShardProblem,
+    ShardSink,
+    clock_lead,
+)
 from ckptstore.driver import (
     Capability,
     ObjectInfo,
@@ -45,6 +52,7 @@ from ckptstore.errors import (
     ManifestCorruptError,
     ObjectNotFoundError,
     PreconditionFailedError,
+    PreconditionInferredError,
     ShardMissingError,
     StorageAccessDeniedError,
     StorageError,
@@ -372,10 +380,25 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
             return
 
     def _probe_second_create(self, key: str, versions: set[str]) -> bool:
-        """Create the probe key again: True if the storage let it through (it must refuse)."""
+        """Create the probe key again: True if the storage let it through (it must refuse).
+
+        Only the server's own answer decides: a 412 it sent, or a success. A refusal a driver
+        inferred by reading the key back after a broken call (``PreconditionInferredError``)
+        would be the same on storage ignoring If-None-Match, so it is tried again like a
+        transient error; without any answer, TransientStorageError (no verdict is cached).
+        """
         for attempt in range(PROBE_TRIES):
             try:
                 info = self._probe_put(key, b"2")
+            except PreconditionInferredError as exc:
+                if attempt == PROBE_TRIES - 1:
+                    raise TransientStorageError(
+                        errno.EAGAIN,
+                        f"{self.url}: the conditional-create probe got no answer from the "
+                        f"storage itself in {PROBE_TRIES} tries ({exc}); try again",
+                    ) from exc
+                _backoff(attempt)
+                continue
             except PreconditionFailedError:
                 break
             except TransientStorageError:
@@ -792,7 +815,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     def _storage_now(self, now: float, report: GcReport) -> float:
         """The storage's clock now: the LastModified of a marker object written for the purpose
         (and deleted), plus how far the caller's clock ``now`` runs ahead of this host's."""
-        ahead = now - _host_clock()
+        ahead = clock_lead(now, _host_clock())  # a caller's clock behind this host's: none
         key = f"{PROBE_PREFIX}clock-{new_attempt_id()}"
         try:
             written = self.driver.put(key, b"")

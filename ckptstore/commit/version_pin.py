@@ -167,9 +167,11 @@ class VersionPinCommit(ConditionalPutCommit):
         except IntegrityError:
             pinned = []  # unreadable: its versions are unpinned once it is gone; GC takes them
         self.driver.delete(key)  # a delete marker: the checkpoint is invisible, atomically
-        for version in list(self.driver.list_versions(key)):
-            if version.key == key:
-                self.driver.delete(key, version_id=version.version_id)
+        versions = [v for v in self.driver.list_versions(key) if v.key == key]
+        # Older versions before the markers: an interruption in between must leave a marker
+        # on top, never uncover a manifest version (the checkpoint would be published again).
+        for version in sorted(versions, key=lambda v: v.is_delete_marker):
+            self.driver.delete(key, version_id=version.version_id)
         for shard_key, version_id in pinned:
             try:
                 self.driver.delete(shard_key, version_id=version_id)
@@ -197,7 +199,9 @@ class VersionPinCommit(ConditionalPutCommit):
         come from every manifest either listing shows (ListObjectsV2 and the version
         listing); then each shard version about to be removed is confirmed unpinned by the
         one manifest that could pin it, read directly: that of the attempt that wrote it
-        (named in the version's metadata). A current manifest version is never removed. A
+        (named in the version's metadata). A current manifest version is never removed, nor
+        a current delete marker while a version it hides remains (an unpublished checkpoint
+        would be published again): its versions go first, the marker in a later check. A
         listing that lags or ends early can leave garbage, never remove published data (for
         versions written before their attempt was recorded with them, the listings decide).
         """
@@ -209,6 +213,7 @@ class VersionPinCommit(ConditionalPutCommit):
         if pinned is None:
             log.warning("%s: a manifest is unreadable; GC keeps every shard version", self.url)
         manifests: dict[int, Manifest | None] = {}
+        markers: list[tuple[ObjectInfo, GcItem]] = []
         for version in versions:
             kind = self._garbage_kind(version, pinned)
             if kind is None:
@@ -222,18 +227,47 @@ class VersionPinCommit(ConditionalPutCommit):
             if item.age_s <= grace_s:
                 report.kept_young.append(item)
                 continue
+            if kind == "delete-marker" and not version.key.startswith(SHARDS):
+                markers.append((version, item))  # after the versions it may cover
+                continue
             if self._still_needed(version, kind, manifests):
                 continue
+            report.removed.append(item)
+            if not dry_run:
+                self.driver.delete(version.key, version_id=version.version_id)
+        for version, item in markers:
+            if self._covers_a_version(version):
+                continue  # removing it would publish what it hides; a later GC pass takes it
             report.removed.append(item)
             if not dry_run:
                 self.driver.delete(version.key, version_id=version.version_id)
         self._collect_uploads(report, storage_now)
         return report
 
+    def _covers_a_version(self, marker: ObjectInfo) -> bool:
+        """Whether removing ``marker`` could make a version of its key current again (or it
+        is gone already): it is current and another version of the key is still stored.
+
+        The key is listed again, on its own: the version listing GC started from may show
+        the marker and the versions it hides on different pages, or be stale.
+        """
+        listed = [v for v in self.driver.list_versions(marker.key) if v.key == marker.key]
+        mine = [v for v in listed if v.version_id == marker.version_id]
+        if not mine:
+            return True  # gone already: nothing to remove
+        if not mine[0].is_latest:
+            return False  # a newer version is current: removing this one changes nothing
+        return any(not v.is_delete_marker for v in listed)
+
     def _garbage_kind(self, version: ObjectInfo, pinned: set[tuple[str, str]] | None) -> str | None:
         """What an unneeded version is ("shard-version", ...), or None if it is needed."""
         current = version.is_latest and not version.is_delete_marker
         if version.key == LATEST_KEY or version.key.startswith(MANIFESTS):
+            # A current delete marker unpublished its key: the versions below it pin nothing
+            # (no manifest read shows them) and are "old-version"; the marker itself is
+            # removed only once nothing is left below it (``_covers_a_version``).
+            if version.is_delete_marker:
+                return "delete-marker"
             return None if current else "old-version"
         if version.key.startswith(PROBE_PREFIX):
             return "probe"
