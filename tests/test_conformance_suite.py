@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import ckptstore
@@ -26,15 +27,21 @@ from ckptstore.cli import main
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import DATA_DIR, MANIFEST_NAME, RenameCommit, _directories_of
 from ckptstore.conformance import outcomes
-from ckptstore.conformance.faults import InjectedTimeoutError
-from ckptstore.conformance.location import LocationFactory
+from ckptstore.conformance.faults import (
+    CrashMode,
+    FaultInjector,
+    FaultPlan,
+    InjectedTimeoutError,
+    SimulatedCrash,
+)
+from ckptstore.conformance.location import Location, LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine, run_state_machine
 from ckptstore.conformance.mixins import ConformanceTests
-from ckptstore.conformance.model import InvariantViolation
+from ckptstore.conformance.model import InvariantViolation, Model
 from ckptstore.conformance.outcomes import StorageFailure, storage_failure
 from ckptstore.conformance.powerloss import run_power_loss
 from ckptstore.conformance.probes import VIOLATED, run_probes
-from ckptstore.conformance.workload import run_crash_points
+from ckptstore.conformance.workload import big_shard_size, run_crash_points, standard_workload
 from ckptstore.errors import (
     CkptStoreError,
     ObjectNotFoundError,
@@ -44,6 +51,7 @@ from ckptstore.errors import (
 from ckptstore.manifest import Manifest
 from ckptstore.names import step_token
 from ckptstore.store import Store
+from ckptstore.urls import parse_url
 
 MEMORY_OPTIONS = "min_part_size=1024&part_size=1024"
 
@@ -148,9 +156,17 @@ def scheme() -> Iterator[Any]:
 
 
 def _machine_violation(url: str, examples: int = 150) -> str:
+    """The invariant the state machine finds broken: the same examples every run (no luck
+    involved in CI), and the first failure is enough (no shrinking)."""
     machine = make_state_machine(LocationFactory(url), multipart_size=0)
+    found = settings(
+        PROFILES["ci"],
+        max_examples=examples,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+    )
     with pytest.raises(InvariantViolation) as caught:
-        run_state_machine_as_test(machine, settings=settings(PROFILES["ci"], max_examples=examples))
+        run_state_machine_as_test(machine, settings=found)
     return caught.value.invariant
 
 
@@ -378,7 +394,8 @@ def test_a_case_the_storage_fails_is_run_again_and_then_judged(failing_lists: An
     assert result.retried >= 1  # the run without a crash met a 500, and was run again
     assert result.storage_errors == []
     assert result.failures == []
-    assert result.cases == 1 + 2 * 2  # the run without a crash, then 2 calls x 2 modes
+    # the run without a crash, then a crash before each of 2 calls and after the second
+    assert result.cases == 1 + 2 + 1
 
 
 def test_the_state_machine_stops_at_a_storage_failure_and_runs_again(
@@ -410,3 +427,81 @@ def test_only_the_storage_own_failures_are_storage_errors() -> None:
     gone = ObjectNotFoundError(2, "attempt removed by garbage collection")
     assert storage_failure(_from(StorageError(5, "cannot publish"), gone)) is None  # an answer
     assert storage_failure(InvariantViolation("I1", "torn")) is None
+
+
+# -- the crash-point layer runs each distinct crash state --------------------------------
+
+_ATTEMPT_ID = re.compile(r"[0-9a-z]{6,}[0-9a-f]{16}")
+
+
+def _storage_after_crash(location: Location, index: int, mode: CrashMode) -> list[str]:
+    """What the storage holds after the standard workload dies at call ``index`` (``mode``)."""
+    injectors: list[FaultInjector] = []
+    opener = location.open
+
+    def open_and_keep(plan: FaultPlan | None = None, retention: Any = None) -> Any:
+        store, injector = opener(plan, retention)
+        injectors.append(injector)
+        return store, injector
+
+    location.open = open_and_keep  # type: ignore[method-assign]
+    plan = FaultPlan(crash_at=index, crash_mode=mode)
+    with pytest.raises(SimulatedCrash):
+        standard_workload(location, plan, Model(), big_shard_size(location))
+    assert [injector.overlapped for injector in injectors] == [False]
+    return sorted(_ATTEMPT_ID.sub("<attempt>", name) for name in location.raw_names())
+
+
+@pytest.mark.parametrize("url", ["file", "memory"])
+def test_a_crash_after_a_call_leaves_what_a_crash_before_the_next_leaves(
+    url: str, tmp_path: Any
+) -> None:
+    """The premise on which the layer runs one crash per call, not two."""
+    base = (
+        f"file://{tmp_path}/dedup"
+        if url == "file"
+        else f"memory://dedup-{os.getpid()}/run?{MEMORY_OPTIONS}"
+    )
+    factory = LocationFactory(base)
+    result = run_crash_points(factory, limit=0)
+    assert result.calls > 20 and not result.overlapped
+    for index in range(result.calls - 1):
+        after, before = factory(), factory()
+        try:
+            assert _storage_after_crash(after, index, CrashMode.AFTER) == _storage_after_crash(
+                before, index + 1, CrashMode.BEFORE
+            ), f"call {index}"
+        finally:
+            after.destroy()
+            before.destroy()
+
+
+class _TwoAtOnceDriver(MemoryDriver):
+    """Each ``head`` waits until two calls are in it at once."""
+
+    barrier = threading.Barrier(2, timeout=30)
+
+    def head(self, key: str) -> Any:
+        self.barrier.wait()
+        return super().head(key)
+
+
+def test_concurrent_calls_are_noticed_and_both_crash_modes_are_then_run() -> None:
+    driver = open_memory(parse_url(f"memory://overlap-{os.getpid()}/run"), {}).driver
+    driver.__class__ = _TwoAtOnceDriver
+    injector = FaultInjector(driver)
+    threads = [threading.Thread(target=_head_missing, args=(injector,)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert injector.overlapped
+    sequential = FaultInjector(open_memory(parse_url(f"memory://seq-{os.getpid()}/r"), {}).driver)
+    _head_missing(sequential)
+    _head_missing(sequential)
+    assert not sequential.overlapped
+
+
+def _head_missing(driver: Any) -> None:
+    with pytest.raises(ObjectNotFoundError):
+        driver.head("missing")

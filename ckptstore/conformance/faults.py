@@ -10,6 +10,7 @@ call fails too: a dead process touches nothing, not even in its ``finally`` bloc
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +105,10 @@ class FaultInjector:
         self.transient_injected: list[CallRecord] = []
         self._handles: set[int] = set()
         self._calls = FILE_SYSTEM_CALLS if hasattr(inner, "fsync_dir") else OBJECT_STORE_CALLS
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
+        self.overlapped = False
+        """Whether a call started while another was still running (a concurrent workload)."""
 
     @property
     def inner(self) -> Any:
@@ -138,9 +143,13 @@ class FaultInjector:
                 self.transient_injected.append(record)
                 if transient is CrashMode.BEFORE:
                     raise InjectedTransientError(503, f"injected transient fault at {name}")
-            result = method(*args, **kwargs)
-            if name in _LAZY_RESULTS:
-                result = _Materialised(list(result))
+            dies_after = plan.crash_at == record.index and plan.crash_mode is CrashMode.AFTER
+            try:
+                result = self._forward(name, method, args, kwargs)
+            except Exception:
+                if dies_after:  # the process dies whatever the storage answered
+                    self._die(record)
+                raise
             if name in ("create", "create_with_layout"):
                 self._handles.add(result)
             elif name == "close" and args:
@@ -148,7 +157,6 @@ class FaultInjector:
             fails_after = transient is CrashMode.AFTER and (
                 plan.transient_calls is None or name in plan.transient_calls
             )
-            dies_after = plan.crash_at == record.index and plan.crash_mode is CrashMode.AFTER
             if (dies_after or fails_after) and name == "open_read":
                 result.close()  # the caller never gets the stream it opened
             if dies_after:
@@ -158,6 +166,19 @@ class FaultInjector:
             return result
 
         return call
+
+    def _forward(
+        self, name: str, method: Callable[..., Any], args: Any, kwargs: dict[str, Any]
+    ) -> Any:
+        with self._in_flight_lock:
+            self._in_flight += 1
+            self.overlapped |= self._in_flight > 1
+        try:
+            result = method(*args, **kwargs)
+            return _Materialised(list(result)) if name in _LAZY_RESULTS else result
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
 
     def _die(self, record: CallRecord) -> None:
         self.crashed = True

@@ -154,10 +154,16 @@ def _crash_points(report: BackendReport, factory: LocationFactory, say: Progress
         report.violated(failure.invariant, f"{failure.case}: {failure.message}")
     _undecided(report, CRASH_POINT_INVARIANTS, result)
     report.coverage["crash points"] = (
-        f"{result.calls} storage calls x 2 modes (before, after): "
+        f"{result.calls} storage calls, {_crash_states(result)}: "
         f"{result.cases - 1} crashes, each recovered, GC'd and checked" + _retries(result)
     )
     return per_case
+
+
+def _crash_states(result: CrashPointResult) -> str:
+    if result.overlapped:
+        return "made concurrently: a crash before and after each"
+    return "made one at a time: a crash before each and after the last"
 
 
 CRASH_POINT_INVARIANTS = ("I1", "I2", "I3", "I4", "I7")

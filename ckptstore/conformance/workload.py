@@ -140,6 +140,9 @@ class CrashPointResult:
     """Cases the storage failed on every run: undecided, neither passed nor failed."""
     retried: int = 0
     """Runs of cases that were run again because the storage failed them."""
+    overlapped: bool = False
+    """The workload made storage calls concurrently: a crash after call k differs from one
+    before call k + 1, so both are run."""
 
     def add(self, other: CrashPointResult) -> None:
         """Count the cases of ``other`` in this result too."""
@@ -183,11 +186,15 @@ def run_crash_points(
     if baseline.storage_errors:  # the workload never ran through: no call to crash at
         return result
     result.calls = baseline.calls
-    cases = [
-        (index, mode)
-        for index in range(baseline.calls if limit is None else min(baseline.calls, limit))
-        for mode in (CrashMode.BEFORE, CrashMode.AFTER)
-    ]
+    result.overlapped = baseline.overlapped
+    reached = baseline.calls if limit is None else min(baseline.calls, limit)
+    cases = [(index, CrashMode.BEFORE) for index in range(reached)]
+    if baseline.overlapped:
+        cases = [(index, mode) for index, _ in cases for mode in CrashMode]
+    elif reached:
+        # Calls made one at a time: dying after call k leaves the storage exactly as dying
+        # before call k + 1 does (nothing happens in between), so each state is run once.
+        cases.append((reached - 1, CrashMode.AFTER))
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="crash-case") as pool:
         outcomes = pool.map(
             lambda case: _retried(functools.partial(_crash_case, new_location, *case)), cases
@@ -230,6 +237,7 @@ def _baseline(new_location: LocationMaker) -> CrashPointResult:
         except CkptStoreError as exc:
             return _undecided(result, "no crash", exc)
         result.calls = len(store.strategy.driver.calls)
+        result.overlapped = store.strategy.driver.overlapped
         _run_case(result, "no crash", lambda: recover_and_check(location, model))
     finally:
         location.destroy()
