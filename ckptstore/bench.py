@@ -11,6 +11,8 @@ import shutil
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from ckptstore.backends.posix import PosixDriver
+from ckptstore.backends.s3 import S3Driver
 from ckptstore.benchmarking import evict, measure, print_table
 from ckptstore.conformance.location import child_url
 from ckptstore.errors import InvalidInputError
@@ -44,7 +46,7 @@ def run_bench(url: str, size: int, repeats: int, out: TextIO) -> int:
         for name, buffer in buffers.items():
             checkpoint.read_into(name, buffer)
 
-    if hasattr(driver, "fsync_dir"):
+    if isinstance(driver, PosixDriver):
         raw_dir = os.path.join(driver.root, "raw")
         os.makedirs(raw_dir, exist_ok=True)
 
@@ -72,7 +74,7 @@ def run_bench(url: str, size: int, repeats: int, out: TextIO) -> int:
 
         baseline = "raw write+fsync / read"
         drop: Callable[[str, int], object] | None = drop_caches
-    elif hasattr(driver, "client"):
+    elif isinstance(driver, S3Driver):
         from boto3.s3.transfer import TransferConfig
 
         config = TransferConfig(multipart_chunksize=16 * MiB, max_concurrency=8)

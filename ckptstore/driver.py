@@ -14,13 +14,15 @@ subclasses.
 from __future__ import annotations
 
 import enum
+import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import BinaryIO, ClassVar, Protocol, runtime_checkable
 
 __all__ = [
     "Buffer",
     "Capability",
+    "DriverFamily",
     "FileStat",
     "FileSystemDriver",
     "ObjectInfo",
@@ -28,6 +30,8 @@ __all__ = [
     "PartInfo",
     "UploadInfo",
     "UploadProgress",
+    "driver_family",
+    "storage_calls",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -54,6 +58,13 @@ class Capability(enum.Enum):
     """The server validates CRC32C checksums sent with the data."""
     STRONG_LIST_AFTER_WRITE = "strong-list-after-write"
     """A completed write is seen by every later listing."""
+
+
+class DriverFamily(enum.Enum):
+    """Which primitive calls a driver offers: a file system's or an object store's."""
+
+    FILE_SYSTEM = "file system"
+    OBJECT_STORE = "object store"
 
 
 @dataclass(frozen=True)
@@ -119,6 +130,7 @@ class FileSystemDriver(Protocol):
     ``fsync_dir`` (directory entries) say so.
     """
 
+    family: ClassVar[DriverFamily] = DriverFamily.FILE_SYSTEM
     url: str
     capabilities: frozenset[Capability]
 
@@ -180,6 +192,7 @@ class ObjectStoreDriver(Protocol):
     multipart completions either take effect or raise PreconditionFailedError.
     """
 
+    family: ClassVar[DriverFamily] = DriverFamily.OBJECT_STORE
     url: str
     capabilities: frozenset[Capability]
     min_part_size: int
@@ -241,16 +254,45 @@ class ObjectStoreDriver(Protocol):
     def bucket_versioning(self) -> str:
         """The bucket's versioning status: ``Enabled``, ``Suspended`` or ``""`` (never on)."""
 
-    def upload_activity(self, upload: UploadInfo) -> float:
-        """When an incomplete upload last received a part (its start if none).
-
-        GC asks before declaring an upload dead: a long upload keeps uploading parts, and some
-        servers report a fixed, fake initiation time.
-        """
-
     def upload_progress(self, upload: UploadInfo) -> UploadProgress:
         """When an incomplete upload last received a part, and the bytes its parts hold.
 
-        GC ages an upload by it (as ``upload_activity``) and reports what aborting it frees.
+        GC ages an upload by it (a long upload keeps uploading parts, and some servers report a
+        fixed, fake initiation time) and reports what aborting it frees.
         Raises ObjectNotFoundError when the upload was completed or aborted meanwhile.
         """
+
+
+FAMILY_PROTOCOLS: dict[DriverFamily, type] = {
+    DriverFamily.FILE_SYSTEM: FileSystemDriver,
+    DriverFamily.OBJECT_STORE: ObjectStoreDriver,
+}
+
+
+def driver_family(driver: object) -> DriverFamily:
+    """The family ``driver`` declares (its ``family`` class attribute); TypeError if none."""
+    family = getattr(driver, "family", None)
+    if not isinstance(family, DriverFamily):
+        raise TypeError(
+            f"{type(driver).__name__} declares no driver family: subclass FileSystemDriver or "
+            f"ObjectStoreDriver (ckptstore.driver), or set family = DriverFamily.<...>"
+        )
+    return family
+
+
+def storage_calls(driver: object) -> frozenset[str]:
+    """The storage operations ``driver`` offers: the methods its driver protocols declare.
+
+    Every protocol among the driver's classes counts, so an extension protocol (Lustre's
+    layout-aware create) adds its calls; a driver that implements its family's protocol
+    without subclassing it gets that protocol's calls.
+    """
+    protocols = [k for k in type(driver).__mro__ if Protocol in k.__bases__]
+    if not protocols:
+        protocols = [FAMILY_PROTOCOLS[driver_family(driver)]]
+    return frozenset(
+        name
+        for protocol in protocols
+        for name, member in vars(protocol).items()
+        if inspect.isfunction(member) and not name.startswith("_")
+    )

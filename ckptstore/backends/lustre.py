@@ -18,6 +18,7 @@ import os
 import threading
 import warnings
 from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
 
 from ckptstore.backends.lustreapi import (
     LAYOUT_DEFAULT,
@@ -29,10 +30,17 @@ from ckptstore.backends.lustreapi import (
 )
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.rename import RenameCommit
+from ckptstore.driver import FileSystemDriver
 from ckptstore.errors import InvalidOptionError, InvalidURLError, StorageError, TargetExistsError
 from ckptstore.urls import StoreURL, option_int
 
-__all__ = ["LustreCommit", "LustreDriver", "LustreStripingWarning", "open_lustre"]
+__all__ = [
+    "LayoutFileSystemDriver",
+    "LustreCommit",
+    "LustreDriver",
+    "LustreStripingWarning",
+    "open_lustre",
+]
 
 DEFAULT_WIDE_THRESHOLD = 64 * 1024 * 1024
 DEFAULT_STRIPE_SIZE = 16 * 1024 * 1024
@@ -55,7 +63,15 @@ def _warn_once(key: str, message: str) -> None:
     warnings.warn(message, LustreStripingWarning, stacklevel=3)
 
 
-class LustreDriver(PosixDriver):
+@runtime_checkable
+class LayoutFileSystemDriver(FileSystemDriver, Protocol):
+    """A file system that can create a file with a striping layout chosen up front."""
+
+    def create_with_layout(self, path: str, layout: Layout) -> int:
+        """Create a new, empty file exclusively, striped as ``layout``; return a handle."""
+
+
+class LustreDriver(PosixDriver, LayoutFileSystemDriver):
     """The POSIX driver, plus exclusive creation of files with a striping layout."""
 
     def __init__(self, root: str, api: LustreApi | None) -> None:
@@ -122,11 +138,9 @@ class LustreCommit(RenameCommit):
         return self.large_layout
 
     def create_shard_file(self, path: str, size_hint: int | None) -> int:
-        create = getattr(self.driver, "create_with_layout", None)
-        if create is None:  # another driver underneath (the conformance suite's simulation)
-            return self.driver.create(path)
-        handle: int = create(path, self.layout_for(size_hint))
-        return handle
+        if not isinstance(self.driver, LayoutFileSystemDriver):
+            return self.driver.create(path)  # the conformance suite's simulated file system
+        return self.driver.create_with_layout(path, self.layout_for(size_hint))
 
 
 def open_lustre(url: StoreURL, options: Mapping[str, object]) -> LustreCommit:

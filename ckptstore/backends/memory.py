@@ -26,6 +26,7 @@ from ckptstore.driver import (
     Buffer,
     Capability,
     ObjectInfo,
+    ObjectStoreDriver,
     PartInfo,
     UploadInfo,
     UploadProgress,
@@ -171,7 +172,7 @@ def drop_bucket(name: str) -> None:
         _BUCKETS.pop(name, None)
 
 
-class MemoryDriver:
+class MemoryDriver(ObjectStoreDriver):
     """Object-store primitives on a MemoryBucket under a key prefix."""
 
     max_parts = S3_MAX_PARTS
@@ -350,9 +351,6 @@ class MemoryDriver:
 
     def bucket_versioning(self) -> str:
         return "Enabled" if self.bucket.versioned else ""
-
-    def upload_activity(self, upload: UploadInfo) -> float:
-        return self.upload_progress(upload).last_activity
 
     def upload_progress(self, upload: UploadInfo) -> UploadProgress:
         with self.bucket.lock:

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from typing import BinaryIO
 
 from ckptstore.commit.rename import RenameCommit
-from ckptstore.driver import Buffer, Capability, FileStat
+from ckptstore.driver import Buffer, Capability, FileStat, FileSystemDriver
 from ckptstore.errors import (
     InvalidURLError,
     ObjectNotFoundError,
@@ -66,7 +66,7 @@ def _load_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     )  # fmt: skip
 
 
-class PosixDriver:
+class PosixDriver(FileSystemDriver):
     """File-system primitives under one root directory, each one system call deep."""
 
     capabilities = frozenset(

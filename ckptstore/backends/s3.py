@@ -42,7 +42,15 @@ from ckptstore.backends.s3_errors import translate_s3_errors
 from ckptstore.checksum import crc32c_of
 from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
 from ckptstore.commit.version_pin import VersionPinCommit
-from ckptstore.driver import Buffer, Capability, ObjectInfo, PartInfo, UploadInfo, UploadProgress
+from ckptstore.driver import (
+    Buffer,
+    Capability,
+    ObjectInfo,
+    ObjectStoreDriver,
+    PartInfo,
+    UploadInfo,
+    UploadProgress,
+)
 from ckptstore.errors import (
     InvalidOptionError,
     InvalidURLError,
@@ -114,7 +122,7 @@ def _timestamp(value: Any) -> float:
     return value.timestamp() if isinstance(value, datetime) else time.time()
 
 
-class S3Driver:
+class S3Driver(ObjectStoreDriver):
     """Object-store primitives on one S3 bucket under a key prefix, through a boto3 client."""
 
     max_parts = S3_MAX_PARTS
@@ -504,18 +512,6 @@ class S3Driver:
             "GetBucketVersioning", lambda: self.client.get_bucket_versioning(Bucket=self.bucket)
         )
         return str(response.get("Status", ""))
-
-    def upload_activity(self, upload: UploadInfo) -> float:
-        args = {
-            "Bucket": self.bucket,
-            "Key": self._full(upload.key),
-            "UploadId": upload.upload_id,
-        }
-        newest = upload.initiated
-        for page in self._pages("list_parts", args):
-            for part in page.get("Parts", []):
-                newest = max(newest, _timestamp(part.get("LastModified")))
-        return newest
 
     def upload_progress(self, upload: UploadInfo) -> UploadProgress:
         args = {

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptstore.driver import driver_family, storage_calls
 from ckptstore.errors import IndeterminateOutcomeError, TransientStorageError
 
 __all__ = [
@@ -27,20 +28,6 @@ __all__ = [
     "SimulatedCrash",
 ]
 
-FILE_SYSTEM_CALLS = frozenset(
-    {
-        "ensure_root", "mkdir", "create", "write", "fsync", "close", "fsync_dir",
-        "rename_noreplace", "rename_replace", "listdir", "stat", "open_read", "unlink", "rmdir",
-        "create_with_layout",
-    }
-)  # fmt: skip
-OBJECT_STORE_CALLS = frozenset(
-    {
-        "check_bucket", "put", "get", "open_read", "head", "delete", "list", "list_versions",
-        "create_multipart", "upload_part", "complete_multipart", "abort_multipart",
-        "list_multipart_uploads", "upload_activity", "upload_progress", "bucket_versioning",
-    }
-)  # fmt: skip
 _LAZY_RESULTS = frozenset({"list", "list_versions", "list_multipart_uploads"})
 
 
@@ -104,7 +91,8 @@ class FaultInjector:
         self.crashed = False
         self.transient_injected: list[CallRecord] = []
         self._handles: set[int] = set()
-        self._calls = FILE_SYSTEM_CALLS if hasattr(inner, "fsync_dir") else OBJECT_STORE_CALLS
+        self._calls = storage_calls(inner)
+        self.family = driver_family(inner)
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
         self.overlapped = False

@@ -14,6 +14,7 @@ from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
+from ckptstore.driver import DriverFamily, driver_family
 from ckptstore.errors import IntegrityError, ObjectNotFoundError, StorageError
 from ckptstore.names import step_token
 from ckptstore.registry import resolve
@@ -121,7 +122,7 @@ class Location:
         """Remove everything at this location (best effort)."""
         driver = self.base.driver
         try:
-            if hasattr(driver, "fsync_dir"):
+            if driver_family(driver) is DriverFamily.FILE_SYSTEM:
                 for name in sorted(self.raw_names(), key=lambda n: -n.count("/")):
                     if driver.stat(name).is_dir:
                         driver.rmdir(name)

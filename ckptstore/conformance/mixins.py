@@ -36,6 +36,7 @@ from ckptstore.conformance.workload import (
     run_crash_points,
     run_indeterminate_outcomes,
 )
+from ckptstore.driver import DriverFamily, driver_family
 
 __all__ = [
     "CapabilityProbeTests",
@@ -66,7 +67,7 @@ def _fail_on_result(result: CrashPointResult) -> None:
 def _is_file_system(locations: LocationFactory) -> bool:
     location = locations()
     try:
-        return hasattr(location.base.driver, "fsync_dir")
+        return driver_family(location.base.driver) is DriverFamily.FILE_SYSTEM
     finally:
         location.destroy()
 
@@ -146,7 +147,7 @@ class PowerLossTests(ConformanceFixtures):
     ) -> None:
         location = ckpt_locations()
         try:
-            if not hasattr(location.base.driver, "fsync_dir"):
+            if driver_family(location.base.driver) is not DriverFamily.FILE_SYSTEM:
                 pytest.skip("power loss is simulated for file systems only")
             result = run_power_loss(location.base, depth=1 if ckpt_profile == "ci" else 2)
         finally:

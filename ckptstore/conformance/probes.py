@@ -18,7 +18,7 @@ from typing import Any
 
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.outcomes import STORAGE_ERROR, retry_storage_failures, storage_failure
-from ckptstore.driver import Capability
+from ckptstore.driver import Capability, DriverFamily, driver_family
 from ckptstore.errors import (
     CkptStoreError,
     ObjectNotFoundError,
@@ -45,7 +45,8 @@ def run_probes(location: Location) -> list[ProbeResult]:
     """Probe every capability of the driver behind ``location``."""
     driver = location.base.driver
     declared = location.base.capabilities
-    probes = _FILE_SYSTEM_PROBES if hasattr(driver, "fsync_dir") else _OBJECT_STORE_PROBES
+    file_system = driver_family(driver) is DriverFamily.FILE_SYSTEM
+    probes = _FILE_SYSTEM_PROBES if file_system else _OBJECT_STORE_PROBES
     results = []
     for capability in Capability:
         probe = probes.get(capability)

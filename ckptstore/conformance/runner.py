@@ -34,6 +34,7 @@ from ckptstore.conformance.workload import (
     run_crash_points,
     run_indeterminate_outcomes,
 )
+from ckptstore.driver import DriverFamily, driver_family
 from ckptstore.errors import InvalidOptionError, RefusedError
 from ckptstore.store import Store
 
@@ -113,7 +114,7 @@ def run_backend(
         )
     report = BackendReport(url=url, strategy=base.strategy.name)
     factory = LocationFactory(url, options)
-    file_system = hasattr(base.strategy.driver, "fsync_dir")
+    file_system = driver_family(base.strategy.driver) is DriverFamily.FILE_SYSTEM
     with _quiet():
         say("capability probes")
         location = factory()

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from ckptstore.driver import Buffer, Capability, FileStat
+from ckptstore.driver import Buffer, Capability, FileStat, FileSystemDriver
 from ckptstore.errors import ObjectNotFoundError, StorageError, TargetExistsError
 
 __all__ = ["CrashState", "SimulatedFileSystem"]
@@ -62,7 +62,7 @@ class CrashState:
         return "; ".join(parts) or "nothing lost"
 
 
-class SimulatedFileSystem:
+class SimulatedFileSystem(FileSystemDriver):
     """An in-memory FileSystemDriver with a volatile cache and exact durability bookkeeping."""
 
     capabilities = frozenset(
