@@ -17,7 +17,9 @@ import enum
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO, ClassVar, Protocol, runtime_checkable
+from typing import BinaryIO, ClassVar, Literal, Protocol, runtime_checkable
+
+from ckptstore.errors import InvalidInputError
 
 __all__ = [
     "Buffer",
@@ -28,9 +30,11 @@ __all__ = [
     "ObjectInfo",
     "ObjectStoreDriver",
     "PartInfo",
+    "PutMode",
     "UploadInfo",
     "UploadProgress",
     "driver_family",
+    "multipart_mode",
     "storage_calls",
 ]
 
@@ -65,6 +69,44 @@ class DriverFamily(enum.Enum):
 
     FILE_SYSTEM = "file system"
     OBJECT_STORE = "object store"
+
+
+@dataclass(frozen=True)
+class PutMode:
+    """What a put, or a multipart completion, does when its key already holds an object.
+
+    ``PutMode.OVERWRITE`` replaces it. ``PutMode.CREATE`` (``If-None-Match: *``) takes effect
+    only if the key holds nothing, else raises PreconditionFailedError. ``PutMode.update(etag)``
+    (``If-Match``) takes effect only while the object's ETag is ``etag``: PreconditionFailedError
+    if it changed, ObjectNotFoundError if there is none. One mode per call: a write is never
+    both a create and an update.
+    """
+
+    kind: Literal["overwrite", "create", "update"]
+    etag: str | None = None
+
+    OVERWRITE: ClassVar[PutMode]
+    CREATE: ClassVar[PutMode]
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("overwrite", "create", "update"):
+            raise InvalidInputError(f"unknown put mode {self.kind!r}")
+        if (self.kind == "update") != bool(self.etag):
+            raise InvalidInputError("an update put needs the ETag it expects, and only it does")
+
+    @classmethod
+    def update(cls, etag: str) -> PutMode:
+        """Replace the object only while its ETag is ``etag`` (quoted or not)."""
+        return cls("update", etag)
+
+    @property
+    def conditional(self) -> bool:
+        """A create or an update: a commit point on object stores."""
+        return self.kind != "overwrite"
+
+
+PutMode.OVERWRITE = PutMode("overwrite")
+PutMode.CREATE = PutMode("create")
 
 
 @dataclass(frozen=True)
@@ -206,11 +248,10 @@ class ObjectStoreDriver(Protocol):
         key: str,
         data: Buffer,
         *,
-        if_none_match: bool = False,
-        if_match: str | None = None,
+        mode: PutMode = PutMode.OVERWRITE,
         metadata: Mapping[str, str] | None = None,
     ) -> ObjectInfo:
-        """Store ``data`` at ``key`` atomically (optionally only if absent or if etag matches).
+        """Store ``data`` at ``key`` atomically, as ``mode`` allows (see PutMode).
 
         ``metadata``: user metadata stored with the object (ASCII keys and values), returned
         by ``head`` and ``get``.
@@ -241,9 +282,15 @@ class ObjectStoreDriver(Protocol):
         """Upload one part (numbered from 1)."""
 
     def complete_multipart(
-        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, if_none_match: bool = False
+        self,
+        key: str,
+        upload_id: str,
+        parts: Sequence[PartInfo],
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
     ) -> ObjectInfo:
-        """Assemble the parts into the object, atomically."""
+        """Assemble the parts into the object, atomically; ``mode`` is OVERWRITE or CREATE
+        (an update is refused with InvalidInputError: no protocol step completes one)."""
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         """Abort an upload and free its parts."""
@@ -261,6 +308,13 @@ class ObjectStoreDriver(Protocol):
         fixed, fake initiation time) and reports what aborting it frees.
         Raises ObjectNotFoundError when the upload was completed or aborted meanwhile.
         """
+
+
+def multipart_mode(mode: PutMode) -> PutMode:
+    """``mode`` if a multipart completion may take it; InvalidInputError for an update."""
+    if mode.kind == "update":
+        raise InvalidInputError("a multipart completion overwrites or creates; it never updates")
+    return mode
 
 
 FAMILY_PROTOCOLS: dict[DriverFamily, type] = {

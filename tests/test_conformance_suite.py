@@ -233,7 +233,7 @@ class GreedyGcCommit(RenameCommit):
 class OverwritingMemoryDriver(MemoryDriver):
     """Broken: a conditional put that silently overwrites."""
 
-    def put(self, key: str, data: Any, *, if_none_match: bool = False, if_match: Any = None) -> Any:
+    def put(self, key: str, data: Any, **kwargs: Any) -> Any:
         return super().put(key, data)
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from ckptstore.backends.memory import MemoryBucket, MemoryDriver
-from ckptstore.errors import ObjectNotFoundError, PreconditionFailedError, StorageError
+from ckptstore.driver import PutMode
+from ckptstore.errors import (
+    InvalidInputError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StorageError,
+)
 
 
 @pytest.fixture
@@ -30,21 +36,22 @@ def test_put_get_head_and_prefix(driver):
 
 
 def test_if_none_match_creates_only_once(driver):
-    driver.put("k", b"1", if_none_match=True)
+    driver.put("k", b"1", mode=PutMode.CREATE)
     with pytest.raises(PreconditionFailedError):
-        driver.put("k", b"2", if_none_match=True)
+        driver.put("k", b"2", mode=PutMode.CREATE)
     assert driver.get("k")[0] == b"1"
 
 
 def test_if_match_is_compare_and_swap(driver):
     first = driver.put("k", b"1")
-    second = driver.put("k", b"2", if_match=first.etag)
+    second = driver.put("k", b"2", mode=PutMode.update(first.etag))
     with pytest.raises(PreconditionFailedError):
-        driver.put("k", b"3", if_match=first.etag)
-    driver.put("k", b"4", if_match=second.etag.strip('"'))  # unquoted etags are accepted
+        driver.put("k", b"3", mode=PutMode.update(first.etag))
+    unquoted = second.etag.strip('"')  # unquoted etags are accepted
+    driver.put("k", b"4", mode=PutMode.update(unquoted))
     assert driver.get("k")[0] == b"4"
     with pytest.raises(ObjectNotFoundError):
-        driver.put("absent", b"x", if_match=first.etag)
+        driver.put("absent", b"x", mode=PutMode.update(first.etag))
 
 
 def test_list_is_sorted_with_start_after(driver):
@@ -86,7 +93,7 @@ def test_multipart_complete_honours_if_none_match(driver):
     upload = driver.create_multipart("k")
     part = driver.upload_part("k", upload, 1, b"new")
     with pytest.raises(PreconditionFailedError):
-        driver.complete_multipart("k", upload, [part], if_none_match=True)
+        driver.complete_multipart("k", upload, [part], mode=PutMode.CREATE)
     assert driver.get("k")[0] == b"exists"
 
 
@@ -106,3 +113,23 @@ def test_versions_and_delete_markers(versioned):
     with pytest.raises(ObjectNotFoundError):
         versioned.get("k", version_id=v1.version_id)
     assert len(list(versioned.list_versions(""))) == 2
+
+
+def test_a_put_mode_says_one_thing():
+    assert PutMode.OVERWRITE.conditional is False
+    assert PutMode.CREATE.conditional and PutMode.update('"e"').conditional
+    with pytest.raises(InvalidInputError, match="needs the ETag"):
+        PutMode("update")
+    with pytest.raises(InvalidInputError, match="needs the ETag"):
+        PutMode("create", '"e"')  # a create that is also an update: refused
+    with pytest.raises(InvalidInputError, match="unknown put mode"):
+        PutMode("replace")  # type: ignore[arg-type]
+
+
+def test_a_multipart_completion_is_never_an_update(driver):
+    first = driver.put("k", b"1")
+    upload = driver.create_multipart("k")
+    part = driver.upload_part("k", upload, 1, b"x")
+    with pytest.raises(InvalidInputError, match="never updates"):
+        driver.complete_multipart("k", upload, [part], mode=PutMode.update(first.etag))
+    assert driver.get("k")[0] == b"1"

@@ -40,6 +40,7 @@ from ckptstore.cli import main
 from ckptstore.commit import conditional_put
 from ckptstore.commit.conditional_put import PROBE_PREFIX, ConditionalPutCommit
 from ckptstore.commit.version_pin import VersionPinCommit
+from ckptstore.driver import PutMode
 from ckptstore.embedded import EmbeddedS3
 from ckptstore.errors import (
     IndeterminateOutcomeError,
@@ -76,7 +77,8 @@ class IgnoresIfNoneMatch(MemoryDriver):
     """A server that ignores If-None-Match: * (conditional create) and overwrites."""
 
     def put(self, key: str, data: Any, **kwargs: Any) -> Any:
-        kwargs.pop("if_none_match", None)
+        if kwargs.get("mode") == PutMode.CREATE:
+            kwargs["mode"] = PutMode.OVERWRITE
         return super().put(key, data, **kwargs)
 
 
@@ -119,7 +121,7 @@ class RefusesIfMatch(MemoryDriver):
     error: Exception = PreconditionFailedError(412, "If-Match: precondition failed")
 
     def put(self, key: str, data: Any, **kwargs: Any) -> Any:
-        if kwargs.get("if_match") is not None:
+        if kwargs.get("mode", PutMode.OVERWRITE).kind == "update":
             raise self.error
         return super().put(key, data, **kwargs)
 

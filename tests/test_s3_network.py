@@ -41,6 +41,7 @@ import ckptstore
 from ckptstore import InvalidOptionError, ObjectNotFoundError
 from ckptstore.backends.s3 import S3Driver
 from ckptstore.backends.s3_errors import translate_s3_errors
+from ckptstore.driver import PutMode
 from ckptstore.embedded import EmbeddedS3
 from ckptstore.errors import (
     IndeterminateOutcomeError,
@@ -310,12 +311,12 @@ def test_a_conditional_create_resolves_a_broken_answer(
     server = proxy.through(moto_s3)
     driver = _driver(_open(server, _prefix("create")))
     proxy.rule = once(_conditional_put, action, times=2)  # botocore used to retry once
-    info = driver.put("probe", b"1", if_none_match=True)
+    info = driver.put("probe", b"1", mode=PutMode.CREATE)
     assert driver.get("probe")[0] == b"1"
     assert info.etag == driver.head("probe").etag
     proxy.rule = once(_conditional_put, action, times=2)  # botocore used to retry once
     with pytest.raises(PreconditionFailedError):
-        driver.put("probe", b"2", if_none_match=True)
+        driver.put("probe", b"2", mode=PutMode.CREATE)
     assert driver.get("probe")[0] == b"1"
 
 
@@ -332,7 +333,7 @@ def test_a_conditional_create_lost_to_another_writer_says_so(
 
     proxy.rule = lambda r: other_writer_first(r) if _conditional_put(r) else Forward()
     with pytest.raises(PreconditionFailedError, match="another writer created it first"):
-        driver.put("key", b"ours", if_none_match=True)
+        driver.put("key", b"ours", mode=PutMode.CREATE)
 
 
 @pytest.mark.parametrize("action", _CREATE_FAULTS, ids=_describe)

@@ -28,8 +28,10 @@ from ckptstore.driver import (
     ObjectInfo,
     ObjectStoreDriver,
     PartInfo,
+    PutMode,
     UploadInfo,
     UploadProgress,
+    multipart_mode,
 )
 from ckptstore.errors import (
     InvalidOptionError,
@@ -131,15 +133,15 @@ class MemoryBucket:
             self.objects[key] = [version]
         return version
 
-    def check_conditions(self, key: str, if_none_match: bool, if_match: str | None) -> None:
+    def check_conditions(self, key: str, mode: PutMode) -> None:
         """Raise as S3 does when a conditional write's precondition does not hold."""
         current = self.current(key)
-        if if_none_match and current is not None:
+        if mode.kind == "create" and current is not None:
             raise PreconditionFailedError(412, f"memory://{self.name}/{key}: object exists")
-        if if_match is not None:
+        if mode.etag is not None:
             if current is None:
                 raise ObjectNotFoundError(2, f"memory://{self.name}/{key}: no such object")
-            if not _same_etag(current.etag, if_match):
+            if not _same_etag(current.etag, mode.etag):
                 raise PreconditionFailedError(412, f"memory://{self.name}/{key}: etag changed")
 
 
@@ -219,14 +221,13 @@ class MemoryDriver(ObjectStoreDriver):
         key: str,
         data: Buffer,
         *,
-        if_none_match: bool = False,
-        if_match: str | None = None,
+        mode: PutMode = PutMode.OVERWRITE,
         metadata: Mapping[str, str] | None = None,
     ) -> ObjectInfo:
         body = bytes(data)
         full = self.prefix + key
         with self.bucket.lock:
-            self.bucket.check_conditions(full, if_none_match, if_match)
+            self.bucket.check_conditions(full, mode)
             stored = self.bucket.store(full, body, _etag(body), metadata)
             return self._info(key, stored)
 
@@ -308,8 +309,14 @@ class MemoryDriver(ObjectStoreDriver):
         return PartInfo(part_number=part_number, etag=etag, size=len(body))
 
     def complete_multipart(
-        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, if_none_match: bool = False
+        self,
+        key: str,
+        upload_id: str,
+        parts: Sequence[PartInfo],
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
     ) -> ObjectInfo:
+        multipart_mode(mode)
         with self.bucket.lock:
             upload = self._upload(key, upload_id)
             numbers = [p.part_number for p in parts]
@@ -325,7 +332,7 @@ class MemoryDriver(ObjectStoreDriver):
                         22, f"{self.url}/{key}: part {part.part_number} is too small"
                     )
                 chunks.append(stored[0])
-            self.bucket.check_conditions(upload.key, if_none_match, None)
+            self.bucket.check_conditions(upload.key, mode)
             digest = hashlib.md5(usedforsecurity=False)
             for _body, etag in (upload.parts[n] for n in numbers):
                 digest.update(bytes.fromhex(etag.strip('"')))

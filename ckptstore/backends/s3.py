@@ -48,8 +48,10 @@ from ckptstore.driver import (
     ObjectInfo,
     ObjectStoreDriver,
     PartInfo,
+    PutMode,
     UploadInfo,
     UploadProgress,
+    multipart_mode,
 )
 from ckptstore.errors import (
     InvalidOptionError,
@@ -220,8 +222,7 @@ class S3Driver(ObjectStoreDriver):
         key: str,
         data: Buffer,
         *,
-        if_none_match: bool = False,
-        if_match: str | None = None,
+        mode: PutMode = PutMode.OVERWRITE,
         metadata: Mapping[str, str] | None = None,
     ) -> ObjectInfo:
         body = bytes(data)
@@ -231,14 +232,13 @@ class S3Driver(ObjectStoreDriver):
             args["Metadata"] = dict(metadata)
         if self.checksums:
             args["ChecksumCRC32C"] = _crc32c_b64(body)
-        if if_none_match:
+        if mode.kind == "create":
             args["IfNoneMatch"] = "*"
-        if if_match is None and not if_none_match:
-            response = self._retried(f"PutObject {key}", lambda: self.client.put_object(**args))
-            return self._info(key, response, len(body))
-        if if_match is not None:
-            return self._put_if_match(key, args, if_match, len(body))
-        return self._create(key, args, body)
+            return self._create(key, args, body)
+        if mode.etag is not None:
+            return self._put_if_match(key, args, mode.etag, len(body))
+        response = self._retried(f"PutObject {key}", lambda: self.client.put_object(**args))
+        return self._info(key, response, len(body))
 
     def _create(self, key: str, args: dict[str, Any], body: bytes) -> ObjectInfo:
         """PutObject If-None-Match: * retried until its outcome is known (I8).
@@ -438,8 +438,14 @@ class S3Driver(ObjectStoreDriver):
         return PartInfo(part_number, str(response["ETag"]), len(body), checksum)
 
     def complete_multipart(
-        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, if_none_match: bool = False
+        self,
+        key: str,
+        upload_id: str,
+        parts: Sequence[PartInfo],
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
     ) -> ObjectInfo:
+        create = multipart_mode(mode).kind == "create"
         listed = []
         for part in parts:
             entry: dict[str, Any] = {"PartNumber": part.part_number, "ETag": part.etag}
@@ -452,11 +458,11 @@ class S3Driver(ObjectStoreDriver):
             "UploadId": upload_id,
             "MultipartUpload": {"Parts": listed},
         }
-        if if_none_match:
+        if create:
             args["IfNoneMatch"] = "*"
         what = f"CompleteMultipartUpload {key}"
         size = sum(part.size for part in parts)
-        if if_none_match:
+        if create:
             response = self._once(what, lambda: self.client.complete_multipart_upload(**args))
         else:
             response = self._complete_idempotently(what, key, args, size)

@@ -40,6 +40,7 @@ from ckptstore.driver import (
     ObjectInfo,
     ObjectStoreDriver,
     PartInfo,
+    PutMode,
     UploadInfo,
     UploadProgress,
 )
@@ -416,7 +417,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
 
     def _probe_put(self, key: str, body: bytes) -> ObjectInfo:
         try:
-            return self.driver.put(key, body, if_none_match=True)
+            return self.driver.put(key, body, mode=PutMode.CREATE)
         except PreconditionFailedError:
             raise
         except StorageError as exc:
@@ -472,7 +473,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         body = manifest.encode()
         for _ in range(PUBLISH_TRIES):
             try:
-                self.driver.put(key, body, if_none_match=True)
+                self.driver.put(key, body, mode=PutMode.CREATE)
                 return
             except PreconditionFailedError:
                 if self._published_attempt(manifest.step) == manifest.attempt:
@@ -693,9 +694,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                 return
             try:
                 if etag is None:
-                    self.driver.put(LATEST_KEY, body, if_none_match=True)
+                    self.driver.put(LATEST_KEY, body, mode=PutMode.CREATE)
                 else:
-                    self.driver.put(LATEST_KEY, body, if_match=etag)
+                    self.driver.put(LATEST_KEY, body, mode=PutMode.update(etag))
                 return
             except PreconditionFailedError as exc:
                 if etag is not None and self._read_latest()[1] == etag:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.driver import driver_family, storage_calls
+from ckptstore.driver import PutMode, driver_family, storage_calls
 from ckptstore.errors import IndeterminateOutcomeError, TransientStorageError
 
 __all__ = [
@@ -118,7 +118,8 @@ class FaultInjector:
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.crashed:
                 raise SimulatedCrash(f"{name} called after the process died")
-            conditional = bool(kwargs.get("if_none_match") or kwargs.get("if_match"))
+            mode = kwargs.get("mode")
+            conditional = isinstance(mode, PutMode) and mode.conditional
             record = CallRecord(len(self.calls), name, tuple(_short(a) for a in args), conditional)
             self.calls.append(record)
             plan = self.plan

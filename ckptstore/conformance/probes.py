@@ -18,7 +18,7 @@ from typing import Any
 
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.outcomes import STORAGE_ERROR, retry_storage_failures, storage_failure
-from ckptstore.driver import Capability, DriverFamily, driver_family
+from ckptstore.driver import Capability, DriverFamily, PutMode, driver_family
 from ckptstore.errors import (
     CkptStoreError,
     ObjectNotFoundError,
@@ -141,9 +141,9 @@ _FILE_SYSTEM_PROBES: dict[Capability, Callable[[Any], tuple[str, str]]] = {
 def _probe_conditional_create(store: Any) -> tuple[str, str]:
     key = _name()
     try:
-        store.put(key, b"first", if_none_match=True)
+        store.put(key, b"first", mode=PutMode.CREATE)
         try:
-            store.put(key, b"second", if_none_match=True)
+            store.put(key, b"second", mode=PutMode.CREATE)
         except PreconditionFailedError:
             pass
         else:
@@ -162,7 +162,7 @@ def _probe_conditional_complete(store: Any) -> tuple[str, str]:
     try:
         part = store.upload_part(key, upload, 1, b"second")
         try:
-            store.complete_multipart(key, upload, [part], if_none_match=True)
+            store.complete_multipart(key, upload, [part], mode=PutMode.CREATE)
         except PreconditionFailedError:
             return HELD, "CompleteMultipartUpload If-None-Match: * refuses an existing key"
         return (
@@ -182,20 +182,20 @@ def _probe_compare_and_swap(store: Any) -> tuple[str, str]:
     first = store.put(key, b"1")
     notes = []
     try:
-        second = store.put(key, b"2", if_match=first.etag)
+        second = store.put(key, b"2", mode=PutMode.update(first.etag))
         try:
-            store.put(key, b"3", if_match=first.etag)
+            store.put(key, b"3", mode=PutMode.update(first.etag))
         except PreconditionFailedError:
             pass
         else:
             return VIOLATED, "PutObject If-Match with a stale ETag overwrote the object"
         try:
-            store.put(key, b"4", if_match=second.etag.strip('"'))
+            store.put(key, b"4", mode=PutMode.update(second.etag.strip('"')))
             notes.append("unquoted ETags accepted")
         except PreconditionFailedError:
             notes.append("unquoted ETags refused (ckptstore sends them as given)")
         try:
-            store.put(_name(), b"x", if_match=first.etag)
+            store.put(_name(), b"x", mode=PutMode.update(first.etag))
             return VIOLATED, "If-Match on a missing key created it"
         except ObjectNotFoundError:
             notes.append("If-Match on a missing key: 404")
