@@ -8,7 +8,6 @@ differ; ``read`` and ``read_into`` check before they return anything.
 from __future__ import annotations
 
 import io
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,18 +24,6 @@ _CHUNK = 8 * 1024 * 1024
 _PIPELINE_PIECE = 64 * 1024 * 1024
 """A read at least twice this large checksums each piece while the next one is read."""
 Opener = Callable[[Manifest, ShardRecord], BinaryIO]
-
-_crc_executor: ThreadPoolExecutor | None = None
-_crc_executor_lock = threading.Lock()
-
-
-def _checksum_executor() -> ThreadPoolExecutor:
-    """Threads that checksum pieces already read while the reader reads the next ones."""
-    global _crc_executor
-    with _crc_executor_lock:
-        if _crc_executor is None:
-            _crc_executor = ThreadPoolExecutor(4, thread_name_prefix="ckptstore-crc")
-        return _crc_executor
 
 
 class ShardReader(io.RawIOBase):
@@ -79,6 +66,7 @@ class ShardReader(io.RawIOBase):
         """
         got = 0
         checksumming: Future[None] | None = None
+        checksummer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-crc")
         try:
             while got < view.nbytes:
                 piece = view[got : got + _PIPELINE_PIECE]
@@ -92,13 +80,14 @@ class ShardReader(io.RawIOBase):
                     checksumming.result()
                     checksumming = None
                 if count:
-                    checksumming = _checksum_executor().submit(self._crc.update, piece[:count])
+                    checksumming = checksummer.submit(self._crc.update, piece[:count])
                 got += count
                 if count < piece.nbytes:
                     break
         finally:
             if checksumming is not None:
                 checksumming.result()
+            checksummer.shutdown(wait=True)
         return got
 
     def readall(self) -> bytes:

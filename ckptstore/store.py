@@ -104,6 +104,22 @@ class Store:
     def __repr__(self) -> str:
         return f"<Store {self.url} ({self.strategy.name})>"
 
+    def close(self) -> None:
+        """Release the threads this store holds (part uploads); never loses a checkpoint.
+
+        Call it when a pending checkpoint is no longer being written: a published checkpoint
+        stays published, and an unpublished attempt is left for GC, as after a crash. A
+        closed store may be used again; it then starts what it needs afresh. ``with
+        ckptstore.open(url) as store:`` closes it on leaving the block.
+        """
+        self.strategy.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- writing -------------------------------------------------------------------------
 
     def begin(

@@ -15,7 +15,7 @@ import os
 import stat as stat_module
 import threading
 from collections.abc import Iterator, Mapping
-from typing import BinaryIO
+from typing import BinaryIO, ClassVar
 
 from ckptstore.commit.rename import RenameCommit
 from ckptstore.driver import Buffer, Capability, FileStat, FileSystemDriver
@@ -77,7 +77,8 @@ class PosixDriver(FileSystemDriver):
         "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint],
         ctypes.c_int,
     )  # fmt: skip
-    _renameat2_works: bool | None = None
+    _renameat2_works: ClassVar[dict[int, bool]] = {}
+    """Per file system (``st_dev``): whether renameat2(RENAME_NOREPLACE) works there."""
     _probe_lock = threading.Lock()
 
     def __init__(self, root: str) -> None:
@@ -86,6 +87,7 @@ class PosixDriver(FileSystemDriver):
         self.root = os.path.normpath(root)
         self.url = f"file://{self.root}"
         self._paths: dict[int, str] = {}
+        self._root_device: int | None = None
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
@@ -194,22 +196,31 @@ class PosixDriver(FileSystemDriver):
     def _try_renameat2(self, source: str, target: str) -> bool:
         """Rename with RENAME_NOREPLACE; return False where the kernel or file system lacks it."""
         fn = type(self)._renameat2
-        if fn is None or type(self)._renameat2_works is False:
+        if fn is None:
+            return False
+        device = self._device()
+        works = type(self)._renameat2_works
+        if works.get(device) is False:
             return False
         result = fn(
             _AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE
         )
         if result == 0:
-            type(self)._renameat2_works = True
+            with type(self)._probe_lock:
+                works[device] = True
             return True
         err = ctypes.get_errno()
-        if err in (errno.ENOSYS, errno.EINVAL) and type(self)._renameat2_works is None:
-            with type(self)._probe_lock:
-                type(self)._renameat2_works = False
-            return False
         if err in (errno.ENOSYS, errno.EINVAL):
+            with type(self)._probe_lock:  # once it worked here, EINVAL is the call's own
+                works.setdefault(device, False)
             return False
         raise OSError(err, os.strerror(err), source, None, target)
+
+    def _device(self) -> int:
+        """The file system (``st_dev``) of the store's root."""
+        if self._root_device is None:
+            self._root_device = os.stat(self.root).st_dev
+        return self._root_device
 
     def rename_replace(self, src: str, dst: str) -> None:
         with self._translate("rename", f"{src} -> {dst}"):

@@ -17,9 +17,11 @@ import contextlib
 import errno
 import functools
 import hashlib
+import hmac
 import io
 import logging
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -664,12 +666,24 @@ def make_client(options: Mapping[str, object]) -> Any:
     Credentials come from boto3's standard chain unless given explicitly. botocore's own
     retries are off: ckptstore retries (tenacity) only what is safe to retry.
     """
-    key = tuple(sorted((k, str(v)) for k, v in options.items() if k in _CLIENT_OPTIONS))
+    key = tuple(
+        sorted((k, _fingerprint(k, str(v))) for k, v in options.items() if k in _CLIENT_OPTIONS)
+    )
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
             client = _clients[key] = _new_client(options)
         return client
+
+
+_FINGERPRINT_KEY = secrets.token_bytes(32)
+
+
+def _fingerprint(option: str, value: str) -> str:
+    """``value``, or for a credential a keyed hash of it: no secret is kept as a cache key."""
+    if option not in CREDENTIAL_OPTIONS:
+        return value
+    return hmac.new(_FINGERPRINT_KEY, value.encode(), hashlib.sha256).hexdigest()
 
 
 def _new_client(options: Mapping[str, object]) -> Any:

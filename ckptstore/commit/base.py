@@ -133,6 +133,9 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
         """The store's URL, for messages."""
         return self.driver.url
 
+    def close(self) -> None:
+        """Release the threads this strategy holds; it may be used again afterwards."""
+
     def with_driver(self: StrategyT, driver: Any) -> StrategyT:
         """A copy of this strategy, with the same settings, working through another driver.
 

@@ -331,6 +331,13 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                 )
             return self._executor
 
+    def close(self) -> None:
+        """Wait for part uploads under way, then stop the upload threads."""
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
     def open_root(self, *, create: bool) -> None:
         """Check the bucket is there; writes nothing (read-only credentials can open).
 

@@ -1,0 +1,113 @@
+"""What a store holds is released: threads at close, no secret kept as a cache key, and a
+file system's renameat2 support known per file system, not per process."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore.backends import s3
+from ckptstore.backends.memory import drop_bucket
+from ckptstore.backends.posix import PosixDriver
+
+MiB = 1024 * 1024
+
+
+def _threads(prefix: str) -> int:
+    return sum(thread.name.startswith(prefix) for thread in threading.enumerate())
+
+
+@pytest.fixture
+def memory_url() -> Any:
+    bucket = f"lifetimes-{os.getpid()}"
+    yield f"memory://{bucket}/run?min_part_size=65536&part_size=65536&concurrency=4"
+    drop_bucket(bucket)
+
+
+def _save_streamed(store: ckptstore.Store, step: int) -> None:
+    with store.begin(step) as pending, pending.open_shard("big") as shard:
+        for _ in range(8):
+            shard.write(bytes(range(256)) * 256)  # one part each
+
+
+def test_a_store_used_as_a_context_manager_stops_its_upload_threads(memory_url: str) -> None:
+    before = _threads("ckptstore-parts")
+    with ckptstore.open(memory_url) as store:
+        _save_streamed(store, 1)
+        assert _threads("ckptstore-parts") > before  # the parts went up concurrently
+    assert _threads("ckptstore-parts") == before
+    _save_streamed(store, 2)  # a closed store may be used again
+    assert store.latest().step == 2
+    assert store.latest().read("big") == bytes(range(256)) * 2048
+    store.close()
+    store.close()  # closing twice is harmless
+    assert _threads("ckptstore-parts") == before
+
+
+def test_a_pipelined_read_leaves_no_thread_behind(tmp_path: Any) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    data = np.random.default_rng(0).integers(0, 255, 129 * MiB, dtype=np.uint8).tobytes()
+    store.save(1, {"big": data})
+    buffer = bytearray(len(data))
+    store.latest().read_into("big", buffer)  # read and checksummed piece by piece
+    assert buffer == data
+    assert _threads("ckptstore-crc") == 0
+
+
+def test_no_credential_is_kept_as_a_cache_key() -> None:
+    secret = "s3cr3t-kept-out-of-memory-keys"
+    options = {
+        "endpoint_url": "http://127.0.0.1:9",
+        "region": "us-east-1",
+        "aws_access_key_id": "AKIDLIFETIMES",
+        "aws_secret_access_key": secret,
+    }
+    client = s3.make_client(options)
+    assert s3.make_client(dict(options)) is client  # still shared by equal options
+    assert s3.make_client({**options, "aws_secret_access_key": "other"}) is not client
+    keys = repr(list(s3._clients))
+    assert secret not in keys and "AKIDLIFETIMES" not in keys
+
+
+class _NoRenameat2Here:
+    """renameat2 as a kernel gives it, refused (EINVAL) on one file system only."""
+
+    def __init__(self, refusing_root: str) -> None:
+        self.refusing_root = refusing_root
+        self.calls: list[str] = []
+
+    def __call__(self, _fd: int, source: bytes, _fd2: int, target: bytes, _flags: int) -> int:
+        self.calls.append(os.fsdecode(source))
+        if os.fsdecode(source).startswith(self.refusing_root):
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+        os.rename(source, target)
+        return 0
+
+
+def test_renameat2_support_is_known_per_file_system(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refusing, working = tmp_path / "refusing", tmp_path / "working"
+    fake = _NoRenameat2Here(str(refusing))
+    monkeypatch.setattr(PosixDriver, "_renameat2", fake)
+    monkeypatch.setattr(PosixDriver, "_renameat2_works", {})
+    devices = {str(refusing): -101, str(working): -102}  # as if two file systems
+    monkeypatch.setattr(PosixDriver, "_device", lambda self: devices[self.root])
+    for root in (refusing, working):
+        driver = PosixDriver(str(root))
+        driver.ensure_root(create=True)
+        for name in ("a", "b"):
+            driver.mkdir(name)
+            driver.rename_noreplace(name, f"{name}-renamed")  # the fallback where refused
+        assert driver.listdir("") == ["a-renamed", "b-renamed"]
+    assert PosixDriver._renameat2_works == {-101: False, -102: True}
+    tried = [call.rsplit("/", 1)[-1] for call in fake.calls]
+    assert tried == ["a", "a", "b"]  # refused once there, then not tried; tried here
