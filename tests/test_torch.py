@@ -444,3 +444,13 @@ def test_dcp_reader_refuses_a_checkpoint_dcp_did_not_write(tmp_path: Path) -> No
     with pytest.raises(CheckpointException) as caught:
         dcp.load({"w": torch.zeros(1)}, storage_reader=CkptStoreReader(store))
     assert "not saved by torch.distributed.checkpoint" in repr(caught.value.failures)
+
+
+def test_a_dcp_load_item_narrows_a_stored_chunk_to_its_slice() -> None:
+    from ckptstore.torch.dcp import _narrow
+
+    stored = torch.arange(6 * 4 * 5).reshape(6, 4, 5)
+    assert torch.equal(_narrow(stored, [2, 0, 1], [3, 4, 2]), stored[2:5, :, 1:3])
+    assert _narrow(stored, [0, 0, 0], [6, 4, 5]) is stored  # the whole chunk: no copy, no view
+    with pytest.raises(ValueError, match="zip"):
+        _narrow(stored, [0, 0], [6, 4, 5])  # a plan and a chunk that disagree on dimensions

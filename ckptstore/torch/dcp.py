@@ -18,10 +18,10 @@ import dataclasses
 import io
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -51,6 +51,15 @@ from ckptstore.store import Store
 __all__ = ["CkptStoreReader", "CkptStoreWriter"]
 
 METADATA_SHARD = "dcp-metadata.json"
+
+
+def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> Any:
+    """The part of ``tensor`` that starts at ``offsets`` and spans ``lengths``, per dimension
+    (a view: what a load item asks of a stored chunk)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if offset or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
 
 
 def _shard_name(rank: int) -> str:
@@ -207,7 +216,7 @@ class CkptStoreReader(StorageReader):
                     planner.load_bytes(item, io.BytesIO(blob))
                     continue
                 stored = _tensor_from_bytes(blob, info["dtype"], info["shape"])
-                stored = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+                stored = _narrow(stored, item.storage_offsets, item.lengths)
                 target = planner.resolve_tensor(item).detach()
                 if target.size() != stored.size():
                     raise ManifestCorruptError(
