@@ -17,7 +17,7 @@ import time
 import torch
 
 import ckptstore
-from ckptstore.benchmarking import measure, print_table, sizes
+from ckptstore.tools.timing import measure, print_table, sizes
 from ckptstore.torch import AsyncSaver, save_state
 
 

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 import ckptstore
-from ckptstore.benchmarking import evict, fsync_tree, measure, print_table, sizes
+from ckptstore.tools.timing import evict, fsync_tree, measure, print_table, sizes
 from ckptstore.torch import load_state, save_state
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

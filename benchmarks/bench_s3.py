@@ -15,8 +15,8 @@ import torch
 from boto3.s3.transfer import TransferConfig
 
 import ckptstore
-from ckptstore.benchmarking import measure, print_table, sizes
-from ckptstore.embedded import embedded_seaweedfs
+from ckptstore.tools.embedded import embedded_seaweedfs
+from ckptstore.tools.timing import measure, print_table, sizes
 
 MiB = 2**20
 

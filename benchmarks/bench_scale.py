@@ -15,7 +15,7 @@ import tempfile
 import time
 
 import ckptstore
-from ckptstore.embedded import embedded_moto
+from ckptstore.tools.embedded import embedded_moto
 
 
 def timed(call):  # type: ignore[no-untyped-def]

@@ -533,13 +533,13 @@ def cmd_lifecycle(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
-    from ckptstore.bench import run_bench
+    from ckptstore.tools.store_bench import run_bench
 
     return run_bench(args.url, args.size, args.repeats, out)
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
-    from ckptstore.demo import run_demo
+    from ckptstore.tools.demo import run_demo
 
     return run_demo(args.dir, out)
 

@@ -11,8 +11,8 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.memory import MemoryDriver, drop_bucket
-from ckptstore.embedded import EmbeddedS3, embedded_moto, embedded_seaweedfs
 from ckptstore.store import Store
+from ckptstore.tools.embedded import EmbeddedS3, embedded_moto, embedded_seaweedfs
 
 _counter = itertools.count()
 

@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from ckptstore.embedded import EmbeddedS3
+from ckptstore.tools.embedded import EmbeddedS3
 
 __all__ = [
     "Action", "Delay", "Forward", "Request", "Reset", "Respond", "Rewrite", "Rule", "S3Proxy",

@@ -21,7 +21,7 @@ import pytest
 from concurrency_worker import SHARDS, shard_bytes
 
 import ckptstore
-from ckptstore.embedded import EmbeddedS3
+from ckptstore.tools.embedded import EmbeddedS3
 
 WORKER = str(Path(__file__).with_name("concurrency_worker.py"))
 WRITERS = 8

@@ -29,7 +29,6 @@ from ckptstore.driver import (
     PutMode,
     driver_family,
 )
-from ckptstore.embedded import EmbeddedS3
 from ckptstore.errors import (
     InvalidInputError,
     ObjectNotFoundError,
@@ -37,6 +36,7 @@ from ckptstore.errors import (
     StorageError,
     TargetExistsError,
 )
+from ckptstore.tools.embedded import EmbeddedS3
 
 # -- object stores ---------------------------------------------------------------------------
 

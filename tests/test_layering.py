@@ -26,7 +26,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     BACKENDS: ("backends",),
     CORE: ("checkpoint", "pending", "store", "registry", ""),
     TORCH: ("torch",),
-    TOOLING: ("conformance", "cli", "bench", "benchmarking", "demo", "embedded"),
+    TOOLING: ("conformance", "cli", "tools"),
 }  # fmt: skip
 """Each module of the package, by its first dotted component under ``ckptstore`` ("" is the
 package's ``__init__``)."""

@@ -41,7 +41,6 @@ from ckptstore.commit import conditional_put
 from ckptstore.commit.conditional_put import PROBE_PREFIX, ConditionalPutCommit
 from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.driver import PutMode
-from ckptstore.embedded import EmbeddedS3
 from ckptstore.errors import (
     IndeterminateOutcomeError,
     ObjectNotFoundError,
@@ -49,6 +48,7 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 from ckptstore.store import Store
+from ckptstore.tools.embedded import EmbeddedS3
 
 HOUR = 3600.0
 GRACE = timedelta(hours=1)

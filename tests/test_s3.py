@@ -27,7 +27,7 @@ from ckptstore.checksum import Crc32c
 from ckptstore.cli import main
 from ckptstore.conformance.report import render_text
 from ckptstore.conformance.runner import run_backend
-from ckptstore.embedded import EmbeddedS3
+from ckptstore.tools.embedded import EmbeddedS3
 
 MiB = 1024 * 1024
 

@@ -42,13 +42,13 @@ from ckptstore import InvalidOptionError, ObjectNotFoundError
 from ckptstore.backends.s3 import S3Driver
 from ckptstore.backends.s3_errors import translate_s3_errors
 from ckptstore.driver import PutMode
-from ckptstore.embedded import EmbeddedS3
 from ckptstore.errors import (
     IndeterminateOutcomeError,
     PreconditionFailedError,
     TransientStorageError,
 )
 from ckptstore.store import Store
+from ckptstore.tools.embedded import EmbeddedS3
 
 KiB, MiB = 1024, 1024 * 1024
 _runs = iter(range(1_000_000))

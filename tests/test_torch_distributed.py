@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 import ckptstore
-from ckptstore.embedded import EmbeddedS3
+from ckptstore.tools.embedded import EmbeddedS3
 
 WORKER = Path(__file__).parent / "dist_save_worker.py"
 JOB_WAIT_S = 240.0

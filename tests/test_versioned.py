@@ -17,7 +17,7 @@ from ckptstore import CapabilityError, KeepLast, ShardMissingError
 from ckptstore.backends.memory import drop_bucket, get_bucket
 from ckptstore.conformance.report import render_text
 from ckptstore.conformance.runner import run_backend
-from ckptstore.embedded import EmbeddedS3
+from ckptstore.tools.embedded import EmbeddedS3
 
 _ids = itertools.count()
 

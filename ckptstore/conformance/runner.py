@@ -78,7 +78,7 @@ def embedded_targets() -> Iterator[list[Target]]:
             Target(f"memory://{bucket}/store?min_part_size=4096&part_size=4096"),
         ]
         try:
-            from ckptstore.embedded import embedded_moto
+            from ckptstore.tools.embedded import embedded_moto
 
             s3 = stack.enter_context(embedded_moto())
         except ImportError:

@@ -51,7 +51,7 @@ def _train_and_save(store: Store, out: TextIO, steps: range) -> None:
 def _kill_a_writer_mid_save(
     url: str, step: int, out: TextIO, env: dict[str, str] | None = None
 ) -> None:
-    command = [sys.executable, "-m", "ckptstore.demo", "--slow-writer", url, str(step)]
+    command = [sys.executable, "-m", "ckptstore.tools.demo", "--slow-writer", url, str(step)]
     environment = {**os.environ, **(env or {})}
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=environment) as writer:
         assert writer.stdout is not None
@@ -119,7 +119,7 @@ def _demo_corruption(directory: str, store: Store, out: TextIO) -> None:
 
 def _demo_embedded_s3(out: TextIO) -> None:
     try:
-        from ckptstore.embedded import embedded_moto
+        from ckptstore.tools.embedded import embedded_moto
     except ImportError:
         out.write("\n(s3:// skipped: pip install 'ckptstore[s3,embedded]' for the embedded S3)\n")
         return

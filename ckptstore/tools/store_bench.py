@@ -13,10 +13,10 @@ from typing import Any, TextIO
 
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.backends.s3 import S3Driver
-from ckptstore.benchmarking import evict, measure, print_table
 from ckptstore.conformance.location import child_url
 from ckptstore.errors import InvalidInputError
 from ckptstore.store import open_store
+from ckptstore.tools.timing import evict, measure, print_table
 
 __all__ = ["run_bench"]
 
