@@ -170,7 +170,18 @@ class ShardMissingError(IntegrityError, FileNotFoundError):
 
 
 class StorageError(CkptStoreError, OSError):
-    """A storage call failed; the message names the object and the cause."""
+    """A storage call failed; the message names the object and the cause.
+
+    ``errno`` is a real errno (``ENOENT``, ``EACCES``, ``ETIMEDOUT``...) or None; an HTTP
+    storage's status code is ``http_status`` (None where there was no HTTP answer):
+    ``StorageError("PutObject k: SlowDown", http_status=503)``.
+    """
+
+    http_status: int | None
+
+    def __init__(self, *args: object, http_status: int | None = None) -> None:
+        super().__init__(*args)
+        self.http_status = http_status
 
 
 class StorageAccessDeniedError(StorageError, PermissionError):

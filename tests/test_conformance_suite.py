@@ -336,7 +336,9 @@ class FailingLists:
         class ListFailingMemoryDriver(MemoryDriver):
             def list(self, prefix: str, *, start_after: str | None = None) -> Any:
                 if storage._fails(self):
-                    raise TransientStorageError(500, f"ListObjectsV2 {prefix!r}: InternalError")
+                    raise TransientStorageError(
+                        f"ListObjectsV2 {prefix!r}: InternalError", http_status=500
+                    )
                 return super().list(prefix, start_after=start_after)
 
         strategy = open_memory(url, options)
@@ -417,7 +419,7 @@ def _from(error: BaseException, cause: BaseException) -> BaseException:
 
 
 def test_only_the_storage_own_failures_are_storage_errors() -> None:
-    server = TransientStorageError(500, "InternalError")
+    server = TransientStorageError("InternalError", http_status=500)
     assert storage_failure(server) is server
     broke_a_check = _from(InvariantViolation("I7", "a live save failed"), server)
     assert storage_failure(broke_a_check) is server  # undecided, not I7

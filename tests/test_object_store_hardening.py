@@ -106,7 +106,7 @@ class FlakyProbe(MemoryDriver):
             self.seen.append(key)
             if len(self.seen) == self.fail_at:
                 if self.kind == "transient":
-                    raise TransientStorageError(503, f"PutObject {key}: 503 SlowDown")
+                    raise TransientStorageError(f"PutObject {key}: SlowDown", http_status=503)
                 try:
                     super().put(key, data, **kwargs)
                 except PreconditionFailedError:
@@ -118,7 +118,7 @@ class FlakyProbe(MemoryDriver):
 class RefusesIfMatch(MemoryDriver):
     """A server that refuses If-Match outright: with ``error`` or with a 412 on any etag."""
 
-    error: Exception = PreconditionFailedError(412, "If-Match: precondition failed")
+    error: Exception = PreconditionFailedError("If-Match: precondition failed", http_status=412)
 
     def put(self, key: str, data: Any, **kwargs: Any) -> Any:
         if kwargs.get("mode", PutMode.OVERWRITE).kind == "update":
@@ -458,8 +458,8 @@ def test_gc_through_a_server_answering_501_to_list_multipart_uploads(
 @pytest.mark.parametrize(
     "error",
     [
-        PreconditionFailedError(412, "If-Match: precondition failed"),
-        TransientStorageError(501, "PutObject LATEST (If-Match): NotImplemented"),
+        PreconditionFailedError("If-Match: precondition failed", http_status=412),
+        TransientStorageError("PutObject LATEST (If-Match): NotImplemented", http_status=501),
         ObjectNotFoundError(2, "unused"),  # replaced below: a 400 for the header
     ],
     ids=["412-on-any-etag", "501", "400"],
@@ -470,7 +470,9 @@ def test_a_refused_if_match_is_reported_as_such(
     from ckptstore.errors import StorageError
 
     if isinstance(error, ObjectNotFoundError):
-        error = StorageError(400, "PutObject LATEST (If-Match): InvalidArgument: If-Match")
+        error = StorageError(
+            "PutObject LATEST (If-Match): InvalidArgument: If-Match", http_status=400
+        )
     monkeypatch.setattr(RefusesIfMatch, "error", error)
     store = memory_store(RefusesIfMatch, bucket_name)
     with caplog.at_level(logging.WARNING):

@@ -3,6 +3,7 @@ fault-injecting proxy on 127.0.0.1 (tests/s3_proxy.py). No mocks: every request 
 
 from __future__ import annotations
 
+import errno
 import http.client
 import logging
 import os
@@ -45,6 +46,8 @@ from ckptstore.driver import PutMode
 from ckptstore.errors import (
     IndeterminateOutcomeError,
     PreconditionFailedError,
+    StorageAccessDeniedError,
+    StorageError,
     TransientStorageError,
 )
 from ckptstore.store import Store
@@ -455,3 +458,28 @@ def test_every_transport_error_is_translated(raised: BaseException) -> None:
     with expected as caught, translate_s3_errors("GetObject k", bucket="b"):
         raise raised
     assert caught.value.__cause__ is raised
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "kind", "errno_", "http_status"),
+    [
+        ("NoSuchKey", 404, ObjectNotFoundError, errno.ENOENT, 404),
+        ("PreconditionFailed", 412, PreconditionFailedError, None, 412),
+        ("AccessDenied", 403, StorageAccessDeniedError, errno.EACCES, 403),
+        ("SlowDown", 503, TransientStorageError, None, 503),
+        ("NotImplemented", 501, TransientStorageError, None, 501),
+        ("InvalidArgument", 400, StorageError, None, 400),
+    ],
+)
+def test_an_http_status_is_kept_apart_from_errno(
+    code: str, status: int, kind: type, errno_: int | None, http_status: int
+) -> None:
+    answer = {
+        "Error": {"Code": code, "Message": "m"},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    with pytest.raises(kind) as caught, translate_s3_errors("PutObject k", bucket="b"):
+        raise ClientError(answer, "PutObject")  # type: ignore[arg-type]
+    assert caught.value.errno == errno_  # a real errno or none: never an HTTP status
+    assert caught.value.http_status == http_status
+    assert f"PutObject k: {code}" in str(caught.value)

@@ -137,12 +137,16 @@ class MemoryBucket:
         """Raise as S3 does when a conditional write's precondition does not hold."""
         current = self.current(key)
         if mode.kind == "create" and current is not None:
-            raise PreconditionFailedError(412, f"memory://{self.name}/{key}: object exists")
+            raise PreconditionFailedError(
+                f"memory://{self.name}/{key}: object exists", http_status=412
+            )
         if mode.etag is not None:
             if current is None:
                 raise ObjectNotFoundError(2, f"memory://{self.name}/{key}: no such object")
             if not _same_etag(current.etag, mode.etag):
-                raise PreconditionFailedError(412, f"memory://{self.name}/{key}: etag changed")
+                raise PreconditionFailedError(
+                    f"memory://{self.name}/{key}: etag changed", http_status=412
+                )
 
 
 _BUCKETS: dict[str, MemoryBucket] = {}

@@ -285,9 +285,11 @@ class S3Driver(ObjectStoreDriver):
             ) from None  # a late copy of the lost put can only be refused: If-None-Match
         if stored != body:
             if refused:
-                raise PreconditionFailedError(412, f"{what}: another writer created it first")
+                raise PreconditionFailedError(
+                    f"{what}: another writer created it first", http_status=412
+                )
             raise PreconditionInferredError(  # no 412 seen: the probe must not count it
-                412, f"{what}: another writer created it first (read back; no 412 received)"
+                f"{what}: another writer created it first (read back; no 412 received)"
             )
         log.info("%s: the outcome of a broken call was read back: created", what)
         return info
@@ -310,7 +312,9 @@ class S3Driver(ObjectStoreDriver):
                          "quoted" if quoted else "unquoted")  # fmt: skip
                 self._quote_etags = quoted
             return self._info(key, response, size)
-        raise PreconditionFailedError(412, f"{self.url}/{key}: If-Match refused in both quotings")
+        raise PreconditionFailedError(
+            f"{self.url}/{key}: If-Match refused in both quotings", http_status=412
+        )
 
     def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
         """The whole object, surviving broken connections (resumed, or read again whole if

@@ -144,13 +144,15 @@ def _from_client_error(exc: ClientError, what: str, bucket: str) -> CkptStoreErr
             f"{what}: bucket {bucket!r} does not exist (ckptstore never creates buckets)"
         )
     if code in _NOT_FOUND or status == 404:
-        return ObjectNotFoundError(errno.ENOENT, message)
+        return ObjectNotFoundError(errno.ENOENT, message, http_status=status or None)
     if code == "PreconditionFailed" or status == 412:
-        return PreconditionFailedError(412, message)
+        return PreconditionFailedError(message, http_status=status or 412)
     if code in _DENIED or status == 403:
         return StorageAccessDeniedError(
-            errno.EACCES, f"{message} (check the credentials and their permissions on {bucket!r})"
+            errno.EACCES,
+            f"{message} (check the credentials and their permissions on {bucket!r})",
+            http_status=status or None,
         )
     if code in _TRANSIENT or status >= 500 or status == 409:
-        return TransientStorageError(status or errno.EAGAIN, message)
-    return StorageError(status or errno.EIO, message)
+        return TransientStorageError(message, http_status=status or None)
+    return StorageError(message, http_status=status or None)

@@ -91,7 +91,7 @@ _host_clock: Callable[[], float] = time.time
 
 def _unsupported(exc: StorageError) -> bool:
     """The storage does not implement the operation (501 NotImplemented): no retry helps."""
-    return exc.errno == 501 or "NotImplemented" in str(exc)
+    return exc.http_status == 501 or "NotImplemented" in str(exc)
 
 
 def _backoff(attempt: int) -> None:

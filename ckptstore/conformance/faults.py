@@ -10,6 +10,7 @@ call fails too: a dead process touches nothing, not even in its ``finally`` bloc
 from __future__ import annotations
 
 import enum
+import errno
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -131,7 +132,9 @@ class FaultInjector:
             ):
                 self.transient_injected.append(record)
                 if transient is CrashMode.BEFORE:
-                    raise InjectedTransientError(503, f"injected transient fault at {name}")
+                    raise InjectedTransientError(
+                        f"injected transient fault at {name}", http_status=503
+                    )
             dies_after = plan.crash_at == record.index and plan.crash_mode is CrashMode.AFTER
             try:
                 result = self._forward(name, method, args, kwargs)
@@ -151,7 +154,9 @@ class FaultInjector:
             if dies_after:
                 self._die(record)
             if fails_after:
-                raise InjectedTimeoutError(110, f"injected timeout after {name} took effect")
+                raise InjectedTimeoutError(
+                    errno.ETIMEDOUT, f"injected timeout after {name} took effect"
+                )
             return result
 
         return call
