@@ -9,97 +9,45 @@ latest = store.latest()          # the newest *published* checkpoint, or None
 weights = latest.read("model/rank00000.bin")   # verified against its CRC32C
 """
 
-from ckptstore.checkpoint import Checkpoint, ShardReader, VerifyReport
-from ckptstore.commit.base import GcItem, GcReport
+from ckptstore.checkpoint import Checkpoint
 from ckptstore.errors import (
-    BackendUnavailableError,
     CapabilityError,
     CheckpointExistsError,
     CheckpointNotFoundError,
-    CheckpointStateError,
     CkptStoreError,
-    CoverageError,
-    IndeterminateOutcomeError,
     IntegrityError,
     InvalidInputError,
-    InvalidMetadataError,
-    InvalidOptionError,
-    InvalidShardNameError,
-    InvalidStepError,
-    InvalidURLError,
-    ManifestCorruptError,
-    ObjectNotFoundError,
-    PreconditionFailedError,
     RefusedError,
-    ShardCorruptError,
-    ShardExistsError,
-    ShardMissingError,
-    ShardNotFoundError,
-    StorageAccessDeniedError,
     StorageError,
-    StoreNotFoundError,
-    TargetExistsError,
     TransientStorageError,
-    UnknownSchemeError,
 )
-from ckptstore.manifest import Manifest, ShardRecord, WriterInfo
-from ckptstore.pending import PendingCheckpoint, ShardWriter
-from ckptstore.registry import known_schemes, register
+from ckptstore.pending import PendingCheckpoint
 from ckptstore.retention import KeepEvery, KeepLast, KeepNewerThan, RetentionPolicy
-from ckptstore.store import DEFAULT_GRACE, Store, open_store
-
-open = open_store
+from ckptstore.store import Store
+from ckptstore.store import open_store as open  # open(url, **options) -> Store
 
 __version__ = "0.1.0"
 
+# What a trainer uses. Everything else lives in its module: the whole error tree in
+# ckptstore.errors (driver-level errors are also exported by ckptstore.driver, for backend
+# authors), manifests in ckptstore.manifest, GC reports in ckptstore.commit.base, schemes in
+# ckptstore.registry.
 __all__ = [
-    "DEFAULT_GRACE",
-    "BackendUnavailableError",
     "CapabilityError",
     "Checkpoint",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
-    "CheckpointStateError",
     "CkptStoreError",
-    "CoverageError",
-    "GcItem",
-    "GcReport",
-    "IndeterminateOutcomeError",
     "IntegrityError",
     "InvalidInputError",
-    "InvalidMetadataError",
-    "InvalidOptionError",
-    "InvalidShardNameError",
-    "InvalidStepError",
-    "InvalidURLError",
     "KeepEvery",
     "KeepLast",
     "KeepNewerThan",
-    "Manifest",
-    "ManifestCorruptError",
-    "ObjectNotFoundError",
     "PendingCheckpoint",
-    "PreconditionFailedError",
     "RefusedError",
     "RetentionPolicy",
-    "ShardCorruptError",
-    "ShardExistsError",
-    "ShardMissingError",
-    "ShardNotFoundError",
-    "ShardReader",
-    "ShardRecord",
-    "ShardWriter",
-    "StorageAccessDeniedError",
     "StorageError",
     "Store",
-    "StoreNotFoundError",
-    "TargetExistsError",
     "TransientStorageError",
-    "UnknownSchemeError",
-    "VerifyReport",
-    "WriterInfo",
-    "known_schemes",
     "open",
-    "open_store",
-    "register",
 ]

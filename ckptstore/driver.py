@@ -19,18 +19,34 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO, ClassVar, Literal, Protocol, runtime_checkable
 
-from ckptstore.errors import InvalidInputError
+from ckptstore.errors import (
+    IndeterminateOutcomeError,
+    InvalidInputError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    PreconditionInferredError,
+    StorageError,
+    TargetExistsError,
+    TransientStorageError,
+)
 
-__all__ = [
+__all__ = [  # the errors a driver raises are part of its interface
     "Buffer",
     "Capability",
     "DriverFamily",
     "FileStat",
     "FileSystemDriver",
+    "IndeterminateOutcomeError",
     "ObjectInfo",
+    "ObjectNotFoundError",
     "ObjectStoreDriver",
     "PartInfo",
+    "PreconditionFailedError",
+    "PreconditionInferredError",
     "PutMode",
+    "StorageError",
+    "TargetExistsError",
+    "TransientStorageError",
     "UploadInfo",
     "UploadProgress",
     "driver_family",

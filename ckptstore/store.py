@@ -8,7 +8,6 @@ process that dies at any instant loses only its unpublished attempt.
 
 from __future__ import annotations
 
-import builtins
 import errno
 import logging
 import time
@@ -312,7 +311,7 @@ class Store:
         """
         return self._checkpoint_steps(self.strategy.published_steps())
 
-    def strays(self) -> builtins.list[StrayEntry]:
+    def strays(self) -> list[StrayEntry]:
         """Entries named like a step that are not readable checkpoints, with the reason.
 
         Strays (an operator's mkdir, a partial copy, a damaged manifest) are left alone by
@@ -337,9 +336,7 @@ class Store:
             known = self._confirmed[step] = _Confirmed(manifest.attempt, manifest.committed_at)
         return known
 
-    def _checkpoint_steps(
-        self, candidates: Iterable[int], *, min_step: int = 0
-    ) -> builtins.list[int]:
+    def _checkpoint_steps(self, candidates: Iterable[int], *, min_step: int = 0) -> list[int]:
         """The ``candidates`` whose manifest parses (each read once per Store), ascending.
 
         ``candidates`` is a listing of every step from ``min_step`` on. A published manifest
@@ -474,7 +471,7 @@ class Store:
             return checkpoint, raced
         return None, raced
 
-    def list(self) -> builtins.list[Checkpoint]:
+    def checkpoints(self) -> list[Checkpoint]:
         """Every published checkpoint that is complete, ascending by step (damaged ones logged)."""
         result = []
         for step in self.strategy.published_steps():
@@ -511,7 +508,7 @@ class Store:
         if step == steps[-1]:
             self.strategy.reset_latest_hint(steps[-2] if len(steps) > 1 else None)
 
-    def rollback(self, step: int) -> builtins.list[int]:
+    def rollback(self, step: int) -> list[int]:
         """Delete every checkpoint newer than ``step`` (newest first); return their steps.
 
         Strays newer than ``step`` are not checkpoints: they are left alone.
@@ -552,7 +549,7 @@ class Store:
             return False  # deleted concurrently
         return True
 
-    def apply_retention(self, policy: RetentionPolicy | None = None) -> builtins.list[int]:
+    def apply_retention(self, policy: RetentionPolicy | None = None) -> list[int]:
         """Delete the checkpoints ``policy`` (default: the store's) does not keep; never the
         newest. Returns the deleted steps.
 

@@ -54,7 +54,7 @@ def _assert_intact(store: ckptstore.Store) -> int:
     assert latest.metadata == {"step": latest.step}
     for name in latest.names:
         assert latest.read(name) == _expected(latest.step)
-    for checkpoint in store.list():
+    for checkpoint in store.checkpoints():
         assert checkpoint.verify().ok
     return latest.step
 

@@ -7,14 +7,14 @@ from datetime import datetime, timezone
 
 import pytest
 
-from ckptstore import (
+from ckptstore import open as open_store
+from ckptstore.checksum import Crc32c, crc32c_hex
+from ckptstore.errors import (
     InvalidOptionError,
     InvalidURLError,
     ManifestCorruptError,
     UnknownSchemeError,
 )
-from ckptstore import open as open_store
-from ckptstore.checksum import Crc32c, crc32c_hex
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord, WriterInfo
 from ckptstore.names import check_shard_name, new_attempt_id, parse_step_token, step_token
 from ckptstore.urls import parse_url

@@ -34,7 +34,7 @@ from s3_proxy import (
 )
 
 import ckptstore
-from ckptstore import CapabilityError, CheckpointNotFoundError, ShardMissingError
+from ckptstore import CapabilityError, CheckpointNotFoundError
 from ckptstore.backends.memory import MemoryDriver, drop_bucket, get_bucket
 from ckptstore.cli import main
 from ckptstore.commit import conditional_put
@@ -45,6 +45,7 @@ from ckptstore.errors import (
     IndeterminateOutcomeError,
     ObjectNotFoundError,
     PreconditionFailedError,
+    ShardMissingError,
     TransientStorageError,
 )
 from ckptstore.store import Store
@@ -317,7 +318,7 @@ def _read_everything(url: str, options: dict[str, Any]) -> None:
         assert latest.read("model.bin") == blob(5000, 2)
         assert latest.verify().ok
         assert store.steps() == [1, 2]
-        assert [c.step for c in store.list()] == [1, 2]
+        assert [c.step for c in store.checkpoints()] == [1, 2]
         assert store.get(1).read("model.bin") == blob(5000, 1)
 
 

@@ -8,10 +8,16 @@ from typing import Any
 import pytest
 
 import ckptstore
-from ckptstore import CheckpointExistsError, CheckpointStateError, StoreNotFoundError
+from ckptstore import CheckpointExistsError
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.rename import RenameCommit
-from ckptstore.errors import ObjectNotFoundError, StorageError, TargetExistsError
+from ckptstore.errors import (
+    CheckpointStateError,
+    ObjectNotFoundError,
+    StorageError,
+    StoreNotFoundError,
+    TargetExistsError,
+)
 from ckptstore.store import Store
 
 

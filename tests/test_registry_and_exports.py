@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import pkgutil
+import subprocess
+import sys
 
 import pytest
 
@@ -21,6 +23,35 @@ def test_all_is_complete_and_exact():
     assert set(ckptstore.__all__) == public - submodules
     for name in ckptstore.__all__:
         assert getattr(ckptstore, name) is not None
+
+
+def test_the_public_surface_is_what_a_trainer_uses():
+    assert len(ckptstore.__all__) <= 20
+    assert {"open", "Store", "Checkpoint", "PendingCheckpoint", "KeepLast"} <= set(
+        ckptstore.__all__
+    )
+    from ckptstore import driver, errors
+
+    for name in ckptstore.__all__:  # every exported error is in the one hierarchy
+        value = getattr(ckptstore, name)
+        if isinstance(value, type) and issubclass(value, Exception):
+            assert getattr(errors, name) is value
+    for name in ("ObjectNotFoundError", "PreconditionFailedError", "TargetExistsError"):
+        assert name not in ckptstore.__all__  # a driver's, for backend authors:
+        assert getattr(driver, name) is getattr(errors, name)
+
+
+def test_importing_the_package_imports_no_tooling_nor_optional_library():
+    code = (
+        "import sys, ckptstore; ckptstore.open('memory://surface/run').save(1, {'a': b'x'}); "
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'boto3', 'hypothesis', 'pytest', 'moto') or m.startswith('ckptstore.tools') "
+        "or m.startswith('ckptstore.conformance'))))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert loaded == []
 
 
 def test_every_error_is_a_ckptstore_error():
@@ -43,7 +74,7 @@ def test_register_a_scheme_at_run_time():
         ),
     )
     try:
-        assert "mytest" in ckptstore.known_schemes()
+        assert "mytest" in registry.known_schemes()
         store = ckptstore.open("mytest://anything/run")
         store.save(1, {"a": b"x"})
         assert ckptstore.open("memory://registered/run").latest().step == 1
@@ -70,7 +101,7 @@ def test_third_party_entry_point(monkeypatch):
         return real(**kwargs)
 
     monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
-    assert "thirdparty" in ckptstore.known_schemes()
+    assert "thirdparty" in registry.known_schemes()
     ckptstore.open("thirdparty://x/run").save(3, {"a": b"x"})
     assert ckptstore.open("memory://thirdparty/run").latest().step == 3
 

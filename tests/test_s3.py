@@ -15,18 +15,18 @@ from typing import Any
 import pytest
 
 import ckptstore
-from ckptstore import (
-    InvalidOptionError,
-    InvalidURLError,
-    StorageAccessDeniedError,
-    StoreNotFoundError,
-    TransientStorageError,
-)
+from ckptstore import TransientStorageError
 from ckptstore.backends.s3 import install_abort_incomplete_uploads_rule
 from ckptstore.checksum import Crc32c
 from ckptstore.cli import main
 from ckptstore.conformance.report import render_text
 from ckptstore.conformance.runner import run_backend
+from ckptstore.errors import (
+    InvalidOptionError,
+    InvalidURLError,
+    StorageAccessDeniedError,
+    StoreNotFoundError,
+)
 from ckptstore.tools.embedded import EmbeddedS3
 
 MiB = 1024 * 1024

@@ -39,12 +39,13 @@ from s3_proxy import (
 )
 
 import ckptstore
-from ckptstore import InvalidOptionError, ObjectNotFoundError
 from ckptstore.backends.s3 import S3Driver
 from ckptstore.backends.s3_errors import translate_s3_errors
 from ckptstore.driver import PutMode
 from ckptstore.errors import (
     IndeterminateOutcomeError,
+    InvalidOptionError,
+    ObjectNotFoundError,
     PreconditionFailedError,
     StorageAccessDeniedError,
     StorageError,

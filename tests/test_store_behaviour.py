@@ -15,22 +15,24 @@ import ckptstore
 from ckptstore import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    KeepEvery,
+    KeepLast,
+    KeepNewerThan,
+    RefusedError,
+)
+from ckptstore.checksum import crc32c_hex
+from ckptstore.errors import (
     CheckpointStateError,
     CoverageError,
     InvalidMetadataError,
     InvalidShardNameError,
     InvalidStepError,
-    KeepEvery,
-    KeepLast,
-    KeepNewerThan,
     ManifestCorruptError,
-    RefusedError,
     ShardCorruptError,
     ShardExistsError,
     ShardMissingError,
     ShardNotFoundError,
 )
-from ckptstore.checksum import crc32c_hex
 
 MiB = 1024 * 1024
 
@@ -112,7 +114,7 @@ class TestRoundTrip:
     def test_list_is_ascending_and_get_by_step(self, store):
         for step in (5, 1, 30, 2):
             store.save(step, {"x": bytes([step])})
-        assert [c.step for c in store.list()] == [1, 2, 5, 30]
+        assert [c.step for c in store.checkpoints()] == [1, 2, 5, 30]
         assert store.steps() == [1, 2, 5, 30]
         assert store.get(5).read("x") == b"\x05"
         assert store.latest().step == 30
@@ -124,7 +126,7 @@ class TestRoundTrip:
     def test_empty_store(self, store):
         assert store.latest() is None
         assert store.latest(verified=True) is None
-        assert store.list() == []
+        assert store.checkpoints() == []
 
     def test_a_fresh_store_object_sees_everything(self, backend, store):
         store.save(3, {"a": b"1"}, {"k": [1, 2]})
@@ -272,7 +274,7 @@ class TestIntegrity:
         with pytest.raises(ShardCorruptError, match="verified=True"):
             store.latest()
         assert store.latest(verified=True).step == 1
-        assert [c.step for c in store.list()] == [1]
+        assert [c.step for c in store.checkpoints()] == [1]
 
     def test_missing_shard(self, backend, store):
         store.save(1, {"w": b"a", "v": b"b"})
@@ -435,8 +437,8 @@ class TestGarbageCollection:
         for step in (1, 2):
             store.save(step, {"a": _blob(100_000, step)})
         store.gc(grace=0)
-        assert [c.step for c in store.list()] == [1, 2]
-        assert all(c.verify().ok for c in store.list())
+        assert [c.step for c in store.checkpoints()] == [1, 2]
+        assert all(c.verify().ok for c in store.checkpoints())
 
 
 class TestBadInput:

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 
 import ckptstore
-from ckptstore import CapabilityError, KeepLast, ShardMissingError
+from ckptstore import CapabilityError, KeepLast
 from ckptstore.backends.memory import drop_bucket, get_bucket
 from ckptstore.conformance.report import render_text
 from ckptstore.conformance.runner import run_backend
+from ckptstore.errors import ShardMissingError
 from ckptstore.tools.embedded import EmbeddedS3
 
 _ids = itertools.count()

@@ -138,7 +138,7 @@ def make_state_machine(
         @rule()
         @abort_on_storage_failure
         def read_all_and_verify(self) -> None:
-            for checkpoint in self.store.list():
+            for checkpoint in self.store.checkpoints():
                 checkpoint.verify()
 
         @rule(keep=st.integers(1, 3))
