@@ -1,8 +1,10 @@
-"""The ``ckptstore`` command: ls, show, verify, gc, delete, rollback and demo.
+"""The ``ckptstore`` command: ls, show, verify, gc, delete, rollback, bench, lifecycle,
+conformance and demo.
 
-Every command takes a store URL (or a bare path) and ``--json`` for machine-readable output.
+Every command but ``demo`` takes store URLs (or bare paths), and ``--json`` prints its result
+as JSON on stdout (``conformance`` also writes report files: ``--json-file``, ``--junit``).
 Every error, bad arguments included, prints one line, ``ckptstore: error: ...``, and exits with
-status 2; with ``--json`` (``--json-stdout`` for ``conformance``) stdout also gets a JSON object
+status 2; with ``--json`` stdout also gets a JSON object
 ``{"error": message, "type": error class}``, so a script can parse every outcome. ``verify``
 exits with status 1 when a checkpoint is broken. Anything read from storage (a shard name, a
 writer's host, a stray entry's name) is printed with its control, format (bidi) and separator
@@ -469,13 +471,13 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
         ) from exc
 
     def progress(message: str) -> None:
-        if not args.json_stdout:
+        if not args.json:
             sys.stderr.write(f"  .. {message}\n")
 
     def run(targets: list[Target]) -> list[Any]:
         reports = []
         for target in targets:
-            if not args.json_stdout:
+            if not args.json:
                 sys.stderr.write(f"conformance: {target.url}\n")
             reports.append(
                 run_backend(
@@ -493,10 +495,10 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     else:
         with embedded_targets() as targets:
             reports = run(targets)
-    for path, render in ((args.json, to_json), (args.junit, to_junit)):
+    for path, render in ((args.json_file, to_json), (args.junit, to_junit)):
         if path:
             _write_report(path, render(reports))
-    out.write(to_json(reports) + "\n" if args.json_stdout else render_text(reports))
+    out.write(to_json(reports) + "\n" if args.json else render_text(reports))
     outcomes = {report.outcome for report in reports}
     if "violated" in outcomes:
         return EXIT_BROKEN
@@ -619,13 +621,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("urls", nargs="*", metavar="URL", help="store URLs (default: embedded)")
     p.add_argument("--profile", choices=("ci", "thorough"), default="ci")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument(
-        "--json", metavar="FILE", type=_output_file, help="also write the report as JSON"
+        "--json-file", metavar="FILE", type=_output_file, help="also write the report as JSON"
     )
     p.add_argument(
         "--junit", metavar="FILE", type=_output_file, help="also write the report as JUnit XML"
     )
-    p.add_argument("--json-stdout", action="store_true", help="print JSON instead of tables")
     p.add_argument("--yes", action="store_true", help="run even where the URL is not empty")
     p.set_defaults(func=cmd_conformance)
     p = command("demo", "save, crash and resume on an embedded default store (no setup)")
@@ -644,10 +646,7 @@ class _EscapingFormatter(logging.Formatter):
 def _wants_json(argv: Sequence[str]) -> bool:
     """Whether ``argv`` asks for JSON on stdout, from its words alone: for errors found while
     parsing them, before there is a namespace to ask (argparse accepts unique prefixes)."""
-    words = list(argv)
-    if words[:1] == ["conformance"]:  # its --json names a file; --json-stdout prints JSON
-        return any(len(w) > len("--json") and "--json-stdout".startswith(w) for w in words)
-    return any(len(w) >= len("--j") and "--json".startswith(w) for w in words)
+    return any(w == "--json" or (len(w) >= len("--j") and "--json".startswith(w)) for w in argv)
 
 
 def _report_error(kind: str, message: str, *, as_json: bool, out: TextIO) -> None:
@@ -686,9 +685,7 @@ def _run(words: list[str], out: TextIO) -> int:
     as_json = _wants_json(words)
     try:
         args = build_parser().parse_args(words)
-        as_json = (
-            args.json_stdout if args.command == "conformance" else getattr(args, "json", 0) is True
-        )
+        as_json = getattr(args, "json", False) is True
         status: int = args.func(args, out)
     except CkptStoreError as exc:
         _report_error(type(exc).__name__, str(exc), as_json=as_json, out=out)

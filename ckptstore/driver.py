@@ -58,7 +58,7 @@ Buffer = bytes | bytearray | memoryview
 
 
 class Capability(enum.Enum):
-    """A guarantee a storage system may or may not provide (DESIGN §5)."""
+    """A guarantee a storage system may or may not provide (docs/protocol.md §2)."""
 
     RENAME_NOREPLACE = "rename-noreplace"
     """A rename that fails, atomically, when the target exists."""

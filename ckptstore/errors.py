@@ -97,7 +97,7 @@ class InvalidStepError(InvalidInputError):
 
 
 class InvalidShardNameError(InvalidInputError):
-    """A shard name is not a safe relative, '/'-separated name (DESIGN §11)."""
+    """A shard name is not a safe relative, '/'-separated name (docs/protocol.md §1)."""
 
 
 class InvalidMetadataError(InvalidInputError):

@@ -3,7 +3,7 @@
 A manifest records, for each shard, its name, size, CRC32C and locator (where the backend put
 its bytes), plus the step, the attempt id, the writer, the creation and commit times, the save's
 measured durations and the trainer's free-form metadata. ``decode`` trusts nothing: it bounds
-the size, checks the schema, every shard name (DESIGN §11) and the manifest's own checksum.
+the size, checks the schema, every shard name (docs/protocol.md §1) and the manifest's own checksum.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Validated names: steps, shard names and attempt ids that can never escape a store (DESIGN §11).
+"""Validated names: steps, shard names and attempt ids that can never escape a store.
+
+The rules: docs/protocol.md §1.
 
 Every name that reaches a driver passed through one of these checks, both when it is written and
 when it is read back from a manifest, so a tampered manifest cannot make a reader open files or

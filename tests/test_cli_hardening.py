@@ -196,7 +196,7 @@ def test_verify_marks_a_checkpoint_deleted_while_its_shards_are_read(made, monke
         [],
         ["nosuch", "{url}"],
         ["ls", "{url}", "--bogus"],
-        ["conformance", "--json", "/no/such/dir/report.json", "{url}"],
+        ["conformance", "--json-file", "/no/such/dir/report.json", "{url}"],
         ["conformance", "--junit", "", "{url}"],
     ],
 )
@@ -247,7 +247,7 @@ def test_durations_are_bounded():
         (["lifecycle", "{url}", "--json"], "InvalidURLError"),
         (["ls", "--json"], "InvalidInputError"),
         (["verify", "{url}", "--js", "--bogus"], "InvalidInputError"),
-        (["conformance", "--json-stdout", "s3q://bucket"], "UnknownSchemeError"),
+        (["conformance", "--json", "s3q://bucket"], "UnknownSchemeError"),
     ],
 )
 def test_json_errors_are_json_on_stdout(made, capsys, argv, kind):

@@ -112,7 +112,7 @@ def test_cli_report_json_and_junit(tmp_path: Any) -> None:
     status = main(
         [
             "conformance", url,
-            "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml"),
+            "--json-file", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml"),
         ],
         out,
     )  # fmt: skip
@@ -128,6 +128,9 @@ def test_cli_report_json_and_junit(tmp_path: Any) -> None:
         [f"I{i}" for i in range(1, 9)], "held"
     )
     assert '<testsuite name="memory://' in (tmp_path / "r.xml").read_text()
+    out = io.StringIO()  # --json: the same report on stdout, and nothing else there
+    assert main(["conformance", f"memory://cli-json-{os.getpid()}/run", "--json"], out) == 0
+    assert json.loads(out.getvalue())["ok"] is True
 
 
 def test_cli_refuses_a_non_empty_url(tmp_path: Any, capsys: Any) -> None:
@@ -367,7 +370,7 @@ def test_a_storage_that_keeps_failing_is_reported_as_a_storage_error(
     status = main(
         [
             "conformance", failing_lists(None),
-            "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml"),
+            "--json-file", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml"),
         ],
         out,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The POSIX driver and the rename protocol's order of durable operations (DESIGN §4.1)."""
+"""The POSIX driver and the rename protocol's order of durable operations (docs/protocol.md §4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Lustre: ``lustre:///abs/path``, the POSIX rename protocol plus striping (DESIGN §4.2).
+"""Lustre: ``lustre:///abs/path``, the POSIX rename protocol plus striping.
+
+See docs/backends/lustre.md.
 
 Shard files are created with a striping layout through liblustreapi (``lustreapi.py``): large
 files (above ``wide_threshold`` bytes, or of unknown size) are striped over every OST, or over

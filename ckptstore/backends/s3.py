@@ -1,4 +1,6 @@
-"""S3 driver on boto3: ``s3://bucket/prefix``, committed by a conditional put (DESIGN §4.3).
+"""S3 driver on boto3: ``s3://bucket/prefix``, committed by a conditional put.
+
+The protocol: docs/protocol.md §3-4; this backend: docs/backends/s3.md.
 
 Works with AWS S3 and S3-compatible systems (``endpoint_url``). Shards go to attempt-unique
 keys, as single puts or as multipart uploads whose parts upload concurrently, each with its

@@ -1,4 +1,4 @@
-"""The one place where botocore's errors become ckptstore's (DESIGN §10).
+"""The one place where botocore's errors become ckptstore's (docs/backends/s3.md).
 
 Throttling, 5xx, timeouts and dropped connections are transient. A failure after which a
 write may or may not have happened (a read timeout, a connection reset after the request was

@@ -116,7 +116,9 @@ StrategyT = TypeVar("StrategyT", bound="CommitStrategy[Any]")
 
 
 class CommitStrategy(abc.ABC, Generic[DriverT]):
-    """The protocol of DESIGN §4 on one driver family: stage, seal, publish, read, unpublish, GC.
+    """The protocol on one driver family: stage, seal, publish, read, unpublish, GC.
+
+    Specified in docs/protocol.md §4-7.
 
     ``driver`` is the strategy's only access to storage; the conformance suite replaces it with
     a fault-injecting wrapper.

@@ -1,6 +1,6 @@
 """Publish by creating the manifest object only if absent (``If-None-Match: *``).
 
-Layout under the store's prefix (DESIGN §4.3)::
+Layout under the store's prefix (docs/protocol.md §3)::
 
     LATEST                               hint: the newest published step, moved by If-Match CAS
     manifests/step-<020d>.json           the commit point: created at most once per step

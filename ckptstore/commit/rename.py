@@ -1,6 +1,6 @@
 """Publish by renaming a fully fsynced staging directory onto a step name that must not exist.
 
-Layout under the store's root directory (DESIGN §4.1)::
+Layout under the store's root directory (docs/protocol.md §3)::
 
     LATEST                                  hint: the newest published step
     step-<020d>/manifest.json               published checkpoint (the name is the commit)

@@ -1,6 +1,6 @@
 """Publish a manifest that pins object versions: stable shard keys on a versioned bucket.
 
-Layout under the store's prefix (DESIGN §4.4)::
+Layout under the store's prefix (docs/backends/versioned.md)::
 
     LATEST                           hint, moved by If-Match CAS (old versions are GC'd)
     manifests/step-<020d>.json       the commit point: created at most once per step

@@ -5,7 +5,7 @@ may or may not have published (in doubt: a crash or an error during the save), a
 checkpoints may have been removed (a retention pass, a delete or a rollback in progress). A
 check reads the store through its public API and either resolves each doubt to one outcome,
 which every later check then holds the store to, or raises ``InvariantViolation`` naming the
-DESIGN invariant that broke.
+protocol invariant (docs/protocol.md §0) that broke.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ INVARIANTS = {
 
 
 class InvariantViolation(AssertionError):
-    """A DESIGN invariant does not hold; ``invariant`` is its id (``I1`` ... ``I8``)."""
+    """A protocol invariant does not hold; ``invariant`` is its id (``I1`` ... ``I8``).
+
+    The invariants: docs/protocol.md §0.
+    """
 
     def __init__(self, invariant: str, message: str) -> None:
         super().__init__(f"{invariant} ({INVARIANTS[invariant]}) violated: {message}")

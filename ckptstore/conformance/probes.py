@@ -1,4 +1,4 @@
-"""Capability probes: measure on the real system what its driver declares (DESIGN §5).
+"""Capability probes: measure on the real system what its driver declares (docs/protocol.md §2).
 
 Each probe works in a fresh location, through the driver alone, and reports ``held``,
 ``violated`` or ``not measured`` with a detail a storage engineer can act on; or ``storage
