@@ -7,15 +7,17 @@ Used as a context manager it publishes on a clean exit and aborts on an exceptio
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptstore.checksum import Crc32c
 from ckptstore.commit.base import ShardSink
 from ckptstore.errors import (
+    CheckpointExistsError,
     CheckpointStateError,
     CoverageError,
     InvalidInputError,
@@ -28,7 +30,7 @@ from ckptstore.names import check_shard_name
 if TYPE_CHECKING:
     from ckptstore.checkpoint import Checkpoint
 
-__all__ = ["PendingCheckpoint", "ShardData", "ShardWriter"]
+__all__ = ["AttemptOwner", "PendingCheckpoint", "PendingState", "ShardData", "ShardWriter"]
 
 _READ_CHUNK = 8 * 1024 * 1024
 
@@ -38,6 +40,61 @@ class _Readable(Protocol):
 
 
 ShardData = bytes | bytearray | memoryview | _Readable | Iterable[Any] | Any
+
+
+class PendingState(str, enum.Enum):
+    """Where a pending checkpoint is in its life; equal to its name as a string ("open")."""
+
+    OPEN = "open"
+    """Shards may be written."""
+    SEALING = "sealing"
+    """The shards written so far are being made durable; none may start."""
+    SEALED = "sealed"
+    """Every shard is durable; the manifest is next."""
+    PUBLISHING = "publishing"
+    """The manifest is being committed: the outcome is the storage's to decide."""
+    PUBLISHED = "published"
+    """Committed: visible to every reader."""
+    FAILED = "failed"
+    """Not published; what was staged is left for GC (the outcome may be unknown)."""
+    ABORTED = "aborted"
+    """Given up; what was staged was removed (or is left for GC)."""
+
+
+_NEXT: dict[PendingState, frozenset[PendingState]] = {
+    PendingState.OPEN: frozenset({PendingState.SEALING, PendingState.ABORTED, PendingState.FAILED}),
+    PendingState.SEALING: frozenset(
+        {PendingState.OPEN, PendingState.SEALED, PendingState.ABORTED, PendingState.FAILED}
+    ),
+    PendingState.SEALED: frozenset({PendingState.PUBLISHING, PendingState.FAILED}),
+    PendingState.PUBLISHING: frozenset({PendingState.PUBLISHED, PendingState.FAILED}),
+    PendingState.PUBLISHED: frozenset(),
+    PendingState.FAILED: frozenset(),
+    PendingState.ABORTED: frozenset(),
+}
+"""The legal transitions. ``seal()`` alone goes SEALING -> OPEN (more shards may follow);
+``publish()`` goes OPEN -> SEALING -> SEALED -> PUBLISHING -> PUBLISHED."""
+
+
+class AttemptOwner(Protocol):
+    """What a pending checkpoint asks of the store its attempt belongs to."""
+
+    url: str
+
+    def open_sink(self, name: str, size_hint: int | None) -> ShardSink:
+        """Start staging one shard of the attempt."""
+
+    def seal(self) -> None:
+        """Make durable every shard of the attempt closed so far."""
+
+    def publish(self, pending: PendingCheckpoint, shards: tuple[ShardRecord, ...]) -> Checkpoint:
+        """Commit the manifest of ``shards`` (the commit point); return the checkpoint."""
+
+    def after_publish(self, checkpoint: Checkpoint) -> None:
+        """What follows a publish and cannot undo it: the LATEST hint, retention."""
+
+    def abort(self) -> None:
+        """Remove what the attempt staged, as far as possible (GC removes the rest)."""
 
 
 class ShardWriter:
@@ -78,10 +135,10 @@ class ShardWriter:
         try:
             locator = self._sink.close()
         except BaseException:
-            self._pending._shard_failed(self.name)
+            self._pending.shard_failed(self.name)
             raise
         record = ShardRecord(self.name, self._crc.size, self._crc.hexdigest(), dict(locator))
-        self._pending._add_record(record)
+        self._pending.shard_closed(record)
         self._record = record
         return record
 
@@ -90,7 +147,7 @@ class ShardWriter:
         if not self._closed:
             self._closed = True
             self._sink.abort()
-            self._pending._shard_failed(self.name)
+            self._pending.shard_failed(self.name)
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -134,10 +191,7 @@ class PendingCheckpoint:
         metadata: dict[str, Any],
         expected: frozenset[str] | None,
         writer: WriterInfo,
-        open_sink: Callable[[str, int | None], ShardSink],
-        seal: Callable[[], None],
-        publish: Callable[[PendingCheckpoint], Checkpoint],
-        abort: Callable[[PendingCheckpoint], None],
+        owner: AttemptOwner,
     ) -> None:
         self.step = step
         self.attempt = attempt
@@ -148,19 +202,30 @@ class PendingCheckpoint:
         self.started = time.time()
         self.started_perf = time.perf_counter()
         self.timings: dict[str, float] = {}
-        self._open_sink = open_sink
-        self._seal = seal
-        self._publish = publish
-        self._abort = abort
+        self._owner = owner
         self._lock = threading.Lock()
         self._records: dict[str, ShardRecord] = {}
         self._claimed: set[str] = set()
         self._directories: set[str] = set()
         self._failed: set[str] = set()
-        self.state = "open"
+        self._state = PendingState.OPEN
 
     def __repr__(self) -> str:
-        return f"<PendingCheckpoint step={self.step} attempt={self.attempt} {self.state}>"
+        return f"<PendingCheckpoint step={self.step} attempt={self.attempt} {self._state.value}>"
+
+    @property
+    def state(self) -> PendingState:
+        """Where this checkpoint is in its life (see PendingState)."""
+        return self._state
+
+    def _move(self, to: PendingState) -> None:
+        """Change state; CheckpointStateError naming both states if the move is not legal."""
+        if to not in _NEXT[self._state]:
+            raise CheckpointStateError(
+                f"checkpoint step {self.step} attempt {self.attempt}: cannot go from "
+                f"{self._state.value} to {to.value}"
+            )
+        self._state = to
 
     @property
     def records(self) -> list[ShardRecord]:
@@ -175,9 +240,9 @@ class PendingCheckpoint:
             return set(self._failed)
 
     def _check_open(self) -> None:
-        if self.state != "open":
+        if self._state is not PendingState.OPEN:
             raise CheckpointStateError(
-                f"checkpoint step {self.step} attempt {self.attempt} is {self.state}"
+                f"checkpoint step {self.step} attempt {self.attempt} is {self._state.value}"
             )
 
     def _claim(self, name: str) -> None:
@@ -196,11 +261,13 @@ class PendingCheckpoint:
             self._claimed.add(name)
             self._directories |= parents
 
-    def _add_record(self, record: ShardRecord) -> None:
+    def shard_closed(self, record: ShardRecord) -> None:
+        """Count a shard its writer finished (``ShardWriter.close`` calls it)."""
         with self._lock:
             self._records[record.name] = record
 
-    def _shard_failed(self, name: str) -> None:
+    def shard_failed(self, name: str) -> None:
+        """Count a shard as failed: this checkpoint cannot publish (``ShardWriter`` calls it)."""
         with self._lock:
             self._failed.add(name)
 
@@ -211,9 +278,9 @@ class PendingCheckpoint:
         """
         self._claim(name)
         try:
-            sink = self._open_sink(name, size_hint)
+            sink = self._owner.open_sink(name, size_hint)
         except BaseException:
-            self._shard_failed(name)
+            self.shard_failed(name)
             raise
         return ShardWriter(self, name, sink)
 
@@ -244,19 +311,40 @@ class PendingCheckpoint:
         """Make every shard closed so far durable; return their records (the receipts).
 
         ``publish`` seals by itself. A process that joined another's attempt (``Store.join``)
-        seals before it sends its receipts to the coordinator.
+        seals before it sends its receipts to the coordinator; more shards may follow.
         """
         self._check_open()
-        return self._seal_records()
+        records = self._sealed_records(on_storage_error=PendingState.FAILED)
+        self._move(PendingState.OPEN)
+        return records
 
-    def _seal_records(self) -> list[ShardRecord]:
+    def _sealed_records(self, on_storage_error: PendingState) -> list[ShardRecord]:
+        """OPEN -> SEALING, then the records of every shard, made durable. A storage error
+        moves to ``on_storage_error`` (a shard's data may be lost: this attempt cannot
+        publish), any other failure to FAILED."""
+        self._move(PendingState.SEALING)  # no shard may start now
         records = self.records
         try:
-            self._seal()  # makes durable every shard recorded before it started
+            self._owner.seal()  # makes durable every shard recorded before it started
         except StorageError:
-            self.state = "failed"  # a shard's data may be lost: this attempt is done
+            self._move(on_storage_error)
+            raise
+        except BaseException:
+            self._move(PendingState.FAILED)
             raise
         return records
+
+    def _coverage_problem(self) -> str | None:
+        failed = self.failed_shards
+        if failed:
+            return f"shard(s) {', '.join(sorted(failed))} failed to write"
+        if self.expected is None:
+            return None
+        written = {record.name for record in self.records}
+        missing, extra = self.expected - written, written - self.expected
+        if missing or extra:
+            return f"missing shards {sorted(missing)[:10]}, unexpected shards {sorted(extra)[:10]}"
+        return None
 
     def add_receipts(self, records: Iterable[ShardRecord]) -> None:
         """Add shards that other processes wrote into this attempt (multi-rank saves).
@@ -281,14 +369,50 @@ class PendingCheckpoint:
         self.timings[name] = float(seconds)
 
     def publish(self) -> Checkpoint:
-        """Commit atomically and durably; return the published checkpoint."""
-        return self._publish(self)
+        """Commit atomically and durably; return the published checkpoint.
+
+        Seals every shard, then commits the manifest. Refused shard coverage or a storage
+        error while sealing: aborted, nothing published. The step published meanwhile by
+        another attempt: CheckpointExistsError, this attempt's data removed. Any other failure
+        of the commit leaves the outcome to read back: the state is FAILED and the staged data
+        stays for GC (a late commit may reference it).
+        """
+        self._check_open()
+        problem = self._coverage_problem()
+        if problem is not None:
+            self.abort()
+            raise CoverageError(
+                f"{self._owner.url}: step {self.step}: {problem}; nothing was published"
+            )
+        try:
+            shards = tuple(self._sealed_records(on_storage_error=PendingState.ABORTED))
+        except StorageError:
+            self._discard()  # a shard may not be durable: nothing can publish this attempt
+            raise
+        self._move(PendingState.SEALED)
+        self._move(PendingState.PUBLISHING)
+        try:
+            checkpoint = self._owner.publish(self, shards)
+        except CheckpointExistsError:
+            self._move(PendingState.FAILED)
+            self._discard()
+            raise
+        except BaseException:
+            self._move(PendingState.FAILED)
+            raise
+        self.checkpoint = checkpoint
+        self._move(PendingState.PUBLISHED)
+        self._owner.after_publish(checkpoint)
+        return checkpoint
 
     def abort(self) -> None:
         """Give up on this attempt and remove what it staged (GC removes anything left)."""
-        if self.state == "open":
-            self.state = "aborted"
-            self._abort(self)
+        if self._state is PendingState.OPEN:
+            self._move(PendingState.ABORTED)
+            self._discard()
+
+    def _discard(self) -> None:
+        self._owner.abort()
 
     def __enter__(self) -> PendingCheckpoint:
         return self
@@ -300,9 +424,9 @@ class PendingCheckpoint:
         tb: TracebackType | None,
     ) -> None:
         if exc_type is None:
-            if self.state == "open":
+            if self._state is PendingState.OPEN:
                 self.publish()
-        elif self.state == "open":
+        elif self._state is PendingState.OPEN:
             self.abort()
 
 

@@ -18,13 +18,12 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, BinaryIO, cast
 
 from ckptstore.checkpoint import Checkpoint
-from ckptstore.commit.base import CommitStrategy, GcReport
+from ckptstore.commit.base import CommitStrategy, GcReport, ShardSink
 from ckptstore.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointStateError,
     CkptStoreError,
-    CoverageError,
     IntegrityError,
     InvalidInputError,
     InvalidOptionError,
@@ -152,10 +151,15 @@ class Store:
                 metadata=clean_metadata,
                 expected=expected,
                 writer=WriterInfo.current(world_size=world_size),
-                open_sink=lambda name, size: self.strategy.open_shard(step, attempt_id, name, size),
-                seal=lambda: self.strategy.seal(step, attempt_id),
-                publish=self._publish,
-                abort=self._abort,
+                owner=_StoreAttempt(
+                    self.url,
+                    self.strategy,
+                    step,
+                    attempt_id,
+                    commit=self._commit,
+                    after_publish=lambda checkpoint: self._after_publish(checkpoint.step),
+                    abort=lambda: self._abort(step, attempt_id),
+                ),
             )
         )
 
@@ -168,12 +172,6 @@ class Store:
         check_step(step)
         attempt_id = check_attempt_id(attempt)
 
-        def refuse(pending: PendingCheckpoint) -> Checkpoint:
-            raise CheckpointStateError(
-                f"{self.url}: step {step}: only the coordinator that began attempt "
-                f"{attempt_id} publishes it; send it this process's receipts"
-            )
-
         return self._released_when_dropped(
             PendingCheckpoint(
                 step=step,
@@ -181,10 +179,7 @@ class Store:
                 metadata={},
                 expected=None,
                 writer=WriterInfo.current(),
-                open_sink=lambda name, size: self.strategy.open_shard(step, attempt_id, name, size),
-                seal=lambda: self.strategy.seal(step, attempt_id),
-                publish=refuse,
-                abort=lambda pending: self.strategy.release(step, attempt_id),
+                owner=_JoinedAttempt(self.url, self.strategy, step, attempt_id),
             )
         )
 
@@ -204,23 +199,8 @@ class Store:
         assert pending.checkpoint is not None
         return pending.checkpoint
 
-    def _publish(self, pending: PendingCheckpoint) -> Checkpoint:
-        pending._check_open()
-        try:
-            self._check_coverage(pending)
-        except CkptStoreError:
-            self._abort(pending)
-            raise
-        pending.state = "publishing"  # no shard may start now
-        try:
-            shards = tuple(pending._seal_records())
-        except StorageError:
-            pending.state = "open"
-            self._abort(pending)  # a shard may not be durable: nothing can publish this attempt
-            raise
-        except BaseException:
-            pending.state = "failed"
-            raise
+    def _commit(self, pending: PendingCheckpoint, shards: tuple[ShardRecord, ...]) -> Checkpoint:
+        """Write the manifest of ``pending``'s sealed ``shards``: the commit point."""
         write_s = time.perf_counter() - pending.started_perf
         manifest = Manifest(
             step=pending.step,
@@ -233,38 +213,8 @@ class Store:
             metadata=pending.metadata,
             backend=self.strategy.name,
         )
-        try:
-            self.strategy.publish(manifest)
-        except CheckpointExistsError:
-            pending.state = "failed"
-            self._abort(pending, force=True)
-            raise
-        except BaseException:
-            # The outcome may be unknown (a crash, a timeout after retries): leave the staged
-            # data for GC rather than delete what a late commit might reference.
-            pending.state = "failed"
-            raise
-        pending.state = "published"
-        pending.checkpoint = Checkpoint(manifest, self._opener, self.url)
-        self._after_publish(pending.step)
-        return pending.checkpoint
-
-    def _check_coverage(self, pending: PendingCheckpoint) -> None:
-        failed = pending.failed_shards
-        if failed:
-            raise CoverageError(
-                f"{self.url}: step {pending.step}: shard(s) {', '.join(sorted(failed))} failed "
-                f"to write; nothing was published"
-            )
-        if pending.expected is None:
-            return
-        written = {record.name for record in pending.records}
-        missing, extra = pending.expected - written, written - pending.expected
-        if missing or extra:
-            raise CoverageError(
-                f"{self.url}: step {pending.step}: missing shards {sorted(missing)[:10]}, "
-                f"unexpected shards {sorted(extra)[:10]}; nothing was published"
-            )
+        self.strategy.publish(manifest)
+        return Checkpoint(manifest, self._opener, self.url)
 
     def _after_publish(self, step: int) -> None:
         try:
@@ -286,18 +236,16 @@ class Store:
             except CkptStoreError as exc:
                 log.warning("%s: step %d published; retention failed: %s", self.url, step, exc)
 
-    def _abort(self, pending: PendingCheckpoint, force: bool = False) -> None:
-        if pending.state not in ("open", "aborted") and not force:
-            return
-        pending.state = "aborted" if pending.state == "open" else pending.state
+    def _abort(self, step: int, attempt: str) -> None:
+        """Remove what an attempt staged; a storage error is left to GC, with a warning."""
         try:
-            self.strategy.abort(pending.step, pending.attempt)
+            self.strategy.abort(step, attempt)
         except StorageError as exc:
             log.warning(
                 "%s: could not remove attempt %s of step %d (gc will): %s",
                 self.url,
-                pending.attempt,
-                pending.step,
+                attempt,
+                step,
                 exc,
             )
 
@@ -633,6 +581,64 @@ class _VanishingShardStream:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
+
+
+class _JoinedAttempt:
+    """The store's side of an attempt another process began: stage and seal shards here;
+    only the coordinator publishes. Abort lets go of the files held, deletes nothing."""
+
+    def __init__(self, url: str, strategy: CommitStrategy[Any], step: int, attempt: str) -> None:
+        self.url = url
+        self.strategy = strategy
+        self.step = step
+        self.attempt = attempt
+
+    def open_sink(self, name: str, size_hint: int | None) -> ShardSink:
+        return self.strategy.open_shard(self.step, self.attempt, name, size_hint)
+
+    def seal(self) -> None:
+        self.strategy.seal(self.step, self.attempt)
+
+    def publish(self, pending: PendingCheckpoint, shards: tuple[ShardRecord, ...]) -> Checkpoint:
+        raise CheckpointStateError(
+            f"{self.url}: step {self.step}: only the coordinator that began attempt "
+            f"{self.attempt} publishes it; send it this process's receipts"
+        )
+
+    def after_publish(self, checkpoint: Checkpoint) -> None:
+        """Nothing: a joined attempt never publishes."""
+
+    def abort(self) -> None:
+        self.strategy.release(self.step, self.attempt)
+
+
+class _StoreAttempt(_JoinedAttempt):
+    """The store's side of an attempt it began: it publishes, and abort removes its data."""
+
+    def __init__(
+        self,
+        url: str,
+        strategy: CommitStrategy[Any],
+        step: int,
+        attempt: str,
+        *,
+        commit: Callable[[PendingCheckpoint, tuple[ShardRecord, ...]], Checkpoint],
+        after_publish: Callable[[Checkpoint], None],
+        abort: Callable[[], None],
+    ) -> None:
+        super().__init__(url, strategy, step, attempt)
+        self._commit = commit
+        self._after_publish = after_publish
+        self._abort = abort
+
+    def publish(self, pending: PendingCheckpoint, shards: tuple[ShardRecord, ...]) -> Checkpoint:
+        return self._commit(pending, shards)
+
+    def after_publish(self, checkpoint: Checkpoint) -> None:
+        self._after_publish(checkpoint)
+
+    def abort(self) -> None:
+        self._abort()
 
 
 def _release_quietly(strategy: CommitStrategy[Any], step: int, attempt: str) -> None:

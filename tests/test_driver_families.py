@@ -96,3 +96,24 @@ def test_the_injector_counts_every_storage_call_the_save_made(
     assert "start_writeback" in names  # missing from the injector's old hand-written list
     assert {"create", "write", "fsync", "fsync_dir", "rename_noreplace"} <= names
     assert recorded_posix_save.family is DriverFamily.FILE_SYSTEM
+
+
+@pytest.mark.filterwarnings("ignore::ckptstore.backends.lustre.LustreStripingWarning")
+@pytest.mark.parametrize(
+    "url",
+    [
+        "file://{tmp}/s",
+        "lustre://{tmp}/s",
+        "memory://with-driver-{pid}/s?concurrency=4",
+        "memory+versioned://with-driver-v-{pid}/s",
+    ],
+)
+def test_with_driver_builds_a_fresh_strategy_sharing_no_state(tmp_path: Any, url: str) -> None:
+    store = ckptstore.open(url.format(tmp=tmp_path, pid=os.getpid()))
+    strategy = store.strategy
+    clone = strategy.with_driver(FaultInjector(strategy.driver))
+    assert type(clone) is type(strategy) and clone.settings() == strategy.settings()
+    assert isinstance(clone.driver, FaultInjector) and clone.driver.inner is strategy.driver
+    for name, value in vars(strategy).items():
+        if name != "driver" and not isinstance(value, (int, str, bool, float, type(None))):
+            assert vars(clone)[name] is not value, f"{name} is shared with the original"

@@ -20,7 +20,7 @@ import os
 import threading
 import warnings
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ckptstore.backends.lustreapi import (
     LAYOUT_DEFAULT,
@@ -131,6 +131,15 @@ class LustreCommit(RenameCommit):
         self.large_layout = Layout(stripe_count, stripe_size, pool)
         self.small_layout = Layout(LAYOUT_DEFAULT, LAYOUT_DEFAULT, pool)
         self.wide_threshold = wide_threshold
+
+    def settings(self) -> dict[str, Any]:
+        large = self.large_layout
+        return {
+            "stripe_count": large.stripe_count,
+            "stripe_size": large.stripe_size,
+            "pool": large.pool,
+            "wide_threshold": self.wide_threshold,
+        }
 
     def layout_for(self, size_hint: int | None) -> Layout:
         """The layout of a new shard file: wide above the threshold or when the size is

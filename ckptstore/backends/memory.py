@@ -97,7 +97,7 @@ class MemoryBucket:
         self.uploads: dict[str, _Upload] = {}
         self._sequence = itertools.count(1)
 
-    def _new_version_id(self) -> str:
+    def new_version_id(self) -> str:
         if not self.versioned:
             return "null"
         return f"{next(self._sequence):012d}{secrets.token_hex(4)}"
@@ -126,7 +126,7 @@ class MemoryBucket:
         self, key: str, data: bytes, etag: str, metadata: Mapping[str, str] | None = None
     ) -> _Version:
         """Add (versioned) or replace (unversioned) the object at ``key``."""
-        version = _Version(self._new_version_id(), data, etag, self.clock(), metadata=metadata)
+        version = _Version(self.new_version_id(), data, etag, self.clock(), metadata=metadata)
         if self.versioned:
             self.objects.setdefault(key, []).append(version)
         else:
@@ -254,7 +254,7 @@ class MemoryDriver(ObjectStoreDriver):
             if version_id is not None:
                 versions[:] = [v for v in versions if v.version_id != version_id]
             elif self.bucket.versioned:
-                marker = _Version(self.bucket._new_version_id(), b"", "", self.bucket.clock(), True)
+                marker = _Version(self.bucket.new_version_id(), b"", "", self.bucket.clock(), True)
                 versions.append(marker)
                 self.bucket.objects[full] = versions
             else:

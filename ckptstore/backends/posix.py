@@ -195,23 +195,23 @@ class PosixDriver(FileSystemDriver):
 
     def _try_renameat2(self, source: str, target: str) -> bool:
         """Rename with RENAME_NOREPLACE; return False where the kernel or file system lacks it."""
-        fn = type(self)._renameat2
+        fn = self._renameat2
         if fn is None:
             return False
         device = self._device()
-        works = type(self)._renameat2_works
+        works = self._renameat2_works
         if works.get(device) is False:
             return False
         result = fn(
             _AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE
         )
         if result == 0:
-            with type(self)._probe_lock:
+            with self._probe_lock:
                 works[device] = True
             return True
         err = ctypes.get_errno()
         if err in (errno.ENOSYS, errno.EINVAL):
-            with type(self)._probe_lock:  # once it worked here, EINVAL is the call's own
+            with self._probe_lock:  # once it worked here, EINVAL is the call's own
                 works.setdefault(device, False)
             return False
         raise OSError(err, os.strerror(err), source, None, target)

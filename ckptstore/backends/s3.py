@@ -344,7 +344,17 @@ class S3Driver(ObjectStoreDriver):
         what = f"GetObject {key}"
         call = self._retried if retried else self._once
         response = call(what, lambda: self.client.get_object(**args))
-        return _ResumingStream(self, key, args, response)
+        return _ResumingStream(
+            key,
+            args,
+            response,
+            where=f"s3://{self.bucket}/{self._full(key)}",
+            bucket=self.bucket,
+            max_attempts=self.max_attempts,
+            get_again=lambda what, again: self._retried(
+                what, lambda: self.client.get_object(**again)
+            ),
+        )
 
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
         response = self._retried(
@@ -569,17 +579,27 @@ class _ResumingStream:
     """
 
     def __init__(
-        self, driver: S3Driver, key: str, args: Mapping[str, Any], response: Mapping[str, Any]
+        self,
+        key: str,
+        args: Mapping[str, Any],
+        response: Mapping[str, Any],
+        *,
+        where: str,
+        bucket: str,
+        max_attempts: int,
+        get_again: Callable[[str, dict[str, Any]], Any],
     ) -> None:
         self.response = response
-        self._driver = driver
+        self._bucket = bucket
+        self._max_attempts = max_attempts
+        self._get_again = get_again
         self._key = key
         self._args = dict(args)
         self._body: Any = response["Body"]
         self._size = int(response.get("ContentLength", -1))
         self._etag = str(response.get("ETag") or "")
         self._position = 0
-        self._what = f"reading s3://{driver.bucket}/{driver._full(key)}"
+        self._what = f"reading {where}"
 
     def read(self, size: int = -1) -> bytes:
         pieces = []
@@ -612,9 +632,9 @@ class _ResumingStream:
 
     def _resilient(self, read: Callable[[], T], size_of: Callable[[T], int]) -> T:
         """``read()`` from the current body; a broken body is replaced by a resumed one."""
-        for tries_left in reversed(range(self._driver.max_attempts)):
+        for tries_left in reversed(range(self._max_attempts)):
             try:
-                with translate_s3_errors(self._what, bucket=self._driver.bucket):
+                with translate_s3_errors(self._what, bucket=self._bucket):
                     result = read()
             except TransientStorageError as exc:
                 if not tries_left or not self._etag:  # without an ETag, a resume could splice
@@ -635,7 +655,7 @@ class _ResumingStream:
         args = {**self._args, "Range": f"bytes={self._position}-", "IfMatch": self._etag}
         what = f"GetObject {self._key} from byte {self._position}"
         try:
-            response = self._driver._retried(what, lambda: self._driver.client.get_object(**args))
+            response = self._get_again(what, args)
         except (PreconditionFailedError, ObjectNotFoundError) as exc:
             raise _ObjectReplacedError(
                 errno.ESTALE,

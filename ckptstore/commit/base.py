@@ -14,7 +14,6 @@ over the same storage cannot find.
 from __future__ import annotations
 
 import abc
-import copy
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -138,14 +137,20 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
     def close(self) -> None:
         """Release the threads this strategy holds; it may be used again afterwards."""
 
-    def with_driver(self: StrategyT, driver: Any) -> StrategyT:
-        """A copy of this strategy, with the same settings, working through another driver.
+    def settings(self) -> dict[str, Any]:
+        """The keyword arguments that, with a driver, rebuild this strategy (``with_driver``).
 
-        The conformance suite uses it to put a fault-injecting or simulated driver underneath.
+        A strategy whose constructor takes settings returns them here.
         """
-        clone = copy.copy(self)
-        clone.driver = driver
-        return clone
+        return {}
+
+    def with_driver(self: StrategyT, driver: Any) -> StrategyT:
+        """A fresh strategy of this class, with the same settings, over another driver.
+
+        Nothing per-instance is shared (held files, caches, threads). The conformance suite
+        uses it to put a fault-injecting or simulated driver underneath.
+        """
+        return type(self)(driver, **self.settings())
 
     @abc.abstractmethod
     def stored_names(self, manifest: Manifest) -> set[str]:

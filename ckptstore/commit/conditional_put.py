@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timezone
-from typing import BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from ckptstore.commit.base import (
     CommitStrategy,
@@ -297,9 +297,6 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     name = "conditional-put"
     required_capabilities = frozenset({Capability.CONDITIONAL_CREATE})
     fixed_names = frozenset({LATEST_KEY})
-    verify_conditional_writes = True
-    """Probe conditional create before a writer's first publish (the conformance suite turns
-    this off, to measure and report storage that ckptstore would refuse)."""
 
     def __init__(
         self,
@@ -307,6 +304,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         *,
         part_size: int = DEFAULT_PART_SIZE,
         concurrency: int = 1,
+        verify_conditional_writes: bool = True,
     ) -> None:
         if part_size < driver.min_part_size:
             raise InvalidOptionError(
@@ -318,6 +316,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         super().__init__(driver)
         self.part_size = part_size
         self.concurrency = concurrency
+        self.verify_conditional_writes = verify_conditional_writes
+        """Probe conditional create before a writer's first publish (the conformance suite
+        turns this off, to measure and report storage that ckptstore would refuse)."""
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
 
@@ -330,6 +331,13 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                     self.concurrency, thread_name_prefix="ckptstore-parts"
                 )
             return self._executor
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "part_size": self.part_size,
+            "concurrency": self.concurrency,
+            "verify_conditional_writes": self.verify_conditional_writes,
+        }
 
     def close(self) -> None:
         """Wait for part uploads under way, then stop the upload threads."""

@@ -27,7 +27,7 @@ import errno
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, BinaryIO, TypeVar
+from typing import BinaryIO, TypeVar
 
 from ckptstore.commit.base import (
     CommitStrategy,
@@ -132,12 +132,6 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         super().__init__(driver)
         self._unsynced: dict[tuple[int, str], UnsyncedFiles] = {}
         self._unsynced_lock = threading.Lock()
-
-    def with_driver(self: _RenameT, driver: Any) -> _RenameT:
-        clone = super().with_driver(driver)
-        clone._unsynced = {}
-        clone._unsynced_lock = threading.Lock()
-        return clone
 
     def open_root(self, *, create: bool) -> None:
         self.driver.ensure_root(create)

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
+from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
 from ckptstore.driver import DriverFamily, driver_family
 from ckptstore.errors import IntegrityError, ObjectNotFoundError, StorageError
@@ -38,7 +39,7 @@ def open_for_measuring(url: str, options: dict[str, Any]) -> CommitStrategy[Any]
     capability (the suite reports what is missing instead)."""
     parsed = parse_url(url)
     strategy = resolve(parsed.scheme)(parsed, {**parsed.query, **options})
-    if hasattr(strategy, "verify_conditional_writes"):
+    if isinstance(strategy, ConditionalPutCommit):
         strategy.verify_conditional_writes = False
     strategy.open_root(create=True)
     return strategy
