@@ -63,7 +63,7 @@ from ckptstore.hint import MAX_HINT_BYTES, parse_hint
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord
 from ckptstore.names import new_attempt_id, parse_attempt_name, parse_step_token, step_token
 
-__all__ = ["ConditionalPutCommit"]
+__all__ = ["ConditionalPutCommit", "ObjectShardSink"]
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def part_size_for(part_number: int, base: int) -> int:
     return int(base * 2 ** ((part_number - 1) // PARTS_PER_TIER))
 
 
-class _ObjectShardSink(ShardSink):
+class ObjectShardSink(ShardSink):
     """Buffers a shard into parts: one put if it fits in one part, else a multipart upload.
 
     With ``executor``, up to ``in_flight`` parts upload concurrently; each holds its own copy
@@ -322,7 +322,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
 
-    def _parts_executor(self) -> ThreadPoolExecutor | None:
+    def parts_executor(self) -> ThreadPoolExecutor | None:
+        """The threads that upload parts concurrently (None: one at a time), for shard sinks;
+        started on first use, stopped by ``close``."""
         if self.concurrency == 1:
             return None
         with self._executor_lock:
@@ -477,8 +479,8 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         self, step: int, attempt: str, name: str, size_hint: int | None = None
     ) -> ShardSink:
         key = f"{self.attempt_prefix(step, attempt)}{name}"
-        return _ObjectShardSink(
-            self.driver, key, self.part_size, size_hint, self._parts_executor(), self.concurrency
+        return ObjectShardSink(
+            self.driver, key, self.part_size, size_hint, self.parts_executor(), self.concurrency
         )
 
     def publish(self, manifest: Manifest) -> None:
@@ -533,7 +535,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     def _written_problems(self, manifest: Manifest) -> list[ShardProblem]:
         """What is wrong with the shards of ``manifest``, asked of each object (concurrently)."""
         records: Sequence[ShardRecord] = manifest.shards
-        executor = self._parts_executor()
+        executor = self.parts_executor()
         if executor is None or len(records) < 2:
             found = [self._stored_problem(record) for record in records]
         else:

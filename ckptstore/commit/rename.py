@@ -64,7 +64,7 @@ from ckptstore.names import (
     step_token,
 )
 
-__all__ = ["RenameCommit"]
+__all__ = ["FileShardSink", "RenameCommit"]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,14 @@ _WRONG_KIND_ERRNOS = frozenset(
 _RenameT = TypeVar("_RenameT", bound="RenameCommit")
 
 
-class _FileShardSink(ShardSink):
+class FileShardSink(ShardSink):
+    """Streams one shard into a new file of its attempt; at close, the file joins the
+    attempt's held files (``UnsyncedFiles``), to be fsynced at seal.
+
+    ``errors`` wraps each driver call (translating, say, a vanished attempt directory into
+    GC's explanation); a strategy over another file system reuses this sink as it is.
+    """
+
     def __init__(
         self,
         driver: FileSystemDriver,
@@ -162,7 +169,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             path, handle = self._create_shard(step, attempt, name, size_hint)
         unsynced = self._unsynced_files(step, attempt)
         errors = lambda: self._attempt_errors(step, attempt)  # noqa: E731
-        return _FileShardSink(self.driver, unsynced, path, f"{DATA_DIR}/{name}", handle, errors)
+        return FileShardSink(self.driver, unsynced, path, f"{DATA_DIR}/{name}", handle, errors)
 
     def _create_shard(
         self, step: int, attempt: str, name: str, size_hint: int | None
@@ -443,7 +450,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             self.driver.rename_replace(tmp, LATEST_NAME)
         except StorageError:
             # LATEST is a directory, say: leave no temporary pointer behind for GC.
-            self._remove_tree(tmp)
+            self.remove_tree(tmp)
             raise
         self.driver.fsync_dir("")
 
@@ -459,7 +466,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
                 f"{self.url}: no published checkpoint at step {step}"
             ) from exc
         self.driver.fsync_dir("")
-        self._remove_tree(trash)
+        self.remove_tree(trash)
 
     def collect_garbage(self, *, grace_s: float, now: float, dry_run: bool) -> GcReport:
         """Remove trash, and staging and temporary files idle for longer than ``grace_s``.
@@ -597,16 +604,17 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
                 self.driver.rename_noreplace(path, trash)
             except ObjectNotFoundError:
                 return
-        self._remove_tree(trash)
+        self.remove_tree(trash)
 
-    def _remove_tree(self, path: str) -> None:
+    def remove_tree(self, path: str) -> None:
+        """Remove ``path`` and everything under it; what vanishes meanwhile is no error."""
         try:
             stat = self.driver.stat(path)
             if not stat.is_dir:
                 self.driver.unlink(path)
                 return
             for child in self.driver.listdir(path):
-                self._remove_tree(f"{path}/{child}")
+                self.remove_tree(f"{path}/{child}")
             self.driver.rmdir(path)
         except ObjectNotFoundError:
             return  # removed concurrently by another cleaner

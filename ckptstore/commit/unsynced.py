@@ -14,6 +14,7 @@ fsynced and closed at once: the bound costs overlap, never correctness.
 
 from __future__ import annotations
 
+import enum
 import logging
 import resource
 import threading
@@ -21,7 +22,13 @@ import threading
 from ckptstore.driver import FileSystemDriver
 from ckptstore.errors import StorageError
 
-__all__ = ["HELD_DESCRIPTORS", "PER_ATTEMPT_LIMIT", "DescriptorBudget", "UnsyncedFiles"]
+__all__ = [
+    "HELD_DESCRIPTORS",
+    "PER_ATTEMPT_LIMIT",
+    "DescriptorBudget",
+    "HeldState",
+    "UnsyncedFiles",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +81,17 @@ class DescriptorBudget:
 HELD_DESCRIPTORS = DescriptorBudget()
 
 
+class HeldState(enum.Enum):
+    """What an attempt's held files do with a file added now."""
+
+    HOLDING = "holding"
+    """Keep it open with its writeback started (fsynced at seal)."""
+    SEALED = "sealed"
+    """The attempt was sealed: fsync it at once (a shard that was still being written)."""
+    DISCARDED = "discarded"
+    """The attempt was abandoned: close it unsynced."""
+
+
 class UnsyncedFiles:
     """The closed shard files of one attempt whose writeback is started but not waited for.
 
@@ -90,17 +108,17 @@ class UnsyncedFiles:
         self._files: list[tuple[str, int]] = []
         self._room = 0  # budget taken: always len(self._files) once a call returns
         self._lock = threading.Lock()
-        self._state = "open"
+        self._state = HeldState.HOLDING
         self._failure: StorageError | None = None
 
     def add(self, path: str, handle: int) -> None:
         """Start the file's writeback and keep it, or fsync the oldest (or it) for room."""
         with self._lock:
-            if self._state == "discarded":
+            if self._state is HeldState.DISCARDED:
                 self._driver.close(handle)
                 return
             self._files.append((path, handle))
-            if self._state == "sealed":
+            if self._state is HeldState.SEALED:
                 self._sync_locked(len(self._files))
                 return
             try:
@@ -117,14 +135,14 @@ class UnsyncedFiles:
     def seal(self) -> None:
         """Make every file added so far durable, or raise why one may not be."""
         with self._lock:
-            if self._state == "open":
-                self._state = "sealed"
+            if self._state is HeldState.HOLDING:
+                self._state = HeldState.SEALED
             self._sync_locked(len(self._files))
 
     def discard(self) -> None:
         """Close every file without waiting for it (the attempt is abandoned)."""
         with self._lock:
-            self._state = "discarded"
+            self._state = HeldState.DISCARDED
             self._close_all_locked()
 
     def _sync_locked(self, count: int) -> None:

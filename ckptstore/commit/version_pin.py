@@ -27,7 +27,7 @@ from ckptstore.commit.conditional_put import (
     MANIFESTS,
     PROBE_PREFIX,
     ConditionalPutCommit,
-    _ObjectShardSink,
+    ObjectShardSink,
 )
 from ckptstore.driver import Capability, ObjectInfo
 from ckptstore.errors import (
@@ -89,12 +89,12 @@ class VersionPinCommit(ConditionalPutCommit):
     def open_shard(
         self, step: int, attempt: str, name: str, size_hint: int | None = None
     ) -> ShardSink:
-        return _ObjectShardSink(
+        return ObjectShardSink(
             self.driver,
             f"{SHARDS}{name}",
             self.part_size,
             size_hint,
-            self._parts_executor(),
+            self.parts_executor(),
             self.concurrency,
             metadata={ATTEMPT_METADATA: f"{step_token(step)}.{attempt}"},
         )
