@@ -23,7 +23,15 @@ from ckptstore.driver import Capability
 from ckptstore.errors import CapabilityError
 from ckptstore.manifest import Manifest, ShardRecord
 
-__all__ = ["CommitStrategy", "GcItem", "GcReport", "ShardProblem", "ShardSink", "clock_lead"]
+__all__ = [
+    "CommitStrategy",
+    "GcItem",
+    "GcReport",
+    "ShardProblem",
+    "ShardSink",
+    "StorageAudit",
+    "clock_lead",
+]
 
 
 class ShardSink(abc.ABC):
@@ -114,6 +122,23 @@ DriverT = TypeVar("DriverT", bound=_Driver)
 StrategyT = TypeVar("StrategyT", bound="CommitStrategy[Any]")
 
 
+class StorageAudit(abc.ABC):
+    """A raw view of what a strategy keeps in storage, for audits only (the conformance
+    suite's leftover check), never for finding checkpoints. Not part of the protocol: a
+    strategy without it works; the suite asks for it to prove I7 (nothing left behind)."""
+
+    fixed_names: frozenset[str] = frozenset()
+    """Raw names that belong to the store itself rather than to a checkpoint (the hint)."""
+
+    @abc.abstractmethod
+    def stored_names(self, manifest: Manifest) -> set[str]:
+        """Every raw name (as ``raw_names`` lists them) that belongs to a published checkpoint."""
+
+    @abc.abstractmethod
+    def raw_names(self) -> set[str]:
+        """Every name in storage under the store: files and directories, or objects and uploads."""
+
+
 class CommitStrategy(abc.ABC, Generic[DriverT]):
     """The protocol on one driver family: stage, seal, publish, read, unpublish, GC.
 
@@ -151,20 +176,6 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
         uses it to put a fault-injecting or simulated driver underneath.
         """
         return type(self)(driver, **self.settings())
-
-    @abc.abstractmethod
-    def stored_names(self, manifest: Manifest) -> set[str]:
-        """Every raw name (as ``raw_names`` lists them) that belongs to a published checkpoint."""
-
-    @abc.abstractmethod
-    def raw_names(self) -> set[str]:
-        """Every name in storage under the store: files and directories, or objects and uploads.
-
-        For audits (the conformance suite's leftover check), never for finding checkpoints.
-        """
-
-    fixed_names: frozenset[str] = frozenset()
-    """Raw names that belong to the store itself rather than to a checkpoint (the hint)."""
 
     @property
     def capabilities(self) -> frozenset[Capability]:

@@ -33,6 +33,7 @@ from ckptstore.commit.base import (
     GcReport,
     ShardProblem,
     ShardSink,
+    StorageAudit,
     clock_lead,
 )
 from ckptstore.driver import (
@@ -291,7 +292,7 @@ class ObjectShardSink(ShardSink):
                 log.debug("aborting upload of %s failed; GC will", self._key, exc_info=True)
 
 
-class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
+class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
     """The object-store protocol: attempt-unique data keys, manifest created if absent."""
 
     name = "conditional-put"

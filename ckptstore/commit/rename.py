@@ -35,6 +35,7 @@ from ckptstore.commit.base import (
     GcReport,
     ShardProblem,
     ShardSink,
+    StorageAudit,
     clock_lead,
 )
 from ckptstore.commit.unsynced import UnsyncedFiles
@@ -128,7 +129,7 @@ class FileShardSink(ShardSink):
                 log.debug("closing %s after abort failed", self._path, exc_info=True)
 
 
-class RenameCommit(CommitStrategy[FileSystemDriver]):
+class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
     """The POSIX rename protocol: atomic no-replace rename of a durable staging directory."""
 
     name = "posix-rename"

@@ -12,11 +12,11 @@ import os
 import time
 from typing import Any
 
-from ckptstore.commit.base import CommitStrategy
+from ckptstore.commit.base import CommitStrategy, StorageAudit
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
 from ckptstore.driver import DriverFamily, driver_family
-from ckptstore.errors import IntegrityError, ObjectNotFoundError, StorageError
+from ckptstore.errors import CapabilityError, IntegrityError, ObjectNotFoundError, StorageError
 from ckptstore.names import step_token
 from ckptstore.registry import resolve
 from ckptstore.retention import RetentionPolicy
@@ -76,16 +76,26 @@ class Location:
         strategy: CommitStrategy[Any] = self.base.with_driver(injector)
         return Store(strategy, retention=retention, clock=self.clock), injector
 
+    @property
+    def audit(self) -> StorageAudit:
+        """The strategy's raw view of storage; CapabilityError if it offers none."""
+        if not isinstance(self.base, StorageAudit):
+            raise CapabilityError(
+                f"{type(self.base).__name__} does not implement StorageAudit "
+                f"(ckptstore.commit.base): the suite cannot look for what a crash left behind"
+            )
+        return self.base
+
     def raw_names(self) -> set[str]:
         """Everything the location holds, as the strategy's raw listing names it."""
-        return self.base.raw_names()
+        return self.audit.raw_names()
 
     def leftovers(self) -> set[str]:
         """Raw names that belong to no published checkpoint (nor to the store itself)."""
-        owned: set[str] = set(self.base.fixed_names)
+        owned: set[str] = set(self.audit.fixed_names)
         for step in self.base.published_steps():
             try:
-                owned |= self.base.stored_names(self.base.read_manifest(step))
+                owned |= self.audit.stored_names(self.base.read_manifest(step))
             except IntegrityError:
                 owned |= {n for n in self.raw_names() if step_token(step) in n}
         return self.raw_names() - owned
