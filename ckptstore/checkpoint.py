@@ -12,11 +12,12 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from ckptstore.checksum import Crc32c
+from ckptstore.driver import BytesLike
 from ckptstore.errors import IntegrityError, ShardCorruptError, ShardNotFoundError
-from ckptstore.manifest import Manifest, ShardRecord
+from ckptstore.manifest import JSONValue, Manifest, ShardRecord
 
 __all__ = ["Checkpoint", "ShardReader", "VerifyReport"]
 
@@ -40,7 +41,7 @@ class ShardReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer: Any) -> int:
+    def readinto(self, buffer: BytesLike) -> int:
         view = memoryview(buffer).cast("B")
         remaining = self.record.size - self._crc.size
         if remaining <= 0:
@@ -155,7 +156,7 @@ class Checkpoint:
         return self.manifest.step
 
     @property
-    def metadata(self) -> Mapping[str, Any]:
+    def metadata(self) -> Mapping[str, JSONValue]:
         """The trainer metadata given at save time."""
         return self.manifest.metadata
 
@@ -196,7 +197,7 @@ class Checkpoint:
         with self.open(name) as reader:
             return reader.readall()
 
-    def read_into(self, name: str, buffer: Any) -> int:
+    def read_into(self, name: str, buffer: BytesLike) -> int:
         """Fill ``buffer`` (exactly the shard's size) with the verified shard; return the size."""
         view = memoryview(buffer).cast("B")
         record = self._record(name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO, ClassVar, Literal, Protocol, runtime_checkable
@@ -32,6 +33,7 @@ from ckptstore.errors import (
 
 __all__ = [  # the errors a driver raises are part of its interface
     "Buffer",
+    "BytesLike",
     "Capability",
     "DriverFamily",
     "FileStat",
@@ -55,6 +57,14 @@ __all__ = [  # the errors a driver raises are part of its interface
 ]
 
 Buffer = bytes | bytearray | memoryview
+"""The bytes a driver call takes."""
+
+if sys.version_info >= (3, 12):
+    from collections.abc import Buffer as BytesLike
+else:
+    from typing_extensions import Buffer as BytesLike
+"""Any object with the buffer protocol (bytes, bytearray, memoryview, array, a NumPy array):
+what a shard is written from and read into."""
 
 
 class Capability(enum.Enum):

@@ -16,7 +16,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeAlias
 
 from ckptstore.checksum import crc32c_hex
 from ckptstore.errors import InvalidMetadataError, ManifestCorruptError
@@ -42,7 +42,9 @@ MAX_METADATA_DEPTH = 64
 """Nesting of lists and objects in trainer metadata; the manifest adds two levels around it."""
 MAX_MANIFEST_DEPTH = MAX_METADATA_DEPTH + 2
 
-JSONObject = Mapping[str, Any]
+JSONValue: TypeAlias = "str | int | float | bool | list[JSONValue] | dict[str, JSONValue] | None"
+"""A value of trainer metadata, as JSON has it (and as it comes back from a manifest)."""
+JSONObject = Mapping[str, JSONValue]
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ class Manifest:
         return manifest
 
 
-def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+def check_metadata(metadata: Mapping[str, object] | None) -> dict[str, JSONValue]:
     """Return a JSON-safe copy of trainer metadata, or raise InvalidMetadataError."""
     if metadata is None:
         return {}
@@ -186,7 +188,7 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         ) from exc
     if len(text) > MAX_METADATA_BYTES:
         raise InvalidMetadataError(f"metadata larger than {MAX_METADATA_BYTES} bytes of JSON")
-    result: dict[str, Any] = json.loads(text)
+    result: dict[str, JSONValue] = json.loads(text)
     return result
 
 

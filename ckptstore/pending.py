@@ -12,10 +12,11 @@ import threading
 import time
 from collections.abc import Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ckptstore.checksum import Crc32c
 from ckptstore.commit.base import ShardSink
+from ckptstore.driver import BytesLike
 from ckptstore.errors import (
     CheckpointExistsError,
     CheckpointStateError,
@@ -24,7 +25,7 @@ from ckptstore.errors import (
     ShardExistsError,
     StorageError,
 )
-from ckptstore.manifest import ShardRecord, WriterInfo
+from ckptstore.manifest import JSONValue, ShardRecord, WriterInfo
 from ckptstore.names import check_shard_name
 
 if TYPE_CHECKING:
@@ -39,7 +40,9 @@ class _Readable(Protocol):
     def read(self, size: int = -1, /) -> bytes: ...
 
 
-ShardData = bytes | bytearray | memoryview | _Readable | Iterable[Any] | Any
+ShardData = BytesLike | _Readable | Iterable[BytesLike]
+"""What a shard can be written from: any buffer (bytes, bytearray, memoryview, a NumPy
+array), a binary file (anything with ``read``), or an iterable of buffers (chunks)."""
 
 
 class PendingState(str, enum.Enum):
@@ -108,7 +111,7 @@ class ShardWriter:
         self._record: ShardRecord | None = None
         self._closed = False
 
-    def write(self, data: Any) -> int:
+    def write(self, data: BytesLike) -> int:
         """Append bytes (any C-contiguous buffer); return the number of bytes written."""
         if self._closed:
             raise CheckpointStateError(f"shard {self.name!r} is already closed")
@@ -188,7 +191,7 @@ class PendingCheckpoint:
         *,
         step: int,
         attempt: str,
-        metadata: dict[str, Any],
+        metadata: dict[str, JSONValue],
         expected: frozenset[str] | None,
         writer: WriterInfo,
         owner: AttemptOwner,
@@ -303,7 +306,7 @@ class PendingCheckpoint:
                         raise InvalidInputError(f"shard {name!r}: file is open in text mode")
                     writer.write(chunk)
             else:
-                for chunk in data:
+                for chunk in cast(Iterable[BytesLike], data):  # neither a buffer nor a file
                     writer.write(chunk)
         return writer.close()
 

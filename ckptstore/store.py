@@ -18,7 +18,8 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, BinaryIO, cast
 
 from ckptstore.checkpoint import Checkpoint
-from ckptstore.commit.base import CommitStrategy, GcReport, ShardSink
+from ckptstore.commit.base import CommitStrategy, GcReport, ShardSink, StrategyDriver
+from ckptstore.driver import BytesLike
 from ckptstore.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -81,7 +82,7 @@ class Store:
 
     def __init__(
         self,
-        strategy: CommitStrategy[Any],
+        strategy: CommitStrategy[StrategyDriver],
         *,
         retention: RetentionPolicy | None = None,
         clock: Clock = time.time,
@@ -123,7 +124,7 @@ class Store:
     def begin(
         self,
         step: int,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, object] | None = None,
         *,
         expected_shards: Iterable[str] | None = None,
         world_size: int = 1,
@@ -190,7 +191,10 @@ class Store:
         return pending
 
     def save(
-        self, step: int, shards: Mapping[str, ShardData], metadata: Mapping[str, Any] | None = None
+        self,
+        step: int,
+        shards: Mapping[str, ShardData],
+        metadata: Mapping[str, object] | None = None,
     ) -> Checkpoint:
         """Write every shard and publish, in one call; on any error nothing is published."""
         with self.begin(step, metadata) as pending:
@@ -570,7 +574,7 @@ class _VanishingShardStream:
         except ObjectNotFoundError as exc:
             raise self._vanished() from exc
 
-    def readinto(self, buffer: Any) -> int:
+    def readinto(self, buffer: BytesLike) -> int:
         try:
             return int(self._raw.readinto(buffer))  # type: ignore[attr-defined]
         except ObjectNotFoundError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import pkgutil
+import re
 import subprocess
 import sys
 
@@ -114,3 +115,20 @@ def test_missing_dependency_gives_an_install_hint(monkeypatch):
     )
     with pytest.raises(BackendUnavailableError, match="pip install needy"):
         ckptstore.open("needy://x")
+
+
+def test_no_any_in_the_public_signatures_of_store_pending_and_checkpoint():
+    from ckptstore.checkpoint import ShardReader
+    from ckptstore.pending import ShardWriter
+
+    found = []
+    for cls in (ckptstore.Store, ckptstore.PendingCheckpoint, ckptstore.Checkpoint,
+                ShardWriter, ShardReader):  # fmt: skip
+        for name, member in vars(cls).items():
+            if name.startswith("_") and name != "__init__":
+                continue
+            function = member.fget if isinstance(member, property) else member
+            for part, annotation in getattr(function, "__annotations__", {}).items():
+                if re.search(r"\bAny\b", str(annotation)):
+                    found.append(f"{cls.__name__}.{name} {part}: {annotation}")
+    assert found == []

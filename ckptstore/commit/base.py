@@ -30,6 +30,7 @@ __all__ = [
     "ShardProblem",
     "ShardSink",
     "StorageAudit",
+    "StrategyDriver",
     "clock_lead",
 ]
 
@@ -113,12 +114,14 @@ def clock_lead(now: float, host_now: float | None = None) -> float:
     return max(0.0, now - (time.time() if host_now is None else host_now))
 
 
-class _Driver(Protocol):
+class StrategyDriver(Protocol):
+    """What a strategy needs of any driver, whatever its family: where it is, what it can."""
+
     url: str
     capabilities: frozenset[Capability]
 
 
-DriverT = TypeVar("DriverT", bound=_Driver)
+DriverT = TypeVar("DriverT", bound=StrategyDriver, covariant=True)
 StrategyT = TypeVar("StrategyT", bound="CommitStrategy[Any]")
 
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from ckptstore.conformance.faults import CrashMode, FaultPlan, SimulatedCrash
+from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan, SimulatedCrash
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
 from ckptstore.conformance.outcomes import (
@@ -236,8 +236,10 @@ def _baseline(new_location: LocationMaker) -> CrashPointResult:
             store = standard_workload(location, FaultPlan(), model, big_shard_size(location))
         except CkptStoreError as exc:
             return _undecided(result, "no crash", exc)
-        result.calls = len(store.strategy.driver.calls)
-        result.overlapped = store.strategy.driver.overlapped
+        injector = store.strategy.driver
+        assert isinstance(injector, FaultInjector)  # Location.open puts one under every store
+        result.calls = len(injector.calls)
+        result.overlapped = injector.overlapped
         _run_case(result, "no crash", lambda: recover_and_check(location, model))
     finally:
         location.destroy()

@@ -19,7 +19,7 @@ import io
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ckptstore.checkpoint import Checkpoint
+from ckptstore.driver import BytesLike
 from ckptstore.errors import CheckpointNotFoundError, CheckpointStateError, ManifestCorruptError
 from ckptstore.manifest import ShardRecord
 from ckptstore.pending import PendingCheckpoint
@@ -111,8 +112,10 @@ class CkptStoreWriter(StorageWriter):
                     data = planner.resolve_data(item)
                     info: dict[str, Any] = {"shard": name, "offset": offset}
                     if item.type == WriteItemType.BYTE_IO:
-                        blob = (
-                            memoryview(data.getbuffer()) if isinstance(data, io.BytesIO) else data
+                        blob = (  # resolve_data gives BYTE_IO items as BytesIO, or as bytes
+                            memoryview(data.getbuffer())
+                            if isinstance(data, io.BytesIO)
+                            else cast(BytesLike, data)
                         )
                         length = shard.write(blob)
                     else:

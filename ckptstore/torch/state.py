@@ -172,7 +172,8 @@ def load_state(
             restored[name] = state
     if rng and f"{RNG}.json" in checkpoint.shards:
         restore_rng(_read_state(checkpoint, RNG, None))
-    restored["counters"] = dict(checkpoint.metadata.get("counters", {}))
+    counters = checkpoint.metadata.get("counters", {})
+    restored["counters"] = dict(counters) if isinstance(counters, dict) else {}
     return restored
 
 
