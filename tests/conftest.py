@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 import ckptstore
+from ckptstore.backends.lustre import LustreStripingWarning
 from ckptstore.backends.memory import MemoryDriver, drop_bucket
 from ckptstore.store import Store
 from ckptstore.tools.embedded import EmbeddedS3, embedded_moto, embedded_seaweedfs
@@ -124,6 +126,38 @@ class MemoryBackend(BackendUnderTest):
         drop_bucket(self.bucket)
 
 
+class LustreBackend(FileBackend):
+    """The file layout through ``lustre://`` (no liblustreapi here: default striping)."""
+
+    name = "lustre"
+
+    def __init__(self, tmp_path: Any) -> None:
+        super().__init__(tmp_path)
+        self.url = f"lustre://{self.root}"
+
+    def open(self, **options: Any) -> Store:
+        with warnings.catch_warnings():  # "no liblustreapi", "not on Lustre": known here
+            warnings.simplefilter("ignore", LustreStripingWarning)
+            return ckptstore.open(self.url, **options)
+
+
+class VersionedMemoryBackend(MemoryBackend):
+    """``memory+versioned://``: manifests pin object versions (the damage edits a version's
+    bytes in place, as bit rot would)."""
+
+    name = "memory+versioned"
+
+    def __init__(self, tmp_path: Any) -> None:
+        super().__init__(tmp_path)
+        self.url = self.url.replace("memory://", "memory+versioned://", 1)
+
+    def remove_shard(self, store: Store, step: int, name: str) -> None:
+        record = store.strategy.read_manifest(step).shard(name)
+        assert record is not None  # the pinned version itself, not a delete marker over it
+        locator = record.locator
+        self._driver(store).delete(locator["key"], version_id=locator["version_id"])
+
+
 class S3Backend(BackendUnderTest):
     name = "s3"
 
@@ -182,14 +216,18 @@ def seaweedfs_s3() -> Iterator[EmbeddedS3]:
         yield server
 
 
-@pytest.fixture(params=["file", "memory", "s3"])
+@pytest.fixture(params=["file", "lustre", "memory", "memory+versioned", "s3"])
 def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUnderTest]:
     """One fresh store location per test, on each backend in turn (s3: the moto server)."""
     made: BackendUnderTest
     if request.param == "file":
         made = FileBackend(tmp_path)
+    elif request.param == "lustre":
+        made = LustreBackend(tmp_path)
     elif request.param == "memory":
         made = MemoryBackend(tmp_path)
+    elif request.param == "memory+versioned":
+        made = VersionedMemoryBackend(tmp_path)
     else:
         made = S3Backend(tmp_path, request.getfixturevalue("moto_s3"))
     yield made

@@ -21,6 +21,7 @@ from ckptstore import (
     RefusedError,
 )
 from ckptstore.checksum import crc32c_hex
+from ckptstore.commit.base import GcItem
 from ckptstore.errors import (
     CheckpointStateError,
     CoverageError,
@@ -53,6 +54,13 @@ def _resign(document: dict) -> bytes:
 
     document["checksum"] = _document_checksum(document)
     return json.dumps(document).encode()
+
+
+def _left_behind(store: ckptstore.Store) -> list[GcItem]:
+    """What GC finds of a checkpoint's data that nothing removed. Old versions of the store's
+    own objects (the LATEST hint, superseded manifests) on a versioned bucket are GC's to
+    prune by design, not leftovers."""
+    return [item for item in store.gc(grace=0).removed if item.kind != "old-version"]
 
 
 class TestRoundTrip:
@@ -182,7 +190,12 @@ class TestVisibilityAndExclusivity:
         assert checkpoint.names == ["a"]
         assert checkpoint.read("a") == b"first" * 1000
         assert checkpoint.verify().ok
-        assert store.gc(grace=0).removed == []  # the loser cleaned up after itself
+        left = _left_behind(store)
+        if backend.name.endswith("+versioned"):  # abort cannot know the versions it wrote
+            assert {item.kind for item in left} == {"shard-version"}  # GC's, by design
+            assert _left_behind(store) == []
+        else:
+            assert left == []  # the loser cleaned up after itself
 
     def test_publish_twice_and_write_after_publish(self, store):
         pending = store.begin(1)
@@ -352,7 +365,7 @@ class TestRetentionAndDeletion:
         for step in range(1, 6):
             store.save(step, {"a": bytes([step])})
         assert store.steps() == [4, 5]
-        assert store.gc(grace=0).removed == []  # retention left no data behind
+        assert _left_behind(store) == []  # retention left no data behind
 
     def test_policies_compose(self, backend):
         store = backend.open(retention=KeepLast(2) | KeepEvery(10))
@@ -429,7 +442,7 @@ class TestGarbageCollection:
         with pytest.raises(ckptstore.CkptStoreError):
             live.publish()  # gc took its staging area: it must not publish a partial checkpoint
         assert store.steps() == [1]
-        assert store.gc(grace=0).removed == []
+        assert _left_behind(store) == []
 
     def test_gc_never_touches_published_checkpoints(self, backend):
         now = [time.time() + 10 * 86400]
