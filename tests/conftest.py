@@ -216,7 +216,35 @@ def seaweedfs_s3() -> Iterator[EmbeddedS3]:
         yield server
 
 
-@pytest.fixture(params=["file", "lustre", "memory", "memory+versioned", "s3"])
+class VersionedS3Backend(S3Backend):
+    """``s3+versioned://`` on moto: manifests pin object versions. A stored version cannot
+    be edited on S3, so damage tests that rewrite bytes do not apply (a pinned version
+    deleted is covered by ``remove_shard`` and tests/test_versioned.py)."""
+
+    name = "s3+versioned"
+
+    def __init__(self, tmp_path: Any, server: EmbeddedS3) -> None:
+        super().__init__(tmp_path, server.versioned_bucket("behaviour-versioned"))
+        part = max(server.min_part_size, 65536)
+        self.url = self.server.url(self.prefix, scheme="s3+versioned", part_size=part)
+
+    def raw_names(self) -> list[str]:
+        return super().raw_names()
+
+    def _rewrite(self, key: str, edit: Callable[[bytes], bytes]) -> None:
+        pytest.skip("a stored S3 object version cannot be edited: bit rot is not simulable")
+
+    def remove_shard(self, store: Store, step: int, name: str) -> None:
+        record = store.strategy.read_manifest(step).shard(name)
+        assert record is not None
+        self.client.delete_object(
+            Bucket=self.server.bucket,
+            Key=f"{self.prefix}/{record.locator['key']}",
+            VersionId=record.locator["version_id"],
+        )
+
+
+@pytest.fixture(params=["file", "lustre", "memory", "memory+versioned", "s3", "s3+versioned"])
 def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUnderTest]:
     """One fresh store location per test, on each backend in turn (s3: the moto server)."""
     made: BackendUnderTest
@@ -228,8 +256,10 @@ def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUn
         made = MemoryBackend(tmp_path)
     elif request.param == "memory+versioned":
         made = VersionedMemoryBackend(tmp_path)
-    else:
+    elif request.param == "s3":
         made = S3Backend(tmp_path, request.getfixturevalue("moto_s3"))
+    else:
+        made = VersionedS3Backend(tmp_path, request.getfixturevalue("moto_s3"))
     yield made
     if isinstance(made, MemoryBackend):
         made.close()
