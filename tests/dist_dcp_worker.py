@@ -21,6 +21,7 @@ parser.add_argument("--store", required=True)
 parser.add_argument("--mode", choices=("save", "load"), required=True)
 parser.add_argument("--step", type=int, required=True)
 parser.add_argument("--die-rank", type=int, default=-1)
+parser.add_argument("--then-save", type=int, help="after a load, save this step (same job)")
 args = parser.parse_args()
 
 
@@ -32,36 +33,39 @@ def dying_write(self, plan, planner):  # type: ignore[no-untyped-def]
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run(world: int, rank: int) -> None:
+def run(world: int, rank: int, mode: str, step: int) -> None:
     """Save or load one step; the device mesh and its DTensors die when this returns."""
     mesh = init_device_mesh("cpu", (world,))
     store = ckptstore.open(args.store)
-    if args.mode == "save":
+    if mode == "save":
         state = {
-            "weights": distribute_tensor(full(args.step), mesh, [Shard(0)]),
-            "bias": torch.full((4,), float(args.step)),
-            "trainer": {"step": args.step, "world": world},
+            "weights": distribute_tensor(full(step), mesh, [Shard(0)]),
+            "bias": torch.full((4,), float(step)),
+            "trainer": {"step": step, "world": world},
         }
         if rank == args.die_rank:
             CkptStoreWriter.write_data = dying_write  # type: ignore[method-assign]
-        dcp.save(state, storage_writer=CkptStoreWriter(store, args.step))
-        assert store.latest().step == args.step
+        dcp.save(state, storage_writer=CkptStoreWriter(store, step))
+        assert store.latest().step == step
     else:
         target = {
             "weights": distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)]),
             "bias": torch.zeros(4),
             "trainer": {"step": -1, "world": -1},
         }
-        dcp.load(target, storage_reader=CkptStoreReader(store, args.step))
+        dcp.load(target, storage_reader=CkptStoreReader(store, step))
         rows = 64 // world
-        mine = full(args.step)[rank * rows : (rank + 1) * rows]
+        mine = full(step)[rank * rows : (rank + 1) * rows]
         assert torch.equal(target["weights"].to_local(), mine), "weights differ"
-        assert torch.equal(target["bias"], torch.full((4,), float(args.step)))
-        assert target["trainer"]["step"] == args.step
+        assert torch.equal(target["bias"], torch.full((4,), float(step)))
+        assert target["trainer"]["step"] == step
 
 
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-run(dist.get_world_size(), dist.get_rank())
+run(dist.get_world_size(), dist.get_rank(), args.mode, args.step)
+if args.then_save is not None:  # one job, as a resumed run loads then saves
+    gc.collect()
+    run(dist.get_world_size(), dist.get_rank(), "save", args.then_save)
 dist.barrier()
 # No gloo group may outlive destroy_process_group(): one torn down during interpreter
 # finalization aborts the process now and then (its worker threads are still joinable). The
