@@ -17,6 +17,8 @@ import ckptstore
 from ckptstore.tools.embedded import EmbeddedS3
 
 WORKER = Path(__file__).parent / "dist_save_worker.py"
+CHECKOUT = Path(__file__).resolve().parent.parent
+"""The workers import ckptstore from this checkout, whatever is installed."""
 JOB_WAIT_S = 240.0
 """Longer than the workers' 60 s gloo timeout plus torch's start-up on a busy machine."""
 
@@ -34,10 +36,21 @@ def _launch(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc-per-node={ranks}", str(worker), *args],
             capture_output=True, text=True, timeout=JOB_WAIT_S, check=False,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, "PYTHONPATH": _python_path(), **(env or {})},
         )  # fmt: skip
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"torchrun {' '.join(args)} did not end within {JOB_WAIT_S:.0f} s: {exc}")
+
+
+def _python_path() -> str:
+    inherited = os.environ.get("PYTHONPATH")
+    return os.pathsep.join([str(CHECKOUT), *([inherited] if inherited else [])])
+
+
+def _failure(result: subprocess.CompletedProcess[str]) -> str:
+    """What the ranks said (their tracebacks), then the end of torchrun's own report."""
+    ranks = [line for line in result.stderr.splitlines() if line.startswith("[rank")]
+    return "\n".join(ranks[-60:]) + "\n...\n" + result.stderr[-1500:]
 
 
 def _torchrun(
@@ -57,21 +70,24 @@ def _target(
     return url, server.options, server.credentials_env()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["file", "s3"])
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_every_rank_shard_in_one_commit(
-    kind: str, ranks: int, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    url, options, env = _target(kind, tmp_path, request)
-    result = _torchrun(url, 3, ranks, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+def _check_published(url: str, options: dict[str, Any], step: int, ranks: int) -> None:
     checkpoint = ckptstore.open(url, **options).latest()
     assert checkpoint is not None
-    assert checkpoint.step == 3
+    assert checkpoint.step == step
     assert checkpoint.names == [f"model/rank{r:05d}.bin" for r in range(ranks)]
     assert checkpoint.manifest.writer.world_size == ranks
     assert checkpoint.verify().ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_every_rank_shard_in_one_commit(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    url, options, env = _target(kind, tmp_path, request)
+    result = _torchrun(url, 3, 4, env=env)
+    assert result.returncode == 0, _failure(result)
+    _check_published(url, options, 3, 4)
 
 
 @pytest.mark.slow
@@ -80,9 +96,11 @@ def test_a_rank_killed_mid_save_publishes_nothing(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     url, options, env = _target(kind, tmp_path, request)
-    assert _torchrun(url, 1, 2, env=env).returncode == 0  # published: a commit before the kill
-    result = _torchrun(url, 2, 2, "--die-rank", "1", env=env)  # fails, within JOB_WAIT_S
-    assert result.returncode != 0
+    first = _torchrun(url, 1, 2, env=env)  # published: a commit before the kill
+    assert first.returncode == 0, _failure(first)
+    _check_published(url, options, 1, 2)
+    killed = _torchrun(url, 2, 2, "--die-rank", "1", env=env)  # fails, within JOB_WAIT_S
+    assert killed.returncode != 0, _failure(killed)
     store = ckptstore.open(url, **options)
     assert store.steps() == [1]
     assert store.latest().verify().ok
@@ -90,6 +108,19 @@ def test_a_rank_killed_mid_save_publishes_nothing(
     later.gc()
     assert later.gc(grace=0).removed == []
     assert store.latest().step == 1
+
+
+LOAD_WORKER = Path(__file__).parent / "dist_load_worker.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_every_rank_loads_the_step_the_coordinator_chose(ranks: int, tmp_path: Path) -> None:
+    """A step published between the ranks' arrivals: DCP and load_state load one step."""
+    result = _launch(LOAD_WORKER, ranks, "--store", f"file://{tmp_path}/stores")
+    assert result.returncode == 0, _failure(result)
+    for api in ("dcp", "state"):  # the injected publish happened
+        assert ckptstore.open(f"file://{tmp_path}/stores/{api}").steps() == [1, 2]
 
 
 DCP_WORKER = Path(__file__).parent / "dist_dcp_worker.py"
@@ -111,7 +142,7 @@ def test_dcp_save_and_load_across_world_sizes(
     jobs = [("save", 1, 2, ()), ("load", 1, 4, ("--then-save", "2")), ("load", 2, 2, ())]
     for mode, step, ranks, then in jobs:  # a 4-rank job resumes from 2 ranks, then saves
         result = _dcp(url, mode, step, ranks, *then, env=env)
-        assert result.returncode == 0, f"{mode} {step} x{ranks}: {result.stderr[-3000:]}"
+        assert result.returncode == 0, f"{mode} {step} x{ranks}: {_failure(result)}"
     store = ckptstore.open(url, **options)
     assert store.steps() == [1, 2]
     assert store.get(1).manifest.writer.world_size == 2
@@ -122,8 +153,11 @@ def test_dcp_save_and_load_across_world_sizes(
 @pytest.mark.slow
 def test_dcp_rank_killed_mid_save_publishes_nothing(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/store"
-    assert _dcp(url, "save", 1, 2).returncode == 0  # published: a commit before the kill
-    assert _dcp(url, "save", 2, 2, "--die-rank", "1").returncode != 0  # within JOB_WAIT_S
+    first = _dcp(url, "save", 1, 2)  # published: a commit before the kill
+    assert first.returncode == 0, _failure(first)
+    killed = _dcp(url, "save", 2, 2, "--die-rank", "1")  # fails, within JOB_WAIT_S
+    assert killed.returncode != 0, _failure(killed)
     store = ckptstore.open(url)
     assert store.steps() == [1]
-    assert _dcp(url, "load", 1, 2).returncode == 0  # the previous checkpoint is intact
+    load = _dcp(url, "load", 1, 2)  # the previous checkpoint is intact
+    assert load.returncode == 0, _failure(load)

@@ -18,7 +18,7 @@ import dataclasses
 import io
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -44,10 +44,12 @@ from torch.futures import Future
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.driver import BytesLike
-from ckptstore.errors import CheckpointNotFoundError, CheckpointStateError, ManifestCorruptError
+from ckptstore.errors import CheckpointStateError, InvalidInputError, ManifestCorruptError
 from ckptstore.manifest import ShardRecord
+from ckptstore.names import check_step
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.store import Store
+from ckptstore.torch.agreement import agreed_checkpoint
 
 __all__ = ["CkptStoreReader", "CkptStoreWriter"]
 
@@ -68,40 +70,63 @@ def _shard_name(rank: int) -> str:
 
 
 class CkptStoreWriter(StorageWriter):
-    """A DCP StorageWriter that saves checkpoint ``step`` of ``store`` (one commit)."""
+    """A DCP StorageWriter whose every ``dcp.save`` publishes one checkpoint of ``store`` (one
+    commit for all ranks), or nothing.
 
-    def __init__(self, store: Store, step: int, metadata: dict[str, Any] | None = None) -> None:
+    The step is DCP's ``checkpoint_id`` (``dcp.save(state, checkpoint_id=7,
+    storage_writer=writer)``; also ``"7"`` or ``"<store url>#step=7"``), else ``step``. One
+    writer serves every save of a run.
+    """
+
+    def __init__(
+        self, store: Store, step: int | None = None, metadata: Mapping[str, Any] | None = None
+    ) -> None:
         super().__init__()
         self.store = store
-        self.step = step
+        self.default_step = None if step is None else check_step(step)
+        self.step = self.default_step
+        """The step of the save under way."""
         self.metadata = dict(metadata or {})
         self.rank = 0
         self.is_coordinator = True
         self._pending: PendingCheckpoint | None = None
+        self._requested: int | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """DCP's call before a save that names a ``checkpoint_id`` (none: the default step)."""
         self._pending = None
+        self._requested = (
+            None if checkpoint_id is None else step_from_checkpoint_id(self.store, checkpoint_id)
+        )
+
+    def _next_step(self) -> int | None:
+        return self.default_step if self._requested is None else self._requested
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
+        self.step, self._requested = self._next_step(), None  # this save's step, used up
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self.step is None:
+            raise InvalidInputError(
+                f"{self.store.url}: which step does this save publish? Pass it to dcp.save as "
+                f"checkpoint_id=<step>, or to CkptStoreWriter(store, step)"
+            )
         self._pending = self.store.begin(self.step, self.metadata, world_size=len(plans))
-        attempt = self._pending.attempt
-        return [
-            dataclasses.replace(plan, storage_data={"attempt": attempt, "rank": rank})
+        attempt, step = self._pending.attempt, self.step
+        return [  # the coordinator's step and attempt reach every rank with its plan
+            dataclasses.replace(plan, storage_data={"attempt": attempt, "rank": rank, "step": step})
             for rank, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         attempt, rank = plan.storage_data["attempt"], plan.storage_data["rank"]
-        pending = (
-            self._pending if self._pending is not None else self.store.join(self.step, attempt)
-        )
+        step = plan.storage_data["step"]
+        pending = self._pending if self._pending is not None else self.store.join(step, attempt)
         results: list[WriteResult] = []
         if plan.items:
             name = _shard_name(rank)
@@ -161,32 +186,51 @@ class CkptStoreWriter(StorageWriter):
         return False
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=f"{self.store.url}#step={self.step}")
+        step = self._next_step()  # DCP asks before set_up_storage_writer
+        return (
+            None if step is None else StorageMeta(checkpoint_id=checkpoint_id_of(self.store, step))
+        )
 
 
 class CkptStoreReader(StorageReader):
-    """A DCP StorageReader of checkpoint ``step`` of ``store`` (default: the latest)."""
+    """A DCP StorageReader that loads one checkpoint of ``store`` on every rank.
 
-    def __init__(self, store: Store, step: int | None = None) -> None:
+    The step is DCP's ``checkpoint_id`` if ``dcp.load`` is given one, else ``step``, else the
+    latest: in a multi-rank job the coordinator alone resolves the latest and tells every rank
+    (ranks that each asked could load different checkpoints), so ``dcp.load`` through this
+    reader is then a collective over ``group`` (the process group given to ``dcp.load``; in a
+    ``no_dist`` load in a multi-rank job, name the step). ``loaded`` is the checkpoint the
+    last load read.
+    """
+
+    def __init__(self, store: Store, step: int | None = None, *, group: Any = None) -> None:
         super().__init__()
         self.store = store
-        self.step = step
-        self._checkpoint: Checkpoint | None = None
+        self.default_step = None if step is None else check_step(step)
+        self.group = group
+        self.loaded: Checkpoint | None = None
+        self._requested: int | None = None
         self._storage: dict[MetadataIndex, Any] = {}
 
     def _open(self) -> Checkpoint:
-        if self._checkpoint is None:
-            checkpoint = self.store.latest() if self.step is None else self.store.get(self.step)
-            if checkpoint is None:
-                raise CheckpointNotFoundError(f"{self.store.url}: no checkpoint to load")
-            self._checkpoint = checkpoint
-        return self._checkpoint
+        if self.loaded is None:
+            raise CheckpointStateError("read_data() before read_metadata()")
+        return self.loaded
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self._checkpoint = None
+        """DCP's call before a load that names a ``checkpoint_id`` (none: the default step)."""
+        self.loaded = None
+        self._requested = (
+            None if checkpoint_id is None else step_from_checkpoint_id(self.store, checkpoint_id)
+        )
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        checkpoint = self._open()
+        """Decide which checkpoint this load reads (every rank the same one), and read its
+        DCP metadata."""
+        step = self.default_step if self._requested is None else self._requested
+        self._requested = None
+        self.loaded = agreed_checkpoint(self.store, step, group=self.group)
+        checkpoint = self.loaded
         if METADATA_SHARD not in checkpoint.shards:
             raise ManifestCorruptError(
                 f"{self.store.url}: step {checkpoint.step} was not saved by torch.distributed."
@@ -235,6 +279,32 @@ class CkptStoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+def checkpoint_id_of(store: Store, step: int) -> str:
+    """The DCP checkpoint id naming ``step`` of ``store``."""
+    return f"{store.url}#step={step}"
+
+
+def step_from_checkpoint_id(store: Store, checkpoint_id: object) -> int:
+    """The step a DCP ``checkpoint_id`` names: ``7``, ``"7"``, or ``"<store url>#step=7"``."""
+    if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool):
+        return check_step(checkpoint_id)
+    text = os.fspath(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else None
+    if isinstance(text, str):
+        url, marker, step_text = text.rpartition("#step=")
+        if not marker:
+            step_text = text
+        elif url != store.url:
+            raise InvalidInputError(
+                f"checkpoint_id {text!r} names a step of {url}, not of this store ({store.url})"
+            )
+        if step_text.isascii() and step_text.isdigit():
+            return check_step(int(step_text))
+    raise InvalidInputError(
+        f"checkpoint_id {checkpoint_id!r} is not a step of {store.url}: give the step number "
+        f"(7 or '7') or '{store.url}#step=7'"
+    )
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:

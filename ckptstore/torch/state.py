@@ -21,6 +21,7 @@ from ckptstore.driver import Buffer
 from ckptstore.errors import InvalidInputError
 from ckptstore.names import check_shard_name
 from ckptstore.store import Store
+from ckptstore.torch.agreement import agreed_checkpoint
 from ckptstore.torch.codec import decode_state, encode_state_chunks, read_tensors
 from ckptstore.torch.rng import capture_rng, restore_rng
 
@@ -152,18 +153,29 @@ def save_state(
 
 
 def load_state(
-    checkpoint: Checkpoint,
+    source: Checkpoint | Store,
     components: Mapping[str, Any],
     *,
     map_location: Any = "cpu",
     rng: bool = True,
+    group: Any = None,
 ) -> dict[str, Any]:
-    """Restore ``components`` (and the RNGs) from a checkpoint; return its counters.
+    """Restore ``components`` (and the RNGs) from one checkpoint; return its step and counters.
 
-    A Stateful component gets ``load_state_dict``; for a plain mapping component, its restored
-    state is returned under the component's name.
+    ``source``: a checkpoint, or a store to load the latest of. In a multi-rank
+    torch.distributed job, a store makes this a collective over ``group``: the coordinator
+    alone resolves the latest and every rank loads that one (``agreed_checkpoint``); raises
+    CheckpointNotFoundError if the store has none.
+
+    Returns ``{"step": <the step loaded>, "counters": {...}}``, and for each plain mapping
+    component its restored state under the component's name (a Stateful component gets
+    ``load_state_dict``).
     """
-    restored: dict[str, Any] = {}
+    if isinstance(source, Checkpoint):
+        checkpoint = source
+    else:
+        checkpoint = agreed_checkpoint(source, group=group)
+    restored: dict[str, Any] = {"step": checkpoint.step}
     for name, component in components.items():
         state = _read_state(checkpoint, name, map_location)
         if isinstance(component, Stateful):

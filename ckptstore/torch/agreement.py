@@ -1,0 +1,68 @@
+"""Which checkpoint a multi-rank job loads: decided once, by the coordinator, for every rank.
+
+Ranks that each ask ``store.latest()`` can get different answers when a checkpoint is published
+(or retention deletes one) between their calls, and a model loaded from two checkpoints is
+silently wrong. Here only the coordinator (rank 0 of the group) resolves the latest step; it
+broadcasts the step and the attempt that published it, and every rank opens exactly that
+checkpoint, or fails if it changed in between.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from ckptstore.checkpoint import Checkpoint
+from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
+from ckptstore.store import Store
+
+__all__ = ["agreed_checkpoint", "in_multi_rank_job"]
+
+COORDINATOR = 0
+
+
+def in_multi_rank_job(group: Any = None) -> bool:
+    """True in an initialised torch.distributed job whose ``group`` has more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def agreed_checkpoint(store: Store, step: int | None = None, *, group: Any = None) -> Checkpoint:
+    """The checkpoint every rank of ``group`` loads: ``step``, or the latest one as the
+    coordinator saw it; a collective call in a multi-rank job (every rank must make it).
+
+    Raises CheckpointNotFoundError on every rank when there is no checkpoint; outside a
+    multi-rank job (or with an explicit ``step``) each process asks the store itself.
+    """
+    if step is not None or not in_multi_rank_job(group):
+        checkpoint = store.latest() if step is None else store.get(step)
+        if checkpoint is None:
+            raise CheckpointNotFoundError(f"{store.url}: no checkpoint to load")
+        return checkpoint
+    coordinator = dist.get_global_rank(group, COORDINATOR) if group is not None else COORDINATOR
+    decision: list[Any] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank(group) == COORDINATOR:
+        try:
+            latest = store.latest()
+            decision = [("ok", None if latest is None else (latest.step, latest.manifest.attempt))]
+        except Exception as exc:  # every rank must hear of it, or the others wait forever
+            failure = exc
+            decision = [("error", f"{type(exc).__name__}: {exc}")]
+    dist.broadcast_object_list(decision, src=coordinator, group=group)
+    if failure is not None:
+        raise failure
+    status, value = decision[0]
+    if status != "ok":
+        raise CkptStoreError(f"{store.url}: the coordinator could not find the latest: {value}")
+    if value is None:
+        raise CheckpointNotFoundError(f"{store.url}: no checkpoint to load")
+    chosen_step, attempt = value
+    checkpoint = store.get(chosen_step)
+    if checkpoint.manifest.attempt != attempt:
+        raise CheckpointNotFoundError(
+            f"{store.url}: step {chosen_step} was deleted and saved again while the ranks "
+            f"opened it (the coordinator chose attempt {attempt}, this rank found "
+            f"{checkpoint.manifest.attempt})"
+        )
+    return checkpoint

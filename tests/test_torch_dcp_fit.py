@@ -1,0 +1,109 @@
+"""DCP's StorageWriter and StorageReader as DCP users hold them: one of each for a whole run,
+the step from DCP's ``checkpoint_id``; and which checkpoint a load without a step reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+import ckptstore  # noqa: E402
+from ckptstore import CheckpointExistsError, CheckpointNotFoundError, InvalidInputError  # noqa: E402
+from ckptstore.torch import load_state, save_state  # noqa: E402
+from ckptstore.torch.agreement import agreed_checkpoint  # noqa: E402
+from ckptstore.torch.dcp import (  # noqa: E402
+    CkptStoreReader,
+    CkptStoreWriter,
+    checkpoint_id_of,
+    step_from_checkpoint_id,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _state(value: float) -> dict[str, object]:
+    return {"w": torch.full((4, 2), value), "epoch": int(value)}
+
+
+def test_one_writer_and_one_reader_serve_a_whole_run(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    writer, reader = CkptStoreWriter(store), CkptStoreReader(store)
+    dcp.save(_state(1), storage_writer=writer, checkpoint_id=1)
+    dcp.save(_state(2), storage_writer=writer, checkpoint_id="2")
+    dcp.async_save(
+        _state(3), storage_writer=writer, checkpoint_id=checkpoint_id_of(store, 3)
+    ).result()
+    assert store.steps() == [1, 2, 3]
+    for step in (2, 1, 3):
+        target = _state(0)
+        dcp.load(target, storage_reader=reader, checkpoint_id=step)
+        assert reader.loaded is not None and reader.loaded.step == step
+        assert torch.equal(target["w"], torch.full((4, 2), float(step)))
+        assert target["epoch"] == step
+    target = _state(0)
+    dcp.load(target, storage_reader=CkptStoreReader(store))  # no step: the latest
+    assert target["epoch"] == 3
+
+
+def test_a_writer_step_is_the_default_and_checkpoint_id_overrides_it(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    writer = CkptStoreWriter(store, 5)
+    dcp.save(_state(5), storage_writer=writer)
+    dcp.save(_state(6), storage_writer=writer, checkpoint_id=6)
+    with pytest.raises(CheckpointException) as caught:  # the default again: already published
+        dcp.save(_state(5), storage_writer=writer)
+    assert CheckpointExistsError.__name__ in repr(caught.value.failures)
+    assert store.steps() == [5, 6]
+
+
+def test_a_writer_without_any_step_says_how_to_give_one(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save(_state(1), storage_writer=CkptStoreWriter(store))
+    assert "checkpoint_id=<step>" in repr(caught.value.failures)
+    assert store.steps() == []
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_id", "step"),
+    [(7, 7), ("7", 7), (Path("7"), 7), ("file:///x/s#step=7", 7)],
+)
+def test_checkpoint_ids_that_name_a_step(tmp_path: Path, checkpoint_id: object, step: int) -> None:
+    store = ckptstore.open("file:///x/s")
+    assert step_from_checkpoint_id(store, checkpoint_id) == step
+
+
+@pytest.mark.parametrize(
+    "checkpoint_id",
+    ["", "seven", "-1", "7.0", "file:///elsewhere#step=7", "file:///x/s#step=", True, 7.0, None,
+     "\u0667"],
+)  # fmt: skip
+def test_checkpoint_ids_that_do_not(checkpoint_id: object) -> None:
+    store = ckptstore.open("file:///x/s")
+    with pytest.raises(InvalidInputError):
+        step_from_checkpoint_id(store, checkpoint_id)
+
+
+def test_a_load_without_any_checkpoint_is_not_found(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    with pytest.raises(CheckpointNotFoundError):
+        agreed_checkpoint(store)
+    with pytest.raises(CheckpointNotFoundError):
+        load_state(store, {"model": {}})
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(_state(0), storage_reader=CkptStoreReader(store))
+    assert "no checkpoint to load" in repr(caught.value.failures)
+
+
+def test_load_state_from_a_store_loads_the_latest_and_says_which(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    for step in (1, 2):
+        save_state(store, step, {"model": {"w": torch.full((2,), float(step))}}, rng=False)
+    restored = load_state(store, {"model": {}}, rng=False)
+    assert restored["step"] == 2
+    assert torch.equal(restored["model"]["w"], torch.full((2,), 2.0))
+    assert load_state(store.get(1), {"model": {}}, rng=False)["step"] == 1
