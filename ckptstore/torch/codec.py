@@ -1,9 +1,12 @@
 """State dicts to bytes and back: tensors as safetensors, everything else as JSON.
 
-A nested state (dicts, lists, tuples, numbers, strings, tensors) becomes two blobs: a
-safetensors file holding every tensor, and a JSON skeleton in which each tensor is replaced by
-``{"__tensor__": key}``. Nothing is pickled, so loading never runs code from a checkpoint.
-Tensors that share storage (tied weights) are stored once and come back shared.
+A nested state (dicts, lists, tuples, numbers, strings, tensors, NumPy scalars and arrays,
+random generators) becomes two blobs: a safetensors file holding every tensor and array, and a
+JSON skeleton in which each tensor is replaced by ``{"__tensor__": key}``. Generators
+(``torch.Generator``, ``numpy.random.Generator`` and ``RandomState``, ``random.Random``) are
+stored by their state and come back as new generators in that state. Nothing is pickled, so
+loading never runs code from a checkpoint. Tensors that share storage (tied weights) are
+stored once and come back shared.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import random
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -19,7 +23,14 @@ import torch
 from ckptstore.driver import Buffer
 from ckptstore.errors import InvalidInputError, ManifestCorruptError, ShardCorruptError
 
-__all__ = ["decode_state", "encode_state", "encode_state_chunks", "read_tensors"]
+__all__ = [
+    "decode_state",
+    "encode_state",
+    "encode_state_chunks",
+    "is_generator",
+    "read_tensors",
+    "restore_generator",
+]
 
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -31,6 +42,16 @@ class Readable(Protocol):
 
 
 _TENSOR, _TUPLE, _FLOAT, _INTKEYS = "__tensor__", "__tuple__", "__float__", "__intkeys__"
+_NDARRAY, _NPSCALAR = "__ndarray__", "__numpy__"
+_TORCH_GEN, _NP_GEN, _NP_LEGACY, _PY_RANDOM = (
+    "__torch_generator__", "__numpy_generator__", "__numpy_randomstate__", "__python_random__"
+)  # fmt: skip
+_MARKERS = frozenset(
+    {_TENSOR, _TUPLE, _FLOAT, _INTKEYS, _NDARRAY, _NPSCALAR, _TORCH_GEN, _NP_GEN, _NP_LEGACY,
+     _PY_RANDOM}
+)  # fmt: skip
+_BIT_GENERATORS = frozenset({"MT19937", "PCG64", "PCG64DXSM", "Philox", "SFC64"})
+_NUMPY_SCALAR_KINDS = frozenset("biuf")
 
 
 def encode_state(state: Any, *, copy: bool = False) -> tuple[bytes, bytes]:
@@ -48,17 +69,47 @@ HostCopier = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 def encode_state_chunks(
-    state: Any, *, copy: bool = False, copier: HostCopier | None = None
+    state: Any,
+    *,
+    copy: bool = False,
+    copier: HostCopier | None = None,
+    subject: str = "state",
 ) -> tuple[list[Buffer], bytes]:
     """Like ``encode_state``, but the safetensors file as a list of chunks: its header, then
     each tensor's own memory, uncopied (unless ``copy``), to be streamed into a shard.
 
     ``copier`` (with ``copy``) places the copies, e.g. into buffers reused from save to save.
+    ``subject`` names the state in errors (e.g. "component 'model'").
     """
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
 
+    def add_array(array: Any, path: str) -> str:
+        """A NumPy array stored as a tensor of its own (never shared, always copied)."""
+        if array.dtype.kind not in _NUMPY_SCALAR_KINDS:
+            raise InvalidInputError(
+                f"{subject} at {path or '<root>'}: a NumPy array of dtype {array.dtype} cannot "
+                f"be stored (numbers and booleans only: nothing is pickled)"
+            )
+        key = f"t{len(tensors)}"
+        tensors[key] = torch.from_numpy(numpy().ascontiguousarray(array).copy())
+        return key
+
     def walk(value: Any, path: str) -> Any:
+        np = numpy_if_loaded()
+        if np is not None and isinstance(value, np.ndarray):
+            return {_NDARRAY: add_array(value, path)}
+        if np is not None and isinstance(value, np.generic):
+            if value.dtype.kind not in _NUMPY_SCALAR_KINDS:
+                raise InvalidInputError(
+                    f"{subject} at {path or '<root>'}: a NumPy {value.dtype} scalar cannot be "
+                    f"stored (numbers and booleans only)"
+                )
+            return {_NPSCALAR: [value.dtype.str, walk(value.item(), path)]}
+        generator = _generator_state(value)
+        if generator is not None:
+            marker, generator_state = generator
+            return {marker: walk(generator_state, f"{path}<{type(value).__name__}>")}
         if isinstance(value, torch.Tensor):
             tensor = value.detach()
             identity = (
@@ -79,10 +130,17 @@ def encode_state_chunks(
             return {_TENSOR: key}
         if isinstance(value, Mapping):
             if all(isinstance(k, str) for k in value):
+                if len(value) == 1 and next(iter(value)) in _MARKERS:
+                    raise InvalidInputError(
+                        f"{subject} at {path or '<root>'}: a dict whose only key is "
+                        f"{next(iter(value))!r} would read back as something else"
+                    )
                 return {k: walk(v, f"{path}.{k}") for k, v in value.items()}
-            if all(isinstance(k, int) and not isinstance(k, bool) for k in value):
-                return {_INTKEYS: [[k, walk(v, f"{path}.{k}")] for k, v in value.items()]}
-            raise InvalidInputError(f"state at {path or '<root>'}: keys must be all str or all int")
+            if all(_is_integer(k) for k in value):
+                return {_INTKEYS: [[int(k), walk(v, f"{path}.{k}")] for k, v in value.items()]}
+            raise InvalidInputError(
+                f"{subject} at {path or '<root>'}: keys must be all str or all int"
+            )
         if isinstance(value, tuple):
             return {_TUPLE: [walk(v, f"{path}[{i}]") for i, v in enumerate(value)]}
         if isinstance(value, list):
@@ -91,14 +149,68 @@ def encode_state_chunks(
             return {_FLOAT: repr(value)}
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
-        raise InvalidInputError(
-            f"state at {path or '<root>'} holds a {type(value).__name__}, which ckptstore does not "
-            f"store (tensors, numbers, strings, lists, tuples and dicts only: nothing is pickled)"
-        )
+        raise InvalidInputError(_unstorable(value, subject, path))
 
     skeleton = walk(state, "")
     chunks = _safetensors_chunks(tensors) if tensors else []
     return chunks, json.dumps(skeleton, allow_nan=False).encode("utf-8")
+
+
+def _is_integer(key: object) -> bool:
+    if isinstance(key, bool):
+        return False
+    np = numpy_if_loaded()
+    return isinstance(key, int) or (np is not None and isinstance(key, np.integer))
+
+
+def numpy() -> Any:
+    """The NumPy module (torch's ``Tensor.numpy`` needs it too)."""
+    import numpy as np
+
+    return np
+
+
+def numpy_if_loaded() -> Any:
+    """NumPy if something has imported it (a state cannot hold NumPy values otherwise)."""
+    import sys
+
+    return sys.modules.get("numpy")
+
+
+def _generator_state(value: Any) -> tuple[str, Any] | None:
+    """(marker, state) for a random generator, stored by its state; None for anything else."""
+    if isinstance(value, torch.Generator):
+        return _TORCH_GEN, {"device": str(value.device), "state": value.get_state()}
+    if isinstance(value, random.Random):
+        version, internal, gauss = value.getstate()
+        return _PY_RANDOM, {"version": version, "state": list(internal), "gauss": gauss}
+    np = numpy_if_loaded()
+    if np is None:
+        return None
+    if isinstance(value, np.random.Generator):
+        return _NP_GEN, value.bit_generator.state
+    if isinstance(value, np.random.RandomState):
+        return _NP_LEGACY, value.get_state(legacy=False)
+    return None
+
+
+def _unstorable(value: Any, subject: str, path: str) -> str:
+    """Why ``value`` cannot be stored, and what to do instead."""
+    kind = type(value)
+    where = f"{subject} at {path or '<root>'}"
+    if any(c.__name__ == "DataLoader" and c.__module__.startswith("torch.") for c in kind.__mro__):
+        return (
+            f"{where} is a torch DataLoader, which has no state of its own to save: save the "
+            f"parts that decide what comes next instead, its sampler (if it has state_dict()) "
+            f"and a torch.Generator you gave it (DataLoader(..., generator=g)) as components, "
+            f"or use torchdata's StatefulDataLoader, which has state_dict()"
+        )
+    return (
+        f"{where} holds a {kind.__module__}.{kind.__qualname__}, which ckptstore does not store "
+        f"(tensors, numbers, strings, lists, tuples, dicts, NumPy values and random generators "
+        f"only: nothing is pickled). Give its class state_dict() and load_state_dict() that "
+        f"return and take those, or store what it needs to resume instead"
+    )
 
 
 _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -242,6 +354,7 @@ def decode_state(
     if isinstance(tensors, (bytes, bytearray, memoryview)):
         blob = bytes(tensors)
         tensors = read_tensors(io.BytesIO(blob), len(blob)) if blob else {}
+    host = dict(tensors)  # NumPy arrays and generator states come from these
     if map_location is not None:
         tensors = {k: v.to(map_location) for k, v in tensors.items()}
     try:
@@ -249,22 +362,92 @@ def decode_state(
     except (UnicodeDecodeError, ValueError) as exc:
         raise ManifestCorruptError(f"state skeleton is not JSON: {exc}") from exc
 
-    def build(value: Any) -> Any:
+    def tensor(key: object, source: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if not isinstance(key, str) or key not in source:
+            raise ManifestCorruptError(f"state skeleton names a missing tensor {key!r}")
+        return source[key]
+
+    def build(value: Any, *, on_host: bool = False) -> Any:
         if isinstance(value, dict):
-            if set(value) == {_TENSOR}:
-                key = value[_TENSOR]
-                if not isinstance(key, str) or key not in tensors:
-                    raise ManifestCorruptError(f"state skeleton names a missing tensor {key!r}")
-                return tensors[key]
-            if set(value) == {_TUPLE}:
-                return tuple(build(v) for v in value[_TUPLE])
-            if set(value) == {_FLOAT}:
-                return float(value[_FLOAT])
-            if set(value) == {_INTKEYS}:
-                return {int(k): build(v) for k, v in value[_INTKEYS]}
-            return {k: build(v) for k, v in value.items()}
+            if len(value) == 1:
+                marker, inner = next(iter(value.items()))
+                if marker == _TENSOR:
+                    return tensor(inner, host if on_host else tensors)
+                if marker in _MARKERS:
+                    return special(marker, inner)
+            return {k: build(v, on_host=on_host) for k, v in value.items()}
         if isinstance(value, list):
-            return [build(v) for v in value]
+            return [build(v, on_host=on_host) for v in value]
         return value
 
+    def special(marker: str, inner: Any) -> Any:
+        try:
+            if marker == _TUPLE:
+                return tuple(build(v) for v in inner)
+            if marker == _FLOAT:
+                return float(inner)
+            if marker == _INTKEYS:
+                return {int(k): build(v) for k, v in inner}
+            if marker == _NDARRAY:
+                return tensor(inner, host).cpu().numpy()
+            if marker == _NPSCALAR:
+                dtype, number = inner
+                return numpy().dtype(dtype).type(build(number))
+            return _new_generator(marker, build(inner, on_host=True))
+        except ManifestCorruptError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as exc:
+            raise ManifestCorruptError(f"state skeleton has a bad {marker} entry: {exc}") from exc
+
     return build(document)
+
+
+def _new_generator(marker: str, state: Any) -> Any:
+    """A new random generator in the stored ``state``."""
+    if marker == _TORCH_GEN:
+        generator = torch.Generator(device=state["device"])
+        generator.set_state(state["state"].to("cpu", torch.uint8))
+        return generator
+    if marker == _PY_RANDOM:
+        python = random.Random()
+        python.setstate((state["version"], tuple(state["state"]), state["gauss"]))
+        return python
+    np = numpy()
+    name = state["bit_generator"]
+    if name not in _BIT_GENERATORS:
+        raise ValueError(f"unknown NumPy bit generator {name!r}")
+    if marker == _NP_GEN:
+        bits = getattr(np.random, name)()
+        bits.state = state
+        return np.random.Generator(bits)
+    legacy = np.random.RandomState()
+    legacy.set_state(state)
+    return legacy
+
+
+def restore_generator(target: Any, restored: Any) -> bool:
+    """Put generator ``target`` in the state of ``restored`` (a generator this codec decoded);
+    False if ``target`` is not a generator of the same kind."""
+    if isinstance(target, torch.Generator) and isinstance(restored, torch.Generator):
+        target.set_state(restored.get_state())
+        return True
+    if isinstance(target, random.Random) and isinstance(restored, random.Random):
+        target.setstate(restored.getstate())
+        return True
+    np = numpy_if_loaded()
+    if np is None:
+        return False
+    if isinstance(target, np.random.Generator) and isinstance(restored, np.random.Generator):
+        if type(target.bit_generator) is not type(restored.bit_generator):
+            return False
+        target.bit_generator.state = restored.bit_generator.state
+        return True
+    if isinstance(target, np.random.RandomState) and isinstance(restored, np.random.RandomState):
+        target.set_state(restored.get_state(legacy=False))
+        return True
+    return False
+
+
+def is_generator(value: Any) -> bool:
+    """True for a random generator this codec stores by its state."""
+    return _generator_state(value) is not None

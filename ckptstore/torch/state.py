@@ -2,7 +2,9 @@
 position, RNGs and counters, bitwise exact.
 
 Each component is an object with ``state_dict()``/``load_state_dict()`` (a module, an
-optimizer, an LR scheduler, a resumable sampler) or a plain nested mapping. It is stored as two
+optimizer, an LR scheduler, a resumable sampler), a random generator the trainer holds
+(``torch.Generator``, ``numpy.random.Generator``, ``random.Random``: restored in place, by its
+state), or a plain nested mapping. It is stored as two
 shards, ``<name>.safetensors`` (its tensors) and ``<name>.json`` (everything else); the RNG
 states as ``rng.*``; the counters a long run keeps (samples read, successful and skipped
 updates, tokens, ...) go into the manifest's metadata, where ``ckptstore show`` prints them.
@@ -22,7 +24,13 @@ from ckptstore.errors import InvalidInputError
 from ckptstore.names import check_shard_name
 from ckptstore.store import Store
 from ckptstore.torch.agreement import agreed_checkpoint
-from ckptstore.torch.codec import decode_state, encode_state_chunks, read_tensors
+from ckptstore.torch.codec import (
+    decode_state,
+    encode_state_chunks,
+    is_generator,
+    read_tensors,
+    restore_generator,
+)
 from ckptstore.torch.rng import capture_rng, restore_rng
 
 __all__ = ["Snapshot", "Stateful", "load_state", "save_state", "snapshot_state", "write_snapshot"]
@@ -78,7 +86,9 @@ def snapshot_state(
     for name, component in components.items():
         state = component.state_dict() if isinstance(component, Stateful) else component
         copier = None if buffers is None else _reusing(buffers, name)
-        tensors, skeleton = encode_state_chunks(state, copy=copy, copier=copier)
+        tensors, skeleton = encode_state_chunks(
+            state, copy=copy, copier=copier, subject=f"component {name!r}"
+        )
         shards[f"{name}.safetensors"] = tensors
         shards[f"{name}.json"] = [skeleton]
     if rng:
@@ -180,6 +190,12 @@ def load_state(
         state = _read_state(checkpoint, name, map_location)
         if isinstance(component, Stateful):
             component.load_state_dict(state)
+        elif is_generator(component):
+            if not restore_generator(component, state):
+                raise InvalidInputError(
+                    f"component {name!r} is a {type(component).__name__}, but step "
+                    f"{checkpoint.step} holds a {type(state).__name__} under that name"
+                )
         else:
             restored[name] = state
     if rng and f"{RNG}.json" in checkpoint.shards:
