@@ -36,7 +36,8 @@ def _launch(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc-per-node={ranks}", str(worker), *args],
             capture_output=True, text=True, timeout=JOB_WAIT_S, check=False,
-            env={**os.environ, "PYTHONPATH": _python_path(), **(env or {})},
+            env={**os.environ, "PYTHONPATH": _python_path(), "GLOO_SOCKET_IFNAME": "lo",
+                 **(env or {})},
         )  # fmt: skip
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"torchrun {' '.join(args)} did not end within {JOB_WAIT_S:.0f} s: {exc}")

@@ -30,6 +30,7 @@ __all__ = [
     "is_generator",
     "read_tensors",
     "restore_generator",
+    "tensor_destinations",
 ]
 
 _MAX_HEADER = 100 * 1024 * 1024
@@ -267,13 +268,22 @@ def _to_host(tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
 _DTYPES_BY_NAME = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 
 
-def read_tensors(stream: Readable, size: int, *, where: str = "tensors") -> dict[str, torch.Tensor]:
-    """Read a safetensors file of ``size`` bytes from ``stream`` straight into new CPU tensors.
+def read_tensors(
+    stream: Readable,
+    size: int,
+    *,
+    where: str = "tensors",
+    into: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read a safetensors file of ``size`` bytes from ``stream`` straight into tensors.
 
-    Each tensor's bytes are read into its own memory: no intermediate copy of the file. The
-    header is checked before anything is allocated (known dtypes, sizes that match the shapes,
-    data that covers the file exactly), so a damaged header cannot ask for more memory than the
-    file holds. The stream is read to its end (a ``ShardReader`` verifies its CRC32C there).
+    Each tensor's bytes are read into its own memory: no intermediate copy of the file. A
+    tensor of ``into`` (by name) with the stored shape and dtype, contiguous and in CPU memory,
+    is filled in place and returned; every other tensor gets new CPU memory. The header is
+    checked before anything is allocated or overwritten (known dtypes, sizes that match the
+    shapes, data that covers the file exactly), so a damaged header cannot ask for more memory
+    than the file holds. The stream is read to its end (a ``ShardReader`` verifies its CRC32C
+    there): tensors filled in place before a mismatch is found hold the damaged bytes.
     """
 
     def corrupt(problem: str) -> ShardCorruptError:
@@ -322,7 +332,9 @@ def read_tensors(stream: Readable, size: int, *, where: str = "tensors") -> dict
         raise corrupt(f"tensors hold {position} bytes, the file has {size - 8 - header_size}")
     tensors: dict[str, torch.Tensor] = {}
     for _begin, name, dtype, shape, nbytes in layout:
-        tensor = torch.empty(shape, dtype=dtype)
+        tensor = _fillable((into or {}).get(name), dtype, shape)
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=dtype)
         if nbytes:
             array: Any = tensor.reshape(-1).view(torch.uint8).numpy()
             if _fill(stream, memoryview(array)) != nbytes:
@@ -331,6 +343,58 @@ def read_tensors(stream: Readable, size: int, *, where: str = "tensors") -> dict
     if _fill(stream, memoryview(bytearray(1))):
         raise corrupt(f"longer than {size} bytes")
     return tensors
+
+
+def _fillable(target: object, dtype: torch.dtype, shape: list[int]) -> torch.Tensor | None:
+    """``target`` (detached) if the stored bytes can be read straight into it, else None."""
+    if not isinstance(target, torch.Tensor):
+        return None
+    tensor = target.detach()
+    fits = tensor.dtype == dtype and list(tensor.shape) == shape and tensor.is_contiguous()
+    return tensor if fits and tensor.device.type == "cpu" and not tensor.is_neg() else None
+
+
+def tensor_destinations(skeleton: bytes, current: Any) -> dict[str, torch.Tensor]:
+    """The tensors of ``current`` (a component's present state) that stand where the stored
+    ``skeleton`` has a tensor, by stored tensor name: where a load may read in place."""
+    try:
+        document = json.loads(skeleton.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ManifestCorruptError(f"state skeleton is not JSON: {exc}") from exc
+    found: dict[str, torch.Tensor] = {}
+
+    def pair(stored: Any, present: Any) -> None:
+        if isinstance(stored, list):
+            if isinstance(present, (list, tuple)):
+                for inner, now in zip(stored, present, strict=False):
+                    pair(inner, now)
+            return
+        if not isinstance(stored, dict):
+            return
+        if len(stored) == 1:
+            marker, inner = next(iter(stored.items()))
+            if marker == _TENSOR:
+                if isinstance(inner, str) and isinstance(present, torch.Tensor):
+                    found.setdefault(inner, present)
+                return
+            if marker == _TUPLE:
+                pair(inner, present)
+                return
+            if marker == _INTKEYS:
+                if isinstance(inner, list) and isinstance(present, Mapping):
+                    for entry in inner:
+                        if isinstance(entry, list) and len(entry) == 2 and entry[0] in present:
+                            pair(entry[1], present[entry[0]])
+                return
+            if marker in _MARKERS:
+                return
+        if isinstance(present, Mapping):
+            for key, inner in stored.items():
+                if key in present:
+                    pair(inner, present[key])
+
+    pair(document, current)
+    return found
 
 
 def _fill(stream: Readable, view: memoryview) -> int:

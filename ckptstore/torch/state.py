@@ -30,6 +30,7 @@ from ckptstore.torch.codec import (
     is_generator,
     read_tensors,
     restore_generator,
+    tensor_destinations,
 )
 from ckptstore.torch.rng import capture_rng, restore_rng
 
@@ -180,6 +181,12 @@ def load_state(
     Returns ``{"step": <the step loaded>, "counters": {...}}``, and for each plain mapping
     component its restored state under the component's name (a Stateful component gets
     ``load_state_dict``).
+
+    Tensors are read straight into the component's own (a model's parameters and buffers, an
+    optimizer's materialised state) when shape, dtype and device (CPU) match, so a load needs
+    no second copy of the state in memory. Every byte is still verified, but a shard found
+    damaged at its end has already been read into those tensors: after an IntegrityError,
+    load the components again (from another step) before training on.
     """
     if isinstance(source, Checkpoint):
         checkpoint = source
@@ -187,7 +194,8 @@ def load_state(
         checkpoint = agreed_checkpoint(source, group=group)
     restored: dict[str, Any] = {"step": checkpoint.step}
     for name, component in components.items():
-        state = _read_state(checkpoint, name, map_location)
+        present = component.state_dict() if isinstance(component, Stateful) else None
+        state = _read_state(checkpoint, name, map_location, present)
         if isinstance(component, Stateful):
             component.load_state_dict(state)
         elif is_generator(component):
@@ -199,17 +207,20 @@ def load_state(
         else:
             restored[name] = state
     if rng and f"{RNG}.json" in checkpoint.shards:
-        restore_rng(_read_state(checkpoint, RNG, None))
+        restore_rng(_read_state(checkpoint, RNG, None, None))
     counters = checkpoint.metadata.get("counters", {})
     restored["counters"] = dict(counters) if isinstance(counters, dict) else {}
     return restored
 
 
-def _read_state(checkpoint: Checkpoint, name: str, map_location: Any) -> Any:
-    """One component's state: its tensors read straight into new tensors, verified."""
+def _read_state(checkpoint: Checkpoint, name: str, map_location: Any, present: Any) -> Any:
+    """One component's state, verified: each tensor read straight into the tensor that holds
+    it now in ``present`` (the component's current state) when shape, dtype and place match,
+    else into new memory."""
     skeleton = checkpoint.read(f"{name}.json")
     shard = f"{name}.safetensors"
+    into = tensor_destinations(skeleton, present) if present is not None else None
     with checkpoint.open(shard) as stream:
         where = f"{checkpoint.url} step {checkpoint.step}: shard {shard!r}"
-        tensors = read_tensors(stream, checkpoint.shards[shard].size, where=where)
+        tensors = read_tensors(stream, checkpoint.shards[shard].size, where=where, into=into)
     return decode_state(tensors, skeleton, map_location=map_location)
