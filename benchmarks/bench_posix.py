@@ -36,6 +36,21 @@ def make_state(total: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(per) for i in range(8)}
 
 
+class ExistingModel:
+    """A trainer's model as load_state meets it: tensors that exist already (like a module's
+    parameters), restored by ``load_state_dict``."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.tensors)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, tensor in state.items():
+            self.tensors[name].copy_(tensor)  # free when read in place (the same memory)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="2G")
@@ -128,10 +143,12 @@ def main() -> None:
         for name, buffer in buffers.items():
             checkpoint.read_into(name, buffer.numpy())
 
-    def ckpt_torch_load(repeat: int) -> None:
+    model = ExistingModel(buffers)
+
+    def ckpt_torch_load(repeat: int) -> None:  # into the tensors of a model that exists
         checkpoint = ckptstore.open(paths["ckptstore.torch"], create=False).latest()
         assert checkpoint is not None
-        load_state(checkpoint, {"model": {}}, rng=False)
+        load_state(checkpoint, {"model": model}, rng=False)
 
     def torch_load(repeat: int) -> None:
         torch.load(os.path.join(paths["torch.save+fsync"], "state.pt"), weights_only=True)

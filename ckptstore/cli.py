@@ -1,5 +1,5 @@
-"""The ``ckptstore`` command: ls, show, verify, gc, delete, rollback, bench, lifecycle,
-conformance and demo.
+"""The ``ckptstore`` command: ls, show, verify, gc, delete, rollback, push, pull, bench,
+lifecycle, conformance and demo.
 
 Every command but ``demo`` takes store URLs (or bare paths), and ``--json`` prints its result
 as JSON on stdout (``conformance`` also writes report files: ``--json-file``, ``--junit``).
@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any, NoReturn, TextIO
 
 from ckptstore.checkpoint import Checkpoint
+from ckptstore.cli_directory import add_directory_commands
 from ckptstore.errors import (
     BackendUnavailableError,
     CheckpointNotFoundError,
@@ -630,6 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--yes", action="store_true", help="run even where the URL is not empty")
     p.set_defaults(func=cmd_conformance)
+    add_directory_commands(sub, parse_step, counted(1, 1024))
     p = command("demo", "save, crash and resume on an embedded default store (no setup)")
     p.add_argument("--dir", help="directory for the file:// store (default: a temporary one)")
     p.set_defaults(func=cmd_demo)

@@ -1,0 +1,76 @@
+"""``ckptstore push`` and ``ckptstore pull``: a trainer's checkpoint directory published as one
+checkpoint, and a checkpoint materialised into a local directory (see ``ckptstore.directory``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from ckptstore.directory import DEFAULT_PARALLEL, materialize, publish_directory
+from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.store import open_store
+
+__all__ = ["add_directory_commands"]
+
+EXIT_OK = 0
+
+
+def cmd_push(args: argparse.Namespace, out: TextIO) -> int:
+    store = open_store(args.url)
+    checkpoint = publish_directory(store, args.step, args.directory, parallel=args.parallel)
+    if args.json:
+        json.dump({"url": store.url, "step": checkpoint.step, "files": len(checkpoint.names),
+                   "bytes": checkpoint.size}, out)  # fmt: skip
+        out.write("\n")
+    else:
+        out.write(
+            f"published step {checkpoint.step} to {store.url}: {len(checkpoint.names)} files, "
+            f"{checkpoint.size} bytes\n"
+        )
+    return EXIT_OK
+
+
+def cmd_pull(args: argparse.Namespace, out: TextIO) -> int:
+    store = open_store(args.url, create=False)
+    checkpoint = store.latest() if args.step is None else store.get(args.step)
+    if checkpoint is None:
+        raise CheckpointNotFoundError(f"{store.url}: no checkpoints")
+    target = materialize(checkpoint, args.directory, replace=args.replace, parallel=args.parallel)
+    if args.json:
+        json.dump({"url": store.url, "step": checkpoint.step, "directory": str(target),
+                   "files": len(checkpoint.names)}, out)  # fmt: skip
+        out.write("\n")
+    else:
+        out.write(f"materialised step {checkpoint.step} of {store.url} into {target}\n")
+    return EXIT_OK
+
+
+def add_directory_commands(
+    sub: Any, parse_step: Callable[[str], int], parse_count: Callable[[str], int]
+) -> None:
+    """Add ``push`` and ``pull`` to the ``ckptstore`` command's subparsers."""
+    text = "publish a checkpoint directory (every file under DIR) as checkpoint STEP, atomically"
+    p = sub.add_parser("push", help=text, description=text)
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("url", metavar="URL", help="store URL (file:///path, s3://bucket/prefix, ...)")
+    p.add_argument("--step", type=parse_step, required=True)
+    p.add_argument("--parallel", type=parse_count, default=DEFAULT_PARALLEL,
+                   help=f"files streamed at once (default {DEFAULT_PARALLEL})")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_push)
+    text = (
+        "write checkpoint STEP (default: the latest) into DIR, verified; DIR appears whole or "
+        "not at all"
+    )
+    p = sub.add_parser("pull", help=text, description=text)
+    p.add_argument("url", metavar="URL", help="store URL")
+    p.add_argument("step", metavar="STEP", nargs="?", type=parse_step)
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--replace", action="store_true", help="swap out DIR if it exists")
+    p.add_argument("--parallel", type=parse_count, default=DEFAULT_PARALLEL,
+                   help=f"files written at once (default {DEFAULT_PARALLEL})")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_pull)

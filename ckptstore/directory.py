@@ -1,0 +1,274 @@
+"""A checkpoint directory written by a trainer's own code, published as one checkpoint (all its
+files or none), and a checkpoint materialised back into a local directory (verified, complete
+or absent).
+
+Hugging Face ``Trainer``, Accelerate's ``save_state``, NeMo and Megatron write a checkpoint as
+a directory of files, in place and one file at a time: a crash leaves a directory that looks
+like a checkpoint and is not one. ``publish_directory`` gives such a directory ckptstore's
+guarantees on any store: every regular file becomes a shard named by its path relative to the
+directory, streamed, several at once, and one atomic commit publishes them together.
+``materialize`` writes a checkpoint's shards into a temporary sibling of the target, checks
+every byte against the manifest's CRC32C, fsyncs it and renames it into place, so the target
+directory is either the whole checkpoint or untouched.
+
+Empty directories are not kept (a shard is a file); a symbolic link to a file is stored as the
+file it points to; any other entry (a link to a directory, a socket, a device) is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptstore.checkpoint import Checkpoint
+from ckptstore.errors import (
+    CkptStoreError,
+    InvalidInputError,
+    StorageAccessDeniedError,
+    StorageError,
+)
+from ckptstore.names import check_shard_name
+from ckptstore.pending import PendingCheckpoint
+from ckptstore.store import Store
+
+__all__ = ["DirectoryFile", "directory_files", "materialize", "publish_directory"]
+
+DEFAULT_PARALLEL = 8
+"""Files streamed at once: enough to keep an object store's connections busy."""
+_COPY_CHUNK = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class DirectoryFile:
+    """A file to publish: its shard name (relative path, '/'-separated) and where it is."""
+
+    name: str
+    path: Path
+    size: int
+
+
+def directory_files(directory: str | os.PathLike[str]) -> list[DirectoryFile]:
+    """Every file under ``directory`` as it will be published, sorted by name.
+
+    Raises InvalidInputError for a missing directory, an entry that is neither a file nor a
+    directory (nor a link to a file), or a file name that is not a valid shard name.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        raise InvalidInputError(f"{root}: not a directory")
+    found: list[DirectoryFile] = []
+    for folder, subfolders, names in os.walk(root, onerror=_raise_walk_error):
+        here = Path(folder)
+        for name in [*names, *subfolders]:
+            path = here / name
+            info = path.lstat()
+            if stat.S_ISDIR(info.st_mode):
+                continue  # walked into next
+            if stat.S_ISLNK(info.st_mode):
+                try:
+                    info = path.stat()
+                except OSError as exc:
+                    raise InvalidInputError(f"{path}: a dangling symbolic link ({exc})") from exc
+                if not stat.S_ISREG(info.st_mode):
+                    raise InvalidInputError(
+                        f"{path}: a symbolic link to something other than a file (only files "
+                        f"are published)"
+                    )
+            elif not stat.S_ISREG(info.st_mode):
+                raise InvalidInputError(f"{path}: not a regular file (only files are published)")
+            relative = path.relative_to(root).as_posix()
+            try:
+                check_shard_name(relative)
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"{path}: cannot be published: {exc}") from exc
+            found.append(DirectoryFile(relative, path, info.st_size))
+    return sorted(found, key=lambda f: f.name)
+
+
+def _raise_walk_error(error: OSError) -> None:
+    raise InvalidInputError(f"cannot read {error.filename}: {error.strerror}") from error
+
+
+def publish_directory(
+    store: Store,
+    step: int,
+    directory: str | os.PathLike[str],
+    *,
+    metadata: Mapping[str, object] | None = None,
+    parallel: int = DEFAULT_PARALLEL,
+) -> Checkpoint:
+    """Publish every file under ``directory`` as checkpoint ``step``, in one commit.
+
+    Files are streamed ``parallel`` at a time. On any error nothing is published and what was
+    written is removed. The directory must not change while it is published: a file that
+    shrinks or grows under the read is refused.
+    """
+    if parallel < 1:
+        raise InvalidInputError(f"parallel must be at least 1, got {parallel}")
+    files = directory_files(directory)
+    with store.begin(step, metadata) as pending:
+        _run_all(parallel, [functools.partial(_publish_file, pending, f) for f in files])
+    assert pending.checkpoint is not None
+    return pending.checkpoint
+
+
+@contextlib.contextmanager
+def _local(action: str, path: Path) -> Iterator[None]:
+    """A local file system's OSError as a StorageError naming the path (one hierarchy)."""
+    try:
+        yield
+    except CkptStoreError:
+        raise
+    except OSError as exc:
+        kind = StorageAccessDeniedError if isinstance(exc, PermissionError) else StorageError
+        raise kind(exc.errno, f"cannot {action} {path}: {exc.strerror or exc}") from exc
+
+
+def _publish_file(pending: PendingCheckpoint, file: DirectoryFile) -> None:
+    copied = 0
+    with (
+        _local("read", file.path),
+        open(file.path, "rb") as source,
+        pending.open_shard(file.name, file.size) as shard,
+    ):
+        view = memoryview(bytearray(min(_COPY_CHUNK, max(file.size, 1))))
+        while count := source.readinto(view):
+            shard.write(view[:count])
+            copied += count
+    if copied != file.size:
+        raise InvalidInputError(
+            f"{file.path} changed while it was published ({file.size} bytes when listed, "
+            f"{copied} read): publish a directory only once its writer is done"
+        )
+
+
+def materialize(
+    checkpoint: Checkpoint,
+    directory: str | os.PathLike[str],
+    *,
+    replace: bool = False,
+    parallel: int = DEFAULT_PARALLEL,
+) -> Path:
+    """Write every shard of ``checkpoint`` as a file under ``directory``; return its path.
+
+    The files go into a temporary sibling first; each is verified against its CRC32C while it
+    is written and fsynced; then the sibling is renamed to ``directory``. A directory already
+    there is refused unless ``replace``, which swaps it out (it is renamed aside, then
+    removed): a crash leaves either it or the checkpoint, plus a ``.<name>.ckptstore-*``
+    sibling that the next materialize of the same target removes.
+    """
+    if parallel < 1:
+        raise InvalidInputError(f"parallel must be at least 1, got {parallel}")
+    target = Path(directory).absolute()
+    if target.exists() and not replace:
+        raise InvalidInputError(f"{target} already exists (replace=True swaps it out)")
+    with _local("create", target.parent):
+        target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(target)
+    staging = target.parent / f".{target.name}.ckptstore-{secrets.token_hex(6)}"
+    try:
+        with _local("create", staging):
+            staging.mkdir()
+            folders = _make_folders(staging, checkpoint.names)
+        _run_all(
+            parallel,
+            [
+                functools.partial(_materialize_file, checkpoint, n, staging / n)
+                for n in checkpoint.names
+            ],
+        )
+        with _local("sync", staging):
+            for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+                _fsync_directory(folder)
+        with _local("replace", target):
+            _swap_in(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _make_folders(staging: Path, names: list[str]) -> set[Path]:
+    """Create the directories the shard names need; refuse names that collide as paths."""
+    files = set(names)
+    folders = {staging}
+    for name in names:
+        parts = name.split("/")
+        for depth in range(1, len(parts)):
+            prefix = "/".join(parts[:depth])
+            if prefix in files:
+                raise InvalidInputError(
+                    f"shards {prefix!r} and {name!r} cannot both be files in a directory"
+                )
+            folders.add(staging / prefix)
+    for folder in sorted(folders, key=lambda p: len(p.parts)):
+        folder.mkdir(exist_ok=True)
+    return folders
+
+
+def _materialize_file(checkpoint: Checkpoint, name: str, path: Path) -> None:
+    view = memoryview(bytearray(_COPY_CHUNK))
+    with checkpoint.open(name) as source, _local("write", path), open(path, "xb") as target:
+        while count := source.readinto(view):  # verified against the CRC32C at the end
+            target.write(view[:count])
+        target.flush()
+        os.fsync(target.fileno())
+
+
+def _swap_in(staging: Path, target: Path) -> None:
+    aside = None
+    if target.exists() or target.is_symlink():
+        aside = target.parent / f".{target.name}.ckptstore-old-{secrets.token_hex(6)}"
+        os.rename(target, aside)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if aside is not None:
+            os.rename(aside, target)  # put it back
+        raise
+    _fsync_directory(target.parent)
+    if aside is not None:
+        _remove(aside)
+
+
+def _remove_leftovers(target: Path) -> None:
+    """Remove the temporary siblings an interrupted materialize of ``target`` left."""
+    for leftover in target.parent.glob(f".{target.name}.ckptstore-*"):
+        _remove(leftover)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _run_all(parallel: int, tasks: list[Callable[[], None]]) -> None:
+    """Run every task, ``parallel`` at a time; the first error stops what has not started and
+    is raised once the running ones end."""
+    with ThreadPoolExecutor(parallel, thread_name_prefix="ckptstore-dir") as pool:
+        futures: list[Future[None]] = [pool.submit(task) for task in tasks]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise

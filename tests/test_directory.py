@@ -1,0 +1,186 @@
+"""A trainer's checkpoint directory published as one checkpoint, and materialised back."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+import ckptstore
+import ckptstore.directory
+from ckptstore import CheckpointExistsError, IntegrityError, InvalidInputError
+from ckptstore.cli import main as cli
+from ckptstore.directory import directory_files, materialize, publish_directory
+from ckptstore.errors import StorageError
+
+
+def _trainer_directory(root: Path, seed: int = 0) -> dict[str, bytes]:
+    """What a Hugging Face Trainer's checkpoint-N directory holds, roughly."""
+    files = {
+        "config.json": b'{"hidden": 8}',
+        "model.safetensors": bytes((seed + i) % 256 for i in range(300_000)),
+        "optimizer.pt": os.urandom(70_000),
+        "trainer_state.json": b'{"global_step": %d}' % seed,
+        "rng_state.pth": b"\x00" * 5,
+        "empty.bin": b"",
+        "sub/dir/deep.txt": b"deep",
+    }
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return files
+
+
+def _read_tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(params=["file", "s3"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, object]]:
+    if request.param == "file":
+        return f"file://{tmp_path}/store", {}
+    server = request.getfixturevalue("moto_s3")
+    return server.url(f"dir-{os.getpid()}-{tmp_path.name}"), dict(server.options)
+
+
+def test_a_directory_round_trips_through_any_store(
+    store_url: tuple[str, dict[str, object]], tmp_path: Path
+) -> None:
+    url, options = store_url
+    store = ckptstore.open(url, **options)
+    source = tmp_path / "checkpoint-20"
+    files = _trainer_directory(source, seed=20)
+    checkpoint = publish_directory(store, 20, source, metadata={"trainer": "hf"}, parallel=3)
+    assert sorted(checkpoint.names) == sorted(files)
+    assert checkpoint.metadata == {"trainer": "hf"}
+    target = materialize(store.get(20), tmp_path / "restored" / "checkpoint-20")
+    assert _read_tree(target) == files
+    assert [p.name for p in target.parent.iterdir()] == ["checkpoint-20"]  # no staging left
+
+
+def test_a_failed_publish_publishes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    source = tmp_path / "checkpoint-1"
+    _trainer_directory(source)
+    listed = directory_files(source)
+    (source / "optimizer.pt").unlink()  # removed between the listing and its read
+    monkeypatch.setattr(ckptstore.directory, "directory_files", lambda directory: listed)
+    with pytest.raises(StorageError, match=r"optimizer\.pt") as caught:
+        publish_directory(store, 1, source, parallel=2)
+    assert caught.value.errno == errno.ENOENT
+    assert store.steps() == []
+    assert store.gc(grace=0).removed == []  # nothing left behind either
+
+
+def test_a_file_that_changes_under_the_publish_is_refused(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    source = tmp_path / "checkpoint-1"
+    _trainer_directory(source)
+    listed = directory_files(source)
+    (source / "optimizer.pt").write_bytes(b"shorter")
+    from ckptstore.directory import _publish_file
+
+    with pytest.raises(InvalidInputError, match="changed while"), store.begin(1) as pending:
+        _publish_file(pending, next(f for f in listed if f.name == "optimizer.pt"))
+    assert store.steps() == []
+
+
+def test_entries_that_are_not_files(tmp_path: Path) -> None:
+    source = tmp_path / "d"
+    source.mkdir()
+    (source / "real.bin").write_bytes(b"x")
+    os.symlink("real.bin", source / "link.bin")
+    assert [(f.name, f.size) for f in directory_files(source)] == [("link.bin", 1), ("real.bin", 1)]
+    os.symlink("missing", source / "dangling")
+    with pytest.raises(InvalidInputError, match="dangling"):
+        directory_files(source)
+    (source / "dangling").unlink()
+    os.symlink(str(tmp_path), source / "loop")
+    with pytest.raises(InvalidInputError, match="other than a file"):
+        directory_files(source)
+    (source / "loop").unlink()
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(source / "sock"))
+        with pytest.raises(InvalidInputError, match="not a regular file"):
+            directory_files(source)
+    with pytest.raises(InvalidInputError, match="not a directory"):
+        directory_files(tmp_path / "nowhere")
+
+
+def test_materialize_refuses_an_existing_directory_unless_told_to_replace(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    source = tmp_path / "src"
+    files = _trainer_directory(source, seed=3)
+    publish_directory(store, 3, source)
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "partial.bin").write_bytes(b"what a crashed trainer left")
+    with pytest.raises(InvalidInputError, match="already exists"):
+        materialize(store.get(3), target)
+    assert (target / "partial.bin").exists()
+    materialize(store.get(3), target, replace=True)
+    assert _read_tree(target) == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src", "store"]
+
+
+def test_a_damaged_shard_leaves_the_target_untouched(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    source = tmp_path / "src"
+    _trainer_directory(source)
+    publish_directory(store, 1, source)
+    stored = tmp_path / "store" / f"step-{1:020d}" / "data" / "optimizer.pt"
+    data = bytearray(stored.read_bytes())
+    data[100] ^= 0xFF
+    stored.write_bytes(bytes(data))
+    target = tmp_path / "out"
+    with pytest.raises(IntegrityError):
+        materialize(store.get(1), target)
+    assert not target.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "store"]
+
+
+def test_leftovers_of_an_interrupted_materialize_are_removed(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    source = tmp_path / "src"
+    _trainer_directory(source)
+    publish_directory(store, 1, source)
+    (tmp_path / ".out.ckptstore-0123456789ab").mkdir()
+    (tmp_path / ".out.ckptstore-0123456789ab" / "half").write_bytes(b"x")
+    materialize(store.get(1), tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src", "store"]
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    source = tmp_path / "src"
+    _trainer_directory(source)
+    with pytest.raises(InvalidInputError, match="parallel"):
+        publish_directory(store, 1, source, parallel=0)
+    publish_directory(store, 1, source)
+    with pytest.raises(CheckpointExistsError):
+        publish_directory(store, 1, source)
+    with pytest.raises(InvalidInputError, match="parallel"):
+        materialize(store.get(1), tmp_path / "out", parallel=0)
+
+
+def test_cli_push_and_pull(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"file://{tmp_path}/store"
+    source = tmp_path / "checkpoint-7"
+    files = _trainer_directory(source, seed=7)
+    assert cli(["push", str(source), url, "--step", "7"]) == 0
+    assert "published step 7" in capsys.readouterr().out
+    assert cli(["pull", url, str(tmp_path / "latest")]) == 0  # no step: the latest
+    assert _read_tree(tmp_path / "latest") == files
+    assert cli(["pull", url, "7", str(tmp_path / "seven")]) == 0
+    assert _read_tree(tmp_path / "seven") == files
+    capsys.readouterr()
+    assert cli(["pull", url, "7", str(tmp_path / "seven")]) != 0  # exists: refused
+    assert "already exists" in capsys.readouterr().err
+    assert cli(["pull", url, "7", str(tmp_path / "seven"), "--replace"]) == 0
+    assert cli(["pull", url, "8", str(tmp_path / "eight")]) != 0
+    assert not (tmp_path / "eight").exists()
