@@ -1,0 +1,101 @@
+"""Hugging Face Trainer checkpoints through CkptStoreCallback: every checkpoint-N published in
+one commit, a killed run resumed bit-exact from the store, on a machine that has nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+import torch
+
+import ckptstore
+from ckptstore.directory import publish_directory
+from ckptstore.huggingface import CkptStoreCallback
+
+HERE = Path(__file__).parent
+CHECKOUT = HERE.parent
+
+
+@pytest.mark.slow
+def test_a_run_killed_while_publishing_resumes_bit_exact_on_a_new_machine(tmp_path: Path) -> None:
+    from hf_training import train
+
+    expected, _ = train(f"file://{tmp_path}/reference", str(tmp_path / "reference-out"))
+    store = f"file://{tmp_path}/store"
+    killed = subprocess.run(
+        [sys.executable, str(HERE / "hf_training.py"), "--store", store,
+         "--output-dir", str(tmp_path / "node-1"), "--die-publishing", "6"],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT), str(HERE)])},
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert ckptstore.open(store).steps() == [3]  # step 6 died half-published: not there
+    weights, callback = train(store, str(tmp_path / "node-2"))  # a new machine: nothing local
+    assert callback.restored is not None and callback.restored.step == 3
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+    assert ckptstore.open(store).steps() == [3, 6, 9]
+    assert ckptstore.open(store).get(9).metadata == {
+        "trainer": "transformers",
+        "directory": "checkpoint-9",
+    }
+
+
+def _checkpoint_dir(root: Path, step: int, content: bytes = b"weights") -> Path:
+    directory = root / f"checkpoint-{step}"
+    directory.mkdir(parents=True)
+    (directory / "model.safetensors").write_bytes(content + bytes([step]))
+    (directory / "trainer_state.json").write_bytes(b'{"global_step": %d}' % step)
+    return directory
+
+
+def test_unpublished_local_checkpoints_are_moved_aside_not_deleted(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    out = tmp_path / "out"
+    publish_directory(store, 2, _checkpoint_dir(out, 2))
+    _checkpoint_dir(out, 4)  # written by the Trainer, killed before it was published
+    restored = CkptStoreCallback(store).prepare_output_dir(out)
+    assert restored is not None and restored.step == 2
+    names = sorted(p.name for p in out.iterdir())
+    assert names[0] == "checkpoint-2" and names[1].startswith("checkpoint-4.unpublished-")
+    assert len(names) == 2
+    assert CkptStoreCallback.resume_path(type("Args", (), {"output_dir": str(out)})) == str(
+        out / "checkpoint-2"
+    )
+
+
+def test_a_damaged_local_copy_is_replaced_and_a_good_one_kept(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    out = tmp_path / "out"
+    good = _checkpoint_dir(out, 5)
+    publish_directory(store, 5, good)
+    callback = CkptStoreCallback(store)
+    inode = (good / "model.safetensors").stat().st_ino
+    callback.prepare_output_dir(out)
+    assert (good / "model.safetensors").stat().st_ino == inode  # identical: left as it was
+    (good / "model.safetensors").write_bytes(b"weightZ\x05")  # same size, other bytes
+    (good / "stray.tmp").write_bytes(b"")
+    callback.prepare_output_dir(out)
+    assert (good / "model.safetensors").read_bytes() == b"weights\x05"
+    assert not (good / "stray.tmp").exists()
+
+
+def test_nothing_published_leaves_the_output_dir_alone_but_unpublished_saves(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    _checkpoint_dir(out, 1)
+    assert CkptStoreCallback(f"file://{tmp_path}/store").prepare_output_dir(out) is None
+    assert [p.name.split(".")[0] for p in out.iterdir()] == ["checkpoint-1"]
+    assert CkptStoreCallback.resume_path(type("Args", (), {"output_dir": str(out)})) is None
+    assert (
+        CkptStoreCallback.resume_path(type("Args", (), {"output_dir": str(tmp_path / "no")}))
+        is None
+    )
