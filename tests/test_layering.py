@@ -15,6 +15,7 @@ COMMIT = "commit strategies"
 BACKENDS = "backends"
 CORE = "core"
 TORCH = "torch adapter"
+TRAINERS = "trainer adapters"
 TOOLING = "tooling"
 
 LAYERS: dict[str, tuple[str, ...]] = {
@@ -26,7 +27,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     BACKENDS: ("backends",),
     CORE: ("checkpoint", "pending", "store", "registry", ""),
     TORCH: ("torch",),
-    TOOLING: ("conformance", "cli", "tools"),
+    TRAINERS: ("directory", "huggingface", "lightning"),
+    TOOLING: ("conformance", "cli", "cli_directory", "tools"),
 }  # fmt: skip
 """Each module of the package, by its first dotted component under ``ckptstore`` ("" is the
 package's ``__init__``)."""
@@ -37,6 +39,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     BACKENDS: frozenset({FOUNDATION, COMMIT, BACKENDS}),
     CORE: frozenset({FOUNDATION, COMMIT, CORE}),
     TORCH: frozenset({FOUNDATION, CORE, TORCH}),
+    TRAINERS: frozenset({FOUNDATION, CORE, TORCH, TRAINERS}),
     TOOLING: frozenset(LAYERS),
 }
 """Which layers a layer's modules may import, even lazily inside a function."""
@@ -47,6 +50,7 @@ FORBIDDEN_PACKAGES: dict[str, frozenset[str]] = {
     CORE: frozenset({"torch", "hypothesis", "pytest", "boto3", "botocore"}),
     BACKENDS: frozenset({"torch", "hypothesis", "pytest"}),
     TORCH: frozenset({"hypothesis", "pytest"}),
+    TRAINERS: frozenset({"hypothesis", "pytest", "boto3", "botocore"}),
 }
 """Third-party packages a layer must never import (torch stays optional; the suite's tools
 stay out of the library)."""
