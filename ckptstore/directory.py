@@ -18,6 +18,7 @@ file it points to; any other entry (a link to a directory, a socket, a device) i
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
 import secrets
@@ -129,7 +130,9 @@ def _local(action: str, path: Path) -> Iterator[None]:
         raise
     except OSError as exc:
         kind = StorageAccessDeniedError if isinstance(exc, PermissionError) else StorageError
-        raise kind(exc.errno, f"cannot {action} {path}: {exc.strerror or exc}") from exc
+        error = kind(f"cannot {action} {path}: {exc.strerror or exc}")
+        error.errno = exc.errno
+        raise error from exc
 
 
 def _publish_file(pending: PendingCheckpoint, file: DirectoryFile) -> None:
@@ -161,39 +164,58 @@ def materialize(
 
     The files go into a temporary sibling first; each is verified against its CRC32C while it
     is written and fsynced; then the sibling is renamed to ``directory``. A directory already
-    there is refused unless ``replace``, which swaps it out (it is renamed aside, then
-    removed): a crash leaves either it or the checkpoint, plus a ``.<name>.ckptstore-*``
-    sibling that the next materialize of the same target removes.
+    there is refused unless ``replace``, which swaps it out (renamed aside, then removed).
+    Materializations of one target take turns (a lock file beside it). A crash leaves the old
+    directory or the new one, and ``.<name>.ckptstore-*`` siblings that the next materialize
+    of the same target clears up: had the crash come between the two renames of a swap, the
+    old directory is put back first.
     """
     if parallel < 1:
         raise InvalidInputError(f"parallel must be at least 1, got {parallel}")
     target = Path(directory).absolute()
-    if target.exists() and not replace:
-        raise InvalidInputError(f"{target} already exists (replace=True swaps it out)")
     with _local("create", target.parent):
         target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(target)
-    staging = target.parent / f".{target.name}.ckptstore-{secrets.token_hex(6)}"
-    try:
-        with _local("create", staging):
-            staging.mkdir()
-            folders = _make_folders(staging, checkpoint.names)
-        _run_all(
-            parallel,
-            [
-                functools.partial(_materialize_file, checkpoint, n, staging / n)
-                for n in checkpoint.names
-            ],
-        )
-        with _local("sync", staging):
-            for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
-                _fsync_directory(folder)
-        with _local("replace", target):
-            _swap_in(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with _local("lock", target), _locked(target):
+        _recover(target)
+        if _exists(target) and not replace:
+            raise InvalidInputError(f"{target} already exists (replace=True swaps it out)")
+        staging = target.parent / f".{target.name}.ckptstore-{secrets.token_hex(6)}"
+        try:
+            with _local("create", staging):
+                staging.mkdir()
+                folders = _make_folders(staging, checkpoint.names)
+            _run_all(
+                parallel,
+                [
+                    functools.partial(_materialize_file, checkpoint, n, staging / n)
+                    for n in checkpoint.names
+                ],
+            )
+            with _local("sync", staging):
+                for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+                    _fsync_directory(folder)
+            with _local("replace", target):
+                _swap_in(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return target
+
+
+def _exists(path: Path) -> bool:
+    return path.is_symlink() or path.exists()
+
+
+@contextlib.contextmanager
+def _locked(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``target``'s lock file (a sibling) for one materialize at a
+    time: another process's temporary directories are never taken for leftovers."""
+    fd = os.open(target.parent / f".{target.name}.ckptstore-lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _make_folders(staging: Path, names: list[str]) -> set[Path]:
@@ -239,10 +261,16 @@ def _swap_in(staging: Path, target: Path) -> None:
         _remove(aside)
 
 
-def _remove_leftovers(target: Path) -> None:
-    """Remove the temporary siblings an interrupted materialize of ``target`` left."""
-    for leftover in target.parent.glob(f".{target.name}.ckptstore-*"):
-        _remove(leftover)
+def _recover(target: Path) -> None:
+    """Finish what an interrupted materialize of ``target`` left (under the lock): a directory
+    it had renamed aside goes back if nothing took its place, and its temporaries go."""
+    prefix = f".{target.name}.ckptstore-"
+    aside = sorted(target.parent.glob(f"{prefix}old-*"), key=lambda p: p.stat().st_mtime)
+    if aside and not _exists(target):
+        os.rename(aside.pop(), target)  # the crash came between the two renames
+    for leftover in target.parent.glob(f"{prefix}*"):
+        if leftover.name != f"{prefix}lock":
+            _remove(leftover)
 
 
 def _remove(path: Path) -> None:

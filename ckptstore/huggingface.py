@@ -20,6 +20,7 @@ resumes the same way.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -31,6 +32,7 @@ from transformers import TrainerCallback
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.checksum import Crc32c
 from ckptstore.directory import directory_files, materialize, publish_directory
+from ckptstore.errors import CkptStoreError
 from ckptstore.store import Store, open_store
 
 __all__ = ["CkptStoreCallback"]
@@ -68,15 +70,23 @@ class CkptStoreCallback(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         directory = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         _every_process_done_writing(args)
+        failure: BaseException | None = None
         if args.process_index == 0:
-            publish_directory(
-                self.store,
-                state.global_step,
-                directory,
-                metadata={"trainer": "transformers", "directory": directory.name},
-                parallel=self.parallel,
-            )
-        _every_process_done_writing(args)  # nobody trains past a save that may still fail
+            try:
+                publish_directory(
+                    self.store,
+                    state.global_step,
+                    directory,
+                    metadata={"trainer": "transformers", "directory": directory.name},
+                    parallel=self.parallel,
+                )
+            except Exception as exc:  # every process must hear of it, or the others wait
+                failure = exc
+        outcome = _shared_outcome(args, None if failure is None else f"{failure}")
+        if failure is not None:
+            raise failure
+        if outcome is not None:
+            raise CkptStoreError(f"checkpoint-{state.global_step} was not published: {outcome}")
         return control
 
     # -- resuming --------------------------------------------------------------------------
@@ -88,7 +98,8 @@ class CkptStoreCallback(TrainerCallback):
         for step, path in sorted(_local_checkpoints(output_dir).items()):
             if step > newest_published:
                 aside = path.with_name(f"{path.name}.unpublished-{time.strftime('%Y%m%dT%H%M%S')}")
-                os.rename(path, aside)
+                with contextlib.suppress(FileNotFoundError):  # another machine's main was first
+                    os.rename(path, aside)
         if latest is None:
             return None
         target = output_dir / f"checkpoint-{latest.step}"
@@ -124,6 +135,18 @@ def _identical(directory: Path, checkpoint: Checkpoint) -> bool:
         if crc.hexdigest() != record.crc32c:
             return False
     return True
+
+
+def _shared_outcome(args: Any, failure: str | None) -> str | None:
+    """The main process's failure (None: success), told to every process of the Trainer."""
+    if args.world_size > 1:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            said: list[str | None] = [failure]
+            dist.broadcast_object_list(said, src=0)
+            return said[0]
+    return failure
 
 
 def _every_process_done_writing(args: Any) -> None:

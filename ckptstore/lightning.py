@@ -13,13 +13,15 @@ checkpoint files (``ModelCheckpoint``'s top-k, ``last.ckpt``, ``ckpt_path="last"
 unchanged. Loading a pointer named like ``last*.ckpt`` loads the newest *published*
 checkpoint: a run killed after a publish and before its pointer was written resumes from
 that publish. ``remove_checkpoint`` removes the pointer and unpublishes its step, unless
-another pointer beside it still names that step (or it is the newest: that stays). A
+another pointer still names that step, in its directory or in any other this plugin has
+written pointers to (several ``ModelCheckpoint`` callbacks), or it is the newest (that stays). A
 checkpoint file Lightning wrote itself (``torch.save``) still loads, through Lightning's own
 ``TorchCheckpointIO``. Async saves: wrap it, ``AsyncCheckpointIO(CkptStoreIO(url))``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -54,6 +56,7 @@ class CkptStoreIO(CheckpointIO):
         super().__init__()
         self.store = open_store(store, **options) if isinstance(store, str) else store
         self._saved: dict[int, str] = {}  # step -> attempt, published by this plugin
+        self._directories: set[Path] = set()  # where this plugin has written pointers
         self._lock = threading.Lock()
 
     def save_checkpoint(
@@ -75,6 +78,8 @@ class CkptStoreIO(CheckpointIO):
                     ) from exc
                 self._saved[step] = published.manifest.attempt
         _write_pointer(Path(path), {"format": POINTER_FORMAT, "url": self.store.url, "step": step})
+        with self._lock:
+            self._directories.add(Path(path).absolute().parent)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -102,7 +107,9 @@ class CkptStoreIO(CheckpointIO):
             return
         target.unlink(missing_ok=True)
         step = pointer["step"]
-        if _LAST.match(target.stem) or step in _steps_pointed_to_beside(target):
+        with self._lock:
+            directories = {target.absolute().parent, *self._directories}
+        if _LAST.match(target.stem) or any(step in _steps_named_in(d) for d in directories):
             return
         try:
             self.store.delete(step)
@@ -170,12 +177,13 @@ def _read_pointer(path: Path) -> dict[str, Any] | None:
     return pointer
 
 
-def _steps_pointed_to_beside(path: Path) -> set[int]:
-    """Steps that other (not ``last``) pointers in ``path``'s directory name."""
+def _steps_named_in(directory: Path) -> set[int]:
+    """Steps that the (not ``last``) pointers in ``directory`` name."""
     steps = set()
-    for sibling in path.parent.glob("*.ckpt"):
-        if sibling != path and not _LAST.match(sibling.stem):
-            pointer = _read_pointer(sibling) if sibling.is_file() else None
-            if pointer is not None:
-                steps.add(pointer["step"])
+    for path in directory.glob("*.ckpt"):
+        if not _LAST.match(path.stem) and path.is_file():
+            with contextlib.suppress(CheckpointNotFoundError):  # removed meanwhile
+                pointer = _read_pointer(path)
+                if pointer is not None:
+                    steps.add(pointer["step"])
     return steps

@@ -58,7 +58,8 @@ def test_a_directory_round_trips_through_any_store(
     assert checkpoint.metadata == {"trainer": "hf"}
     target = materialize(store.get(20), tmp_path / "restored" / "checkpoint-20")
     assert _read_tree(target) == files
-    assert [p.name for p in target.parent.iterdir()] == ["checkpoint-20"]  # no staging left
+    left = sorted(p.name for p in target.parent.iterdir())
+    assert left == [".checkpoint-20.ckptstore-lock", "checkpoint-20"]  # no staging left
 
 
 def test_a_failed_publish_publishes_nothing(
@@ -125,7 +126,7 @@ def test_materialize_refuses_an_existing_directory_unless_told_to_replace(tmp_pa
     assert (target / "partial.bin").exists()
     materialize(store.get(3), target, replace=True)
     assert _read_tree(target) == files
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src", "store"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "out", "src", "store"]
 
 
 def test_a_damaged_shard_leaves_the_target_untouched(tmp_path: Path) -> None:
@@ -141,7 +142,7 @@ def test_a_damaged_shard_leaves_the_target_untouched(tmp_path: Path) -> None:
     with pytest.raises(IntegrityError):
         materialize(store.get(1), target)
     assert not target.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "store"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "src", "store"]
 
 
 def test_leftovers_of_an_interrupted_materialize_are_removed(tmp_path: Path) -> None:
@@ -152,7 +153,37 @@ def test_leftovers_of_an_interrupted_materialize_are_removed(tmp_path: Path) -> 
     (tmp_path / ".out.ckptstore-0123456789ab").mkdir()
     (tmp_path / ".out.ckptstore-0123456789ab" / "half").write_bytes(b"x")
     materialize(store.get(1), tmp_path / "out")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src", "store"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "out", "src", "store"]
+
+
+def test_a_crash_between_the_renames_of_a_swap_puts_the_old_directory_back(
+    tmp_path: Path,
+) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    source = tmp_path / "src"
+    _trainer_directory(source)
+    publish_directory(store, 1, source)
+    aside = tmp_path / ".out.ckptstore-old-0123456789ab"  # renamed aside, then the crash
+    aside.mkdir()
+    (aside / "mine.bin").write_bytes(b"the user's")
+    with pytest.raises(InvalidInputError, match="already exists"):
+        materialize(store.get(1), tmp_path / "out")  # put back first: then it exists
+    assert (tmp_path / "out" / "mine.bin").read_bytes() == b"the user's"
+    assert not aside.exists()
+
+
+def test_a_dangling_symlink_is_not_replaced_unasked(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    source = tmp_path / "src"
+    _trainer_directory(source)
+    publish_directory(store, 1, source)
+    os.symlink(tmp_path / "nowhere", tmp_path / "out")
+    with pytest.raises(InvalidInputError, match="already exists"):
+        materialize(store.get(1), tmp_path / "out")
+    assert (tmp_path / "out").is_symlink()
+
+
+LOCK = ".out.ckptstore-lock"
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
@@ -184,3 +215,8 @@ def test_cli_push_and_pull(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert cli(["pull", url, "7", str(tmp_path / "seven"), "--replace"]) == 0
     assert cli(["pull", url, "8", str(tmp_path / "eight")]) != 0
     assert not (tmp_path / "eight").exists()
+    capsys.readouterr()
+    assert cli(["pull", url, str(tmp_path / ("x" * 300))]) == 2  # a name too long: one line
+    err = capsys.readouterr().err
+    assert err.startswith("ckptstore: error: cannot") and "Traceback" not in err
+    assert "[Errno" not in err

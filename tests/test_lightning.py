@@ -106,6 +106,20 @@ def test_pointers_removal_and_last(tmp_path: Path) -> None:
         other.load_checkpoint(ckpts / "step=2.ckpt")
 
 
+def test_a_step_another_callbacks_pointer_names_is_kept(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    io = CkptStoreIO(store)
+    for step in (1, 2, 3):  # two ModelCheckpoint callbacks, each with a directory of its own
+        io.save_checkpoint(_checkpoint(step), tmp_path / "best" / f"step={step}.ckpt")
+        io.save_checkpoint(_checkpoint(step), tmp_path / "every" / f"step={step}.ckpt")
+    io.remove_checkpoint(tmp_path / "best" / "step=1.ckpt")
+    io.remove_checkpoint(tmp_path / "best" / "step=2.ckpt")
+    assert store.steps() == [1, 2, 3]
+    assert io.load_checkpoint(tmp_path / "every" / "step=1.ckpt")["global_step"] == 1
+    io.remove_checkpoint(tmp_path / "every" / "step=1.ckpt")
+    assert store.steps() == [2, 3]
+
+
 def test_a_checkpoint_lightning_wrote_itself_still_loads(tmp_path: Path) -> None:
     path = tmp_path / "plain.ckpt"
     torch.save(_checkpoint(7), path)

@@ -107,3 +107,17 @@ def test_load_state_from_a_store_loads_the_latest_and_says_which(tmp_path: Path)
     assert restored["step"] == 2
     assert torch.equal(restored["model"]["w"], torch.full((2,), 2.0))
     assert load_state(store.get(1), {"model": {}}, rng=False)["step"] == 1
+
+
+def test_a_checkpoint_id_naming_a_missing_step_is_not_found_not_the_latest(
+    tmp_path: Path,
+) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    writer, reader = CkptStoreWriter(store), CkptStoreReader(store)
+    for step in (5, 9):
+        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+    target = _state(0)
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(target, storage_reader=reader, checkpoint_id=7)
+    assert "step 7" in repr(caught.value.failures)
+    assert target["epoch"] == 0

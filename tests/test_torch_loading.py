@@ -82,18 +82,20 @@ def test_a_tensor_that_does_not_fit_is_not_overwritten() -> None:
 
 def test_destinations_follow_the_stored_structure() -> None:
     present = {
-        "layers": [torch.zeros(2), (torch.zeros(3), {"w": torch.zeros(4)})],
+        "layers": [torch.zeros(2), (torch.zeros(3), {"w": torch.zeros(4), "b": torch.zeros(7)})],
         "state": {0: {"m": torch.zeros(5)}, 1: {"m": torch.zeros(6)}},
-        "extra": torch.zeros(1),
+        "step": 3,
     }
     stored = {
         "layers": [torch.ones(2), (torch.ones(3), {"w": torch.ones(4)})],
         "state": {1: {"m": torch.ones(6)}},
-        "missing": torch.ones(9),
+        "step": torch.ones(9),
     }
     _, skeleton = encode_state(stored)
     into = tensor_destinations(skeleton, present)
     assert sorted(t.numel() for t in into.values()) == [2, 3, 4, 6]
+    present["extra"] = torch.zeros(1)  # keys that differ at the top: load_state_dict refuses
+    assert tensor_destinations(skeleton, present) == {}
 
 
 def test_a_damaged_shard_is_still_refused(tmp_path: Path) -> None:

@@ -43,7 +43,32 @@ def test_numpy_scalars_and_arrays_come_back_as_numpy() -> None:
     assert got["by_index"] == {3: "three"}
 
 
-@pytest.mark.parametrize("value", [np.array(["a"]), np.array([object()]), np.str_("x")])
+def test_a_zero_dimensional_array_keeps_its_shape() -> None:
+    got = _round_trip({"x": np.array(3.5), "y": np.array(7, dtype=np.uint16)})
+    assert isinstance(got, dict)
+    assert got["x"].shape == () and got["x"] == 3.5
+    assert got["y"].shape == () and got["y"].dtype == np.uint16
+
+
+def test_two_generators_of_one_component_keep_their_own_states() -> None:
+    """Their get_state() temporaries may share an address once freed: never one tensor."""
+    from ckptstore.torch.codec import encode_state_chunks
+
+    train, val = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    torch.rand(3, generator=val)
+    for _ in range(3):
+        chunks, skeleton = encode_state_chunks({"train": train, "val": val}, copy=True)
+        got = decode_state(b"".join(bytes(c) for c in chunks), skeleton)
+        assert isinstance(got, dict)
+        assert torch.equal(got["train"].get_state(), train.get_state())
+        assert torch.equal(got["val"].get_state(), val.get_state())
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.array(["a"]), np.array([object()]), np.str_("x"), np.array([1], dtype=">i4"),
+     np.longdouble(1.1), np.array([1.0], dtype=np.longdouble), np.complex64(1j)],
+)  # fmt: skip
 def test_numpy_values_that_are_not_numbers_are_refused(value: object) -> None:
     with pytest.raises(InvalidInputError, match=r"at \.x"):
         encode_state({"x": value})

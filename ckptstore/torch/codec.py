@@ -84,16 +84,26 @@ def encode_state_chunks(
     """
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
+    alive: list[torch.Tensor] = []  # temporaries (a generator's state) held until the end
 
     def add_array(array: Any, path: str) -> str:
         """A NumPy array stored as a tensor of its own (never shared, always copied)."""
-        if array.dtype.kind not in _NUMPY_SCALAR_KINDS:
+        dtype = array.dtype
+        if dtype.kind not in _NUMPY_SCALAR_KINDS or not dtype.isnative:
             raise InvalidInputError(
-                f"{subject} at {path or '<root>'}: a NumPy array of dtype {array.dtype} cannot "
-                f"be stored (numbers and booleans only: nothing is pickled)"
+                f"{subject} at {path or '<root>'}: a NumPy array of dtype {dtype.str} cannot "
+                f"be stored (numbers and booleans in native byte order only: nothing is "
+                f"pickled)"
             )
+        try:
+            tensor = torch.from_numpy(numpy().array(array, copy=True, order="C"))  # 0-d stays
+        except TypeError as exc:
+            raise InvalidInputError(
+                f"{subject} at {path or '<root>'}: a NumPy array of dtype {dtype} has no torch "
+                f"dtype to be stored as ({exc})"
+            ) from exc
         key = f"t{len(tensors)}"
-        tensors[key] = torch.from_numpy(numpy().ascontiguousarray(array).copy())
+        tensors[key] = tensor
         return key
 
     def walk(value: Any, path: str) -> Any:
@@ -101,7 +111,7 @@ def encode_state_chunks(
         if np is not None and isinstance(value, np.ndarray):
             return {_NDARRAY: add_array(value, path)}
         if np is not None and isinstance(value, np.generic):
-            if value.dtype.kind not in _NUMPY_SCALAR_KINDS:
+            if value.dtype.kind not in _NUMPY_SCALAR_KINDS or value.dtype.itemsize > 8:
                 raise InvalidInputError(
                     f"{subject} at {path or '<root>'}: a NumPy {value.dtype} scalar cannot be "
                     f"stored (numbers and booleans only)"
@@ -112,6 +122,7 @@ def encode_state_chunks(
             marker, generator_state = generator
             return {marker: walk(generator_state, f"{path}<{type(value).__name__}>")}
         if isinstance(value, torch.Tensor):
+            alive.append(value)  # its address may not be reused while the walk runs
             tensor = value.detach()
             identity = (
                 tensor.untyped_storage().data_ptr(),
@@ -393,6 +404,12 @@ def tensor_destinations(skeleton: bytes, current: Any) -> dict[str, torch.Tensor
                 if key in present:
                     pair(inner, present[key])
 
+    if isinstance(document, dict) and isinstance(current, Mapping):
+        stored_keys = set(document)
+        if len(document) == 1 and next(iter(document)) == _INTKEYS:
+            stored_keys = {entry[0] for entry in document[_INTKEYS] if isinstance(entry, list)}
+        if stored_keys != set(current):
+            return {}  # a state that does not fit: load_state_dict refuses it, untouched
     pair(document, current)
     return found
 

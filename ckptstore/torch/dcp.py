@@ -227,6 +227,11 @@ class CkptStoreReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Decide which checkpoint this load reads (every rank the same one), and read its
         DCP metadata."""
+        if kwargs.get("rank") is not None:  # DCP's fallback after a failed read: no such thing
+            raise CheckpointStateError(
+                f"{self.store.url}: a ckptstore checkpoint has one DCP metadata for every rank; "
+                f"there is no rank-local metadata to fall back to"
+            )
         step = self.default_step if self._requested is None else self._requested
         self._requested = None
         self.loaded = agreed_checkpoint(self.store, step, group=self.group)

@@ -183,10 +183,12 @@ def load_state(
     ``load_state_dict``).
 
     Tensors are read straight into the component's own (a model's parameters and buffers, an
-    optimizer's materialised state) when shape, dtype and device (CPU) match, so a load needs
-    no second copy of the state in memory. Every byte is still verified, but a shard found
-    damaged at its end has already been read into those tensors: after an IntegrityError,
-    load the components again (from another step) before training on.
+    optimizer's materialised state) when the stored state has the same keys and each tensor
+    the same shape, dtype and device (CPU), so a load needs no second copy of the state in
+    memory. Every byte is still verified, but a shard found damaged at its end has already been
+    read into those tensors: after an IntegrityError, as after a ``load_state_dict`` that
+    refuses a state (which copies what fits before it raises), load the components again
+    before training on.
     """
     if isinstance(source, Checkpoint):
         checkpoint = source
