@@ -7,16 +7,22 @@ differ; ``read`` and ``read_into`` check before they return anything.
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import BinaryIO
+from typing import BinaryIO, NoReturn
 
 from ckptstore.checksum import Crc32c
 from ckptstore.driver import BytesLike
-from ckptstore.errors import IntegrityError, ShardCorruptError, ShardNotFoundError
+from ckptstore.errors import (
+    IntegrityError,
+    InvalidInputError,
+    ShardCorruptError,
+    ShardNotFoundError,
+)
 from ckptstore.manifest import JSONValue, Manifest, ShardRecord
 
 __all__ = ["Checkpoint", "ShardReader", "VerifyReport"]
@@ -124,6 +130,33 @@ class ShardReader(io.RawIOBase):
         super().close()
 
 
+def _skip_to(raw: BinaryIO, position: int) -> None:
+    """Move a fresh shard stream to ``position``: a seek where it can, else read and drop."""
+    if not position:
+        return
+    seekable = getattr(raw, "seekable", None)
+    if seekable is not None and seekable():
+        raw.seek(position)
+        return
+    scratch = memoryview(bytearray(min(_CHUNK, position)))
+    while position:
+        count = raw.readinto(scratch[: min(position, scratch.nbytes)])  # type: ignore[attr-defined]
+        if not count:
+            return  # short: the block read that follows reports the truncation
+        position -= count
+
+
+def _fill(raw: BinaryIO, view: memoryview) -> int:
+    """Read until ``view`` is full or the stream ends; return the bytes read."""
+    got = 0
+    while got < view.nbytes:
+        count = raw.readinto(view[got:])  # type: ignore[attr-defined]
+        if not count:
+            break
+        got += count
+    return got
+
+
 @dataclass
 class VerifyReport:
     """The result of verifying a checkpoint: ok, or the problem found in each bad shard."""
@@ -209,6 +242,78 @@ class Checkpoint:
                 got += reader.readinto(view[got:])
             reader.readinto(bytearray(1))  # reaching the end verifies
         return got
+
+    def read_range(
+        self, name: str, offset: int, length: int, into: BytesLike | None = None
+    ) -> memoryview:
+        """Bytes ``offset`` to ``offset + length`` of a shard, checked; into ``into`` if given.
+
+        Only the blocks the range touches are read (a seek, or a ranged GET), each checked
+        against the CRC32C the manifest recorded for it; blocks wholly inside the range go
+        straight into the destination. A shard recorded without block checksums (written
+        before they were) is read whole and checked against its CRC32C. On a mismatch
+        (ShardCorruptError) the destination may hold some of the damaged bytes.
+        """
+        record = self._record(name)
+        if offset < 0 or length < 0 or offset + length > record.size:
+            raise InvalidInputError(
+                f"range {offset}+{length} is outside shard {name!r} ({record.size} bytes)"
+            )
+        out = memoryview(bytearray(length) if into is None else into).cast("B")
+        if out.nbytes < length or out.readonly:
+            raise InvalidInputError(f"destination must be writable and hold {length} bytes")
+        out = out[:length]
+        if length:
+            if record.block_size:
+                self._read_blocks(record, offset, out)
+            else:
+                self._read_through(record, offset, out)
+        return out
+
+    def _read_blocks(self, record: ShardRecord, offset: int, out: memoryview) -> None:
+        size, blocks = record.block_size, record.block_range(offset, out.nbytes)
+        end = offset + out.nbytes
+        scratch: memoryview | None = None
+        with contextlib.closing(self._opener(self.manifest, record)) as raw:
+            _skip_to(raw, blocks.start * size)
+            for index in blocks:
+                first, last = index * size, min((index + 1) * size, record.size)
+                in_place = offset <= first and last <= end  # wholly wanted: read in place
+                if in_place:
+                    target = out[first - offset : last - offset]
+                else:
+                    if scratch is None:
+                        scratch = memoryview(bytearray(size))
+                    target = scratch[: last - first]
+                if _fill(raw, target) != target.nbytes:
+                    self._corrupt(record, f"truncated in block {index}")
+                crc = Crc32c()
+                crc.update(target)
+                expected = record.block_crc32c[8 * index : 8 * index + 8]
+                if crc.hexdigest() != expected:
+                    self._corrupt(
+                        record,
+                        f"CRC32C mismatch in block {index} (bytes {first}..{last}): stored "
+                        f"bytes have {crc.hexdigest()}, manifest says {expected}",
+                    )
+                if not in_place:
+                    lo, hi = max(first, offset), min(last, end)
+                    out[lo - offset : hi - offset] = target[lo - first : hi - first]
+
+    def _read_through(self, record: ShardRecord, offset: int, out: memoryview) -> None:
+        """The whole shard streamed and verified; the range copied out on the way."""
+        end = offset + out.nbytes
+        position = 0
+        chunk = memoryview(bytearray(min(_CHUNK, max(record.size, 1))))
+        with self.open(record.name) as reader:
+            while count := reader.readinto(chunk):
+                lo, hi = max(position, offset), min(position + count, end)
+                if lo < hi:
+                    out[lo - offset : hi - offset] = chunk[lo - position : hi - position]
+                position += count
+
+    def _corrupt(self, record: ShardRecord, problem: str) -> NoReturn:
+        raise ShardCorruptError(f"{self.url} step {self.step}: shard {record.name!r}: {problem}")
 
     def iter_chunks(self, name: str, chunk_size: int = _CHUNK) -> Iterator[bytes]:
         """Yield a shard in chunks; the last chunk is yielded only after verification."""

@@ -14,7 +14,11 @@ from collections.abc import Callable
 import google_crc32c
 from google_crc32c import _crc32c as _crc32c_ext
 
-__all__ = ["Crc32c", "crc32c_hex", "crc32c_of"]
+__all__ = ["BLOCK_SIZE", "BlockCrc32c", "Crc32c", "crc32c_combine", "crc32c_hex", "crc32c_of"]
+
+BLOCK_SIZE = 4 * 1024 * 1024
+"""The piece of a shard that carries a CRC32C of its own in the manifest: a read of part of a
+shard reads and checks the blocks it touches, not the whole shard."""
 
 _ExtendFn = Callable[[int, object, int], int]
 
@@ -73,3 +77,105 @@ def crc32c_of(data: bytes | bytearray | memoryview) -> int:
 def crc32c_hex(data: bytes | bytearray | memoryview) -> str:
     """Return the CRC32C of ``data`` as 8 lowercase hex digits."""
     return f"{crc32c_of(data):08x}"
+
+
+# -- combining CRCs ------------------------------------------------------------------------
+# CRC32C is linear over GF(2): the CRC of A+B is (the CRC of A, carried through len(B) zero
+# bytes) XOR (the CRC of B). Carrying through n zero bytes is a 32x32 bit matrix, the product
+# of the matrices for the powers of two in n (as zlib's crc32_combine does, here cached).
+
+_POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
+_Matrix = tuple[int, ...]  # column n: the image of bit n
+
+
+def _times(matrix: _Matrix, vector: int) -> int:
+    result, bit = 0, 0
+    while vector:
+        if vector & 1:
+            result ^= matrix[bit]
+        vector >>= 1
+        bit += 1
+    return result
+
+
+def _square(matrix: _Matrix) -> _Matrix:
+    return tuple(_times(matrix, column) for column in matrix)
+
+
+def _zero_byte_powers() -> list[_Matrix]:
+    """The matrices for 1, 2, 4, ... 2**63 zero bytes."""
+    one_bit: _Matrix = (_POLY, *(1 << n for n in range(31)))
+    power = _square(_square(_square(one_bit)))  # 8 zero bits: one zero byte
+    powers = [power]
+    for _ in range(63):
+        power = _square(power)
+        powers.append(power)
+    return powers
+
+
+_POWERS: list[_Matrix] = []
+
+
+def crc32c_combine(first: int, second: int, second_length: int) -> int:
+    """The CRC32C of A+B from the CRC32C of A, that of B, and B's length in bytes."""
+    if not _POWERS:
+        _POWERS.extend(_zero_byte_powers())
+    bit = 0
+    while second_length:
+        if second_length & 1:
+            first = _times(_POWERS[bit], first)
+        second_length >>= 1
+        bit += 1
+    return first ^ second
+
+
+class BlockCrc32c:
+    """The CRC32C of a stream and of each ``block_size`` piece of it, in one pass over the bytes.
+
+    Each byte is checksummed once, into its block's CRC; the whole stream's CRC is combined from
+    the blocks' (``crc32c_combine``), so block checksums cost no second pass.
+    """
+
+    __slots__ = ("_block", "_blocks", "_whole", "block_size", "size")
+
+    def __init__(self, block_size: int | None = None) -> None:
+        block_size = BLOCK_SIZE if block_size is None else block_size
+        if block_size < 1:
+            raise ValueError(f"block size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.size = 0
+        self._whole = 0
+        self._block = Crc32c()
+        self._blocks: list[str] = []
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Fold ``data`` into the checksums."""
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        offset = 0
+        while offset < view.nbytes:
+            piece = view[offset : offset + self.block_size - self._block.size]
+            self._block.update(piece)
+            offset += piece.nbytes
+            if self._block.size == self.block_size:
+                self._close_block()
+        self.size += view.nbytes
+
+    def _close_block(self) -> None:
+        block = self._block
+        self._whole = crc32c_combine(self._whole, block.value, block.size)
+        self._blocks.append(block.hexdigest())
+        self._block = Crc32c()
+
+    def hexdigest(self) -> str:
+        """The whole stream's CRC32C, 8 lowercase hex digits."""
+        whole = self._whole
+        if self._block.size:
+            whole = crc32c_combine(whole, self._block.value, self._block.size)
+        return f"{whole:08x}"
+
+    def block_hexdigests(self) -> str:
+        """Every block's CRC32C, 8 hex digits each, in order (the last block may be short)."""
+        tail = [self._block.hexdigest()] if self._block.size else []
+        return "".join([*self._blocks, *tail])

@@ -49,12 +49,25 @@ JSONObject = Mapping[str, JSONValue]
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """One shard as committed: name, exact size, CRC32C (8 hex digits) and backend locator."""
+    """One shard as committed: name, exact size, CRC32C (8 hex digits) and backend locator.
+
+    ``block_crc32c``: the CRC32C of each ``block_size`` piece of the shard (8 hex digits each,
+    the last piece may be short), so that a read of part of the shard checks what it reads;
+    empty (and ``block_size`` 0) in manifests written before blocks were recorded.
+    """
 
     name: str
     size: int
     crc32c: str
     locator: Mapping[str, str]
+    block_size: int = 0
+    block_crc32c: str = ""
+
+    def block_range(self, offset: int, length: int) -> range:
+        """The indexes of the blocks that bytes ``offset``..``offset + length`` touch."""
+        if not self.block_size or length <= 0:
+            return range(0)
+        return range(offset // self.block_size, (offset + length - 1) // self.block_size + 1)
 
 
 @dataclass(frozen=True)
@@ -117,10 +130,7 @@ class Manifest:
             "committed_at": _iso(self.committed_at),
             "timings": dict(self.timings),
             "metadata": dict(self.metadata),
-            "shards": [
-                {"name": s.name, "size": s.size, "crc32c": s.crc32c, "locator": dict(s.locator)}
-                for s in self.shards
-            ],
+            "shards": [_shard_document(s) for s in self.shards],
         }
 
     def encode(self) -> bytes:
@@ -322,6 +332,19 @@ def _from_document(document: object, where: str) -> Manifest:
     )
 
 
+def _shard_document(record: ShardRecord) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "name": record.name,
+        "size": record.size,
+        "crc32c": record.crc32c,
+        "locator": dict(record.locator),
+    }
+    if record.block_size:
+        document["block_size"] = record.block_size
+        document["block_crc32c"] = record.block_crc32c
+    return document
+
+
 def _shard_from_document(entry: object) -> ShardRecord:
     if not isinstance(entry, dict):
         raise TypeError("shard entry is not an object")
@@ -336,4 +359,18 @@ def _shard_from_document(entry: object) -> ShardRecord:
     locator = _require(entry, "locator", dict)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in locator.items()):
         raise TypeError(f"shard {name!r}: locator must map strings to strings")
-    return ShardRecord(name=name, size=size, crc32c=crc, locator=dict(locator))
+    block_size, blocks = 0, ""
+    if "block_size" in entry:
+        block_size = _require(entry, "block_size", int)
+        blocks = _require(entry, "block_crc32c", str)
+        expected = 8 * -(-size // block_size) if block_size > 0 else -1
+        if len(blocks) != expected or any(c not in "0123456789abcdef" for c in blocks):
+            raise ValueError(f"shard {name!r}: bad block_size or block_crc32c")
+    return ShardRecord(
+        name=name,
+        size=size,
+        crc32c=crc,
+        locator=dict(locator),
+        block_size=block_size,
+        block_crc32c=blocks,
+    )

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from ckptstore.checksum import Crc32c
+from ckptstore.checksum import BlockCrc32c
 from ckptstore.commit.base import ShardSink
 from ckptstore.driver import BytesLike
 from ckptstore.errors import (
@@ -107,7 +107,7 @@ class ShardWriter:
         self.name = name
         self._pending = pending
         self._sink = sink
-        self._crc = Crc32c()
+        self._crc = BlockCrc32c()
         self._record: ShardRecord | None = None
         self._closed = False
 
@@ -140,7 +140,15 @@ class ShardWriter:
         except BaseException:
             self._pending.shard_failed(self.name)
             raise
-        record = ShardRecord(self.name, self._crc.size, self._crc.hexdigest(), dict(locator))
+        crc = self._crc
+        record = ShardRecord(
+            self.name,
+            crc.size,
+            crc.hexdigest(),
+            dict(locator),
+            block_size=crc.block_size,
+            block_crc32c=crc.block_hexdigests(),
+        )
         self._pending.shard_closed(record)
         self._record = record
         return record

@@ -647,29 +647,46 @@ class _ResumingStream:
 
     def _resume(self, cause: TransientStorageError) -> None:
         """Replace the broken body by the object's rest, from a GET Range If-Match."""
-        with contextlib.suppress(Exception):  # the old connection is broken anyway
+        self._reopen_at(self._position, f"after byte {self._position}, the connection broke: "
+                        f"{cause}", cause)  # fmt: skip
+        log.info("%s: connection broke (%s); resumed at byte %d", self._what, cause,
+                 self._position)  # fmt: skip
+
+    def seekable(self) -> bool:
+        """True when a seek can be pinned to this object (it has an ETag)."""
+        return bool(self._etag)
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        """Continue from byte ``position`` (from the start): a GET Range If-Match, so the bytes
+        still come from the object first opened."""
+        if whence != io.SEEK_SET or position < 0 or not self._etag:
+            raise io.UnsupportedOperation("only an absolute seek of an object with an ETag")
+        if position != self._position:
+            self._reopen_at(position, f"on a seek to byte {position}", None)
+            self._position = position
+        return position
+
+    def _reopen_at(self, position: int, when: str, cause: BaseException | None) -> None:
+        with contextlib.suppress(Exception):  # the old connection is broken or not needed
             self._body.close()
-        if 0 <= self._size <= self._position:
-            self._body = io.BytesIO()  # everything arrived; only the end of the answer broke
+        if 0 <= self._size <= position:
+            self._body = io.BytesIO()  # at (or past) the end: nothing more to read
             return
-        args = {**self._args, "Range": f"bytes={self._position}-", "IfMatch": self._etag}
-        what = f"GetObject {self._key} from byte {self._position}"
+        args = {**self._args, "Range": f"bytes={position}-", "IfMatch": self._etag}
+        what = f"GetObject {self._key} from byte {position}"
         try:
             response = self._get_again(what, args)
         except (PreconditionFailedError, ObjectNotFoundError) as exc:
             raise _ObjectReplacedError(
                 errno.ESTALE,
-                f"{self._what}: the object was replaced or deleted while being read (after "
-                f"byte {self._position}, the connection broke: {cause})",
+                f"{self._what}: the object was replaced or deleted while being read ({when})",
             ) from exc
         reached = str(response.get("ContentRange", ""))
-        if not reached.startswith(f"bytes {self._position}-"):
+        if not reached.startswith(f"bytes {position}-"):
             response["Body"].close()
             raise StorageError(
                 errno.EIO, f"{what}: the server ignored the Range (answered {reached or 'whole'})"
             ) from cause
-        log.info("%s: connection broke (%s); resumed at byte %d", self._what, cause,
-                 self._position)  # fmt: skip
         self._body = response["Body"]
 
     def close(self) -> None:
