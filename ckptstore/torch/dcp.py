@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -209,6 +210,8 @@ class CkptStoreReader(StorageReader):
         self.default_step = None if step is None else check_step(step)
         self.group = group
         self.loaded: Checkpoint | None = None
+        self.bytes_read = 0
+        """Bytes read from storage by this reader's loads (whole blocks: what a load cost)."""
         self._requested: int | None = None
         self._storage: dict[MetadataIndex, Any] = {}
 
@@ -255,31 +258,72 @@ class CkptStoreReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read each item's bytes, and only those (a ranged read, checked block by block),
+        straight into the tensor it restores where the stored layout allows."""
         checkpoint = self._open()
-        by_shard: dict[str, list[Any]] = {}
         for item in plan.items:
-            by_shard.setdefault(self._storage[item.storage_index]["shard"], []).append(item)
-        for shard, items in by_shard.items():
-            data = checkpoint.read(shard)  # the whole shard, verified against its CRC32C
-            for item in items:
-                info = self._storage[item.storage_index]
-                blob = data[info["offset"] : info["offset"] + info["length"]]
-                if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, io.BytesIO(blob))
-                    continue
-                stored = _tensor_from_bytes(blob, info["dtype"], info["shape"])
-                stored = _narrow(stored, item.storage_offsets, item.lengths)
-                target = planner.resolve_tensor(item).detach()
-                if target.size() != stored.size():
-                    raise ManifestCorruptError(
-                        f"{shard}: {item.storage_index.fqn} has size {tuple(stored.size())}, "
-                        f"the load plan expects {tuple(target.size())}"
-                    )
-                target.copy_(stored)
-                planner.commit_tensor(item, target)
+            info = self._storage[item.storage_index]
+            shard, offset, length = info["shard"], info["offset"], info["length"]
+            if item.type == LoadItemType.BYTE_IO:
+                blob = self._read(checkpoint, shard, offset, length)
+                planner.load_bytes(item, io.BytesIO(blob))
+                continue
+            target = planner.resolve_tensor(item).detach()
+            wanted = torch.Size(item.lengths)
+            if target.size() != wanted:
+                raise ManifestCorruptError(
+                    f"{shard}: {item.storage_index.fqn}: the load plan asks for "
+                    f"{tuple(wanted)} of it, into a tensor of {tuple(target.size())}"
+                )
+            self._read_tensor(checkpoint, info, item, target)
+            planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _read(
+        self, checkpoint: Checkpoint, shard: str, offset: int, length: int, into: Any = None
+    ) -> memoryview:
+        record = checkpoint.shards.get(shard)
+        if record is not None and record.block_size:
+            blocks = record.block_range(offset, length)
+            self.bytes_read += min(blocks.stop * record.block_size, record.size) - (
+                blocks.start * record.block_size
+            )
+        elif record is not None:
+            self.bytes_read += record.size
+        return checkpoint.read_range(shard, offset, length, into)
+
+    def _read_tensor(
+        self, checkpoint: Checkpoint, info: dict[str, Any], item: Any, target: torch.Tensor
+    ) -> None:
+        dtype = getattr(torch, info["dtype"])
+        shape = [int(d) for d in info["shape"]]
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if math.prod(shape) * itemsize != info["length"]:
+            raise ManifestCorruptError(
+                f"{info['shard']}: {item.storage_index.fqn}: {info['length']} bytes cannot hold "
+                f"{info['dtype']} {shape}"
+            )
+        span = _contiguous_span(shape, list(item.storage_offsets), list(item.lengths))
+        if span is None:  # a strided part: read the stored chunk, then take the part
+            blob = self._read(checkpoint, info["shard"], info["offset"], info["length"])
+            stored = _tensor_from_bytes(blob, info["dtype"], shape)
+            target.copy_(_narrow(stored, item.storage_offsets, item.lengths))
+            return
+        start, count = span
+        offset, length = info["offset"] + start * itemsize, count * itemsize
+        if (
+            target.dtype == dtype
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+            and not target.is_neg()
+        ):  # straight into the destination
+            if length:
+                self._read(checkpoint, info["shard"], offset, length, _byte_view(target))
+            return
+        blob = self._read(checkpoint, info["shard"], offset, length)
+        target.copy_(_tensor_from_bytes(blob, info["dtype"], list(item.lengths)))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -312,6 +356,41 @@ def step_from_checkpoint_id(store: Store, checkpoint_id: object) -> int:
     )
 
 
+def _contiguous_span(
+    shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]
+) -> tuple[int, int] | None:
+    """(first element, element count) of the part of a C-ordered array of ``shape`` that
+    starts at ``offsets`` and spans ``lengths``, if that part is one run of elements; else None.
+
+    It is one run when every dimension after the first one taken partly (more than one index)
+    is taken whole: e.g. rows 8..15 of a matrix, or one row's columns 2..5.
+    """
+    if len(shape) != len(offsets) or len(shape) != len(lengths):
+        raise ManifestCorruptError(
+            f"a load item of {len(lengths)} dims for a {len(shape)}-dim chunk"
+        )
+    for dim, (offset, length, size) in enumerate(zip(offsets, lengths, shape, strict=True)):
+        if offset < 0 or length < 0 or offset + length > size:
+            raise ManifestCorruptError(f"a load item outside the stored chunk (dim {dim})")
+    count = math.prod(lengths)
+    if count == 0:
+        return 0, 0
+    partial = next((d for d, length in enumerate(lengths) if length > 1), len(shape) - 1)
+    if any(offsets[d] or lengths[d] != shape[d] for d in range(partial + 1, len(shape))):
+        return None
+    stride, start = 1, 0
+    for dim in reversed(range(len(shape))):
+        start += offsets[dim] * stride
+        stride *= shape[dim]
+    return start, count
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, in place."""
+    flat: Any = tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(flat)
+
+
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
@@ -320,7 +399,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(array)
 
 
-def _tensor_from_bytes(blob: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
+def _tensor_from_bytes(blob: BytesLike, dtype: str, shape: list[int]) -> torch.Tensor:
     target_dtype = getattr(torch, dtype)
     if not blob:
         return torch.empty(shape, dtype=target_dtype)
