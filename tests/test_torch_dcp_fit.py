@@ -121,3 +121,43 @@ def test_a_checkpoint_id_naming_a_missing_step_is_not_found_not_the_latest(
         dcp.load(target, storage_reader=reader, checkpoint_id=7)
     assert "step 7" in repr(caught.value.failures)
     assert target["epoch"] == 0
+
+
+def test_contiguous_spans() -> None:
+    from ckptstore.torch.dcp import _contiguous_span
+
+    assert _contiguous_span([6, 4], [2, 0], [3, 4]) == (8, 12)  # rows 2..4
+    assert _contiguous_span([6, 4], [2, 1], [1, 2]) == (9, 2)  # one row, columns 1..2
+    assert _contiguous_span([6, 4], [0, 1], [6, 2]) is None  # columns of every row: strided
+    assert _contiguous_span([2, 3, 4], [1, 0, 0], [1, 3, 4]) == (12, 12)
+    assert _contiguous_span([5], [0], [0]) == (0, 0)
+    assert _contiguous_span([], [], []) == (0, 1)  # a scalar
+
+
+def test_a_part_of_a_stored_chunk_reads_only_its_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    import ckptstore.checksum
+
+    monkeypatch.setattr(ckptstore.checksum, "BLOCK_SIZE", 4096)
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    weights = torch.arange(256 * 64, dtype=torch.float32).reshape(256, 64)  # 64 KiB, 16 blocks
+    dcp.save({"w": weights}, storage_writer=CkptStoreWriter(store), checkpoint_id=1)
+    reader = CkptStoreReader(store)
+    reader.reset(1)
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    index = next(i for i in metadata.storage_data if i.fqn == "w")
+    target = torch.zeros(64, 64)  # rows 128..191: a quarter, 4 blocks
+    item = ReadItem(LoadItemType.TENSOR, index, torch.Size([0, 0]), index, torch.Size([128, 0]),
+                    torch.Size([64, 64]))  # fmt: skip
+    reader._read_tensor(reader.loaded, metadata.storage_data[index], item, target)
+    assert torch.equal(target, weights[128:192])
+    assert reader.bytes_read == 4 * 4096
+    strided = torch.zeros(256, 8)  # columns 8..15 of every row: the whole chunk is read
+    item = ReadItem(LoadItemType.TENSOR, index, torch.Size([0, 0]), index, torch.Size([0, 8]),
+                    torch.Size([256, 8]))  # fmt: skip
+    reader._read_tensor(reader.loaded, metadata.storage_data[index], item, strided)
+    assert torch.equal(strided, weights[:, 8:16])
