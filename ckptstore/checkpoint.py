@@ -28,8 +28,9 @@ from ckptstore.manifest import JSONValue, Manifest, ShardRecord
 __all__ = ["Checkpoint", "ShardReader", "VerifyReport"]
 
 _CHUNK = 8 * 1024 * 1024
-_PIPELINE_PIECE = 64 * 1024 * 1024
-"""A read at least twice this large checksums each piece while the next one is read."""
+_PIPELINE_PIECE = 16 * 1024 * 1024
+"""A read at least twice this large checksums each piece while the next one is read (small
+pieces: only the last piece's checksum is not overlapped with reading)."""
 Opener = Callable[[Manifest, ShardRecord], BinaryIO]
 
 
@@ -43,6 +44,7 @@ class ShardReader(io.RawIOBase):
         self._where = where
         self._crc = Crc32c()
         self._verified = False
+        self._checksummer: ThreadPoolExecutor | None = None
 
     def readable(self) -> bool:
         return True
@@ -73,7 +75,9 @@ class ShardReader(io.RawIOBase):
         """
         got = 0
         checksumming: Future[None] | None = None
-        checksummer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-crc")
+        if self._checksummer is None:
+            self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-crc")
+        checksummer = self._checksummer
         try:
             while got < view.nbytes:
                 piece = view[got : got + _PIPELINE_PIECE]
@@ -94,7 +98,6 @@ class ShardReader(io.RawIOBase):
         finally:
             if checksumming is not None:
                 checksumming.result()
-            checksummer.shutdown(wait=True)
         return got
 
     def readall(self) -> bytes:
@@ -126,6 +129,8 @@ class ShardReader(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
+            if self._checksummer is not None:
+                self._checksummer.shutdown(wait=True)
             self._raw.close()
         super().close()
 

@@ -109,3 +109,66 @@ def test_a_damaged_shard_is_still_refused(tmp_path: Path) -> None:
     model, _ = _trained(2)
     with pytest.raises(ShardCorruptError):
         load_state(checkpoint, {"model": model}, rng=False)
+
+
+def test_a_large_component_is_split_into_parts_and_loads_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ckptstore.torch.state as state_module
+
+    monkeypatch.setattr(state_module, "PART_SIZE", 600)  # bytes: a part per 150 float32 or so
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    saved_model, saved_optimizer = _trained(1)
+    checkpoint = save_state(store, 1, {"model": saved_model, "optimizer": saved_optimizer})
+    parts = checkpoint.metadata["tensor_parts"]
+    assert parts["model"] >= 2 and parts["optimizer"] >= 2
+    for name, count in parts.items():
+        stored = {f"{name}.safetensors"} | {f"{name}.{i}.safetensors" for i in range(1, count)}
+        assert stored <= set(checkpoint.shards)
+        assert f"{name}.{count}.safetensors" not in checkpoint.shards
+    model, optimizer = _trained(2)
+    before = _addresses(model, optimizer)
+    load_state(store, {"model": model, "optimizer": optimizer})
+    assert _addresses(model, optimizer) == before
+    for name, tensor in saved_model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    assert "rng.1.safetensors" not in checkpoint.shards  # small states stay one shard
+
+
+def test_a_checkpoint_whose_part_count_is_wrong_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ckptstore.torch.state as state_module
+    from ckptstore.errors import ManifestCorruptError, ShardNotFoundError
+
+    monkeypatch.setattr(state_module, "PART_SIZE", 600)
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    saved_model, _ = _trained(1)
+    parts = save_state(store, 1, {"model": saved_model}, rng=False).metadata["tensor_parts"]
+    with store.begin(
+        2, {"components": ["model"], "tensor_parts": {"model": parts["model"] + 1}}
+    ) as pending:
+        for name, blob in ((n, store.get(1).read(n)) for n in store.get(1).shards):
+            pending.write(name, blob)
+    model, _ = _trained(2)
+    with pytest.raises(ShardNotFoundError, match=r"model\.\d+\.safetensors"):
+        load_state(store.get(2), {"model": model}, rng=False)
+    with store.begin(3, {"components": ["model"], "tensor_parts": {"model": "two"}}) as pending:
+        for name in store.get(1).shards:
+            pending.write(name, store.get(1).read(name))
+    with pytest.raises(ManifestCorruptError, match="tensor_parts"):
+        load_state(store.get(3), {"model": model}, rng=False)
+
+
+def test_a_component_named_like_another_ones_part_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ckptstore.torch.state as state_module
+    from ckptstore.errors import InvalidInputError
+
+    monkeypatch.setattr(state_module, "PART_SIZE", 8)
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    components = {"a.1": {"x": torch.zeros(4)}, "a": {"x": torch.zeros(4), "y": torch.ones(4)}}
+    with pytest.raises(InvalidInputError, match="rename one of the components"):
+        save_state(store, 1, components, rng=False)
+    assert store.latest() is None

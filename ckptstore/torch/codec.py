@@ -27,6 +27,7 @@ __all__ = [
     "decode_state",
     "encode_state",
     "encode_state_chunks",
+    "encode_state_parts",
     "is_generator",
     "read_tensors",
     "restore_generator",
@@ -81,6 +82,23 @@ def encode_state_chunks(
 
     ``copier`` (with ``copy``) places the copies, e.g. into buffers reused from save to save.
     ``subject`` names the state in errors (e.g. "component 'model'").
+    """
+    parts, skeleton = encode_state_parts(state, copy=copy, copier=copier, subject=subject)
+    return (parts[0] if parts else []), skeleton
+
+
+def encode_state_parts(
+    state: Any,
+    *,
+    copy: bool = False,
+    copier: HostCopier | None = None,
+    subject: str = "state",
+    part_size: int | None = None,
+) -> tuple[list[list[Buffer]], bytes]:
+    """Like ``encode_state_chunks``, but the tensors split into several safetensors files
+    (parts) of about ``part_size`` bytes each, in the state's order: a part is closed once it
+    holds ``part_size`` bytes (a tensor is never split, so a part may be larger). Tensor keys
+    are unique across parts; no tensors gives no parts, ``part_size=None`` at most one.
     """
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
@@ -164,8 +182,16 @@ def encode_state_chunks(
         raise InvalidInputError(_unstorable(value, subject, path))
 
     skeleton = walk(state, "")
-    chunks = _safetensors_chunks(tensors) if tensors else []
-    return chunks, json.dumps(skeleton, allow_nan=False).encode("utf-8")
+    groups: list[dict[str, torch.Tensor]] = []
+    filled = 0
+    for key, tensor in tensors.items():
+        if not groups or (part_size is not None and filled >= part_size):
+            groups.append({})
+            filled = 0
+        groups[-1][key] = tensor
+        filled += tensor.numel() * tensor.element_size()
+    parts = [_safetensors_chunks(group) for group in groups]
+    return parts, json.dumps(skeleton, allow_nan=False).encode("utf-8")
 
 
 def _is_integer(key: object) -> bool:

@@ -5,8 +5,10 @@ Each component is an object with ``state_dict()``/``load_state_dict()`` (a modul
 optimizer, an LR scheduler, a resumable sampler), a random generator the trainer holds
 (``torch.Generator``, ``numpy.random.Generator``, ``random.Random``: restored in place, by its
 state), or a plain nested mapping. It is stored as two
-shards, ``<name>.safetensors`` (its tensors) and ``<name>.json`` (everything else); the RNG
-states as ``rng.*``; the counters a long run keeps (samples read, successful and skipped
+shards, ``<name>.safetensors`` (its tensors) and ``<name>.json`` (everything else), a large
+component's tensors split into parts of about ``PART_SIZE`` bytes (``<name>.safetensors``,
+``<name>.1.safetensors``, ...; the manifest's ``tensor_parts`` metadata counts them) so that
+one part is written while the storage flushes the previous ones; the RNG states as ``rng.*``; the counters a long run keeps (samples read, successful and skipped
 updates, tokens, ...) go into the manifest's metadata, where ``ckptstore show`` prints them.
 """
 
@@ -20,13 +22,19 @@ import torch
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.driver import Buffer
-from ckptstore.errors import InvalidInputError
+from ckptstore.errors import (
+    InvalidInputError,
+    ManifestCorruptError,
+    ShardCorruptError,
+    ShardNotFoundError,
+)
 from ckptstore.names import check_shard_name
 from ckptstore.store import Store
 from ckptstore.torch.agreement import agreed_checkpoint
 from ckptstore.torch.codec import (
     decode_state,
     encode_state_chunks,
+    encode_state_parts,
     is_generator,
     read_tensors,
     restore_generator,
@@ -34,9 +42,28 @@ from ckptstore.torch.codec import (
 )
 from ckptstore.torch.rng import capture_rng, restore_rng
 
-__all__ = ["Snapshot", "Stateful", "load_state", "save_state", "snapshot_state", "write_snapshot"]
+__all__ = [
+    "PART_SIZE",
+    "Snapshot",
+    "Stateful",
+    "load_state",
+    "save_state",
+    "snapshot_state",
+    "write_snapshot",
+]
 
 RNG = "rng"
+PART_SIZE = 64 * 1024 * 1024
+"""A component's tensors start a new safetensors shard once the current one holds this many
+bytes: the storage writes back one part while the next is written (a tensor is never split)."""
+PARTS_KEY = "tensor_parts"
+"""Manifest metadata: component name -> its number of tensor parts, for components with more
+than one (absent: one part, ``<name>.safetensors``, as every checkpoint before parts had)."""
+
+
+def part_shard(component: str, index: int) -> str:
+    """The shard holding part ``index`` of a component's tensors."""
+    return f"{component}.safetensors" if index == 0 else f"{component}.{index}.safetensors"
 
 
 @runtime_checkable
@@ -84,13 +111,23 @@ def snapshot_state(
     """
     _check_components(components)
     shards: dict[str, list[Buffer]] = {}
+    counts: dict[str, int] = {}
     for name, component in components.items():
         state = component.state_dict() if isinstance(component, Stateful) else component
         copier = None if buffers is None else _reusing(buffers, name)
-        tensors, skeleton = encode_state_chunks(
-            state, copy=copy, copier=copier, subject=f"component {name!r}"
+        parts, skeleton = encode_state_parts(
+            state, copy=copy, copier=copier, subject=f"component {name!r}", part_size=PART_SIZE
         )
-        shards[f"{name}.safetensors"] = tensors
+        for index, chunks in enumerate(parts or [[]]):  # no tensors: one empty shard
+            shard = part_shard(name, index)
+            if shard in shards:
+                raise InvalidInputError(
+                    f"component {name!r}: its tensor part {shard!r} has the name of another "
+                    f"component's shard; rename one of the components"
+                )
+            shards[shard] = chunks
+        if len(parts) > 1:
+            counts[name] = len(parts)
         shards[f"{name}.json"] = [skeleton]
     if rng:
         tensors, skeleton = encode_state_chunks(capture_rng(), copy=copy)
@@ -98,6 +135,8 @@ def snapshot_state(
         shards[f"{RNG}.json"] = [skeleton]
     document = dict(metadata or {})
     document["components"] = sorted(components)
+    if counts:
+        document[PARTS_KEY] = counts
     if counters:
         document["counters"] = dict(counters)
     return Snapshot(shards, document)
@@ -220,9 +259,33 @@ def _read_state(checkpoint: Checkpoint, name: str, map_location: Any, present: A
     it now in ``present`` (the component's current state) when shape, dtype and place match,
     else into new memory."""
     skeleton = checkpoint.read(f"{name}.json")
-    shard = f"{name}.safetensors"
     into = tensor_destinations(skeleton, present) if present is not None else None
-    with checkpoint.open(shard) as stream:
-        where = f"{checkpoint.url} step {checkpoint.step}: shard {shard!r}"
-        tensors = read_tensors(stream, checkpoint.shards[shard].size, where=where, into=into)
+    tensors: dict[str, torch.Tensor] = {}
+    for index in range(_part_count(checkpoint, name)):
+        shard = part_shard(name, index)
+        with checkpoint.open(shard) as stream:
+            where = f"{checkpoint.url} step {checkpoint.step}: shard {shard!r}"
+            part = read_tensors(stream, checkpoint.shards[shard].size, where=where, into=into)
+        if not tensors.keys().isdisjoint(part):
+            raise ShardCorruptError(f"{where}: holds tensors that an earlier part holds")
+        tensors.update(part)
     return decode_state(tensors, skeleton, map_location=map_location)
+
+
+def _part_count(checkpoint: Checkpoint, name: str) -> int:
+    counts = checkpoint.metadata.get(PARTS_KEY, {})
+    count = counts.get(name, 1) if isinstance(counts, dict) else None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ManifestCorruptError(
+            f"{checkpoint.url} step {checkpoint.step}: metadata {PARTS_KEY!r} is not a map of "
+            f"component names to part counts: {counts!r}"
+        )
+    missing = [
+        part_shard(name, i) for i in range(count) if part_shard(name, i) not in checkpoint.shards
+    ]
+    if missing:
+        raise ShardNotFoundError(
+            f"{checkpoint.url} step {checkpoint.step}: component {name!r} has no shard "
+            f"{missing[0]!r}"
+        )
+    return count
