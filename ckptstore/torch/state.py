@@ -4,18 +4,20 @@ position, RNGs and counters, bitwise exact.
 Each component is an object with ``state_dict()``/``load_state_dict()`` (a module, an
 optimizer, an LR scheduler, a resumable sampler), a random generator the trainer holds
 (``torch.Generator``, ``numpy.random.Generator``, ``random.Random``: restored in place, by its
-state), or a plain nested mapping. It is stored as two
-shards, ``<name>.safetensors`` (its tensors) and ``<name>.json`` (everything else), a large
-component's tensors split into parts of about ``PART_SIZE`` bytes (``<name>.safetensors``,
-``<name>.1.safetensors``, ...; the manifest's ``tensor_parts`` metadata counts them) so that
-one part is written while the storage flushes the previous ones; the RNG states as ``rng.*``; the counters a long run keeps (samples read, successful and skipped
-updates, tokens, ...) go into the manifest's metadata, where ``ckptstore show`` prints them.
+state), or a plain nested mapping. It is stored as two shards, ``<name>.safetensors`` (its
+tensors) and ``<name>.json`` (everything else). A large component's tensors are split into
+parts of about ``PART_SIZE`` bytes (``<name>.safetensors``, ``<name>.1.safetensors``, ...;
+the manifest's ``tensor_parts`` metadata counts them), so that the storage writes one part
+back while the next is written, and loads read parts in parallel. The RNG states go into
+``rng.*``; the counters a long run keeps (samples read, successful and skipped updates,
+tokens, ...) into the manifest's metadata, where ``ckptstore show`` prints them.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -56,6 +58,8 @@ RNG = "rng"
 PART_SIZE = 64 * 1024 * 1024
 """A component's tensors start a new safetensors shard once the current one holds this many
 bytes: the storage writes back one part while the next is written (a tensor is never split)."""
+_PART_READERS = 4
+"""Parts of one component read at the same time by ``load_state``."""
 PARTS_KEY = "tensor_parts"
 """Manifest metadata: component name -> its number of tensor parts, for components with more
 than one (absent: one part, ``<name>.safetensors``, as every checkpoint before parts had)."""
@@ -260,14 +264,25 @@ def _read_state(checkpoint: Checkpoint, name: str, map_location: Any, present: A
     else into new memory."""
     skeleton = checkpoint.read(f"{name}.json")
     into = tensor_destinations(skeleton, present) if present is not None else None
-    tensors: dict[str, torch.Tensor] = {}
-    for index in range(_part_count(checkpoint, name)):
-        shard = part_shard(name, index)
-        with checkpoint.open(shard) as stream:
+    shards = [part_shard(name, index) for index in range(_part_count(checkpoint, name))]
+
+    def read_part(shard: str) -> dict[str, torch.Tensor]:
+        with checkpoint.open(shard, checksum_thread=len(shards) == 1) as stream:
             where = f"{checkpoint.url} step {checkpoint.step}: shard {shard!r}"
-            part = read_tensors(stream, checkpoint.shards[shard].size, where=where, into=into)
+            return read_tensors(stream, checkpoint.shards[shard].size, where=where, into=into)
+
+    if len(shards) == 1:
+        parts = [read_part(shards[0])]
+    else:  # parts in parallel: one part's copy overlaps another's checksum and I/O waits
+        with ThreadPoolExecutor(min(len(shards), _PART_READERS), "ckptstore-load") as pool:
+            parts = list(pool.map(read_part, shards))
+    tensors: dict[str, torch.Tensor] = {}
+    for shard, part in zip(shards, parts, strict=True):
         if not tensors.keys().isdisjoint(part):
-            raise ShardCorruptError(f"{where}: holds tensors that an earlier part holds")
+            raise ShardCorruptError(
+                f"{checkpoint.url} step {checkpoint.step}: shard {shard!r} holds tensors that "
+                f"an earlier part holds"
+            )
         tensors.update(part)
     return decode_state(tensors, skeleton, map_location=map_location)
 

@@ -1,0 +1,109 @@
+"""Whole-shard reads take the fastest path the storage allows (a large shard read as two
+halves at once, each from its own stream) and still return only the committed bytes: a
+flipped byte in either half, a shorter or a longer shard, each is refused, on every backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+import ckptstore.checkpoint
+from ckptstore.errors import ShardCorruptError
+from tests.conftest import BackendUnderTest
+
+PIECE = 1024
+DATA = bytes(range(256)) * 64  # 16 KiB: 16 pieces, large enough to be read in two halves
+
+
+@pytest.fixture(autouse=True)
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ckptstore.checkpoint, "_HOT_PIECE", PIECE)
+    monkeypatch.setattr(ckptstore.checkpoint, "_PIPELINE_PIECE", 4 * PIECE)
+
+
+def _flip(position: int) -> Callable[[bytes], bytes]:
+    def edit(data: bytes) -> bytes:
+        changed = bytearray(data)
+        changed[position] ^= 0x01
+        return bytes(changed)
+
+    return edit
+
+
+def test_a_large_shard_reads_whole_and_exact(
+    backend: BackendUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    halves = []
+    read_in_two = ckptstore.checkpoint.Checkpoint._read_in_two
+
+    def spy(self: ckptstore.checkpoint.Checkpoint, *args: object) -> bool:
+        halves.append(read_in_two(self, *args))  # type: ignore[arg-type]
+        return halves[-1]
+
+    monkeypatch.setattr(ckptstore.checkpoint.Checkpoint, "_read_in_two", spy)
+    store = backend.open()
+    store.save(1, {"w": DATA})
+    buffer = bytearray(len(DATA))
+    assert store.get(1).read_into("w", buffer) == len(DATA)
+    assert bytes(buffer) == DATA
+    assert halves == [True]  # every backend here can seek: the two-halves path ran
+    assert store.get(1).read("w") == DATA
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _flip(10),  # the first half
+        _flip(len(DATA) - 10),  # the second half
+        lambda data: data[:-1],  # shorter than recorded
+        lambda data: data + b"\0",  # longer than recorded
+    ],
+    ids=["first-half", "second-half", "truncated", "extended"],
+)
+def test_a_damaged_large_shard_is_refused(
+    backend: BackendUnderTest, edit: Callable[[bytes], bytes]
+) -> None:
+    store = backend.open()
+    store.save(1, {"w": DATA})
+    backend.rewrite_shard(store, 1, "w", edit)
+    with pytest.raises(ShardCorruptError, match="'w'"):
+        store.get(1).read_into("w", bytearray(len(DATA)))
+    with pytest.raises(ShardCorruptError, match="'w'"):
+        store.get(1).read("w")
+
+
+class _Unseekable:
+    """A stream that reads but cannot seek (a pipe, a storage without ranged reads)."""
+
+    def __init__(self, raw: object) -> None:
+        self._raw = raw
+
+    def readinto(self, view: memoryview) -> int:
+        return self._raw.readinto(view)  # type: ignore[attr-defined,no-any-return]
+
+    def read(self, size: int = -1) -> bytes:
+        return self._raw.read(size)  # type: ignore[attr-defined,no-any-return]
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self._raw.close()  # type: ignore[attr-defined]
+
+
+def test_a_storage_that_cannot_seek_is_read_in_one_stream(tmp_path: object) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    store.save(1, {"w": DATA})
+    checkpoint = store.get(1)
+    opener = checkpoint._opener
+    opened = []
+
+    def unseekable(*args: object) -> _Unseekable:
+        opened.append(1)
+        return _Unseekable(opener(*args))  # type: ignore[arg-type]
+
+    checkpoint._opener = unseekable  # type: ignore[assignment]
+    buffer = bytearray(len(DATA))
+    assert checkpoint.read_into("w", buffer) == len(DATA) and bytes(buffer) == DATA
+    assert len(opened) == 2  # the probe, then the one stream that read it all
