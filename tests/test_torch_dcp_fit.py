@@ -161,3 +161,58 @@ def test_a_part_of_a_stored_chunk_reads_only_its_blocks(
                     torch.Size([256, 8]))  # fmt: skip
     reader._read_tensor(reader.loaded, metadata.storage_data[index], item, strided)
     assert torch.equal(strided, weights[:, 8:16])
+
+
+def test_async_save_copies_once_and_records_what_the_copy_cost(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    writer = CkptStoreWriter(store)
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    assert isinstance(writer, AsyncStager)  # DCP stages through the writer
+    state = _state(1)
+    future = dcp.async_save(state, storage_writer=writer, checkpoint_id=1)
+    state["w"].fill_(99.0)  # training goes on at once: the save has its own copy
+    future.result()
+    timings = store.get(1).manifest.timings
+    assert timings["snapshot_s"] > 0 and timings["blocked_s"] == timings["snapshot_s"]
+    target = _state(0)
+    dcp.load(target, storage_reader=CkptStoreReader(store, 1))
+    assert torch.equal(target["w"], torch.full((4, 2), 1.0))
+    dcp.save(_state(2), storage_writer=writer, checkpoint_id=2)  # not staged: no copy recorded
+    assert "snapshot_s" not in store.get(2).manifest.timings
+    writer.close()
+
+
+def test_two_async_saves_in_flight_on_one_writer_keep_their_own_state(tmp_path: Path) -> None:
+    import threading
+
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    second_planned = threading.Event()
+
+    class Writer(CkptStoreWriter):
+        def prepare_global_plan(self, plans: list) -> list:  # type: ignore[type-arg]
+            planned = super().prepare_global_plan(plans)
+            if self.step == 2:
+                second_planned.set()
+            return planned
+
+        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            if plan.storage_data["step"] == 1:  # hold the first save until the second began
+                assert second_planned.wait(60)
+            return super().write_data(plan, planner)
+
+    writer = Writer(store)
+    state = _state(1)
+    first = dcp.async_save(state, storage_writer=writer, checkpoint_id=1)
+    state["w"].fill_(2.0)
+    state["epoch"] = 2
+    second = dcp.async_save(state, storage_writer=writer, checkpoint_id=2)
+    first.result(timeout=120)
+    second.result(timeout=120)
+    assert store.steps() == [1, 2]
+    for step in (1, 2):
+        target = _state(0)
+        dcp.load(target, storage_reader=CkptStoreReader(store, step))
+        assert torch.equal(target["w"], torch.full((4, 2), float(step))), step
+        assert target["epoch"] == step
+    writer.close()

@@ -19,6 +19,7 @@ import io
 import json
 import math
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -51,6 +52,7 @@ from ckptstore.names import check_step
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.store import Store
 from ckptstore.torch.agreement import agreed_checkpoint
+from ckptstore.torch.dcp_staging import ReusingStager
 
 __all__ = ["CkptStoreReader", "CkptStoreWriter"]
 
@@ -70,14 +72,32 @@ def _shard_name(rank: int) -> str:
     return f"__{rank}.distcp"
 
 
+class _SaveState(threading.local):
+    """What one save under way keeps between DCP's calls: each save runs on one thread (the
+    caller's, or an ``async_save`` thread), so saves in flight at once never share it."""
+
+    def __init__(self) -> None:
+        self.pending: PendingCheckpoint | None = None
+        self.requested: int | None = None
+        self.step: int | None = None
+        self.snapshot_s: float | None = None
+
+
 class CkptStoreWriter(StorageWriter):
     """A DCP StorageWriter whose every ``dcp.save`` publishes one checkpoint of ``store`` (one
     commit for all ranks), or nothing.
 
     The step is DCP's ``checkpoint_id`` (``dcp.save(state, checkpoint_id=7,
     storage_writer=writer)``; also ``"7"`` or ``"<store url>#step=7"``), else ``step``. One
-    writer serves every save of a run.
+    writer serves every save of a run, ``dcp.async_save`` included, several in flight at once.
+
+    For ``dcp.async_save`` the writer is also the stager (DCP's ``AsyncStager``): it copies the
+    state into host memory reused from save to save, never into memory a save in flight still
+    writes from, and the manifest records how long that copy blocked the trainer (``snapshot_s``
+    and ``blocked_s``, as ``AsyncSaver`` does). ``close()`` frees that memory.
     """
+
+    _synchronize_after_execute = False  # ``stage`` returns a finished copy: nothing to wait for
 
     def __init__(
         self, store: Store, step: int | None = None, metadata: Mapping[str, Any] | None = None
@@ -85,40 +105,67 @@ class CkptStoreWriter(StorageWriter):
         super().__init__()
         self.store = store
         self.default_step = None if step is None else check_step(step)
-        self.step = self.default_step
-        """The step of the save under way."""
         self.metadata = dict(metadata or {})
         self.rank = 0
         self.is_coordinator = True
-        self._pending: PendingCheckpoint | None = None
-        self._requested: int | None = None
+        self._save = _SaveState()
+        self._last_step = self.default_step
+        self._stager: ReusingStager | None = None
+
+    @property
+    def step(self) -> int | None:
+        """The step of the save under way on this thread (else of the last save begun)."""
+        return self._save.step if self._save.step is not None else self._last_step
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """DCP's call before a save that names a ``checkpoint_id`` (none: the default step)."""
-        self._pending = None
-        self._requested = (
+        self._save.pending = None
+        self._save.snapshot_s = None
+        self._save.requested = (
             None if checkpoint_id is None else step_from_checkpoint_id(self.store, checkpoint_id)
         )
 
     def _next_step(self) -> int | None:
-        return self.default_step if self._requested is None else self._requested
+        requested = self._save.requested
+        return self.default_step if requested is None else requested
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
-        self.step, self._requested = self._next_step(), None  # this save's step, used up
+        self._save.step, self._save.requested = self._next_step(), None  # this save's, used up
+        self._last_step = self._save.step
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """DCP's AsyncStager question: nothing to wait for after ``stage`` returns."""
+        return self._synchronize_after_execute
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.async_save``'s copy of the state (the part that blocks the trainer), timed."""
+        if self._stager is None:
+            self._stager = ReusingStager()
+        return self._stager.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns a finished copy."""
+
+    def close(self) -> None:
+        """Free the host memory kept for the next ``dcp.async_save``'s copy."""
+        if self._stager is not None:
+            self._stager.close()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if self.step is None:
+        step = self._save.step
+        if step is None:
             raise InvalidInputError(
                 f"{self.store.url}: which step does this save publish? Pass it to dcp.save as "
                 f"checkpoint_id=<step>, or to CkptStoreWriter(store, step)"
             )
-        self._pending = self.store.begin(self.step, self.metadata, world_size=len(plans))
-        attempt, step = self._pending.attempt, self.step
+        self._save.pending = self.store.begin(step, self.metadata, world_size=len(plans))
+        attempt = self._save.pending.attempt
         return [  # the coordinator's step and attempt reach every rank with its plan
             dataclasses.replace(plan, storage_data={"attempt": attempt, "rank": rank, "step": step})
             for rank, plan in enumerate(plans)
@@ -127,7 +174,9 @@ class CkptStoreWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         attempt, rank = plan.storage_data["attempt"], plan.storage_data["rank"]
         step = plan.storage_data["step"]
-        pending = self._pending if self._pending is not None else self.store.join(step, attempt)
+        pending = self._save.pending
+        if pending is None:
+            pending = self.store.join(step, attempt)
         results: list[WriteResult] = []
         if plan.items:
             name = _shard_name(rank)
@@ -146,6 +195,8 @@ class CkptStoreWriter(StorageWriter):
                         length = shard.write(blob)
                     else:
                         assert isinstance(data, torch.Tensor)
+                        if self._stager is not None and self._save.snapshot_s is None:
+                            self._save.snapshot_s = self._stager.seconds_for(data)
                         tensor = data.detach().to("cpu").contiguous()
                         info["dtype"] = str(tensor.dtype).removeprefix("torch.")
                         info["shape"] = list(tensor.shape)
@@ -164,9 +215,12 @@ class CkptStoreWriter(StorageWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        pending = self._pending
+        pending = self._save.pending
         if pending is None:
             raise CheckpointStateError("finish() without prepare_global_plan() on the coordinator")
+        if self._save.snapshot_s is not None:  # staged by this writer for dcp.async_save
+            pending.add_timing("snapshot_s", self._save.snapshot_s)
+            pending.add_timing("blocked_s", self._save.snapshot_s)
         storage: dict[MetadataIndex, Any] = {}
         receipts = []
         for rank_results in results:
@@ -180,7 +234,7 @@ class CkptStoreWriter(StorageWriter):
         metadata.storage_data = storage
         pending.write(METADATA_SHARD, json.dumps(_encode_metadata(metadata)).encode("utf-8"))
         pending.publish()
-        self._pending = None
+        self._save.pending = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
