@@ -11,6 +11,7 @@ import enum
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -100,6 +101,21 @@ class AttemptOwner(Protocol):
         """Remove what the attempt staged, as far as possible (GC removes the rest)."""
 
 
+_OVERLAP_FROM = 16 * 1024 * 1024
+"""A write at least this large is checksummed on another thread while the sink writes it."""
+_CHECKSUMMER: ThreadPoolExecutor | None = None
+_CHECKSUMMER_LOCK = threading.Lock()
+
+
+def _checksummer() -> ThreadPoolExecutor:
+    """The process's threads that checksum large writes (made on first use)."""
+    global _CHECKSUMMER
+    with _CHECKSUMMER_LOCK:
+        if _CHECKSUMMER is None:
+            _CHECKSUMMER = ThreadPoolExecutor(4, thread_name_prefix="ckptstore-crc")
+        return _CHECKSUMMER
+
+
 class ShardWriter:
     """Streams one shard into its attempt; ``close`` finishes and records it (durable at seal)."""
 
@@ -116,8 +132,15 @@ class ShardWriter:
         if self._closed:
             raise CheckpointStateError(f"shard {self.name!r} is already closed")
         view = _as_view(data)
-        self._crc.update(view)
-        self._sink.write(view)
+        if view.nbytes < _OVERLAP_FROM:
+            self._crc.update(view)
+            self._sink.write(view)
+            return view.nbytes
+        checksumming = _checksummer().submit(self._crc.update, view)  # while the sink writes
+        try:
+            self._sink.write(view)
+        finally:
+            checksumming.result()  # the caller may reuse its buffer once this returns
         return view.nbytes
 
     @property
