@@ -70,12 +70,12 @@ def test_a_tensor_that_does_not_fit_is_not_overwritten() -> None:
     stored = {"a": torch.arange(6.0), "b": torch.ones(2, 3), "c": torch.zeros(3)}
     blob, skeleton = encode_state(stored)
     wrong_shape, wrong_dtype = torch.full((3, 2), 7.0), torch.full((2, 3), 7, dtype=torch.int64)
-    strided = torch.full((6, 2), 7.0)[:, 0]  # the right shape, not contiguous
+    strided = torch.full((6, 2), 7.0)[:, 0]  # the right shape, not contiguous: filled in place
     present = {"a": strided, "b": wrong_dtype, "c": wrong_shape}
     into = tensor_destinations(skeleton, present)
     got = read_tensors(io.BytesIO(blob), len(blob), into=into)
-    assert all(not any(t is d for d in into.values()) for t in got.values())
-    assert torch.equal(strided, torch.full((6,), 7.0))
+    assert got["t0"].data_ptr() == strided.data_ptr()
+    assert torch.equal(strided, torch.arange(6.0))
     assert torch.equal(wrong_dtype, torch.full((2, 3), 7, dtype=torch.int64))
     assert torch.equal(wrong_shape, torch.full((3, 2), 7.0))
 
@@ -172,3 +172,31 @@ def test_a_component_named_like_another_ones_part_is_refused(
     with pytest.raises(InvalidInputError, match="rename one of the components"):
         save_state(store, 1, components, rng=False)
     assert store.latest() is None
+
+
+def test_a_tensor_that_cannot_take_the_bytes_directly_is_filled_through_a_bounded_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ckptstore.torch.codec as codec
+
+    monkeypatch.setattr(codec, "STAGING_BYTES", 64)  # 2 rows of 8 float32 at a time
+    stored = {"w": torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8),
+              "s": torch.tensor(3.5), "wide": torch.ones(2, 32)}  # fmt: skip
+    blob, _ = encode_state(stored)
+    present = {
+        "w": torch.zeros(8, 6).t(),  # the stored shape, but not contiguous (a transposed weight)
+        "s": torch.zeros(()).expand(()),  # 0-d
+        "wide": torch.zeros(32, 2).t(),  # a row (128 bytes) larger than the buffer
+    }
+    keys = {"w": "t0", "s": "t1", "wide": "t2"}
+    into = {keys[name]: tensor for name, tensor in present.items()}
+    tensors = read_tensors(io.BytesIO(blob), len(blob), into=into)
+    assert tensors["t0"].data_ptr() == into["t0"].data_ptr()
+    assert torch.equal(present["w"], stored["w"])
+    assert tensors["t1"].data_ptr() == into["t1"].data_ptr() and present["s"].item() == 3.5
+    assert tensors["t2"].data_ptr() != into["t2"].data_ptr()
+    assert torch.equal(tensors["t2"], stored["wide"])
+    assert torch.equal(present["wide"], torch.zeros(2, 32))  # not filled: new memory instead
+    short = blob[:-40]  # a truncated stream is reported, not filled with garbage
+    with pytest.raises(ShardCorruptError):
+        read_tensors(io.BytesIO(short), len(blob), into=into)

@@ -324,8 +324,10 @@ def read_tensors(
     """Read a safetensors file of ``size`` bytes from ``stream`` straight into tensors.
 
     Each tensor's bytes are read into its own memory: no intermediate copy of the file. A
-    tensor of ``into`` (by name) with the stored shape and dtype, contiguous and in CPU memory,
-    is filled in place and returned; every other tensor gets new CPU memory. The header is
+    tensor of ``into`` (by name) with the stored shape and dtype is filled in place and
+    returned: straight from the stream if it is contiguous in CPU memory, else (on a GPU,
+    non-contiguous) through one bounded host buffer (``STAGING_BYTES``, pinned for a GPU);
+    every other tensor gets new CPU memory. The header is
     checked before anything is allocated or overwritten (known dtypes, sizes that match the
     shapes, data that covers the file exactly), so a damaged header cannot ask for more memory
     than the file holds. The stream is read to its end (a ``ShardReader`` verifies its CRC32C
@@ -377,8 +379,16 @@ def read_tensors(
     if position != size - 8 - header_size:
         raise corrupt(f"tensors hold {position} bytes, the file has {size - 8 - header_size}")
     tensors: dict[str, torch.Tensor] = {}
+    staging = _Staging()
     for _begin, name, dtype, shape, nbytes in layout:
-        tensor = _fillable((into or {}).get(name), dtype, shape)
+        target = (into or {}).get(name)
+        tensor = _fillable(target, dtype, shape)
+        staged = None if tensor is not None else _stageable(target, dtype, shape, nbytes)
+        if staged is not None:
+            if not staging.fill(stream, staged, nbytes):
+                raise corrupt(f"truncated in tensor {name!r}")
+            tensors[name] = staged
+            continue
         if tensor is None:
             tensor = torch.empty(shape, dtype=dtype)
         if nbytes:
@@ -398,6 +408,55 @@ def _fillable(target: object, dtype: torch.dtype, shape: list[int]) -> torch.Ten
     tensor = target.detach()
     fits = tensor.dtype == dtype and list(tensor.shape) == shape and tensor.is_contiguous()
     return tensor if fits and tensor.device.type == "cpu" and not tensor.is_neg() else None
+
+
+STAGING_BYTES = 16 * 1024 * 1024
+"""The host buffer through which a load fills tensors it cannot read into directly (on a GPU:
+pinned memory; non-contiguous), a whole number of rows at a time."""
+
+
+def _stageable(
+    target: object, dtype: torch.dtype, shape: list[int], nbytes: int
+) -> torch.Tensor | None:
+    """``target`` (detached) if a staging buffer can fill it: the stored shape and dtype, on a
+    device that can copy from host memory, rows no larger than the buffer."""
+    if not isinstance(target, torch.Tensor) or not nbytes:
+        return None
+    tensor = target.detach()
+    if tensor.dtype != dtype or list(tensor.shape) != shape or tensor.device.type == "meta":
+        return None
+    rows = shape[0] if shape else 1
+    return tensor if nbytes // rows <= STAGING_BYTES else None
+
+
+class _Staging:
+    """One bounded host buffer (pinned for GPU targets) that fills tensors rows at a time."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def _host(self, device: torch.device) -> torch.Tensor:
+        pinned = device.type == "cuda" and torch.cuda.is_available()
+        if self._buffer is None or (pinned and not self._buffer.is_pinned()):
+            self._buffer = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=pinned)
+        return self._buffer
+
+    def fill(self, stream: Readable, target: torch.Tensor, nbytes: int) -> bool:
+        """Read ``nbytes`` from ``stream`` into ``target``; False if the stream ends first."""
+        rows = target.reshape(-1) if target.dim() == 0 else target  # 0-d: one row of one
+        count = rows.shape[0]
+        row_bytes = nbytes // count
+        step = max(1, STAGING_BYTES // row_bytes)
+        host = self._host(target.device)
+        for start in range(0, count, step):
+            taken = min(step, count - start)
+            piece = host[: taken * row_bytes]
+            array: Any = piece.numpy()
+            if _fill(stream, memoryview(array)) != piece.numel():
+                return False
+            values = piece.view(target.dtype).view(taken, *rows.shape[1:])
+            rows[start : start + taken].copy_(values)  # waits: the buffer is reused next
+        return True
 
 
 def tensor_destinations(skeleton: bytes, current: Any) -> dict[str, torch.Tensor]:
@@ -471,8 +530,8 @@ def decode_state(
         blob = bytes(tensors)
         tensors = read_tensors(io.BytesIO(blob), len(blob)) if blob else {}
     host = dict(tensors)  # NumPy arrays and generator states come from these
-    if map_location is not None:
-        tensors = {k: v.to(map_location) for k, v in tensors.items()}
+    if map_location is not None:  # new memory is on the CPU; a tensor filled on a GPU stays
+        tensors = {k: v.to(map_location) if v.is_cpu else v for k, v in tensors.items()}
     try:
         document = json.loads(skeleton.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
