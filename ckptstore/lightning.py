@@ -2,8 +2,9 @@
 
     from ckptstore.lightning import CkptStoreIO
 
-    trainer = Trainer(plugins=[CkptStoreIO("s3://bucket/runs/7")], ...)
-    trainer.fit(model, ckpt_path="last")
+    io = CkptStoreIO("s3://bucket/runs/7")
+    trainer = Trainer(plugins=[io], callbacks=[ModelCheckpoint(dirpath=ckpts)], ...)
+    trainer.fit(model, ckpt_path=io.resume_path(ckpts))  # or "last" where pointers exist
 
 Every checkpoint Lightning saves is published in the store as the step ``global_step`` (one
 commit: tensors as safetensors, everything else as JSON, nothing pickled), on any store, with
@@ -12,7 +13,8 @@ the store's retention. At the path Lightning asked for, the plugin leaves a smal
 checkpoint files (``ModelCheckpoint``'s top-k, ``last.ckpt``, ``ckpt_path="last"``) works
 unchanged. Loading a pointer named like ``last*.ckpt`` loads the newest *published*
 checkpoint: a run killed after a publish and before its pointer was written resumes from
-that publish. ``remove_checkpoint`` removes the pointer and unpublishes its step, unless
+that publish; ``resume_path`` writes such a pointer where there is none (a new machine).
+``remove_checkpoint`` removes the pointer and unpublishes its step, unless
 another pointer still names that step, in its directory or in any other this plugin has
 written pointers to (several ``ModelCheckpoint`` callbacks), or it is the newest (that stays). A
 checkpoint file Lightning wrote itself (``torch.save``) still loads, through Lightning's own
@@ -35,7 +37,13 @@ from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ckptstore.checkpoint import Checkpoint
-from ckptstore.errors import CheckpointExistsError, CheckpointNotFoundError, RefusedError
+from ckptstore.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidInputError,
+    NotACheckpointError,
+    RefusedError,
+)
 from ckptstore.store import Store, open_store
 from ckptstore.torch.state import load_state, save_state
 
@@ -98,10 +106,44 @@ class CkptStoreIO(CheckpointIO):
         state: dict[str, Any] = restored[COMPONENT]
         return state
 
+    def resume_path(self, directory: str | os.PathLike[str]) -> str | None:
+        """Where ``trainer.fit(..., ckpt_path=...)`` resumes from the newest published
+        checkpoint, on any machine: ``<directory>/last.ckpt``, a pointer written there if
+        there is none (a new machine, a local directory lost with the old one). None if the
+        store has no checkpoint yet: a fresh start.
+
+        Pass the ``ModelCheckpoint`` directory, and every later ``ckpt_path="last"`` finds the
+        pointer too. A ``last.ckpt`` there that is not this store's pointer is left alone and
+        refused (InvalidInputError), not overwritten.
+        """
+        latest = self.store.latest()
+        if latest is None:
+            return None
+        path = Path(directory) / "last.ckpt"
+        if not path.exists():
+            _write_pointer(path, {"format": POINTER_FORMAT, "url": self.store.url,
+                                  "step": latest.step})  # fmt: skip
+            with self._lock:
+                self._directories.add(path.absolute().parent)
+            return str(path)
+        pointer = _read_pointer(path)  # a damaged one: NotACheckpointError, saying so
+        if pointer is None or pointer["url"] != self.store.url:
+            raise InvalidInputError(
+                f"{path} exists and is not a pointer into {self.store.url}; move it away to "
+                f"resume from the store, or pass it to ckpt_path yourself"
+            )
+        return str(path)
+
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the pointer at ``path`` and unpublish its step if nothing else points there."""
+        """Remove the pointer at ``path`` and unpublish its step if nothing else points there.
+
+        A damaged pointer (NotACheckpointError on load) is removed, and unpublishes nothing."""
         target = Path(path)
-        pointer = _read_pointer(target)
+        try:
+            pointer = _read_pointer(target)
+        except NotACheckpointError:
+            target.unlink(missing_ok=True)
+            return
         if pointer is None:
             TorchCheckpointIO().remove_checkpoint(path)
             return
@@ -158,22 +200,33 @@ def _write_pointer(path: Path, pointer: dict[str, Any]) -> None:
 
 
 def _read_pointer(path: Path) -> dict[str, Any] | None:
-    """The pointer at ``path``, or None if ``path`` is some other file (a torch.save one)."""
+    """The pointer at ``path``, or None if ``path`` is some other file (a torch.save one: a
+    zip archive, or an old pickle, never text starting with ``{``).
+
+    A file that starts like a pointer but is not a whole one (a pointer cut short, edited, or
+    some other JSON file) raises NotACheckpointError saying so: handed to ``torch.load`` it
+    would fail with a message about pickles."""
     try:
         with open(path, "rb") as stream:
             head = stream.read(_POINTER_LIMIT + 1)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{path}: no such checkpoint file") from exc
-    if len(head) > _POINTER_LIMIT or not head.startswith(b"{"):
+    if not head.lstrip().startswith(b"{"):
         return None
     try:
+        if len(head) > _POINTER_LIMIT:
+            raise ValueError(f"longer than {_POINTER_LIMIT} bytes")
         pointer = json.loads(head)
-    except ValueError:
-        return None
-    if not isinstance(pointer, dict) or pointer.get("format") != POINTER_FORMAT:
-        return None
-    if not isinstance(pointer.get("url"), str) or type(pointer.get("step")) is not int:
-        return None
+        if not isinstance(pointer, dict) or pointer.get("format") != POINTER_FORMAT:
+            raise ValueError(f"no \"format\": \"{POINTER_FORMAT}\"")
+        if not isinstance(pointer.get("url"), str) or type(pointer.get("step")) is not int:
+            raise ValueError("no store url and step")
+    except ValueError as exc:  # json.JSONDecodeError included
+        raise NotACheckpointError(
+            f"{path}: a JSON file, but not a ckptstore pointer ({exc}); it names no "
+            f"checkpoint. Delete it, or resume from another checkpoint file "
+            f"(CkptStoreIO.resume_path finds the newest published one)"
+        ) from exc
     return pointer
 
 
@@ -182,7 +235,7 @@ def _steps_named_in(directory: Path) -> set[int]:
     steps = set()
     for path in directory.glob("*.ckpt"):
         if not _LAST.match(path.stem) and path.is_file():
-            with contextlib.suppress(CheckpointNotFoundError):  # removed meanwhile
+            with contextlib.suppress(CheckpointNotFoundError):  # removed meanwhile, damaged
                 pointer = _read_pointer(path)
                 if pointer is not None:
                     steps.add(pointer["step"])

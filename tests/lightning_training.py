@@ -41,10 +41,11 @@ class Regressor(pl.LightningModule):
 
 
 def fit(
-    store: str, root: str, *, epochs: int = 4, use_async: bool = False
+    store: str, root: str, *, epochs: int = 4, use_async: bool = False, new_machine: bool = False
 ) -> tuple[dict[str, Any], int]:
-    """Fit, resuming from the newest published checkpoint (ckpt_path="last"); return the
-    weights and the number of batches this call trained."""
+    """Fit, resuming from the newest published checkpoint (ckpt_path="last"; ``new_machine``:
+    from ``CkptStoreIO.resume_path``, with no local file); return the weights and the number
+    of batches this call trained."""
     pl.seed_everything(0, verbose=False)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(8 * BATCHES_PER_EPOCH, 8, generator=generator)
@@ -62,7 +63,8 @@ def fit(
         enable_model_summary=False,
         deterministic=True,
     )
-    trainer.fit(model, data, ckpt_path="last")
+    resume = io.resume_path(Path(root) / "ckpts") if new_machine else "last"
+    trainer.fit(model, data, ckpt_path=resume)
     return {k: v.clone() for k, v in model.state_dict().items()}, model.batches_trained
 
 

@@ -68,7 +68,9 @@ def test_async_saves_through_lightnings_async_checkpoint_io(tmp_path: Path) -> N
     assert store.steps() == [STEP, 2 * STEP]
     saved = store.latest().metadata
     assert saved == {"components": ["lightning"]}
-    resumed, trained = fit(f"file://{tmp_path}/store", str(tmp_path / "run"), epochs=2)
+    assert not (tmp_path / "new-machine").exists()  # no pointer file there: only the store
+    resumed, trained = fit(f"file://{tmp_path}/store", str(tmp_path / "new-machine"), epochs=2,
+                           new_machine=True)  # fmt: skip
     assert trained == 0  # resumed at the end: nothing left to train
     _same(resumed, weights)
 
@@ -127,3 +129,45 @@ def test_a_checkpoint_lightning_wrote_itself_still_loads(tmp_path: Path) -> None
     assert io.load_checkpoint(path)["global_step"] == 7
     io.remove_checkpoint(path)
     assert not path.exists()
+
+
+def test_a_new_machine_resumes_from_the_store_without_any_local_file(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    assert CkptStoreIO(url).resume_path(tmp_path / "fresh") is None  # nothing yet: from scratch
+    assert not (tmp_path / "fresh").exists()
+    io = CkptStoreIO(url)
+    for step in (1, 2):
+        io.save_checkpoint(_checkpoint(step), tmp_path / "old-machine" / f"step={step}.ckpt")
+    elsewhere = CkptStoreIO(url)  # another machine: its checkpoint directory is empty
+    path = elsewhere.resume_path(tmp_path / "new-machine" / "ckpts")
+    assert path == str(tmp_path / "new-machine" / "ckpts" / "last.ckpt")
+    assert elsewhere.load_checkpoint(path)["global_step"] == 2
+    io.save_checkpoint(_checkpoint(3), tmp_path / "old-machine" / "step=3.ckpt")
+    assert elsewhere.resume_path(tmp_path / "new-machine" / "ckpts") == path  # kept, reused
+    assert elsewhere.load_checkpoint(path)["global_step"] == 3  # last: the newest published
+    foreign = tmp_path / "mine" / "last.ckpt"
+    foreign.parent.mkdir()
+    torch.save(_checkpoint(9), foreign)
+    with pytest.raises(ckptstore.InvalidInputError, match="not a pointer"):
+        elsewhere.resume_path(foreign.parent)
+    assert torch.load(foreign)["global_step"] == 9  # left alone
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['{"format": "ckptstore.lightning-pointer", "url": "file:///x", "st',  # cut short
+     '{"format": "ckptstore.lightning-pointer", "url": "file:///x"}',  # no step
+     '{"some": "other json"}'],
+    ids=["truncated", "incomplete", "other-json"],
+)  # fmt: skip
+def test_a_damaged_pointer_says_so(tmp_path: Path, content: str) -> None:
+    from ckptstore.errors import NotACheckpointError
+
+    io = CkptStoreIO(f"file://{tmp_path}/store")
+    io.save_checkpoint(_checkpoint(1), tmp_path / "ckpts" / "step=1.ckpt")
+    damaged = tmp_path / "ckpts" / "step=2.ckpt"
+    damaged.write_text(content)
+    with pytest.raises(NotACheckpointError, match="not a ckptstore pointer"):
+        io.load_checkpoint(damaged)
+    io.remove_checkpoint(damaged)  # removed; unpublishes nothing
+    assert not damaged.exists() and io.store.steps() == [1]
