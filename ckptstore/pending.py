@@ -11,7 +11,6 @@ import enum
 import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -103,17 +102,6 @@ class AttemptOwner(Protocol):
 
 _OVERLAP_FROM = 16 * 1024 * 1024
 """A write at least this large is checksummed on another thread while the sink writes it."""
-_CHECKSUMMER: ThreadPoolExecutor | None = None
-_CHECKSUMMER_LOCK = threading.Lock()
-
-
-def _checksummer() -> ThreadPoolExecutor:
-    """The process's threads that checksum large writes (made on first use)."""
-    global _CHECKSUMMER
-    with _CHECKSUMMER_LOCK:
-        if _CHECKSUMMER is None:
-            _CHECKSUMMER = ThreadPoolExecutor(4, thread_name_prefix="ckptstore-crc")
-        return _CHECKSUMMER
 
 
 class ShardWriter:
@@ -136,11 +124,22 @@ class ShardWriter:
             self._crc.update(view)
             self._sink.write(view)
             return view.nbytes
-        checksumming = _checksummer().submit(self._crc.update, view)  # while the sink writes
+        failure: list[BaseException] = []
+
+        def checksum() -> None:
+            try:
+                self._crc.update(view)
+            except BaseException as exc:  # raised below, in the writer's thread
+                failure.append(exc)
+
+        checksumming = threading.Thread(target=checksum, name="ckptstore-crc-write")
+        checksumming.start()  # while the sink writes
         try:
             self._sink.write(view)
         finally:
-            checksumming.result()  # the caller may reuse its buffer once this returns
+            checksumming.join()  # the caller may reuse its buffer once this returns
+        if failure:
+            raise failure[0]
         return view.nbytes
 
     @property
