@@ -218,7 +218,7 @@ def _read_pointer(path: Path) -> dict[str, Any] | None:
             raise ValueError(f"longer than {_POINTER_LIMIT} bytes")
         pointer = json.loads(head)
         if not isinstance(pointer, dict) or pointer.get("format") != POINTER_FORMAT:
-            raise ValueError(f"no \"format\": \"{POINTER_FORMAT}\"")
+            raise ValueError(f'no "format": "{POINTER_FORMAT}"')
         if not isinstance(pointer.get("url"), str) or type(pointer.get("step")) is not int:
             raise ValueError("no store url and step")
     except ValueError as exc:  # json.JSONDecodeError included
