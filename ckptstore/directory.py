@@ -40,7 +40,7 @@ from ckptstore.names import check_shard_name
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.store import Store
 
-__all__ = ["DirectoryFile", "directory_files", "materialize", "publish_directory"]
+__all__ = ["DirectoryFile", "directory_files", "materialize", "publish_directory", "write_files"]
 
 DEFAULT_PARALLEL = 8
 """Files streamed at once: enough to keep an object store's connections busy."""
@@ -116,9 +116,19 @@ def publish_directory(
         raise InvalidInputError(f"parallel must be at least 1, got {parallel}")
     files = directory_files(directory)
     with store.begin(step, metadata) as pending:
-        _run_all(parallel, [functools.partial(_publish_file, pending, f) for f in files])
+        write_files(pending, files, parallel=parallel)
     assert pending.checkpoint is not None
     return pending.checkpoint
+
+
+def write_files(
+    pending: PendingCheckpoint, files: list[DirectoryFile], *, parallel: int = DEFAULT_PARALLEL
+) -> None:
+    """Write ``files`` (from ``directory_files``) as shards of ``pending``, ``parallel`` at a
+    time: a part of a directory, when several machines each hold some of its files."""
+    if parallel < 1:
+        raise InvalidInputError(f"parallel must be at least 1, got {parallel}")
+    _run_all(parallel, [functools.partial(_publish_file, pending, f) for f in files])
 
 
 @contextlib.contextmanager

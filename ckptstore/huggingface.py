@@ -16,11 +16,17 @@ the newest published checkpoint (renamed ``checkpoint-N.unpublished-<time>``, ne
 and materialises the newest published checkpoint there unless an identical copy is already
 present (same files, sizes and CRC32C). A run on a new machine, with an empty ``output_dir``,
 resumes the same way.
+
+In a job of several machines without a shared file system, each machine's ``output_dir``
+holds only the files its own processes wrote (``rng_state_<rank>.pth``, sharded optimizer
+states): every machine then contributes its files to the one commit
+(``publish_from_every_machine``), and every machine materialises the whole checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import time
@@ -31,8 +37,9 @@ from transformers import TrainerCallback
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.checksum import Crc32c
-from ckptstore.directory import directory_files, materialize, publish_directory
+from ckptstore.directory import directory_files, materialize, publish_directory, write_files
 from ckptstore.errors import CkptStoreError
+from ckptstore.manifest import ShardRecord
 from ckptstore.store import Store, open_store
 
 __all__ = ["CkptStoreCallback"]
@@ -69,24 +76,17 @@ class CkptStoreCallback(TrainerCallback):
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         directory = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        _every_process_done_writing(args)
-        failure: BaseException | None = None
-        if args.process_index == 0:
-            try:
-                publish_directory(
-                    self.store,
-                    state.global_step,
-                    directory,
-                    metadata={"trainer": "transformers", "directory": directory.name},
-                    parallel=self.parallel,
-                )
-            except Exception as exc:  # every process must hear of it, or the others wait
-                failure = exc
-        outcome = _shared_outcome(args, None if failure is None else f"{failure}")
-        if failure is not None:
-            raise failure
-        if outcome is not None:
-            raise CkptStoreError(f"checkpoint-{state.global_step} was not published: {outcome}")
+        metadata = {"trainer": "transformers", "directory": directory.name}
+        if _distributed(args):
+            _every_process_done_writing(args)
+            publish_from_every_machine(
+                self.store, state.global_step, directory, args, metadata, self.parallel
+            )
+        else:
+            publish_directory(
+                self.store, state.global_step, directory, metadata=metadata,
+                parallel=self.parallel,
+            )  # fmt: skip
         return control
 
     # -- resuming --------------------------------------------------------------------------
@@ -137,22 +137,90 @@ def _identical(directory: Path, checkpoint: Checkpoint) -> bool:
     return True
 
 
-def _shared_outcome(args: Any, failure: str | None) -> str | None:
-    """The main process's failure (None: success), told to every process of the Trainer."""
-    if args.world_size > 1:
-        import torch.distributed as dist
+def _distributed(args: Any) -> bool:
+    if args.world_size <= 1:
+        return False
+    import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            said: list[str | None] = [failure]
-            dist.broadcast_object_list(said, src=0)
-            return said[0]
-    return failure
+    return bool(dist.is_available() and dist.is_initialized())
 
 
 def _every_process_done_writing(args: Any) -> None:
-    """A barrier across the Trainer's processes (a no-op in a single process)."""
-    if args.world_size > 1:
-        import torch.distributed as dist
+    """A barrier across the Trainer's processes."""
+    import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+    dist.barrier()
+
+
+def publish_from_every_machine(
+    store: Store,
+    step: int,
+    directory: Path,
+    args: Any,
+    metadata: dict[str, Any],
+    parallel: int,
+) -> None:
+    """Publish ``directory`` as ``step`` in one commit, from every machine that holds part of
+    it: a collective over the Trainer's processes.
+
+    On machines without a shared file system each machine's ``output_dir`` holds only what its
+    own processes wrote (``rng_state_<rank>.pth``, a sharded optimizer's files), so the main
+    process of every machine lists its copy; each file is written by the first machine (by
+    rank) that has it (on a shared file system: the global main process, for every file), into
+    one attempt the global main process began; it publishes once every machine's files are
+    sealed. Any failure anywhere publishes nothing, and every process raises it.
+    """
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    listing: dict[str, int] | str | None = None
+    if args.local_process_index == 0:
+        try:
+            listing = {f.name: f.size for f in directory_files(directory)}
+        except CkptStoreError as exc:
+            listing = f"machine of rank {rank}: {exc}"
+    listings: list[dict[str, int] | str | None] = [None] * world
+    dist.all_gather_object(listings, listing)
+    problems = [entry for entry in listings if isinstance(entry, str)]
+    owners: dict[str, int] = {}
+    for lister, entry in enumerate(listings):
+        for name in sorted(entry) if isinstance(entry, dict) else ():
+            owners.setdefault(name, lister)
+    writers = sorted(set(owners.values()))
+    pending = None
+    begun: list[str | None] = [None]
+    if rank == 0 and not problems:
+        try:
+            pending = store.begin(step, metadata, world_size=len(writers))
+            begun = [pending.attempt]
+        except CkptStoreError as exc:
+            problems.append(f"rank 0: {exc}")
+    dist.broadcast_object_list(begun, src=0)
+    attempt = begun[0]
+    receipts: list[dict[str, Any]] = []
+    failure: str | None = None
+    if attempt is not None and rank in writers:
+        try:
+            mine = pending if pending is not None else store.join(step, attempt)
+            files = [f for f in directory_files(directory) if owners.get(f.name) == rank]
+            write_files(mine, files, parallel=parallel)
+            if mine is not pending:
+                receipts = [dataclasses.asdict(record) for record in mine.seal()]
+        except Exception as exc:  # every process must hear of it, or the others wait
+            failure = f"rank {rank}: {exc}"
+    outcomes: list[tuple[list[dict[str, Any]], str | None]] = [([], None)] * world
+    dist.all_gather_object(outcomes, (receipts, failure))
+    problems += [told for _, told in outcomes if told is not None]
+    if rank == 0 and pending is not None:
+        try:
+            if problems:
+                pending.abort()
+            else:
+                pending.add_receipts(ShardRecord(**r) for written, _ in outcomes for r in written)
+                pending.publish()
+        except CkptStoreError as exc:
+            problems.append(f"rank 0: {exc}")
+    said: list[list[str]] = [problems]
+    dist.broadcast_object_list(said, src=0)
+    if said[0]:
+        raise CkptStoreError(f"checkpoint-{step} was not published: {'; '.join(said[0])}")

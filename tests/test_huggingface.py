@@ -99,3 +99,86 @@ def test_nothing_published_leaves_the_output_dir_alone_but_unpublished_saves(
         CkptStoreCallback.resume_path(type("Args", (), {"output_dir": str(tmp_path / "no")}))
         is None
     )
+
+
+def _machine(rank: int, port: int, store_url: str, dirs: list[str], local: list[int],
+             bad_rank: int, outcome: object) -> None:  # fmt: skip
+    """One process of a 2-process job: ``dirs[rank]`` is its machine's output_dir."""
+    import types
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        args = types.SimpleNamespace(
+            output_dir=dirs[rank], process_index=rank, local_process_index=local[rank],
+            world_size=2,
+        )  # fmt: skip
+        if rank == bad_rank:
+            (Path(dirs[rank]) / "checkpoint-5" / "broken").symlink_to("nowhere")
+        callback = CkptStoreCallback(store_url)
+        try:
+            callback.on_save(args, types.SimpleNamespace(global_step=5), None)
+            outcome[rank] = "published"  # type: ignore[index]
+        except ckptstore.CkptStoreError as exc:
+            outcome[rank] = f"error: {exc}"  # type: ignore[index]
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_machines(tmp_path: Path, dirs: list[Path], local: list[int], bad_rank: int = -1):  # type: ignore[no-untyped-def]
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outcome = mp.Manager().dict()
+    url = f"file://{tmp_path}/store"
+    mp.spawn(_machine, args=(port, url, [str(d) for d in dirs], local, bad_rank, outcome),
+             nprocs=2)  # fmt: skip
+    return ckptstore.open(url), dict(outcome)
+
+
+def _write(directory: Path, files: dict[str, bytes]) -> None:
+    for name, content in files.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(content)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-disks", "shared-fs"])
+def test_every_machine_contributes_its_files_to_one_commit(tmp_path: Path, shared: bool) -> None:
+    common = {"model.safetensors": b"weights" * 100, "trainer_state.json": b"{}"}
+    if shared:  # one directory both machines see, with every file
+        dirs = [tmp_path / "shared", tmp_path / "shared"]
+        _write(
+            dirs[0] / "checkpoint-5", {**common, "rng_state_0.pth": b"r0", "rng_state_1.pth": b"r1"}
+        )
+    else:  # each machine holds what its own process wrote; both wrote trainer_state.json
+        dirs = [tmp_path / "machine-a", tmp_path / "machine-b"]
+        _write(dirs[0] / "checkpoint-5", {**common, "rng_state_0.pth": b"r0"})
+        _write(dirs[1] / "checkpoint-5", {"trainer_state.json": b"{}", "rng_state_1.pth": b"r1"})
+    store, outcome = _run_machines(tmp_path, dirs, local=[0, 0])
+    assert outcome == {0: "published", 1: "published"}
+    checkpoint = store.latest()
+    assert checkpoint.step == 5
+    assert sorted(checkpoint.names) == sorted([*common, "rng_state_0.pth", "rng_state_1.pth"])
+    assert checkpoint.read("rng_state_1.pth") == b"r1"  # from the second machine's disk
+    fresh = tmp_path / "new-machine"
+    assert CkptStoreCallback(store).prepare_output_dir(fresh).step == 5
+    assert (fresh / "checkpoint-5" / "rng_state_1.pth").read_bytes() == b"r1"
+
+
+def test_a_machine_that_cannot_publish_its_files_publishes_nothing_anywhere(
+    tmp_path: Path,
+) -> None:
+    dirs = [tmp_path / "machine-a", tmp_path / "machine-b"]
+    _write(dirs[0] / "checkpoint-5", {"model.safetensors": b"w", "rng_state_0.pth": b"r0"})
+    _write(dirs[1] / "checkpoint-5", {"rng_state_1.pth": b"r1"})
+    store, outcome = _run_machines(tmp_path, dirs, local=[0, 0], bad_rank=1)
+    assert store.latest() is None
+    for rank in (0, 1):  # both processes raise, naming the machine and the file
+        assert outcome[rank].startswith("error: checkpoint-5 was not published"), outcome
+        assert "rank 1" in outcome[rank] and "broken" in outcome[rank]
