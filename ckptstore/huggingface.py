@@ -38,7 +38,7 @@ from transformers import TrainerCallback
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.checksum import Crc32c
 from ckptstore.directory import directory_files, materialize, publish_directory, write_files
-from ckptstore.errors import CkptStoreError
+from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
 from ckptstore.manifest import ShardRecord
 from ckptstore.store import Store, open_store
 
@@ -72,6 +72,26 @@ class CkptStoreCallback(TrainerCallback):
             else:
                 latest = self.store.latest()
                 self.restored = latest
+        return control
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """Make the best checkpoint a resumed run remembers (``load_best_model_at_end``) exist
+        here: on a new machine only the newest was materialised, and the best may be older."""
+        best = getattr(state, "best_model_checkpoint", None)
+        name = Path(best).name if isinstance(best, str) else ""
+        match = _CHECKPOINT_DIR.match(name)
+        if match is None:
+            return control
+        local = Path(args.output_dir) / name
+        with args.main_process_first(local=True, desc="ckptstore: materialise the best"):
+            if args.local_process_index == 0 and not local.is_dir():
+                try:
+                    checkpoint = self.store.get(int(match.group(1)))
+                except CheckpointNotFoundError:
+                    return control  # not published (or deleted since): the Trainer says so
+                materialize(checkpoint, local, parallel=self.parallel)
+        if local.is_dir():
+            state.best_model_checkpoint = str(local)  # where this machine has it
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

@@ -182,3 +182,29 @@ def test_a_machine_that_cannot_publish_its_files_publishes_nothing_anywhere(
     for rank in (0, 1):  # both processes raise, naming the machine and the file
         assert outcome[rank].startswith("error: checkpoint-5 was not published"), outcome
         assert "rank 1" in outcome[rank] and "broken" in outcome[rank]
+
+
+def test_the_best_checkpoint_a_resumed_run_remembers_exists_on_a_new_machine(
+    tmp_path: Path,
+) -> None:
+    import contextlib
+    import types
+
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    old = tmp_path / "old-machine"
+    for step in (2, 4):
+        publish_directory(store, step, _checkpoint_dir(old, step))
+    out = tmp_path / "new-machine"
+    callback = CkptStoreCallback(store)
+    assert callback.prepare_output_dir(out).step == 4  # only the newest is materialised
+    args = types.SimpleNamespace(
+        output_dir=str(out), local_process_index=0,
+        main_process_first=lambda **kwargs: contextlib.nullcontext(),
+    )  # fmt: skip
+    state = types.SimpleNamespace(best_model_checkpoint=str(old / "checkpoint-2"))
+    callback.on_train_begin(args, state, None)
+    assert state.best_model_checkpoint == str(out / "checkpoint-2")  # here, not on the old one
+    assert (out / "checkpoint-2" / "trainer_state.json").read_bytes() == b'{"global_step": 2}'
+    state = types.SimpleNamespace(best_model_checkpoint=str(old / "checkpoint-3"))  # unpublished
+    callback.on_train_begin(args, state, None)
+    assert state.best_model_checkpoint == str(old / "checkpoint-3")  # left for the Trainer to say
