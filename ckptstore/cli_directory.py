@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from ckptstore.directory import DEFAULT_PARALLEL, materialize, publish_directory
-from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.errors import CheckpointNotFoundError, InvalidInputError
 from ckptstore.store import open_store
 
 __all__ = ["add_directory_commands"]
@@ -34,6 +34,12 @@ def cmd_push(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_pull(args: argparse.Namespace, out: TextIO) -> int:
+    if args.step is None and args.directory.isdigit():
+        raise InvalidInputError(
+            f"pull: {args.directory!r} looks like a step, but it is the only argument after "
+            f"the URL, so it would be the directory: give both (pull URL {args.directory} DIR), "
+            f"or ./{args.directory} for a directory of that name"
+        )
     store = open_store(args.url, create=False)
     checkpoint = store.latest() if args.step is None else store.get(args.step)
     if checkpoint is None:

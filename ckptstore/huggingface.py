@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import time
@@ -43,6 +44,8 @@ from ckptstore.manifest import ShardRecord
 from ckptstore.store import Store, open_store
 
 __all__ = ["CkptStoreCallback"]
+
+log = logging.getLogger(__name__)
 
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-([0-9]+)$", re.ASCII)
 
@@ -115,11 +118,21 @@ class CkptStoreCallback(TrainerCallback):
         """Make ``output_dir``'s newest ``checkpoint-N`` the newest published checkpoint."""
         latest = self.store.latest()
         newest_published = -1 if latest is None else latest.step
+        moved = []
         for step, path in sorted(_local_checkpoints(output_dir).items()):
             if step > newest_published:
                 aside = path.with_name(f"{path.name}.unpublished-{time.strftime('%Y%m%dT%H%M%S')}")
                 with contextlib.suppress(FileNotFoundError):  # another machine's main was first
                     os.rename(path, aside)
+                    moved.append(aside.name)
+        if moved:
+            log.warning(
+                "%s: moved aside %d checkpoint director%s that %s never published (%s): %s",
+                output_dir, len(moved), "y" if len(moved) == 1 else "ies", self.store.url,
+                "it holds no checkpoint: is this the run's store?" if latest is None
+                else f"its newest is step {latest.step}",
+                ", ".join(moved),
+            )  # fmt: skip
         if latest is None:
             return None
         target = output_dir / f"checkpoint-{latest.step}"

@@ -220,3 +220,19 @@ def test_cli_push_and_pull(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     err = capsys.readouterr().err
     assert err.startswith("ckptstore: error: cannot") and "Traceback" not in err
     assert "[Errno" not in err
+
+
+def test_cli_pull_with_a_step_and_no_directory_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"file://{tmp_path}/store"
+    source = tmp_path / "checkpoint-1"
+    files = _trainer_directory(source, seed=1)
+    assert cli(["push", str(source), url, "--step", "1"]) == 0
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli(["pull", url, "1"]) == 2  # a step without a directory: not a directory named 1
+    assert "looks like a step" in capsys.readouterr().err
+    assert not (tmp_path / "1").exists()
+    assert cli(["pull", url, "./1"]) == 0  # a directory of that name, said so
+    assert _read_tree(tmp_path / "1") == files

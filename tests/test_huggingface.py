@@ -88,12 +88,15 @@ def test_a_damaged_local_copy_is_replaced_and_a_good_one_kept(tmp_path: Path) ->
 
 
 def test_nothing_published_leaves_the_output_dir_alone_but_unpublished_saves(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     out = tmp_path / "out"
     _checkpoint_dir(out, 1)
-    assert CkptStoreCallback(f"file://{tmp_path}/store").prepare_output_dir(out) is None
+    with caplog.at_level("WARNING", logger="ckptstore.huggingface"):
+        assert CkptStoreCallback(f"file://{tmp_path}/store").prepare_output_dir(out) is None
     assert [p.name.split(".")[0] for p in out.iterdir()] == ["checkpoint-1"]
+    assert "is this the run's store?" in caplog.text  # a wrong URL is not silent
+    assert "checkpoint-1.unpublished-" in caplog.text
     assert CkptStoreCallback.resume_path(type("Args", (), {"output_dir": str(out)})) is None
     assert (
         CkptStoreCallback.resume_path(type("Args", (), {"output_dir": str(tmp_path / "no")}))
