@@ -39,7 +39,7 @@ from transformers import TrainerCallback
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.checksum import Crc32c
 from ckptstore.directory import directory_files, materialize, publish_directory, write_files
-from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
+from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, InvalidInputError
 from ckptstore.manifest import ShardRecord
 from ckptstore.store import Store, open_store
 
@@ -92,7 +92,11 @@ class CkptStoreCallback(TrainerCallback):
                     checkpoint = self.store.get(int(match.group(1)))
                 except CheckpointNotFoundError:
                     return control  # not published (or deleted since): the Trainer says so
-                materialize(checkpoint, local, parallel=self.parallel)
+                try:
+                    materialize(checkpoint, local, parallel=self.parallel)
+                except InvalidInputError:
+                    if not local.is_dir():  # not "another machine's main made it first"
+                        raise
         if local.is_dir():
             state.best_model_checkpoint = str(local)  # where this machine has it
         return control
@@ -105,7 +109,7 @@ class CkptStoreCallback(TrainerCallback):
             publish_from_every_machine(
                 self.store, state.global_step, directory, args, metadata, self.parallel
             )
-        else:
+        elif args.process_index == 0:  # several processes without torch.distributed: one
             publish_directory(
                 self.store, state.global_step, directory, metadata=metadata,
                 parallel=self.parallel,
@@ -207,10 +211,10 @@ def publish_from_every_machine(
 
     rank, world = dist.get_rank(), dist.get_world_size()
     listing: dict[str, int] | str | None = None
-    if args.local_process_index == 0:
+    if args.local_process_index == 0 and directory.exists():  # none: this machine wrote none
         try:
             listing = {f.name: f.size for f in directory_files(directory)}
-        except CkptStoreError as exc:
+        except Exception as exc:  # every process must hear of it, or the others wait
             listing = f"machine of rank {rank}: {exc}"
     listings: list[dict[str, int] | str | None] = [None] * world
     dist.all_gather_object(listings, listing)
@@ -219,6 +223,8 @@ def publish_from_every_machine(
     for lister, entry in enumerate(listings):
         for name in sorted(entry) if isinstance(entry, dict) else ():
             owners.setdefault(name, lister)
+    if not problems and not any(isinstance(entry, dict) for entry in listings):
+        problems.append(f"no machine has {directory.name} in its output_dir")
     writers = sorted(set(owners.values()))
     pending = None
     begun: list[str | None] = [None]
@@ -226,7 +232,7 @@ def publish_from_every_machine(
         try:
             pending = store.begin(step, metadata, world_size=len(writers))
             begun = [pending.attempt]
-        except CkptStoreError as exc:
+        except Exception as exc:  # said to every process below, not raised past them
             problems.append(f"rank 0: {exc}")
     dist.broadcast_object_list(begun, src=0)
     attempt = begun[0]
@@ -251,7 +257,7 @@ def publish_from_every_machine(
             else:
                 pending.add_receipts(ShardRecord(**r) for written, _ in outcomes for r in written)
                 pending.publish()
-        except CkptStoreError as exc:
+        except Exception as exc:  # said to every process below, not raised past them
             problems.append(f"rank 0: {exc}")
     said: list[list[str]] = [problems]
     dist.broadcast_object_list(said, src=0)

@@ -580,6 +580,12 @@ class _VanishingShardStream:
         except ObjectNotFoundError as exc:
             raise self._vanished() from exc
 
+    def seek(self, position: int, whence: int = 0) -> int:
+        try:
+            return int(self._raw.seek(position, whence))
+        except ObjectNotFoundError as exc:  # a ranged re-read found the object gone
+            raise self._vanished() from exc
+
     def close(self) -> None:
         self._raw.close()
 

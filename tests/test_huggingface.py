@@ -151,6 +151,16 @@ def _write(directory: Path, files: dict[str, bytes]) -> None:
         (directory / name).write_bytes(content)
 
 
+def test_a_machine_that_wrote_nothing_contributes_nothing(tmp_path: Path) -> None:
+    dirs = [tmp_path / "machine-a", tmp_path / "machine-b"]  # save_only_model: b wrote nothing
+    _write(dirs[0] / "checkpoint-5", {"model.safetensors": b"w"})
+    store, outcome = _run_machines(tmp_path, dirs, local=[0, 0])
+    assert outcome == {0: "published", 1: "published"}
+    assert store.latest().names == ["model.safetensors"]
+    _run_machines(tmp_path / "none", [tmp_path / "x", tmp_path / "y"], local=[0, 0])
+    assert ckptstore.open(f"file://{tmp_path}/none/store").latest() is None
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["own-disks", "shared-fs"])
 def test_every_machine_contributes_its_files_to_one_commit(tmp_path: Path, shared: bool) -> None:
     common = {"model.safetensors": b"weights" * 100, "trainer_state.json": b"{}"}
@@ -211,3 +221,30 @@ def test_the_best_checkpoint_a_resumed_run_remembers_exists_on_a_new_machine(
     state = types.SimpleNamespace(best_model_checkpoint=str(old / "checkpoint-3"))  # unpublished
     callback.on_train_begin(args, state, None)
     assert state.best_model_checkpoint == str(old / "checkpoint-3")  # left for the Trainer to say
+
+
+def test_two_machines_materialising_the_best_at_once_on_a_shared_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import contextlib
+    import types
+
+    import ckptstore.huggingface as hf
+
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    publish_directory(store, 2, _checkpoint_dir(tmp_path / "old", 2))
+    out = tmp_path / "shared"
+    real = hf.materialize
+
+    def other_machine_first(checkpoint, target, **kwargs):  # type: ignore[no-untyped-def]
+        real(checkpoint, target, **kwargs)  # the other machine's main process won the race
+        return real(checkpoint, target, **kwargs)  # ours: "already exists"
+
+    monkeypatch.setattr(hf, "materialize", other_machine_first)
+    args = types.SimpleNamespace(
+        output_dir=str(out), local_process_index=0,
+        main_process_first=lambda **kwargs: contextlib.nullcontext(),
+    )  # fmt: skip
+    state = types.SimpleNamespace(best_model_checkpoint=str(tmp_path / "old" / "checkpoint-2"))
+    CkptStoreCallback(store).on_train_begin(args, state, None)
+    assert state.best_model_checkpoint == str(out / "checkpoint-2")

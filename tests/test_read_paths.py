@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from conftest import BackendUnderTest
 
 import ckptstore.checkpoint
 from ckptstore.errors import ShardCorruptError
-from tests.conftest import BackendUnderTest
 
 PIECE = 1024
 DATA = bytes(range(256)) * 64  # 16 KiB: 16 pieces, large enough to be read in two halves

@@ -216,3 +216,43 @@ def test_two_async_saves_in_flight_on_one_writer_keep_their_own_state(tmp_path: 
         assert torch.equal(target["w"], torch.full((4, 2), float(step))), step
         assert target["epoch"] == step
     writer.close()
+
+
+class _Holder:
+    """A tensor inside a plain object: DCP saves it as bytes; pytree does not see into it."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def test_a_staging_whose_tensors_cannot_be_watched_is_never_reused() -> None:
+    from ckptstore.torch.dcp_staging import ReusingStager
+
+    stager = ReusingStager()
+    training = torch.zeros(4)
+    first = stager.stage({"held": _Holder(training)})
+    training.fill_(7.0)  # training goes on while the first save still has to write its copy
+    second = stager.stage({"held": _Holder(training)})
+    assert torch.equal(first["held"].tensor, torch.zeros(4))  # not overwritten by the second
+    assert torch.equal(second["held"].tensor, torch.full((4,), 7.0))
+    stager.close()
+
+
+def test_a_release_inside_a_locked_section_does_not_deadlock() -> None:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from ckptstore.torch.dcp_staging import ReusingStager
+
+    stager = ReusingStager()
+    with stager._lock:  # a garbage collection here may finalise an earlier staging
+        stager._release(DefaultStager(StagingOptions(False, False, False, False)), {1})
+    assert stager.seconds_for(torch.empty(0)) is None  # empty tensors have no memory to key on
+    stager.close()
+
+
+def test_user_metadata_cannot_take_the_adapters_own_keys(tmp_path: Path) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/s")
+    for key in ("tensor_parts", "components", "counters"):
+        with pytest.raises(InvalidInputError, match=key):
+            save_state(store, 1, {"model": {"w": torch.zeros(2)}}, metadata={key: 1})
+    assert store.latest() is None

@@ -38,6 +38,7 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 
 
 def _storage(tensor: torch.Tensor) -> int:
+    """The address of the memory a (local) tensor lives in; 0 for an empty one."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return int(local.untyped_storage().data_ptr())
 
@@ -48,11 +49,9 @@ class _Countdown:
     def __init__(self, watched: list[Any], done: Callable[[], None]) -> None:
         self._left = len(watched)
         self._done = done
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         for item in watched:
             weakref.finalize(item, self._one_gone)
-        if not watched:
-            done()
 
     def _one_gone(self) -> None:
         with self._lock:
@@ -66,7 +65,9 @@ class ReusingStager:
     """Stages state dicts into reused host memory, one buffer set per save in flight."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: a garbage collection inside a locked section may finalise an earlier
+        # staging, whose release takes the lock again on the same thread.
+        self._lock = threading.RLock()
         self._free: list[DefaultStager] = []
         self._seconds: dict[int, float] = {}
 
@@ -74,7 +75,8 @@ class ReusingStager:
         """A copy of ``state_dict`` in host memory no save in flight holds; timed.
 
         The buffers return to the pool once every staged tensor is gone (DCP drops them when
-        the save that writes them ends)."""
+        the save that writes them ends); a staging whose tensors are all inside other objects
+        (which cannot be watched) never returns to the pool."""
         started = time.perf_counter()
         with self._lock:
             stager = self._free.pop() if self._free else None
@@ -83,11 +85,13 @@ class ReusingStager:
         staged = cast(dict[str, Any], stager.stage(state_dict))
         seconds = time.perf_counter() - started
         tensors = _tensors(staged)
-        storages = {_storage(tensor) for tensor in tensors}
+        storages = {_storage(tensor) for tensor in tensors} - {0}  # empty tensors: no memory
         with self._lock:
             for storage in storages:
                 self._seconds[storage] = seconds
-        _Countdown(tensors, lambda: self._release(stager, storages))
+        if tensors:
+            _Countdown(tensors, lambda: self._release(stager, storages))
+        # else: nothing to watch (tensors only inside other objects): this set is never reused
         return staged
 
     def _release(self, stager: DefaultStager, storages: set[int]) -> None:
@@ -101,8 +105,9 @@ class ReusingStager:
 
     def seconds_for(self, tensor: torch.Tensor) -> float | None:
         """How long the staging that made ``tensor`` (or a view of it) took; None if none did."""
+        storage = _storage(tensor)  # outside the lock: it may allocate, and so collect
         with self._lock:
-            return self._seconds.get(_storage(tensor))
+            return self._seconds.get(storage) if storage else None
 
     def close(self) -> None:
         """Free the buffers kept for the next save."""

@@ -26,6 +26,7 @@ from ckptstore.checkpoint import Checkpoint
 from ckptstore.driver import Buffer
 from ckptstore.errors import (
     InvalidInputError,
+    InvalidMetadataError,
     ManifestCorruptError,
     ShardCorruptError,
     ShardNotFoundError,
@@ -138,6 +139,12 @@ def snapshot_state(
         shards[f"{RNG}.safetensors"] = tensors
         shards[f"{RNG}.json"] = [skeleton]
     document = dict(metadata or {})
+    reserved = sorted(document.keys() & {"components", "counters", PARTS_KEY})
+    if reserved:
+        raise InvalidMetadataError(
+            f"metadata key {reserved[0]!r} is ckptstore.torch's own (it describes how the "
+            f"state is stored); name yours otherwise"
+        )
     document["components"] = sorted(components)
     if counts:
         document[PARTS_KEY] = counts
