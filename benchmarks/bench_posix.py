@@ -48,7 +48,8 @@ class ExistingModel:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, tensor in state.items():
-            self.tensors[name].copy_(tensor)  # free when read in place (the same memory)
+            if tensor.data_ptr() != self.tensors[name].data_ptr():  # not read in place
+                self.tensors[name].copy_(tensor)
 
 
 def main() -> None:

@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 import ckptstore
+from benchmarks.bench_posix import ExistingModel
 from ckptstore.tools.timing import measure, print_table, sizes
 from ckptstore.torch import load_state
 from ckptstore.torch.dcp import CkptStoreReader, CkptStoreWriter
@@ -55,21 +56,6 @@ def peak_growth(action: Callable[[], object]) -> int:
     before = _status_kib("VmRSS")
     action()
     return (_status_kib("VmHWM") - before) * 1024
-
-
-class ExistingModel:
-    """A model as a resumed trainer has it: tensors that exist, restored by load_state_dict."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.tensors)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name, tensor in state.items():
-            if tensor.data_ptr() != self.tensors[name].data_ptr():
-                self.tensors[name].copy_(tensor)
 
 
 def local_loads(root: str, total: int, repeats: int) -> None:
