@@ -20,6 +20,7 @@ from ckptstore.driver import PutMode, driver_family, storage_calls
 from ckptstore.errors import IndeterminateOutcomeError, TransientStorageError
 
 __all__ = [
+    "READ_ONLY_CALLS",
     "CrashMode",
     "FaultInjector",
     "FaultPlan",
@@ -30,6 +31,23 @@ __all__ = [
 ]
 
 _LAZY_RESULTS = frozenset({"list", "list_versions", "list_multipart_uploads"})
+READ_ONLY_CALLS = frozenset(
+    {
+        "stat",
+        "listdir",
+        "open_read",
+        "get",
+        "head",
+        "list",
+        "list_versions",
+        "list_multipart_uploads",
+        "check_bucket",
+        "bucket_versioning",
+        "upload_progress",
+    }
+)
+"""Driver calls that only read (file-system and object-store protocols): a crash before one
+leaves the storage as a crash before the next call does."""
 
 
 class SimulatedCrash(BaseException):
@@ -66,6 +84,9 @@ class FaultPlan:
     transient: dict[int, CrashMode] = field(default_factory=dict)
     transient_calls: frozenset[str] | None = None
     """Restrict transient faults to these call names (None: any call)."""
+    observe: Callable[[], object] | None = None
+    """Called before every call; its answer is kept as the call's ``context`` (what else, not
+    the storage, a crash before this call would leave: the model's state, the clock)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +98,13 @@ class CallRecord:
     args: tuple[str, ...]
     conditional: bool = False
     """A conditional write (If-None-Match / If-Match): a commit point on object stores."""
+    context: object = None
+    """What ``FaultPlan.observe`` answered before this call (None: nothing observed)."""
+
+    @property
+    def reads_only(self) -> bool:
+        """The call only reads: storage holds the same before and after it."""
+        return self.name in READ_ONLY_CALLS
 
     def __str__(self) -> str:
         return f"#{self.index} {self.name}({', '.join(self.args)})"
@@ -121,7 +149,10 @@ class FaultInjector:
                 raise SimulatedCrash(f"{name} called after the process died")
             mode = kwargs.get("mode")
             conditional = isinstance(mode, PutMode) and mode.conditional
-            record = CallRecord(len(self.calls), name, tuple(_short(a) for a in args), conditional)
+            context = self.plan.observe() if self.plan.observe is not None else None
+            record = CallRecord(
+                len(self.calls), name, tuple(_short(a) for a in args), conditional, context
+            )
             self.calls.append(record)
             plan = self.plan
             if plan.crash_at == record.index and plan.crash_mode is CrashMode.BEFORE:

@@ -79,15 +79,19 @@ class Model:
     """Bumped by anything that may change stored checkpoints (GC, retention, corruption)."""
     read_at: dict[int, int] = field(default_factory=dict)
     """The epoch at which each step's shards were last read back in full."""
+    events: int = 0
+    """How many events (below) the model was told of: equal counts, equal models."""
 
     # -- events --------------------------------------------------------------------------
 
     def save_started(self, saved: Saved) -> None:
         """A save began: until its commit returns, it may or may not publish."""
+        self.events += 1
         self.in_doubt.setdefault(saved.step, []).append(saved)
 
     def save_committed(self, saved: Saved) -> None:
         """commit() returned: the checkpoint must now be visible, exactly as saved."""
+        self.events += 1
         candidates = self.in_doubt.get(saved.step, [])
         if any(c is saved for c in candidates):
             candidates[:] = [c for c in candidates if c is not saved]
@@ -99,6 +103,7 @@ class Model:
 
     def removal_started(self, steps: set[int], *, explicit: bool) -> None:
         """Steps that a retention pass, delete or rollback may remove from now on."""
+        self.events += 1
         self.removable |= steps
         self.epoch += 1
         if explicit:
@@ -106,12 +111,14 @@ class Model:
 
     def gc_started(self) -> None:
         """A GC pass runs: a committed checkpoint lost after it is blamed on GC (I7)."""
+        self.events += 1
         self.epoch += 1
         for step in self.gc_since:
             self.gc_since[step] = True
 
     def shard_corrupted(self, step: int, name: str, how: str) -> None:
         """A shard's stored bytes were damaged on purpose (``bitflip``, ``truncate``)."""
+        self.events += 1
         self.corrupted.setdefault(step, {})[name] = how
         self.epoch += 1
 

@@ -164,7 +164,10 @@ def _crash_points(report: BackendReport, factory: LocationFactory, say: Progress
 def _crash_states(result: CrashPointResult) -> str:
     if result.overlapped:
         return "made concurrently: a crash before and after each"
-    return "made one at a time: a crash before each and after the last"
+    return (
+        f"made one at a time: a crash before each and after the last (a call that only reads "
+        f"shares its crash with the next: {result.reads} of them)"
+    )
 
 
 CRASH_POINT_INVARIANTS = ("I1", "I2", "I3", "I4", "I7")

@@ -15,12 +15,19 @@ the storage keeps failing it, the case is reported as a storage error, never as 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan, SimulatedCrash
+from ckptstore.conformance.faults import (
+    CallRecord,
+    CrashMode,
+    FaultInjector,
+    FaultPlan,
+    SimulatedCrash,
+)
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
 from ckptstore.conformance.outcomes import (
@@ -38,6 +45,7 @@ __all__ = [
     "GRACE",
     "CaseFailure",
     "CrashPointResult",
+    "crash_cases",
     "run_crash_points",
     "run_indeterminate_outcomes",
     "standard_workload",
@@ -143,6 +151,10 @@ class CrashPointResult:
     overlapped: bool = False
     """The workload made storage calls concurrently: a crash after call k differs from one
     before call k + 1, so both are run."""
+    reads: int = 0
+    """How many of the workload's calls only read (no crash of their own: see crash_cases)."""
+    records: list[CallRecord] = field(default_factory=list)
+    """The baseline's calls, with what the model and clock were before each."""
 
     def add(self, other: CrashPointResult) -> None:
         """Count the cases of ``other`` in this result too."""
@@ -187,14 +199,10 @@ def run_crash_points(
         return result
     result.calls = baseline.calls
     result.overlapped = baseline.overlapped
+    result.records = baseline.records
+    result.reads = sum(record.reads_only for record in baseline.records)
     reached = baseline.calls if limit is None else min(baseline.calls, limit)
-    cases = [(index, CrashMode.BEFORE) for index in range(reached)]
-    if baseline.overlapped:
-        cases = [(index, mode) for index, _ in cases for mode in CrashMode]
-    elif reached:
-        # Calls made one at a time: dying after call k leaves the storage exactly as dying
-        # before call k + 1 does (nothing happens in between), so each state is run once.
-        cases.append((reached - 1, CrashMode.AFTER))
+    cases = crash_cases(baseline.records[:reached], overlapped=baseline.overlapped)
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="crash-case") as pool:
         outcomes = pool.map(
             lambda case: _retried(functools.partial(_crash_case, new_location, *case)), cases
@@ -202,6 +210,31 @@ def run_crash_points(
         for outcome in outcomes:  # in case order, so that reports are deterministic
             result.add(outcome)
     return result
+
+
+def crash_cases(records: list[CallRecord], *, overlapped: bool) -> list[tuple[int, CrashMode]]:
+    """The crashes that leave distinct states: (call index, before or after it).
+
+    Calls made concurrently: a crash before and after each. Calls made one at a time: dying
+    after call k leaves the storage exactly as dying before call k + 1 does (nothing happens in
+    between), so each state is run once, as a crash before each call and one after the last.
+    And a call that only reads changes nothing: a crash before it leaves what a crash before
+    the next call leaves, unless the workload told the model something (or moved the clock)
+    in between, so it is skipped then.
+    """
+    if overlapped:
+        return [(record.index, mode) for record in records for mode in CrashMode]
+    cases = []
+    for record, following in itertools.pairwise(records):
+        if record.reads_only and record.context == following.context:
+            continue
+        cases.append((record.index, CrashMode.BEFORE))
+    if records:
+        last = records[-1]
+        if not last.reads_only:
+            cases.append((last.index, CrashMode.BEFORE))
+        cases.append((last.index, CrashMode.AFTER))
+    return cases
 
 
 def _retried(run_once: Callable[[], CrashPointResult]) -> CrashPointResult:
@@ -232,13 +265,16 @@ def _baseline(new_location: LocationMaker) -> CrashPointResult:
         return _undecided(result, "no crash", exc)
     try:
         model = Model()
+        clock = location.clock
+        plan = FaultPlan(observe=lambda: (model.events, clock.offset))
         try:
-            store = standard_workload(location, FaultPlan(), model, big_shard_size(location))
+            store = standard_workload(location, plan, model, big_shard_size(location))
         except CkptStoreError as exc:
             return _undecided(result, "no crash", exc)
         injector = store.strategy.driver
         assert isinstance(injector, FaultInjector)  # Location.open puts one under every store
         result.calls = len(injector.calls)
+        result.records = list(injector.calls)
         result.overlapped = injector.overlapped
         _run_case(result, "no crash", lambda: recover_and_check(location, model))
     finally:
