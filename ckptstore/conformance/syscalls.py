@@ -79,7 +79,7 @@ def run_syscall_trace(location: Location, *, depth: int = 1) -> SyscallTraceResu
         with open(recipe_path, "wb") as stream:
             stream.write(recipe)
         env = dict(os.environ)  # the child finds what this process imported, test modules too
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)
         argv = [sys.executable, "-m", "ckptstore.conformance.tracechild", recipe_path]
         try:
             completed = trace_command(
@@ -113,7 +113,7 @@ def report_syscall_layers(
     if profile != "thorough":
         return
     for fs_type in IMAGE_TYPES:
-        say(f"file-system layers on a {fs_type} image (loop device)")
+        say(f"file-system layers on {fs_type} (an image on a loop device)")
         try:
             with mounted_image(fs_type) as mount_point:
                 images = LocationFactory(image_url(factory.base_url, mount_point), factory.options)
@@ -158,6 +158,7 @@ def _image_layers(report: BackendReport, factory: LocationFactory, depth: int, f
     for probe in missing:  # shown in the capability table, and counted as a mismatch
         report.capabilities.append(replace(probe, capability=f"{probe.capability} ({fs_type})"))
     crashes = run_crash_points(factory)
+    report.checked(*CRASH_INVARIANTS)
     for failure in crashes.failures:
         report.violated(failure.invariant, f"{where}{failure.case}: {failure.message}")
     for error in crashes.storage_errors:

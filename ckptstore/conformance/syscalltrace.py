@@ -196,6 +196,6 @@ def _shown(arg: str) -> str:
     if decoded is None:
         return arg
     data, truncated = decoded
-    if data.isascii() and data.decode().isprintable() and len(data) <= 120:
+    if data.isascii() and data.decode().isprintable() and len(data) <= 240:
         return repr(data.decode()).replace("'", '"')
     return f"<{len(data)}{'+' if truncated else ''} bytes>"

@@ -47,7 +47,7 @@ class DriverCall:
     error: str | None = None
 
     def __str__(self) -> str:
-        shown = ", ".join(str(a) for a in self.args if not isinstance(a, Bytes))
+        shown = ", ".join(str(a) if a != "" else '""' for a in self.args)
         return f"#{self.index} {self.name}({shown})"
 
 

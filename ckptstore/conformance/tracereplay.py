@@ -106,6 +106,11 @@ def replay_trace(
     for call in syscalls:
         replay.apply(call)
     replay.cut("the end of the trace")
+    if replay.fallbacks:
+        replay.result.notes.append(
+            f"{replay.fallbacks} no-replace rename(s) of directories by the driver's documented "
+            f"fallback, rename(2) after the kernel refused RENAME_NOREPLACE"
+        )
     if replay.stopped_cuts:
         replay.result.notes.append(f"power-loss states stopped: {replay.stopped_cuts}")
     if replay.diverged:
@@ -209,7 +214,7 @@ class _Replay:
             return
         made = "; ".join(what for _, what in window.syncs)
         target = self._describe(window.expected)
-        kind = "directory's entries" if call.name == "fsync_dir" else "data"
+        kind = "entries" if call.name == "fsync_dir" else "data"
         asked = f"the kernel was asked to sync {made} instead" if made else (
             "no fsync or fdatasync system call reached the kernel"
         )  # fmt: skip
