@@ -1,21 +1,20 @@
 """The syscall-trace layer: the real driver's system calls, recorded with strace during the
 standard workload, must make each durability call on the right file or directory and leave
 no power-loss state that breaks an invariant; deliberately broken drivers are caught by the
-invariant they endanger, and the real drivers pass."""
+invariant they endanger, and the real POSIX driver passes (the Lustre driver, which shares its
+code, runs this layer in tests/test_lustre.py through the conformance mixin)."""
 
 from __future__ import annotations
 
 import errno
 import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ckptstore.backends.lustre import LustreStripingWarning
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.rename import DATA_DIR, MANIFEST_NAME, RenameCommit, _directories_of
 from ckptstore.conformance import fsimages
@@ -31,9 +30,6 @@ from ckptstore.conformance.syscalltrace import decode_string, parse_trace, split
 from ckptstore.manifest import Manifest
 from ckptstore.names import step_token
 from ckptstore.registry import register, unregister
-
-REPO = Path(__file__).resolve().parent.parent
-LUSTRE_STANDIN = REPO / "tests" / "lustre_standin" / "standin.c"
 
 # -- broken drivers: module level, so that the traced process can unpickle them -----------
 
@@ -171,28 +167,6 @@ def test_the_documented_rename_fallback_is_accepted(tmp_path: Path, broken: Any)
     assert result.failures == [], result.failures
     assert result.matched == result.durability_calls
     assert any("documented fallback" in note for note in result.notes), result.notes
-
-
-def _compile_standin(directory: Path) -> str:
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        pytest.fail("a C compiler (gcc) is needed to build the liblustreapi stand-in")
-    output = directory / "liblustreapi.so"
-    subprocess.run(
-        [compiler, "-shared", "-fPIC", "-O1", "-o", str(output), str(LUSTRE_STANDIN)], check=True
-    )
-    return str(output)
-
-
-@pytest.mark.filterwarnings("ignore::ckptstore.backends.lustre.LustreStripingWarning")
-def test_the_lustre_driver_passes_too(tmp_path: Path) -> None:
-    standin = _compile_standin(tmp_path)
-    url = f"lustre://{tmp_path}/store?lustreapi={standin}&wide_threshold=2048"
-    with pytest.warns(LustreStripingWarning):
-        result = _trace(url)
-    assert result.failures == [], result.failures
-    assert result.workload_error is None
-    assert result.matched == result.durability_calls > 0
 
 
 # -- broken drivers are caught, by the invariant they endanger ----------------------------
