@@ -57,6 +57,7 @@ class ReplayResult:
     """What the trace held, what was matched and checked, and what broke."""
 
     syscalls: int = 0
+    """System calls of the workload (from its first driver call on), the markers not counted."""
     store_syscalls: int = 0
     """System calls on the store (its paths, or descriptors open on them)."""
     durability_calls: int = 0
@@ -119,6 +120,8 @@ def replay_trace(
 
 
 class _Replay:
+    """The simulated file system, descriptor table and driver-call windows of one trace."""
+
     def __init__(
         self,
         outcome: TraceOutcome,
@@ -139,6 +142,7 @@ class _Replay:
         self.created: dict[Any, int] = {}
         """The driver's file handles -> the simulated inode each was created for."""
         self.model = pickle.dumps(Model())
+        self.started = False
         self.noreplace_refused = False
         self.fallbacks = 0
         self.diverged: str | None = None
@@ -148,11 +152,13 @@ class _Replay:
     # -- dispatch ------------------------------------------------------------------------
 
     def apply(self, call: Syscall) -> None:
-        self.result.syscalls += 1
         marker = _marker(call)
-        if marker is not None:
+        if marker is not None:  # the traced process's own mark, not the driver's call
             self._boundary(call.tid, *marker)
+            self.started = True
             return
+        if self.started:  # the workload's, not the interpreter's start-up
+            self.result.syscalls += 1
         window = self.windows.get(call.tid)
         if call.name in RENAME_CALLS or call.name in ("link", "linkat"):
             self._rename(call, window)
@@ -226,10 +232,17 @@ class _Replay:
         )
 
     def _judge_rename(self, window: _Window, call: DriverCall) -> None:
-        if any(_noreplace(sc) or sc.name in ("link", "linkat") for sc, _ in window.renames):
+        if any(
+            (_noreplace(sc) and sc.error not in _REFUSED) or sc.name in ("link", "linkat")
+            for sc, _ in window.renames
+        ):
             self.result.matched += 1
             return
-        plain = [(sc, is_dir) for sc, is_dir in window.renames if sc.name in RENAME_CALLS]
+        plain = [
+            (sc, is_dir)
+            for sc, is_dir in window.renames
+            if sc.name in RENAME_CALLS and not _noreplace(sc)
+        ]
         if plain and self.noreplace_refused and all(is_dir for _, is_dir in plain):
             self.result.matched += 1  # the driver's documented fallback (posix.py)
             self.fallbacks += 1
