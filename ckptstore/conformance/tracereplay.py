@@ -11,8 +11,7 @@ driver's ``fsync(handle)`` as ``fsync``/``fdatasync`` of a descriptor of the fil
 was created for, ``fsync_dir(path)`` as one of a descriptor of that directory (else I2: the
 data or entries may be lost), ``rename_noreplace`` as ``renameat2(RENAME_NOREPLACE)`` (else
 I5: a racing writer's step can be replaced). The POSIX driver's documented fallback, a plain
-rename of a directory once the kernel refused the flag (EINVAL, ENOSYS), is accepted, and so
-is ``link`` (which never replaces).
+rename of a directory once the kernel refused the flag (EINVAL, ENOSYS), is accepted.
 
 (b) As ALICE does (Pillai et al., OSDI '14), the file system is cut before every recorded
 ``fsync`` and rename and at the end, and every state a power loss may leave there
@@ -20,9 +19,9 @@ is ``link`` (which never replaces).
 (the traced process records it at each driver call).
 
 The replay stops where the trace leaves the model: a system call it does not model on the
-store (``writev``, ``ftruncate``, ``link``, a write longer than strace printed) ends the
-power-loss states; one whose effect the simulation refuses (it diverged) ends both checks.
-Either is said in the coverage line.
+store (``writev``, ``ftruncate``, a write longer than strace printed) ends the power-loss
+states; a hard link, a rename into or out of the store, or a call whose effect the simulation
+refuses (it diverged) ends both checks. Either is said in the coverage line.
 """
 
 from __future__ import annotations
@@ -232,10 +231,7 @@ class _Replay:
         )
 
     def _judge_rename(self, window: _Window, call: DriverCall) -> None:
-        if any(
-            (_noreplace(sc) and sc.error not in _REFUSED) or sc.name in ("link", "linkat")
-            for sc, _ in window.renames
-        ):
+        if any(_noreplace(sc) and sc.error not in _REFUSED for sc, _ in window.renames):
             self.result.matched += 1
             return
         plain = [
@@ -340,7 +336,7 @@ class _Replay:
         if not call.ok or self.diverged:
             return
         if src is None or dst is None or call.name in ("link", "linkat"):
-            self._unmodelled(call)
+            self._diverge(f"{call}: a name in or out of the store, or a hard link, not modelled")
             return
         if call.name == "renameat2" and "RENAME_EXCHANGE" in call.args[4]:
             self._diverge(f"{call}: RENAME_EXCHANGE is not modelled")
