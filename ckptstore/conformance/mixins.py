@@ -29,6 +29,8 @@ from ckptstore.conformance.machine import PROFILES, make_state_machine, run_stat
 from ckptstore.conformance.outcomes import STORAGE_ERROR, StorageFailure
 from ckptstore.conformance.powerloss import run_power_loss
 from ckptstore.conformance.probes import HELD, NOT_MEASURED, run_probes
+from ckptstore.conformance.syscalls import run_syscall_trace
+from ckptstore.conformance.syscalltrace import TracerUnavailable
 from ckptstore.conformance.workload import (
     CaseFailure,
     CrashPointResult,
@@ -154,6 +156,25 @@ class PowerLossTests(ConformanceFixtures):
             location.destroy()
         assert result.states > 0
         _fail_on(result.failures)
+
+    def test_real_driver_system_calls(
+        self, ckpt_locations: LocationFactory, ckpt_profile: str
+    ) -> None:
+        """The driver's own system calls, traced: durability calls on the right objects, and
+        every power-loss state of the recorded trace (``syscalls``)."""
+        location = ckpt_locations()
+        try:
+            if driver_family(location.base.driver) is not DriverFamily.FILE_SYSTEM:
+                pytest.skip("system calls are traced for file systems only")
+            try:
+                result = run_syscall_trace(location, depth=1 if ckpt_profile == "ci" else 2)
+            except TracerUnavailable as exc:
+                pytest.skip(f"syscall trace: {exc}")
+        finally:
+            location.destroy()
+        _fail_on(result.failures)
+        assert result.workload_error is None, result.workload_error
+        assert result.durability_calls > 0
 
 
 class StateMachineTests(ConformanceFixtures):

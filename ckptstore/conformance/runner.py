@@ -28,6 +28,7 @@ from ckptstore.conformance.outcomes import StorageFailure, storage_failure
 from ckptstore.conformance.powerloss import run_power_loss
 from ckptstore.conformance.probes import run_probes
 from ckptstore.conformance.report import BackendReport
+from ckptstore.conformance.syscalls import report_syscall_layers
 from ckptstore.conformance.workload import (
     CrashPointResult,
     big_shard_size,
@@ -127,9 +128,11 @@ def run_backend(
         if file_system:
             report.not_applicable("I8", "file-system calls have no unknown outcomes")
             _power_loss(report, base.strategy, profile, say)
+            report_syscall_layers(report, factory, profile, say)
         else:
             _indeterminate(report, factory, say)
             report.coverage["power loss"] = "not applicable (object store)"
+            report.coverage["syscall trace"] = "not applicable (object store)"
         _state_machine(report, factory, profile, multipart, per_case, say)
     report.duration_s = time.monotonic() - started
     return report

@@ -150,18 +150,24 @@ class SimulatedFileSystem(FileSystemDriver):
         self.inodes[self.handles[handle]]  # only a hint: nothing becomes durable
 
     def fsync(self, handle: int) -> None:
-        node = self.inodes[self.handles[handle]]
-        node.durable = bytes(node.data)
+        inode = self.handles[handle]
+        node = self.inodes[inode]
+        if node.is_dir:  # a traced fsync of a directory's descriptor (``tracereplay``)
+            self._sync_entries(inode)
+        else:
+            node.durable = bytes(node.data)
         self._changed()
 
     def close(self, handle: int) -> None:
         self.handles.pop(handle, None)
 
     def fsync_dir(self, path: str) -> None:
-        inode = self._lookup(path)
+        self._sync_entries(self._lookup(path))
+        self._changed()
+
+    def _sync_entries(self, inode: int) -> None:
         self.durable_entries[inode] = dict(self.inodes[inode].entries)
         self.pending[inode] = []
-        self._changed()
 
     def _rename(self, src: str, dst: str, *, replace: bool) -> None:
         source_parent, source_name = self._parent(src)
@@ -223,6 +229,46 @@ class SimulatedFileSystem(FileSystemDriver):
             raise TargetExistsError(39, f"{self.url}{path}: directory not empty")
         del self.inodes[parent].entries[name]
         self._record("rmdir", removes=((parent, name),))
+
+    # -- replaying a recorded trace (``tracereplay``) ------------------------------------
+
+    def open_existing(self, path: str) -> int:
+        """A handle on an existing file or directory, as a traced ``open`` of it returned."""
+        inode = self._lookup(path)
+        handle = next(self._next_handle)
+        self.handles[handle] = inode
+        return handle
+
+    def inode_at(self, path: str) -> int:
+        """The inode a path names now; ObjectNotFoundError if none."""
+        return self._lookup(path)
+
+    def inode_of(self, handle: int) -> int:
+        """The inode an open handle refers to."""
+        return self.handles[handle]
+
+    def is_dir(self, inode: int) -> bool:
+        """Whether the inode is a directory."""
+        return self.inodes[inode].is_dir
+
+    def size_of(self, inode: int) -> int:
+        """The bytes written to a file so far."""
+        return len(self.inodes[inode].data)
+
+    def path_of(self, inode: int) -> str | None:
+        """A path that names the inode now (None once it has no name)."""
+        if inode == 0:
+            return ""
+        todo = [(0, "")]
+        while todo:
+            directory, prefix = todo.pop()
+            for name, child in self.inodes[directory].entries.items():
+                path = f"{prefix}{name}"
+                if child == inode:
+                    return path
+                if self.inodes[child].is_dir:
+                    todo.append((child, f"{path}/"))
+        return None
 
     # -- power loss ----------------------------------------------------------------------
 
