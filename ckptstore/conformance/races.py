@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptstore.commit.base import CommitStrategy
 from ckptstore.conformance.location import Location, open_for_measuring
 from ckptstore.conformance.outcomes import storage_failure
 from ckptstore.conformance.workload import pattern
@@ -240,10 +241,12 @@ class _Sync:
             barrier.abort()
 
 
-def _writer(url: str, options: dict[str, Any], writer: int, plan: list[Round], sync: _Sync) -> None:
-    """One racer: open the store, say whether it sees the seed, then race every round."""
+def _writer(source: Any, writer: int, plan: list[Round], sync: _Sync) -> None:
+    """One racer: open the store (``source``: a strategy shared by threads, or the URL and
+    options a process opens), say whether it sees the seed, then race every round."""
     try:
-        strategy = open_for_measuring(url, options)
+        shared = isinstance(source, CommitStrategy)
+        strategy = source if shared else open_for_measuring(*source)
         gate = RaceGate(strategy.driver, sync.gate)
         store = Store(strategy.with_driver(gate))
         seen = SEED_STEP in store.steps()
@@ -263,7 +266,8 @@ def _writer(url: str, options: dict[str, Any], writer: int, plan: list[Round], s
     except threading.BrokenBarrierError:
         return
     finally:
-        strategy.close()
+        if not shared:
+            strategy.close()
 
 
 # -- the checks --------------------------------------------------------------------------
@@ -416,7 +420,8 @@ def _crew(location: Location, crew: Crew, how: str, result: RaceResult) -> int |
                      context.Barrier(writers + 1), context.Queue(), context.Event())  # fmt: skip
     runners: list[Any] = []
     for writer in range(writers):
-        args = (location.url, location.options, writer, plan, sync)
+        source = location.base if context is None else (location.url, location.options)
+        args = (source, writer, plan, sync)
         if context is None:
             runners.append(threading.Thread(target=_writer, args=args, daemon=True))
         else:
