@@ -101,8 +101,12 @@ class RaceResult:
         """The report's coverage line."""
         line = f"{self.thread_rounds} rounds of {self.thread_writers} writers (threads)"
         if self.processes_skipped:
-            return f"{line}; processes: {self.processes_skipped}"
-        return f"{line} + {self.process_rounds} rounds of {self.process_writers} (processes)"
+            line += f"; processes: {self.processes_skipped}"
+        else:
+            line += f" + {self.process_rounds} rounds of {self.process_writers} (processes)"
+        if self.storage_errors:
+            line += f"; {len(self.storage_errors)} race(s) undecided (storage error)"
+        return line
 
 
 # -- the gate ----------------------------------------------------------------------------
@@ -251,7 +255,8 @@ def _writer(source: Any, writer: int, plan: list[Round], sync: _Sync) -> None:
         store = Store(strategy.with_driver(gate))
         seen = SEED_STEP in store.steps()
     except Exception as exc:
-        sync.results.put(Outcome(writer, "error", f"{type(exc).__name__}: {exc}"))
+        failed = storage_failure(exc) is not None
+        sync.results.put(Outcome(writer, "error", f"{type(exc).__name__}: {exc}", failed))
         return
     sync.results.put(Outcome(writer, "ready" if seen else "unreachable"))
     if not seen:
@@ -482,6 +487,11 @@ def _lead(
         if any(o.kind == "unreachable" for o in unready):
             return (f"not applicable: a process that opens {location.url} does not see a "
                     f"checkpoint saved by another (its data lives in one process)")  # fmt: skip
+        if unready[0].storage:
+            result.storage_errors.append(
+                RaceFinding("I5", how, f"a racer could not open the store: {unready[0].detail}")
+            )
+            return 0
         return f"a racer could not open the store: {unready[0].detail}"
     judge = _Judge(location, crew.writers, how, result)
     started = time.monotonic()
@@ -509,31 +519,53 @@ def _lead(
 def run_races(
     new_location: Callable[[], Location], profile: RaceProfile, *, processes: bool = True
 ) -> RaceResult:
-    """Race writers in threads, then in processes where the store is shared between them."""
+    """Race writers in threads, then in processes where the store is shared between them.
+
+    A failure of the storage itself (after the driver's retries) stops that crew and is
+    recorded as a storage error: undecided, never a violation.
+    """
     result = RaceResult(thread_writers=profile.threads.writers)
-    location = new_location()
-    try:
-        ran = _crew(location, profile.threads, "threads", result)
-    finally:
-        location.destroy()
+    ran = _undecided_on_storage_failure(
+        result, "threads", lambda: _raced(new_location, profile.threads, "threads", result)
+    )
     if isinstance(ran, str):  # threads share the process: only a dead racer stops them
         result.failures.append(RaceFinding("I5", "threads", ran))
-    else:
+    elif ran is not None:
         result.thread_rounds = ran
     if not processes:
         result.processes_skipped = "not run"
         return result
-    location = new_location()
-    try:
-        if getattr(location.base.driver, "process_local", False):
-            result.processes_skipped = (f"not applicable: {type(location.base.driver).__name__} "
-                                        f"keeps its data in one process")  # fmt: skip
-            return result
-        ran = _crew(location, profile.processes, "processes", result)
-    finally:
-        location.destroy()
+    ran = _undecided_on_storage_failure(
+        result, "processes", lambda: _raced(new_location, profile.processes, "processes", result)
+    )
     if isinstance(ran, str):
         result.processes_skipped = ran
-    else:
+    elif ran is not None:
         result.process_rounds, result.process_writers = ran, profile.processes.writers
     return result
+
+
+def _raced(
+    new_location: Callable[[], Location], crew: Crew, how: str, result: RaceResult
+) -> int | str:
+    location = new_location()
+    try:
+        driver = location.base.driver
+        if how == "processes" and getattr(driver, "process_local", False):
+            return f"not applicable: {type(driver).__name__} keeps its data in one process"
+        return _crew(location, crew, how, result)
+    finally:
+        location.destroy()
+
+
+def _undecided_on_storage_failure(
+    result: RaceResult, how: str, run: Callable[[], int | str]
+) -> int | str | None:
+    try:
+        return run()
+    except CkptStoreError as exc:
+        failure = storage_failure(exc)
+        if failure is None:
+            raise
+        result.storage_errors.append(RaceFinding("I5", how, f"the storage failed: {failure!r}"))
+        return None
