@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import pytest
 from s3_proxy import Forward, Request, Respond, Rewrite, S3Proxy, blank_etag
 
 from ckptstore.backends.memory import MemoryDriver, get_bucket
@@ -18,10 +19,20 @@ from ckptstore.commit.rename import RenameCommit
 from ckptstore.conformance import runner
 from ckptstore.conformance.location import Location, LocationFactory
 from ckptstore.conformance.probes import HELD, VIOLATED, run_probes
-from ckptstore.conformance.races import Crew, RaceProfile, run_races
+from ckptstore.conformance.races import (
+    POINTER,
+    Crew,
+    Outcome,
+    RaceProfile,
+    RaceResult,
+    Round,
+    _Judge,
+    run_races,
+)
 from ckptstore.conformance.report import BackendReport, render_text
 from ckptstore.driver import Buffer, ObjectInfo, PutMode
 from ckptstore.errors import TargetExistsError
+from ckptstore.store import Store
 
 SMALL = RaceProfile(threads=Crew(4, 2, 2, 0.0), processes=Crew(2, 1, 1, 0.0))
 GAP_S = 0.2
@@ -134,8 +145,6 @@ def test_races_catch_two_writers_publishing_one_step() -> None:
     assert i5, result.failures
     assert "writers racing for step 1 were told they published it" in i5[0].message
     assert i5[0].case.startswith("publish race 0 (4 threads)")
-    lost = [f for f in result.failures if f.invariant == "I4"]
-    assert lost and "an update was lost" in lost[0].message  # the pointer's CAS let two through
     assert "keeps its data in one process" in result.processes_skipped
 
 
@@ -153,6 +162,28 @@ def test_probe_catches_a_rename_that_checks_then_renames(tmp_path: Any) -> None:
     rename = _probe(results, "rename-noreplace")
     assert rename.measured == VIOLATED
     assert "of 8 racing no-replace renames succeeded on one key in round 1" in rename.detail
+
+
+@pytest.mark.parametrize(
+    ("before", "hint", "invariant", "message"),
+    [
+        (1, 3, "I4", "it names step 3: an update was lost"),  # a swap let two writers through
+        (5, 4, "I4", "LATEST went back from step 5 to 4"),
+        (1, 9, "I1", "LATEST names step 9, which is not published"),
+    ],
+)
+def test_pointer_race_checks(before: int, hint: int, invariant: str, message: str) -> None:
+    location = LocationFactory(f"memory://races-{secrets.token_hex(4)}/store")()
+    store = Store(location.base)
+    for step in range(1, 5):  # the round: writers of steps 1..4 raced to move LATEST
+        store.save(step, {"a.bin": b"x"})
+    location.base.reset_latest_hint(hint)
+    result = RaceResult()
+    judge = _Judge(location, 4, "threads", result)
+    judge.hint = before
+    judge.judge(Round(0, POINTER, 1), [Outcome(i, "published") for i in range(4)])
+    found = [f for f in result.failures if f.invariant == invariant]
+    assert found and message in found[0].message, result.failures
 
 
 # -- the real backends pass --------------------------------------------------------------

@@ -372,7 +372,15 @@ class _Judge:
         if before is not None and (hint is None or hint < before):
             self.fail("I4", race, f"LATEST went back from step {before} to {hint} when writers "
                       f"of steps {steps[0]}..{steps[-1]} raced to move it")  # fmt: skip
-        if self.cas and hint != steps[-1] and all(o.kind == "published" for o in outcomes):
+        # A hint left where it was is a storage that refuses the swap (readers list past it);
+        # one moved to a raced step other than the newest lost the newest writer's update.
+        moved = hint in steps
+        if (
+            self.cas
+            and moved
+            and hint != steps[-1]
+            and all(o.kind == "published" for o in outcomes)
+        ):
             self.fail("I4", race, f"writers of steps {steps[0]}..{steps[-1]} raced to move "
                       f"LATEST by compare-and-swap; it names step {hint}: an update was lost "
                       f"(two writers' If-Match let through), so LATEST went back from "
