@@ -1,8 +1,8 @@
 """Run every layer of the suite on a backend and gather one report.
 
 Layers: capability probes; exhaustive crash points; unknown outcomes of conditional writes
-(object stores); power loss (file systems); the property-based state machine. Each layer
-marks the invariants it checks as held unless it found a violation, or unless the storage
+(object stores); power loss (file systems); parallel races; the property-based state machine.
+Each layer marks the invariants it checks as held unless it found a violation, or unless the storage
 failed one of its cases on every run (a storage error: undecided, see ``outcomes``).
 """
 
