@@ -2,8 +2,8 @@
 
 Layers: capability probes; exhaustive crash points; unknown outcomes of conditional writes
 (object stores); power loss (file systems); parallel races; the property-based state machine.
-Each layer marks the invariants it checks as held unless it found a violation, or unless the storage
-failed one of its cases on every run (a storage error: undecided, see ``outcomes``).
+Each layer marks the invariants it checks as held unless it found a violation, or unless the
+storage failed one of its cases on every run (a storage error: undecided, see ``outcomes``).
 """
 
 from __future__ import annotations
