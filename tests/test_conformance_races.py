@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
-from s3_proxy import Forward, Request, Respond, Rewrite, S3Proxy, blank_etag
+from s3_proxy import Forward, Request, Respond, Rewrite, S3Proxy, blank_etag, not_implemented
 
 from ckptstore.backends.memory import MemoryDriver, get_bucket
 from ckptstore.backends.posix import PosixDriver
@@ -242,18 +242,34 @@ def test_cas_probe_reports_a_server_that_refuses_quoted_etags(moto_s3: Any) -> N
     assert "If-Match on a missing key: 404" in swap.detail
 
 
-def test_cas_probe_reports_a_server_that_refuses_if_match(moto_s3: Any) -> None:
+@pytest.mark.parametrize(
+    ("answer", "status"), [(_precondition_failed, 412), (not_implemented, 501)]
+)
+def test_cas_probe_reports_a_server_that_refuses_if_match(
+    moto_s3: Any, answer: Callable[[], Respond], status: int
+) -> None:
     def rule(request: Request) -> Any:
         if request.operation == "PutObject" and request.header("If-Match"):
-            return _precondition_failed()
+            return answer()
         return Forward()
 
     swap = _probe(_probes_through(moto_s3, rule), "compare-and-swap")
     assert swap.measured == VIOLATED
     assert swap.detail == (
         "the server refused If-Match with the object's current ETag in both quotings "
-        "(quoted: 412, unquoted: 412)"
+        f"(quoted: {status}, unquoted: {status})"
     )
+
+
+def test_create_probe_reports_a_server_without_if_none_match(moto_s3: Any) -> None:
+    def rule(request: Request) -> Any:
+        if request.operation == "PutObject" and request.header("If-None-Match"):
+            return not_implemented()
+        return Forward()
+
+    create = _probe(_probes_through(moto_s3, rule), "conditional-create")
+    assert create.measured == VIOLATED
+    assert create.detail == "the server answered 501 to PutObject If-None-Match: *"
 
 
 def test_create_probe_reports_a_200_that_kept_the_old_object(moto_s3: Any) -> None:

@@ -25,6 +25,7 @@ from ckptstore.errors import (
     CkptStoreError,
     ObjectNotFoundError,
     PreconditionFailedError,
+    StorageError,
     TargetExistsError,
 )
 
@@ -241,12 +242,18 @@ _FILE_SYSTEM_PROBES: dict[Capability, Callable[[Any], tuple[str, str]]] = {
 def _probe_conditional_create(store: Any) -> tuple[str, str]:
     key = _name()
     try:
-        store.put(key, b"first", mode=PutMode.CREATE)
         try:
-            store.put(key, b"second", mode=PutMode.CREATE)
-            answered = "200"
-        except PreconditionFailedError:
-            answered = "412"
+            store.put(key, b"first", mode=PutMode.CREATE)
+            try:
+                store.put(key, b"second", mode=PutMode.CREATE)
+                answered = "200"
+            except PreconditionFailedError:
+                answered = "412"
+        except StorageError as exc:
+            refused = _refusal(exc)
+            if refused is None:
+                raise
+            return VIOLATED, f"the server answered {refused} to PutObject If-None-Match: *"
         kept = store.get(key)[0] == b"first"
     finally:
         store.delete(key)
@@ -336,14 +343,30 @@ def _probe_conditional_complete(store: Any) -> tuple[str, str]:
         store.delete(key)
 
 
+REFUSALS = (400, 501)
+"""Answers of a server that does not take a conditional header at all (a 400 for the header,
+501 NotImplemented): the capability is missing, not the storage failing."""
+
+
+def _refusal(exc: StorageError) -> str | None:
+    """The status of a server's refusal of the conditional header itself (None: another
+    error, which is the storage's failure)."""
+    return str(exc.http_status) if exc.http_status in REFUSALS else None
+
+
 def _if_match(store: Any, key: str, body: bytes, etag: str) -> str:
-    """One PutObject If-Match: ``200``, ``412`` or ``404`` as the server answered."""
+    """One PutObject If-Match: ``200``, ``412``, ``404``, ``400`` or ``501`` as answered."""
     try:
         store.put(key, body, mode=PutMode.update(etag))
     except PreconditionFailedError:
         return "412"
     except ObjectNotFoundError:
         return "404"
+    except StorageError as exc:
+        refused = _refusal(exc)
+        if refused is None:
+            raise
+        return refused
     return "200"
 
 
