@@ -16,7 +16,7 @@ from ckptstore.backends.memory import MemoryDriver, get_bucket
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import RenameCommit
-from ckptstore.conformance import runner
+from ckptstore.conformance import probes, runner
 from ckptstore.conformance.location import Location, LocationFactory
 from ckptstore.conformance.probes import HELD, VIOLATED, run_probes
 from ckptstore.conformance.races import (
@@ -218,6 +218,12 @@ def test_s3_holds_in_threads_and_processes(moto_s3: Any) -> None:
 # -- probes measure the server, through a proxy that changes its answers -----------------
 
 
+@pytest.fixture
+def one_race_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about single requests: one round of racing probes is enough."""
+    monkeypatch.setattr(probes, "RACE_ROUNDS", 1)
+
+
 def _probes_through(moto_s3: Any, rule: Callable[[Request], Any]) -> list[Any]:
     with S3Proxy(moto_s3, rule) as proxy:
         server = proxy.through(moto_s3)
@@ -230,7 +236,9 @@ def _precondition_failed() -> Respond:
     return Respond(412, body, {"Content-Type": "application/xml"})
 
 
-def test_cas_probe_reports_a_server_that_refuses_quoted_etags(moto_s3: Any) -> None:
+def test_cas_probe_reports_a_server_that_refuses_quoted_etags(
+    moto_s3: Any, one_race_round: None
+) -> None:
     def rule(request: Request) -> Any:
         if request.operation == "PutObject" and (request.header("If-Match") or "").startswith('"'):
             return _precondition_failed()
@@ -246,7 +254,7 @@ def test_cas_probe_reports_a_server_that_refuses_quoted_etags(moto_s3: Any) -> N
     ("answer", "status"), [(_precondition_failed, 412), (not_implemented, 501)]
 )
 def test_cas_probe_reports_a_server_that_refuses_if_match(
-    moto_s3: Any, answer: Callable[[], Respond], status: int
+    moto_s3: Any, answer: Callable[[], Respond], status: int, one_race_round: None
 ) -> None:
     def rule(request: Request) -> Any:
         if request.operation == "PutObject" and request.header("If-Match"):
@@ -261,7 +269,9 @@ def test_cas_probe_reports_a_server_that_refuses_if_match(
     )
 
 
-def test_create_probe_reports_a_server_without_if_none_match(moto_s3: Any) -> None:
+def test_create_probe_reports_a_server_without_if_none_match(
+    moto_s3: Any, one_race_round: None
+) -> None:
     def rule(request: Request) -> Any:
         if request.operation == "PutObject" and request.header("If-None-Match"):
             return not_implemented()
@@ -272,7 +282,9 @@ def test_create_probe_reports_a_server_without_if_none_match(moto_s3: Any) -> No
     assert create.detail == "the server answered 501 to PutObject If-None-Match: *"
 
 
-def test_create_probe_reports_a_200_that_kept_the_old_object(moto_s3: Any) -> None:
+def test_create_probe_reports_a_200_that_kept_the_old_object(
+    moto_s3: Any, one_race_round: None
+) -> None:
     seen: set[str] = set()
     lock = threading.Lock()
 
@@ -292,7 +304,7 @@ def test_create_probe_reports_a_200_that_kept_the_old_object(moto_s3: Any) -> No
     )
 
 
-def test_multipart_probe_notices_an_empty_etag(moto_s3: Any) -> None:
+def test_multipart_probe_notices_an_empty_etag(moto_s3: Any, one_race_round: None) -> None:
     def rule(request: Request) -> Any:
         if request.operation == "CompleteMultipartUpload":
             return Rewrite(blank_etag)
