@@ -182,6 +182,8 @@ class MemoryDriver(ObjectStoreDriver):
     """Object-store primitives on a MemoryBucket under a key prefix."""
 
     max_parts = S3_MAX_PARTS
+    process_local = True
+    """Its data lives in this process: another process that opens the URL sees an empty bucket."""
 
     def __init__(self, bucket: MemoryBucket, prefix: str = "") -> None:
         self.bucket = bucket

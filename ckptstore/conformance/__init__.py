@@ -9,7 +9,8 @@ Three ways to run it (see README, "Conformance"):
 
 Layers: capability probes (``probes``), exhaustive crash points (``workload``), unknown
 outcomes of conditional writes (``workload``), power loss on a simulated file system
-(``simfs``, ``powerloss``), property-based crash injection (``machine``); the model and the
+(``simfs``, ``powerloss``), writers racing in threads and processes (``races``),
+property-based crash injection (``machine``); the model and the
 invariant checks they share are in ``model``, fault injection in ``faults``, and how a failure
 of the storage itself is told apart from a violation (a third outcome, "storage error") in
 ``outcomes``.

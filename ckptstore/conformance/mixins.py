@@ -29,6 +29,7 @@ from ckptstore.conformance.machine import PROFILES, make_state_machine, run_stat
 from ckptstore.conformance.outcomes import STORAGE_ERROR, StorageFailure
 from ckptstore.conformance.powerloss import run_power_loss
 from ckptstore.conformance.probes import HELD, NOT_MEASURED, run_probes
+from ckptstore.conformance.races import RACE_PROFILES, run_races
 from ckptstore.conformance.syscalls import run_syscall_trace
 from ckptstore.conformance.syscalltrace import TracerUnavailable
 from ckptstore.conformance.workload import (
@@ -45,6 +46,7 @@ __all__ = [
     "ConformanceFixtures",
     "ConformanceTests",
     "CrashPointTests",
+    "ParallelRaceTests",
     "PowerLossTests",
     "StateMachineTests",
     "UnknownOutcomeTests",
@@ -193,7 +195,24 @@ class StateMachineTests(ConformanceFixtures):
             pytest.fail(str(failure), pytrace=False)
 
 
+class ParallelRaceTests(ConformanceFixtures):
+    """Writers released together at the publish and at the LATEST update: one winner per step
+    with its own data (I5); LATEST names a published step, never going back (I1, I4)."""
+
+    def test_parallel_races(self, ckpt_locations: LocationFactory, ckpt_profile: str) -> None:
+        result = run_races(ckpt_locations, RACE_PROFILES[ckpt_profile])
+        _fail_on([CaseFailure(f.case, f.invariant, f.message) for f in result.failures])
+        if result.storage_errors:
+            heading = f"{STORAGE_ERROR} (the storage kept failing; not an invariant violation)"
+            _fail_on([CaseFailure(f.case, heading, f.message) for f in result.storage_errors])
+
+
 class ConformanceTests(
-    CapabilityProbeTests, CrashPointTests, UnknownOutcomeTests, PowerLossTests, StateMachineTests
+    CapabilityProbeTests,
+    CrashPointTests,
+    UnknownOutcomeTests,
+    PowerLossTests,
+    ParallelRaceTests,
+    StateMachineTests,
 ):
     """The whole conformance suite."""

@@ -10,9 +10,11 @@ claim S3 compatibility ignore ``If-None-Match`` on some calls, or reject quoted 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import secrets
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +25,16 @@ from ckptstore.errors import (
     CkptStoreError,
     ObjectNotFoundError,
     PreconditionFailedError,
+    StorageError,
     TargetExistsError,
 )
 
 __all__ = ["HELD", "NOT_MEASURED", "STORAGE_ERROR", "VIOLATED", "ProbeResult", "run_probes"]
 
 HELD, VIOLATED, NOT_MEASURED = "held", "violated", "not measured"
+RACE_ROUNDS = 3
+RACERS = 8
+"""Racing probes: this many threads, released together, in this many rounds."""
 
 
 @dataclass(frozen=True)
@@ -42,8 +48,28 @@ class ProbeResult:
 
 
 def run_probes(location: Location) -> list[ProbeResult]:
-    """Probe every capability of the driver behind ``location``."""
+    """Probe every capability of the driver behind ``location``, as the storage answers single
+    requests (a driver's fallbacks, such as retrying in the other ETag quoting, are off)."""
     driver = location.base.driver
+    with _raw_requests(driver):
+        return _run_probes(location, driver)
+
+
+@contextlib.contextmanager
+def _raw_requests(driver: Any) -> Iterator[None]:
+    """Turn off the driver's workarounds for conditional requests while it is measured."""
+    if not hasattr(driver, "raw_conditionals"):
+        yield
+        return
+    before = driver.raw_conditionals
+    driver.raw_conditionals = True
+    try:
+        yield
+    finally:
+        driver.raw_conditionals = before
+
+
+def _run_probes(location: Location, driver: Any) -> list[ProbeResult]:
     declared = location.base.capabilities
     file_system = driver_family(driver) is DriverFamily.FILE_SYSTEM
     probes = _FILE_SYSTEM_PROBES if file_system else _OBJECT_STORE_PROBES
@@ -91,6 +117,13 @@ def _probe_rename_noreplace(fs: Any) -> tuple[str, str]:
         outcome = (HELD, "rename onto an existing directory refused; target intact")
     else:
         outcome = (VIOLATED, "rename replaced an existing directory")
+    if outcome[0] == HELD:
+        raced = _race_renames(fs)
+        if raced is not None:
+            outcome = (VIOLATED, f"{raced}: the check is not atomic with the rename")
+        else:
+            outcome = (HELD, f"{outcome[1]}; {RACERS} racing renames onto one name: exactly "
+                       f"one succeeded, {RACE_ROUNDS} rounds")  # fmt: skip
     for path in (f"{target}/keep", f"{source}/keep"):
         try:
             fs.unlink(path)
@@ -102,6 +135,74 @@ def _probe_rename_noreplace(fs: Any) -> tuple[str, str]:
         except ObjectNotFoundError:
             pass
     return outcome
+
+
+def _race(racers: int, attempt: Callable[[int], None], refused: type[Exception]) -> list[int]:
+    """Run ``attempt(i)`` for every racer at once (released by a barrier); return the racers
+    whose attempt was not ``refused``. Anything else an attempt raised is raised here."""
+    barrier = threading.Barrier(racers)
+    won: list[int] = []
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            barrier.wait(60)
+            attempt(index)
+            won.append(index)
+        except refused:
+            pass
+        except BaseException as exc:  # handed to the caller, which judges it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(racers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return sorted(won)
+
+
+def _race_verdict(what: str, won: list[int], round_: int, holder: int | None) -> str | None:
+    """What is wrong with one round of ``RACERS`` racing ``what`` (None: nothing)."""
+    if len(won) > 1:
+        return f"{len(won)} of {RACERS} racing {what} succeeded on one key in round {round_}"
+    if not won:
+        return f"none of {RACERS} racing {what} succeeded in round {round_}"
+    if holder != won[0]:
+        return (f"in round {round_} of racing {what}, racer {won[0]} was told it won, but the "
+                f"key holds racer {holder}'s bytes")  # fmt: skip
+    return None
+
+
+def _race_renames(fs: Any) -> str | None:
+    """Racing no-replace renames of files onto one absent name: exactly one may succeed."""
+    for round_ in range(1, RACE_ROUNDS + 1):
+        target = _name()
+        sources = [_name() for _ in range(RACERS)]
+        for index, source in enumerate(sources):
+            handle = fs.create(source)
+            try:
+                fs.write(handle, f"racer {index}".encode())
+            finally:
+                fs.close(handle)
+        try:
+            won = _race(RACERS, functools.partial(_rename_one, fs, sources, target),
+                        TargetExistsError)  # fmt: skip
+            with fs.open_read(target) as stream:
+                text = stream.read().decode()
+            holder = int(text.split()[-1]) if text.startswith("racer ") else None
+        finally:
+            for path in [target, *sources]:
+                try:
+                    fs.unlink(path)
+                except ObjectNotFoundError:
+                    pass
+        wrong = _race_verdict("no-replace renames", won, round_, holder)
+        if wrong is not None:
+            return wrong
+    return None
 
 
 def _probe_fsync(fs: Any) -> tuple[str, str]:
@@ -141,18 +242,80 @@ _FILE_SYSTEM_PROBES: dict[Capability, Callable[[Any], tuple[str, str]]] = {
 def _probe_conditional_create(store: Any) -> tuple[str, str]:
     key = _name()
     try:
-        store.put(key, b"first", mode=PutMode.CREATE)
         try:
-            store.put(key, b"second", mode=PutMode.CREATE)
-        except PreconditionFailedError:
-            pass
-        else:
-            return VIOLATED, "PutObject with If-None-Match: * overwrote an existing object"
-        if store.get(key)[0] != b"first":
-            return VIOLATED, "a refused conditional put changed the object"
-        return HELD, "PutObject If-None-Match: * refuses an existing key (412)"
+            store.put(key, b"first", mode=PutMode.CREATE)
+            try:
+                store.put(key, b"second", mode=PutMode.CREATE)
+                answered = "200"
+            except PreconditionFailedError:
+                answered = "412"
+        except StorageError as exc:
+            refused = _refusal(exc)
+            if refused is None:
+                raise
+            return VIOLATED, f"the server answered {refused} to PutObject If-None-Match: *"
+        kept = store.get(key)[0] == b"first"
     finally:
         store.delete(key)
+    if answered == "200" and kept:
+        return (
+            VIOLATED,
+            "the server answered 200 to a refused conditional put and kept the old object",
+        )
+    if answered == "200":
+        return (
+            VIOLATED,
+            "PutObject with If-None-Match: * answered 200 and replaced an existing object",
+        )
+    if not kept:
+        return VIOLATED, "the server answered 412 to a conditional put, yet replaced the object"
+    raced = _race_creates(store)
+    if raced is not None:
+        return VIOLATED, f"{raced}: the check is not atomic with the write"
+    return HELD, (f"PutObject If-None-Match: * refuses an existing key (412); {RACERS} racing "
+                  f"creates of one key: exactly one succeeded, {RACE_ROUNDS} rounds")  # fmt: skip
+
+
+def _race_creates(store: Any) -> str | None:
+    """Racing conditional creates of one key: exactly one may succeed, and it holds its bytes."""
+    for round_ in range(1, RACE_ROUNDS + 1):
+        key = _name()
+        try:
+            won = _race(RACERS, functools.partial(_create_one, store, key, round_),
+                        PreconditionFailedError)  # fmt: skip
+            holder = _holder(store, key)
+        finally:
+            store.delete(key)
+        wrong = _race_verdict("conditional creates", won, round_, holder)
+        if wrong is not None:
+            return wrong
+    return None
+
+
+def _racer(index: int, round_: int) -> bytes:
+    # Unique per round: a swap to the bytes already there keeps the ETag, and a second swap
+    # from it would rightly succeed.
+    return f"round {round_} racer {index}".encode()
+
+
+def _rename_one(fs: Any, sources: list[str], target: str, index: int) -> None:
+    fs.rename_noreplace(sources[index], target)
+
+
+def _create_one(store: Any, key: str, round_: int, index: int) -> None:
+    store.put(key, _racer(index, round_), mode=PutMode.CREATE)
+
+
+def _swap_one(store: Any, key: str, etag: str, round_: int, index: int) -> None:
+    store.put(key, _racer(index, round_), mode=PutMode.update(etag))
+
+
+def _holder(store: Any, key: str) -> int | None:
+    try:
+        text = store.get(key)[0].decode()
+    except ObjectNotFoundError:
+        return None
+    return int(text.split()[-1]) if " racer " in text else None
 
 
 def _probe_conditional_complete(store: Any) -> tuple[str, str]:
@@ -164,10 +327,13 @@ def _probe_conditional_complete(store: Any) -> tuple[str, str]:
         try:
             store.complete_multipart(key, upload, [part], mode=PutMode.CREATE)
         except PreconditionFailedError:
-            return HELD, "CompleteMultipartUpload If-None-Match: * refuses an existing key"
+            return HELD, "CompleteMultipartUpload If-None-Match: * refuses an existing key (412)"
+        kept = store.get(key)[0] == b"first"
+        what = "kept the old object" if kept else "replaced the object"
         return (
             VIOLATED,
-            "CompleteMultipartUpload ignored If-None-Match (ckptstore does not need it)",
+            f"the server answered 200 to CompleteMultipartUpload If-None-Match: * on an "
+            f"existing key and {what} (ckptstore does not need it)",
         )
     finally:
         try:
@@ -177,33 +343,84 @@ def _probe_conditional_complete(store: Any) -> tuple[str, str]:
         store.delete(key)
 
 
+REFUSALS = (400, 501)
+"""Answers of a server that does not take a conditional header at all (a 400 for the header,
+501 NotImplemented): the capability is missing, not the storage failing."""
+
+
+def _refusal(exc: StorageError) -> str | None:
+    """The status of a server's refusal of the conditional header itself (None: another
+    error, which is the storage's failure)."""
+    return str(exc.http_status) if exc.http_status in REFUSALS else None
+
+
+def _if_match(store: Any, key: str, body: bytes, etag: str) -> str:
+    """One PutObject If-Match: ``200``, ``412``, ``404``, ``400`` or ``501`` as answered."""
+    try:
+        store.put(key, body, mode=PutMode.update(etag))
+    except PreconditionFailedError:
+        return "412"
+    except ObjectNotFoundError:
+        return "404"
+    except StorageError as exc:
+        refused = _refusal(exc)
+        if refused is None:
+            raise
+        return refused
+    return "200"
+
+
 def _probe_compare_and_swap(store: Any) -> tuple[str, str]:
     key = _name()
-    first = store.put(key, b"1")
-    notes = []
     try:
-        second = store.put(key, b"2", mode=PutMode.update(first.etag))
-        try:
-            store.put(key, b"3", mode=PutMode.update(first.etag))
-        except PreconditionFailedError:
-            pass
-        else:
-            return VIOLATED, "PutObject If-Match with a stale ETag overwrote the object"
-        try:
-            store.put(key, b"4", mode=PutMode.update(second.etag.strip('"')))
-            notes.append("unquoted ETags accepted")
-        except PreconditionFailedError:
-            notes.append("unquoted ETags refused (ckptstore sends them as given)")
-        try:
-            store.put(_name(), b"x", mode=PutMode.update(first.etag))
-            return VIOLATED, "If-Match on a missing key created it"
-        except ObjectNotFoundError:
-            notes.append("If-Match on a missing key: 404")
-        except PreconditionFailedError:
-            notes.append("If-Match on a missing key: 412")
-        return HELD, "; ".join(["stale ETag refused", *notes])
+        return _measure_compare_and_swap(store, key)
     finally:
         store.delete(key)
+
+
+def _measure_compare_and_swap(store: Any, key: str) -> tuple[str, str]:
+    first = store.put(key, b"1")
+    bare = first.etag.strip('"')
+    quoted = _if_match(store, key, b"2", f'"{bare}"')
+    current = store.head(key).etag.strip('"')
+    unquoted = _if_match(store, key, b"3", current)
+    notes = [f"If-Match with the current ETag: quoted {quoted}, unquoted {unquoted}"]
+    if "200" not in (quoted, unquoted):
+        return VIOLATED, (f"the server refused If-Match with the object's current ETag in both "
+                          f"quotings (quoted: {quoted}, unquoted: {unquoted})")  # fmt: skip
+    form = (lambda etag: f'"{etag}"') if quoted == "200" else (lambda etag: etag)
+    stale = _if_match(store, key, b"4", form(bare))
+    if stale == "200":
+        kept = store.get(key)[0] != b"4"
+        what = "kept the object" if kept else "replaced the object"
+        return (
+            VIOLATED,
+            f"the server answered 200 to PutObject If-Match with a stale ETag and {what}",
+        )
+    notes.append(f"a stale ETag: {stale}")
+    missing = _if_match(store, _name(), b"x", form(bare))
+    if missing == "200":
+        return VIOLATED, "PutObject If-Match on a missing key created it (200)"
+    notes.append(f"If-Match on a missing key: {missing}")
+    raced = _race_swaps(store, key, form)
+    if raced is not None:
+        return VIOLATED, f"{raced}: the check is not atomic with the write"
+    notes.append(
+        f"{RACERS} racing swaps from one ETag: exactly one succeeded, {RACE_ROUNDS} rounds"
+    )
+    return HELD, "; ".join(notes)
+
+
+def _race_swaps(store: Any, key: str, form: Callable[[str], str]) -> str | None:
+    """Racing compare-and-swaps from one ETag: exactly one may succeed, holding its bytes."""
+    for round_ in range(1, RACE_ROUNDS + 1):
+        etag = form(store.head(key).etag.strip('"'))
+        won = _race(RACERS, functools.partial(_swap_one, store, key, etag, round_),
+                    PreconditionFailedError)  # fmt: skip
+        wrong = _race_verdict("compare-and-swaps", won, round_, _holder(store, key))
+        if wrong is not None:
+            return wrong
+    return None
 
 
 def _probe_versioning(store: Any) -> tuple[str, str]:
@@ -241,7 +458,10 @@ def _probe_multipart(store: Any) -> tuple[str, str]:
             return VIOLATED, "an incomplete multipart upload was visible"
         if store.get(key)[0] != b"part" or info.size != 4:
             return VIOLATED, "the completed object differs from its parts"
-        return HELD, "parts invisible until completion; completed object exact"
+        detail = "parts invisible until completion; completed object exact"
+        if not info.etag:
+            detail += "; CompleteMultipartUpload returns an empty ETag (the driver reads it back)"
+        return HELD, detail
     finally:
         store.delete(key)
 

@@ -1,9 +1,9 @@
 """Run every layer of the suite on a backend and gather one report.
 
 Layers: capability probes; exhaustive crash points; unknown outcomes of conditional writes
-(object stores); power loss (file systems); the property-based state machine. Each layer
-marks the invariants it checks as held unless it found a violation, or unless the storage
-failed one of its cases on every run (a storage error: undecided, see ``outcomes``).
+(object stores); power loss (file systems); parallel races; the property-based state machine.
+Each layer marks the invariants it checks as held unless it found a violation, or unless the
+storage failed one of its cases on every run (a storage error: undecided, see ``outcomes``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ckptstore.conformance.model import InvariantViolation
 from ckptstore.conformance.outcomes import StorageFailure, storage_failure
 from ckptstore.conformance.powerloss import run_power_loss
 from ckptstore.conformance.probes import run_probes
+from ckptstore.conformance.races import RACE_PROFILES, run_races
 from ckptstore.conformance.report import BackendReport
 from ckptstore.conformance.syscalls import report_syscall_layers
 from ckptstore.conformance.workload import (
@@ -133,6 +134,7 @@ def run_backend(
             _indeterminate(report, factory, say)
             report.coverage["power loss"] = "not applicable (object store)"
             report.coverage["syscall trace"] = "not applicable (object store)"
+        _races(report, factory, profile, say)
         _state_machine(report, factory, profile, multipart, per_case, say)
     report.duration_s = time.monotonic() - started
     return report
@@ -213,6 +215,18 @@ def _power_loss(report: BackendReport, strategy: Any, profile: str, say: Progres
     report.coverage["power loss"] = (
         f"{result.states} file-system states checked at {result.points} instants"
     )
+
+
+def _races(report: BackendReport, factory: LocationFactory, profile: str, say: Progress) -> None:
+    """Writers racing in threads and processes, released together (``races``)."""
+    say("parallel races")
+    result = run_races(factory, RACE_PROFILES[profile])
+    report.checked("I1", "I4", "I5")
+    for failure in result.failures:
+        report.violated(failure.invariant, f"{failure.case}: {failure.message}")
+    for error in result.storage_errors:
+        report.storage_error((error.invariant,), f"{error.case}: {error.message}")
+    report.coverage["parallel races"] = result.coverage()
 
 
 def _state_machine(

@@ -1,0 +1,579 @@
+"""True concurrency: writers racing for one step, and for the LATEST pointer, released together.
+
+The state machine's ``concurrent_writers`` rule runs two writers one after the other; a
+storage whose conditional check is not atomic with its write passes it. Here K writers run at
+the same time, in threads and, where the store can be reached from several processes
+(``file://``, ``s3://``; not ``memory://``, whose data lives in one process), in processes.
+Each writer's driver is wrapped in a ``RaceGate`` that holds it at its commit point until
+every racer has reached its own, then lets them all go at once:
+
+- **publish races**: K writers save the same step; they meet at the conditional publish (the
+  ``If-None-Match: *`` put of the manifest, or the no-replace rename). Exactly one may
+  publish, the others get ``CheckpointExistsError``, and the published checkpoint holds
+  exactly the winner's data (I5).
+- **pointer races**: K writers save K different steps; they meet at the LATEST update (the
+  compare-and-swap, or the rename over LATEST). Afterwards LATEST names a published step
+  (I1), never an older one than before the round (I4), ``latest()`` is the newest step (I4),
+  and where the hint is moved by compare-and-swap it names the newest step raced: one that
+  names another lost an update (I4).
+
+Whether a child process sees the store is found by trying: the parent saves a checkpoint
+first, and each child must see it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.commit.base import CommitStrategy
+from ckptstore.conformance.location import Location, open_for_measuring
+from ckptstore.conformance.outcomes import storage_failure
+from ckptstore.conformance.workload import pattern
+from ckptstore.driver import Capability, DriverFamily, PutMode, driver_family, storage_calls
+from ckptstore.errors import CheckpointExistsError, CkptStoreError
+from ckptstore.store import Store
+
+__all__ = ["RACE_PROFILES", "RaceGate", "RaceProfile", "RaceResult", "run_races"]
+
+PUBLISH, POINTER = "publish", "pointer"
+POINTER_NAME = "LATEST"
+"""The pointer's key (object stores) and file name (file systems)."""
+WAIT_S = 120.0
+"""How long a racer waits for the others at a barrier before the round is called broken."""
+SEED_STEP = 0
+"""A checkpoint the parent saves first: a child process that cannot see it cannot race."""
+
+
+@dataclass(frozen=True)
+class Crew:
+    """How many writers race, in at least ``min_rounds`` and at most ``max_rounds`` rounds (each
+    a publish race and a pointer race), more while the rounds so far took under ``budget_s``."""
+
+    writers: int
+    min_rounds: int
+    max_rounds: int
+    budget_s: float
+
+
+@dataclass(frozen=True)
+class RaceProfile:
+    """The thread crew and the process crew of a profile."""
+
+    threads: Crew
+    processes: Crew
+
+
+RACE_PROFILES = {
+    "ci": RaceProfile(threads=Crew(4, 1, 30, 2.5), processes=Crew(3, 1, 10, 1.5)),
+    "thorough": RaceProfile(threads=Crew(8, 20, 500, 60.0), processes=Crew(4, 5, 100, 30.0)),
+}
+
+
+@dataclass(frozen=True)
+class RaceFinding:
+    """A violation found by a race, attributed to the invariant it breaks."""
+
+    invariant: str
+    case: str
+    message: str
+
+
+@dataclass
+class RaceResult:
+    """What the races found, and how many were run."""
+
+    thread_rounds: int = 0
+    thread_writers: int = 0
+    process_rounds: int = 0
+    process_writers: int = 0
+    processes_skipped: str = ""
+    """Why no process races ran (empty: they ran)."""
+    failures: list[RaceFinding] = field(default_factory=list)
+    storage_errors: list[RaceFinding] = field(default_factory=list)
+
+    def coverage(self) -> str:
+        """The report's coverage line."""
+        line = f"{self.thread_rounds} rounds of {self.thread_writers} writers (threads)"
+        if self.processes_skipped:
+            line += f"; processes: {self.processes_skipped}"
+        else:
+            line += f" + {self.process_rounds} rounds of {self.process_writers} (processes)"
+        if self.storage_errors:
+            line += f"; {len(self.storage_errors)} race(s) undecided (storage error)"
+        return line
+
+
+# -- the gate ----------------------------------------------------------------------------
+
+
+Predicate = Callable[[DriverFamily, str, tuple[Any, ...], dict[str, Any]], bool]
+
+
+def at_publish(family: DriverFamily, name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> bool:
+    """The commit point: a conditional put or completion; a no-replace rename."""
+    if family is DriverFamily.FILE_SYSTEM:
+        return name == "rename_noreplace"
+    mode = kw.get("mode")
+    return name in ("put", "complete_multipart") and isinstance(mode, PutMode) and mode.conditional
+
+
+def at_pointer(family: DriverFamily, name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> bool:
+    """The pointer update: the write of LATEST (a rename over it; a put of it)."""
+    if family is DriverFamily.FILE_SYSTEM:
+        return name == "rename_replace" and len(args) > 1 and args[1] == POINTER_NAME
+    return name == "put" and bool(args) and args[0] == POINTER_NAME
+
+
+class RaceGate:
+    """A driver that forwards to ``inner``, and holds the first call an armed predicate selects
+    at ``barrier`` until every racer has reached its own such call (or given up on it)."""
+
+    def __init__(self, inner: Any, barrier: Any) -> None:
+        self._inner = inner
+        self._barrier = barrier
+        self._calls = storage_calls(inner)
+        self.family = driver_family(inner)
+        self._armed: Predicate | None = None
+        self._lock = threading.Lock()
+
+    def arm(self, predicate: Predicate) -> None:
+        """Hold the next call ``predicate`` selects at the barrier."""
+        self._armed = predicate
+
+    def release(self) -> None:
+        """Arrive at the barrier without racing, if the armed call never came (the writer failed
+        before it, or had nothing to write): the others must not wait for it."""
+        if self._take(None):
+            self._barrier.wait(WAIT_S)
+
+    def _take(self, call: tuple[str, tuple[Any, ...], dict[str, Any]] | None) -> bool:
+        with self._lock:
+            predicate = self._armed
+            if predicate is None or (call is not None and not predicate(self.family, *call)):
+                return False
+            self._armed = None
+            return True
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._inner, name)
+        if name not in self._calls:
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._take((name, args, kwargs)):
+                self._barrier.wait(WAIT_S)
+            return attribute(*args, **kwargs)
+
+        return call
+
+
+# -- what each writer does ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Round:
+    """One race: ``kind`` publish (every writer saves ``first``) or pointer (writer i saves
+    ``first + i``)."""
+
+    number: int
+    kind: str
+    first: int
+
+    def step(self, writer: int) -> int:
+        return self.first if self.kind == PUBLISH else self.first + writer
+
+    def steps(self, writers: int) -> list[int]:
+        return sorted({self.step(i) for i in range(writers)})
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one writer's save ended in: ``published``, ``exists`` or ``error``."""
+
+    writer: int
+    kind: str
+    detail: str = ""
+    storage: bool = False
+    """The error is the storage's failure (undecided), not the protocol's."""
+
+
+def writer_shards(step: int, writer: int) -> dict[str, bytes]:
+    """Writer-specific data (size and bytes): no two writers' checkpoints of one step are
+    alike. One shard: each storage call costs a round trip, and the race is at the publish."""
+    return {"rank00/part.bin": pattern(300 + 37 * writer, step * 100 + writer)}
+
+
+def _race_once(store: Store, gate: RaceGate, writer: int, race: Round) -> Outcome:
+    step = race.step(writer)
+    try:
+        pending = store.begin(step, {"writer": writer, "round": race.number})
+        for name, data in writer_shards(step, writer).items():
+            pending.write(name, data)
+        gate.arm(at_publish if race.kind == PUBLISH else at_pointer)
+        pending.publish()
+        return Outcome(writer, "published")
+    except CheckpointExistsError as exc:
+        return Outcome(writer, "exists", str(exc))
+    except Exception as exc:
+        if isinstance(exc, threading.BrokenBarrierError):
+            raise
+        failure = storage_failure(exc)
+        return Outcome(writer, "error", f"{type(exc).__name__}: {exc}", failure is not None)
+    finally:
+        gate.release()
+
+
+@dataclass
+class _Sync:
+    """The round's barriers: ``start`` and ``end`` include the parent, ``gate`` only racers."""
+
+    start: Any
+    gate: Any
+    end: Any
+    results: Any
+    stop: Any
+    """Set before a start: the racers leave instead of racing."""
+
+    def abort(self) -> None:
+        for barrier in (self.start, self.gate, self.end):
+            barrier.abort()
+
+
+def _writer(source: Any, writer: int, plan: list[Round], sync: _Sync) -> None:
+    """One racer: open the store (``source``: a strategy shared by threads, or the URL and
+    options a process opens), say whether it sees the seed, then race every round."""
+    try:
+        shared = isinstance(source, CommitStrategy)
+        strategy = source if shared else open_for_measuring(*source)
+        gate = RaceGate(strategy.driver, sync.gate)
+        store = Store(strategy.with_driver(gate))
+        seen = SEED_STEP in store.steps()
+    except Exception as exc:
+        failed = storage_failure(exc) is not None
+        sync.results.put(Outcome(writer, "error", f"{type(exc).__name__}: {exc}", failed))
+        return
+    sync.results.put(Outcome(writer, "ready" if seen else "unreachable"))
+    if not seen:
+        return
+    try:
+        for race in plan:
+            sync.start.wait(WAIT_S)
+            if sync.stop.is_set():
+                break
+            sync.results.put(_race_once(store, gate, writer, race))
+            sync.end.wait(WAIT_S)
+    except threading.BrokenBarrierError:
+        return
+    finally:
+        if not shared:
+            strategy.close()
+
+
+# -- the checks --------------------------------------------------------------------------
+
+
+class _Judge:
+    """Checks each round's outcome against the store, as a fresh reader sees it."""
+
+    def __init__(self, location: Location, writers: int, how: str, result: RaceResult) -> None:
+        self.location = location
+        self.writers = writers
+        self.how = how
+        self.result = result
+        self.hint: int | None = None
+        self.cas = (
+            driver_family(location.base.driver) is DriverFamily.OBJECT_STORE
+            and Capability.COMPARE_AND_SWAP in location.base.capabilities
+        )
+
+    def fail(self, invariant: str, race: Round, message: str) -> None:
+        case = f"{race.kind} race {race.number} ({self.writers} {self.how})"
+        self.result.failures.append(RaceFinding(invariant, case, message))
+
+    def judge(self, race: Round, outcomes: list[Outcome]) -> None:
+        undecided = [o for o in outcomes if o.kind == "error" and o.storage]
+        for outcome in undecided:
+            case = f"{race.kind} race {race.number} ({self.writers} {self.how})"
+            self.result.storage_errors.append(
+                RaceFinding("I5", case, f"writer {outcome.writer}: {outcome.detail}")
+            )
+        try:
+            if race.kind == PUBLISH:
+                self._publish(race, outcomes, bool(undecided))
+            else:
+                self._pointer(race, outcomes)
+        except CkptStoreError as exc:
+            if storage_failure(exc) is None:
+                raise
+            case = f"{race.kind} race {race.number} ({self.writers} {self.how})"
+            self.result.storage_errors.append(RaceFinding("I5", case, f"checking: {exc!r}"))
+
+    def _publish(self, race: Round, outcomes: list[Outcome], undecided: bool) -> None:
+        step = race.first
+        winners = sorted(o.writer for o in outcomes if o.kind == "published")
+        for outcome in outcomes:
+            if outcome.kind == "error" and not outcome.storage:
+                self.fail("I5", race, f"writer {outcome.writer} racing for step {step} failed "
+                          f"with {outcome.detail} instead of CheckpointExistsError")  # fmt: skip
+        if len(winners) > 1:
+            self.fail("I5", race, f"{len(winners)} of {self.writers} writers racing for step "
+                      f"{step} were told they published it (writers "
+                      f"{', '.join(map(str, winners))}): the conditional publish let more than "
+                      f"one through")  # fmt: skip
+        if not winners:
+            if not undecided:
+                self.fail("I5", race, f"none of {self.writers} writers racing for step {step} "
+                          f"published it, yet none failed for the storage's sake")  # fmt: skip
+            return
+        self._holds_winner(race, step, winners)
+
+    def _holds_winner(self, race: Round, step: int, winners: list[int]) -> None:
+        store = Store(self.location.base)
+        try:
+            checkpoint = store.get(step)
+            holder = checkpoint.metadata.get("writer")
+            expected = writer_shards(step, holder) if isinstance(holder, int) else {}
+            data = {name: checkpoint.read(name) for name in checkpoint.names}
+        except CkptStoreError as exc:
+            if storage_failure(exc) is not None:
+                raise
+            self.fail("I5", race, f"step {step}, won by writer {winners[0]}, cannot be read "
+                      f"after the race: {exc}")  # fmt: skip
+            return
+        if holder not in winners:
+            told = ", ".join(map(str, winners))
+            self.fail("I5", race, f"step {step} holds writer {holder}'s checkpoint, but only "
+                      f"writer(s) {told} were told they published it")  # fmt: skip
+        elif data != expected:
+            self.fail("I5", race, f"step {step} holds writer {holder}'s manifest with other "
+                      f"shards than it wrote ({sorted(data)} vs {sorted(expected)}, or other "
+                      f"bytes): a losing writer's data got in")  # fmt: skip
+
+    def _pointer(self, race: Round, outcomes: list[Outcome]) -> None:
+        steps = race.steps(self.writers)
+        for outcome in outcomes:
+            if outcome.kind != "published" and not outcome.storage:
+                self.fail("I5", race, f"writer {outcome.writer} could not publish step "
+                          f"{race.step(outcome.writer)} while others published other steps: "
+                          f"{outcome.detail or outcome.kind}")  # fmt: skip
+        base = self.location.base
+        hint = base.read_latest_hint()
+        published = set(base.published_steps())
+        before, self.hint = self.hint, hint
+        if hint is not None and hint not in published:
+            self.fail("I1", race, f"after writers of steps {steps[0]}..{steps[-1]} raced to "
+                      f"move it, LATEST names step {hint}, which is not published")  # fmt: skip
+        if before is not None and (hint is None or hint < before):
+            self.fail("I4", race, f"LATEST went back from step {before} to {hint} when writers "
+                      f"of steps {steps[0]}..{steps[-1]} raced to move it")  # fmt: skip
+        # A hint left where it was is a storage that refuses the swap (readers list past it);
+        # one moved to a raced step other than the newest lost the newest writer's update.
+        moved = hint in steps
+        if (
+            self.cas
+            and moved
+            and hint != steps[-1]
+            and all(o.kind == "published" for o in outcomes)
+        ):
+            self.fail("I4", race, f"writers of steps {steps[0]}..{steps[-1]} raced to move "
+                      f"LATEST by compare-and-swap; it names step {hint}: an update was lost "
+                      f"(two writers' If-Match let through), so LATEST went back from "
+                      f"{steps[-1]} to {hint}")  # fmt: skip
+        latest = Store(base).latest()
+        newest = max(published)
+        if latest is None or latest.step != newest:
+            found = None if latest is None else latest.step
+            self.fail("I4", race, f"latest() returned step {found} after the pointer race, "
+                      f"not the newest published step {newest}")  # fmt: skip
+
+
+# -- running -----------------------------------------------------------------------------
+
+
+def _plan(rounds: int, writers: int) -> list[Round]:
+    plan = []
+    first = SEED_STEP + 1
+    for number in range(rounds):
+        plan.append(Round(number, PUBLISH, first))
+        plan.append(Round(number, POINTER, first + 1))
+        first += writers + 1
+    return plan
+
+
+PRELOAD = ["ckptstore.conformance.races", "ckptstore.backends.posix", "ckptstore.backends.s3"]
+"""What the fork server imports once, so that each racer process starts in milliseconds."""
+
+
+def _process_context() -> Any:
+    """Fresh processes that share nothing with this one but what is on storage: forked from a
+    fork server (not from this process, whose threads a fork would copy mid-flight)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def _crew(location: Location, crew: Crew, how: str, result: RaceResult) -> int | str:
+    """Race ``crew`` in threads or processes; return how many rounds ran, or why the crew
+    could not race."""
+    plan = _plan(crew.max_rounds, crew.writers)
+    writers = crew.writers
+    Store(location.base).save(SEED_STEP, {"seed.bin": b"seed"})
+    context = _process_context() if how == "processes" else None
+    if context is None:
+        sync = _Sync(threading.Barrier(writers + 1), threading.Barrier(writers),
+                     threading.Barrier(writers + 1), queue.Queue(), threading.Event())  # fmt: skip
+    else:
+        sync = _Sync(context.Barrier(writers + 1), context.Barrier(writers),
+                     context.Barrier(writers + 1), context.Queue(), context.Event())  # fmt: skip
+    runners: list[Any] = []
+    for writer in range(writers):
+        source = location.base if context is None else (location.url, location.options)
+        args = (source, writer, plan, sync)
+        if context is None:
+            runners.append(threading.Thread(target=_writer, args=args, daemon=True))
+        else:
+            runners.append(context.Process(target=_writer, args=args, daemon=True))
+    for runner in runners:
+        runner.start()
+    try:
+        return _lead(location, crew, plan, how, _Collector(sync, runners), result)
+    except _RacerDied as died:
+        sync.abort()
+        return str(died)
+    finally:
+        for runner in runners:
+            runner.join(WAIT_S)
+            if context is not None and runner.is_alive():
+                runner.kill()
+
+
+class _RacerDied(Exception):
+    """A racer process ended without a word (it could not even start)."""
+
+
+class _Collector:
+    """The racers' outcomes, as they come; ``_RacerDied`` where a racer is gone instead."""
+
+    def __init__(self, sync: _Sync, runners: list[Any]) -> None:
+        self.sync = sync
+        self.runners = runners
+
+    def get(self) -> Outcome:
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                outcome: Outcome = self.sync.results.get(timeout=0.2)
+                return outcome
+            except queue.Empty:
+                dead = [r for r in self.runners if getattr(r, "exitcode", None) not in (None, 0)]
+                if dead:
+                    raise _RacerDied(f"a racer process exited with status {dead[0].exitcode} "
+                                     f"before it could race") from None  # fmt: skip
+                if time.monotonic() > deadline:
+                    raise _RacerDied(f"no word from a racer for {WAIT_S:.0f} s") from None
+
+
+def _lead(
+    location: Location,
+    crew: Crew,
+    plan: list[Round],
+    how: str,
+    collector: _Collector,
+    result: RaceResult,
+) -> int | str:
+    sync = collector.sync
+    ready = [collector.get() for _ in range(crew.writers)]
+    unready = [o for o in ready if o.kind != "ready"]
+    if unready:
+        sync.abort()
+        if any(o.kind == "unreachable" for o in unready):
+            return (f"not applicable: a process that opens {location.url} does not see a "
+                    f"checkpoint saved by another (its data lives in one process)")  # fmt: skip
+        if unready[0].storage:
+            result.storage_errors.append(
+                RaceFinding("I5", how, f"a racer could not open the store: {unready[0].detail}")
+            )
+            return 0
+        return f"a racer could not open the store: {unready[0].detail}"
+    judge = _Judge(location, crew.writers, how, result)
+    started = time.monotonic()
+    rounds = 0
+    try:
+        for race in plan:
+            if race.kind == PUBLISH:
+                spent = time.monotonic() - started
+                if rounds >= crew.min_rounds and spent > crew.budget_s:
+                    sync.stop.set()
+                    sync.start.wait(WAIT_S)
+                    break
+                rounds += 1
+            sync.start.wait(WAIT_S)
+            sync.end.wait(WAIT_S)
+            outcomes = sorted((collector.get() for _ in range(crew.writers)),
+                              key=lambda o: o.writer)  # fmt: skip
+            judge.judge(race, outcomes)
+    except BaseException:
+        sync.abort()  # no racer is left waiting for a round that will not come
+        raise
+    return rounds
+
+
+def run_races(
+    new_location: Callable[[], Location], profile: RaceProfile, *, processes: bool = True
+) -> RaceResult:
+    """Race writers in threads, then in processes where the store is shared between them.
+
+    A failure of the storage itself (after the driver's retries) stops that crew and is
+    recorded as a storage error: undecided, never a violation.
+    """
+    result = RaceResult(thread_writers=profile.threads.writers)
+    ran = _undecided_on_storage_failure(
+        result, "threads", lambda: _raced(new_location, profile.threads, "threads", result)
+    )
+    if isinstance(ran, str):  # threads share the process: only a dead racer stops them
+        result.failures.append(RaceFinding("I5", "threads", ran))
+    elif ran is not None:
+        result.thread_rounds = ran
+    if not processes:
+        result.processes_skipped = "not run"
+        return result
+    ran = _undecided_on_storage_failure(
+        result, "processes", lambda: _raced(new_location, profile.processes, "processes", result)
+    )
+    if isinstance(ran, str):
+        result.processes_skipped = ran
+    elif ran is not None:
+        result.process_rounds, result.process_writers = ran, profile.processes.writers
+    return result
+
+
+def _raced(
+    new_location: Callable[[], Location], crew: Crew, how: str, result: RaceResult
+) -> int | str:
+    location = new_location()
+    try:
+        driver = location.base.driver
+        if how == "processes" and getattr(driver, "process_local", False):
+            return f"not applicable: {type(driver).__name__} keeps its data in one process"
+        return _crew(location, crew, how, result)
+    finally:
+        location.destroy()
+
+
+def _undecided_on_storage_failure(
+    result: RaceResult, how: str, run: Callable[[], int | str]
+) -> int | str | None:
+    try:
+        return run()
+    except CkptStoreError as exc:
+        failure = storage_failure(exc)
+        if failure is None:
+            raise
+        result.storage_errors.append(RaceFinding("I5", how, f"the storage failed: {failure!r}"))
+        return None
