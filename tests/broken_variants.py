@@ -17,6 +17,7 @@ from typing import Any
 from ckptstore.backends.memory import MemoryDriver, _Version
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.checkpoint import Checkpoint, VerifyReport
+from ckptstore.commit.base import GcItem, GcReport
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import (
     DATA_DIR,
@@ -35,7 +36,7 @@ from ckptstore.errors import (
 )
 from ckptstore.hint import encode_hint
 from ckptstore.manifest import Manifest
-from ckptstore.names import step_token
+from ckptstore.names import parse_step_token, step_token
 from ckptstore.retention import CheckpointAge
 from ckptstore.store import Store
 
@@ -142,6 +143,23 @@ class CopyingRenameCommit(RenameCommit):
                 yield from self._tree(root, child_path)
             else:
                 yield child_path
+
+
+class OrbaxTmpDirCommit(RenameCommit):
+    """orbax's ``AtomicRenameTemporaryPath``: every save of a step stages in the same
+    directory, ``<step>.orbax-checkpoint-tmp``, and removes one it finds there ("not
+    finalized"), whoever is writing it. No one else knows the name: the protocol's GC leaves a
+    crashed save's directory forever, and a second writer wipes a live one's."""
+
+    TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+    @staticmethod
+    def staging_dir(step: int, attempt: str) -> str:
+        return f"{step_token(step)}{OrbaxTmpDirCommit.TMP_SUFFIX}"
+
+    def begin(self, step: int, attempt: str) -> None:
+        self.remove_tree(self.staging_dir(step, attempt))
+        super().begin(step, attempt)
 
 
 class InPlaceTrackerCommit(RenameCommit):
@@ -472,6 +490,24 @@ class InitiationAgedGcCommit(ConditionalPutCommit):
 
     def _upload_progress(self, upload: UploadInfo) -> UploadProgress:
         return UploadProgress(upload.initiated, 0, 0)
+
+
+class UnfinishedRemovingGcCommit(RenameCommit):
+    """Cleanup of "unfinished" checkpoints by the look of them (NeMo removes checkpoints it
+    marked unfinished on resume; scripts remove step directories without metadata): every
+    step-named directory without a manifest goes, an operator's partial copy included."""
+
+    def _collect(self, name: str, now: float, report: GcReport) -> None:
+        step = parse_step_token(name)
+        if step is not None:
+            try:
+                self.driver.stat(f"{name}/{MANIFEST_NAME}")
+            except ObjectNotFoundError:
+                report.removed.append(GcItem(kind="unfinished", name=name, age_s=0.0))
+                if not report.dry_run:
+                    self.remove_tree(name)
+                return
+        super()._collect(name, now, report)
 
 
 class StepPrefixAbortCommit(ConditionalPutCommit):

@@ -243,6 +243,17 @@ def test_copying_directory_rename_is_caught_as_i1(tmp_path: Any, scheme: Any) ->
     ), text
 
 
+def test_orbax_shared_tmp_dir_is_caught_as_i7(tmp_path: Any, scheme: Any) -> None:
+    scheme("orbax-tmp", posix(bv.OrbaxTmpDirCommit))
+    staged = r"create\(step-0+1\.orbax-checkpoint-tmp/data/model/rank00000"
+    text, _ = crash_at(f"orbax-tmp://{tmp_path}", staged)
+    assert re.search(
+        r"crash before call \d+: .*GC left dead attempts' data: "
+        r"\['step-0+1\.orbax-checkpoint-tmp'",
+        evidence(text, "I7"),
+    ), text
+
+
 def test_megatron_reader_trusting_its_tracker_is_caught_as_i4(
     tmp_path: Any, scheme: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -468,10 +479,28 @@ def test_a_conditional_create_checked_apart_from_the_write_is_caught_as_i5(
     assert "I5" in race_findings(url)
 
 
+@needs("c13-races", "true concurrency races")
+def test_orbax_shared_tmp_dir_wiped_by_a_second_writer_is_caught(
+    tmp_path: Any, scheme: Any
+) -> None:
+    scheme("orbax-tmp", posix(bv.OrbaxTmpDirCommit))
+    assert {"I5", "I7"} & race_findings(f"orbax-tmp://{tmp_path}")
+
+
+@needs("c13-strays", "stray entries planted by the state machine")
+def test_gc_removing_unfinished_looking_checkpoints_is_caught_as_i7(
+    tmp_path: Any, scheme: Any
+) -> None:
+    scheme("unfinished-gc", posix(bv.UnfinishedRemovingGcCommit))
+    text, steps = machine(f"unfinished-gc://{tmp_path}", 20)
+    assert verdicts(text)["I7"] == "VIOLATED"
+    assert "state.gc(" in steps
+
+
 @needs("c13-capabilities", "GC during a live multipart upload")
 def test_gc_aging_uploads_by_initiation_is_caught_as_i7(bucket: str, scheme: Any) -> None:
     scheme("initiation-gc", memory(MemoryDriver, bv.InitiationAgedGcCommit))
-    text, steps = machine(f"initiation-gc://{bucket}/run", 40, multipart=2 * PART + 1)
+    text, steps = machine(f"initiation-gc://{bucket}/run", 20, multipart=2 * PART + 1)
     assert verdicts(text)["I7"] == "VIOLATED"
     assert "multipart" in steps
 
