@@ -226,15 +226,15 @@ def retention_counting_unfinished(self: Store, policy: Any = None) -> list[int]:
     return doomed
 
 
-def steps_by_name(self: Store) -> list[int]:
+def _steps_by_name(self: Store) -> list[int]:
     """Resume by file name: NeMo's ``exp_manager`` takes the first ``*last.ckpt`` that
     ``rglob`` finds, and name-sorted listings put ``step=9`` after ``step=12``."""
     return sorted(self._checkpoint_steps(self.strategy.published_steps()), key=str)
 
 
 def latest_by_name(self: Store, *, verified: bool = False) -> Checkpoint | None:
-    """The "newest" checkpoint by name order (see ``steps_by_name``)."""
-    steps = steps_by_name(self)
+    """The "newest" checkpoint by name order (see ``_steps_by_name``)."""
+    steps = _steps_by_name(self)
     return self.get(steps[-1]) if steps else None
 
 
