@@ -39,6 +39,8 @@ from ckptstore.conformance.powerloss import run_power_loss
 from ckptstore.conformance.probes import run_probes
 from ckptstore.conformance.report import BackendReport, render_text
 from ckptstore.conformance.runner import CRASH_POINT_INVARIANTS, MACHINE_INVARIANTS
+from ckptstore.conformance.syscalls import TRACE_INVARIANTS, run_syscall_trace
+from ckptstore.conformance.syscalltrace import TracerUnavailable
 from ckptstore.conformance.workload import (
     _crash_case,
     big_shard_size,
@@ -201,6 +203,18 @@ def probes(url: str) -> str:
     return render_text([report])
 
 
+def syscall_trace(url: str) -> str:
+    """The report of the syscall-trace layer (the real driver under strace) on ``url``."""
+    location = LocationFactory(url)()
+    try:
+        result = run_syscall_trace(location)
+    except TracerUnavailable as exc:
+        pytest.skip(f"the real driver cannot be traced here: {exc}")
+    finally:
+        location.destroy()
+    return report_of(url, result.failures, TRACE_INVARIANTS)
+
+
 def missing(text: str, capability: str) -> str:
     """The detail the report gives for a declared capability the probe did not find."""
     match = re.search(
@@ -322,6 +336,36 @@ def test_short_writes_are_caught_as_i1(tmp_path: Any, scheme: Any) -> None:
     assert verdicts(text)["I1"] == "VIOLATED"
     assert re.search(r"has 4000 bytes, manifest says 4096", evidence(text, "I1"))
     assert "state.save(" in steps
+
+
+def test_lying_fsync_is_caught_by_the_syscall_trace_as_i2(tmp_path: Any, scheme: Any) -> None:
+    scheme("lying-fsync", posix(RenameCommit, bv.NoopFsyncPosixDriver))
+    url = f"lying-fsync://{tmp_path}"
+    # the other layers cannot see it: a crash keeps the page cache, power loss is simulated
+    assert run_crash_points(LocationFactory(url), limit=0).failures == []
+    assert run_power_loss(RenameCommit(bv.NoopFsyncPosixDriver(str(tmp_path)))).failures == []
+    text = syscall_trace(url)
+    assert re.search(
+        r"syscall trace: driver call #\d+ fsync\(\d+\): fsync of step-0+1\.pending-\w+/\S+: "
+        r"no fsync or fdatasync system call reached the kernel",
+        evidence(text, "I2"),
+    ), text
+
+
+def test_fsync_of_the_wrong_descriptor_is_caught_by_the_syscall_trace_as_i2_and_i1(
+    tmp_path: Any, scheme: Any
+) -> None:
+    scheme("wrong-fd", posix(RenameCommit, bv.WrongDescriptorFsyncPosixDriver))
+    text = syscall_trace(f"wrong-fd://{tmp_path}")
+    assert re.search(
+        r"driver call #\d+ fsync\(\d+\): fsync of step-0+1\.pending-\w+/\S+: the kernel was "
+        r"asked to sync fsync\(\(the store's root\) \(a directory\)\) instead",
+        evidence(text, "I2"),
+    ), text
+    assert re.search(
+        r"syscall trace: power loss before system call #\d+ .*: published step 1 is incomplete",
+        evidence(text, "I1"),
+    ), text
 
 
 def test_retention_counting_unfinished_attempts_is_caught_as_i3(
@@ -453,35 +497,11 @@ def needs(branch: str, feature: str) -> pytest.MarkDecorator:
     return pytest.mark.xfail(reason=f"needs {feature} from branch {branch}", strict=True)
 
 
-def syscall_trace_findings(url: str) -> set[str]:
-    """The invariants the syscall-trace layer finds broken on ``url`` (c13-syscalls)."""
-    trace = importlib.import_module("ckptstore.conformance.syscalls")
-    result = trace.run_syscall_trace(LocationFactory(url))
-    return {failure.invariant for failure in result.failures}
-
-
 def race_findings(url: str) -> set[str]:
     """The invariants the race layer finds broken on ``url``, threads only (c13-races)."""
     races = importlib.import_module("ckptstore.conformance.races")
     result = races.run_races(LocationFactory(url), races.RACE_PROFILES["ci"], processes=False)
     return {failure.invariant for failure in result.failures}
-
-
-@needs("c13-syscalls", "syscall tracing of the real driver")
-def test_lying_fsync_is_caught_by_the_syscall_trace_as_i2(tmp_path: Any, scheme: Any) -> None:
-    scheme("lying-fsync", posix(RenameCommit, bv.NoopFsyncPosixDriver))
-    url = f"lying-fsync://{tmp_path}"
-    # what today's layers see: nothing (a crash keeps the page cache; power loss is simulated)
-    assert run_crash_points(LocationFactory(url), limit=0).failures == []
-    assert "I2" in syscall_trace_findings(url)
-
-
-@needs("c13-syscalls", "syscall tracing of the real driver")
-def test_fsync_of_the_wrong_descriptor_is_caught_by_the_syscall_trace(
-    tmp_path: Any, scheme: Any
-) -> None:
-    scheme("wrong-fd", posix(RenameCommit, bv.WrongDescriptorFsyncPosixDriver))
-    assert {"I1", "I2"} & syscall_trace_findings(f"wrong-fd://{tmp_path}")
 
 
 @needs("c13-races", "true concurrency races")
