@@ -530,10 +530,15 @@ def test_gc_removing_unfinished_looking_checkpoints_is_caught_as_i7(
     scheme("unfinished-gc", posix(bv.UnfinishedRemovingGcCommit))
     text, steps = machine(f"unfinished-gc://{tmp_path}", 20)
     assert verdicts(text)["I7"] == "VIOLATED"
-    assert "state.gc(" in steps
+    assert "state.gc" in steps
 
 
-@needs("c13-capabilities", "GC during a live multipart upload")
+@pytest.mark.xfail(
+    reason="no layer runs an upload longer than the grace period while its parts keep arriving "
+    "(c13-capabilities GCs a live upload right after its first part, when its start and its "
+    "last part are equally young; the memory bucket's clock is the wall clock)",
+    strict=True,
+)
 def test_gc_aging_uploads_by_initiation_is_caught_as_i7(bucket: str, scheme: Any) -> None:
     scheme("initiation-gc", memory(MemoryDriver, bv.InitiationAgedGcCommit))
     text, steps = machine(f"initiation-gc://{bucket}/run", 20, multipart=2 * PART + 1)
