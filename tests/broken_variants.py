@@ -1,0 +1,520 @@
+"""Deliberately broken drivers, commit strategies and readers, each a model of how a real
+checkpointing system or storage server failed; the conformance suite must catch every one.
+
+Each variant subclasses a real driver or strategy and changes only the broken part, so that
+what the suite sees is the real protocol with one real-world mistake in it. Their tests are in
+``test_conformance_variants.py``; ``CATALOGUE`` lists them for docs/conformance.md's table.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from ckptstore.backends.memory import MemoryDriver, _Version
+from ckptstore.backends.posix import PosixDriver
+from ckptstore.checkpoint import Checkpoint, VerifyReport
+from ckptstore.commit.base import GcItem, GcReport
+from ckptstore.commit.conditional_put import ConditionalPutCommit
+from ckptstore.commit.rename import (
+    DATA_DIR,
+    LATEST_NAME,
+    MANIFEST_NAME,
+    RenameCommit,
+    _directories_of,
+)
+from ckptstore.driver import Buffer, ObjectInfo, PartInfo, PutMode, UploadInfo, UploadProgress
+from ckptstore.errors import (
+    CheckpointExistsError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    TargetExistsError,
+    TransientStorageError,
+)
+from ckptstore.hint import encode_hint
+from ckptstore.manifest import Manifest
+from ckptstore.names import parse_step_token, step_token
+from ckptstore.retention import CheckpointAge
+from ckptstore.store import Store
+
+# -- file systems: torch DCP, gcsfuse, Megatron, Lightning ---------------------------------
+
+
+class DcpInPlaceCommit(RenameCommit):
+    """torch DCP's ``FileSystemWriter``: shard files are opened ``"wb"`` straight in the
+    checkpoint directory; ``finish`` writes ``.metadata.tmp``, removes an existing
+    ``.metadata`` ("in case other checkpoints were present") and renames over it. Two saves of
+    one checkpoint id both "succeed", the second overwriting the first's files."""
+
+    @staticmethod
+    def staging_dir(step: int, attempt: str) -> str:
+        return step_token(step)
+
+    def begin(self, step: int, attempt: str) -> None:
+        for path in (step_token(step), f"{step_token(step)}/{DATA_DIR}"):
+            try:
+                self.driver.mkdir(path)
+            except TargetExistsError:
+                pass  # os.makedirs(exist_ok=True)
+
+    def create_shard_file(self, path: str, size_hint: int | None) -> int:
+        try:
+            self.driver.unlink(path)  # open(path, "wb") truncates another save's file
+        except ObjectNotFoundError:
+            pass
+        return self.driver.create(path)
+
+    def is_published(self, step: int) -> bool:
+        try:
+            self.driver.stat(f"{step_token(step)}/{MANIFEST_NAME}")
+        except ObjectNotFoundError:
+            return False
+        return True
+
+    def publish(self, manifest: Manifest) -> None:
+        final = step_token(manifest.step)
+        self._seal_files(manifest.step, manifest.attempt)
+        tmp = f"{final}/{MANIFEST_NAME}.tmp"
+        handle = self.create_shard_file(tmp, None)
+        self.driver.write(handle, memoryview(manifest.encode()))
+        self.driver.fsync(handle)
+        self.driver.close(handle)
+        try:
+            self.driver.unlink(f"{final}/{MANIFEST_NAME}")
+        except ObjectNotFoundError:
+            pass
+        self.driver.rename_replace(tmp, f"{final}/{MANIFEST_NAME}")
+
+
+class UnsyncedManifestCommit(RenameCommit):
+    """torch DCP with ``sync_files=False`` (and ``torch.save`` of a Megatron or Lightning
+    checkpoint): the metadata file is written and renamed into place, never fsynced. The
+    directory entries are durable; the bytes they name may not be."""
+
+    def _write_manifest(self, staging: str, manifest: Manifest) -> None:
+        handle = self.driver.create(f"{staging}/{MANIFEST_NAME}")
+        try:
+            self.driver.write(handle, memoryview(manifest.encode()))
+        finally:
+            self.driver.close(handle)
+        for directory in _directories_of(manifest):
+            self.driver.fsync_dir(f"{staging}/{DATA_DIR}/{directory}")
+        self.driver.fsync_dir(f"{staging}/{DATA_DIR}")
+        self.driver.fsync_dir(staging)
+
+
+class CopyingRenameCommit(RenameCommit):
+    """gcsfuse and s3fs-fuse: renaming a directory copies it object by object, then deletes the
+    source. Not atomic: a parallel copy finishes the small files (the manifest among them)
+    before the large shards, so a crash leaves a checkpoint that looks published but is not
+    all there (orbax's ``AtomicRenameTemporaryPath`` on such a mount)."""
+
+    def publish(self, manifest: Manifest) -> None:
+        step, attempt = manifest.step, manifest.attempt
+        staging, final = self.staging_dir(step, attempt), step_token(step)
+        self._seal_files(step, attempt)
+        self._write_manifest(staging, manifest)
+        if self.is_published(step):
+            raise CheckpointExistsError(f"{self.url}: step {step} is already published")
+        files: list[tuple[int, str]] = []
+        for path in self._tree(staging):
+            stat = self.driver.stat(f"{staging}/{path}")
+            if stat.is_dir:
+                self.driver.mkdir(f"{final}/{path}") if path else self.driver.mkdir(final)
+            else:
+                files.append((stat.size, path))
+        for _size, path in sorted(files):  # what a parallel copy finishes first
+            with self.driver.open_read(f"{staging}/{path}") as stream:
+                data = stream.read()
+            handle = self.driver.create(f"{final}/{path}")
+            self.driver.write(handle, data)
+            self.driver.close(handle)
+        self.remove_tree(staging)
+
+    def _tree(self, root: str, path: str = "") -> Iterator[str]:
+        yield path
+        where = f"{root}/{path}" if path else root
+        for child in self.driver.listdir(where):
+            child_path = f"{path}/{child}" if path else child
+            if self.driver.stat(f"{root}/{child_path}").is_dir:
+                yield from self._tree(root, child_path)
+            else:
+                yield child_path
+
+
+class OrbaxTmpDirCommit(RenameCommit):
+    """orbax's ``AtomicRenameTemporaryPath``: every save of a step stages in the same
+    directory, ``<step>.orbax-checkpoint-tmp``, and removes one it finds there ("not
+    finalized"), whoever is writing it. No one else knows the name: the protocol's GC leaves a
+    crashed save's directory forever, and a second writer wipes a live one's."""
+
+    TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+    @staticmethod
+    def staging_dir(step: int, attempt: str) -> str:
+        return f"{step_token(step)}{OrbaxTmpDirCommit.TMP_SUFFIX}"
+
+    def begin(self, step: int, attempt: str) -> None:
+        self.remove_tree(self.staging_dir(step, attempt))
+        super().begin(step, attempt)
+
+
+class InPlaceTrackerCommit(RenameCommit):
+    """Megatron's ``latest_checkpointed_iteration.txt``: opened ``"w"`` and written in place,
+    neither through a temporary file nor fsynced; a crash in between leaves it empty."""
+
+    def _write_latest(self, step: int) -> None:
+        try:
+            self.driver.unlink(LATEST_NAME)  # open(tracker, "w") truncates it first
+        except ObjectNotFoundError:
+            pass
+        handle = self.driver.create(LATEST_NAME)
+        self.driver.write(handle, memoryview(encode_hint(step)))
+        self.driver.close(handle)
+
+
+def latest_from_tracker(self: Store, *, verified: bool = False) -> Checkpoint | None:
+    """Megatron's ``load_checkpoint``: read the tracker file and load the iteration it names;
+    without a readable tracker, "will not load any checkpoints and will start from random"."""
+    hint = self.strategy.read_latest_hint()
+    return None if hint is None else self.get(hint)
+
+
+class RmtreeUnpublishCommit(RenameCommit):
+    """Retention by ``shutil.rmtree(checkpoint_dir)`` (Megatron's and Lightning's removal of old
+    checkpoints, ``rm -rf`` in an operator's cron job): the data goes before the metadata that
+    makes the directory a checkpoint, so a crash leaves a "checkpoint" with shards missing."""
+
+    def unpublish(self, step: int) -> None:
+        self.remove_tree(step_token(step))
+        self.driver.fsync_dir("")
+
+
+class ShortWritePosixDriver(PosixDriver):
+    """A driver that calls ``write(2)`` once and ignores a short count: on FUSE (``max_write``),
+    NFS, a pipe or after a signal, ``os.write`` writes fewer bytes than asked (Python documents
+    it), and the rest of the shard is silently dropped."""
+
+    MAX_WRITE = 4000
+
+    def write(self, handle: int, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        with self._translate_handle("write", handle):
+            os.write(handle, view[: self.MAX_WRITE])
+
+
+def retention_counting_unfinished(self: Store, policy: Any = None) -> list[int]:
+    """NeMo's ``nemo_topk_check_previous_run`` on resume: ``rglob("*.ckpt")`` counts every
+    checkpoint file, finished or not, and removes the excess; here KeepLast counts staging
+    attempts as checkpoints, and an unfinished newest one pushes a finished one out."""
+    policy = policy or self.retention
+    if policy is None:
+        return []
+    everything = set(self.steps())
+    for name in self.strategy.raw_names():  # type: ignore[attr-defined]
+        head = name.split("/", 1)[0].split(".", 1)[0]
+        if head.startswith("step-") and head[5:].isdigit():
+            everything.add(int(head[5:]))
+    now = datetime.fromtimestamp(self.clock(), timezone.utc)
+    keep = policy.keep([CheckpointAge(step, None) for step in sorted(everything)], now)
+    doomed = [step for step in self.steps() if step not in keep]
+    for step in doomed:
+        self.strategy.unpublish(step)
+    return doomed
+
+
+def _steps_by_name(self: Store) -> list[int]:
+    """Resume by file name: NeMo's ``exp_manager`` takes the first ``*last.ckpt`` that
+    ``rglob`` finds, and name-sorted listings put ``step=9`` after ``step=12``."""
+    return sorted(self._checkpoint_steps(self.strategy.published_steps()), key=str)
+
+
+def latest_by_name(self: Store, *, verified: bool = False) -> Checkpoint | None:
+    """The "newest" checkpoint by name order (see ``_steps_by_name``)."""
+    steps = _steps_by_name(self)
+    return self.get(steps[-1]) if steps else None
+
+
+def verify_sizes_only(self: Checkpoint, progress: Any = None) -> VerifyReport:
+    """A verify that checks each shard is there with its recorded size, as ``rclone check
+    --size-only`` or an ``ls -l`` audit does: a flipped bit passes."""
+    report = VerifyReport(step=self.step)
+    for name in self.names:
+        record = self.shards[name]
+        stream = self._opener(self.manifest, record)
+        try:
+            size = len(stream.read())
+        finally:
+            stream.close()
+        report.bytes_checked += size
+        if size != record.size:
+            report.problems[name] = f"{size} bytes, manifest says {record.size}"
+    return report
+
+
+# -- object stores: S3 clones, R2, eventually consistent listings, client caches ----------
+
+
+class IgnoresIfNoneMatchOnCompleteDriver(MemoryDriver):
+    """An S3-compatible server that honours ``If-None-Match: *`` on PutObject and ignores it
+    on CompleteMultipartUpload (the two calls got conditional writes separately, and not
+    everywhere), while the driver declares both."""
+
+    def complete_multipart(
+        self,
+        key: str,
+        upload_id: str,
+        parts: Sequence[PartInfo],
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
+    ) -> ObjectInfo:
+        return super().complete_multipart(key, upload_id, parts)
+
+
+class IgnoresIfMatchDriver(MemoryDriver):
+    """An S3 clone that accepts ``If-Match`` on PutObject and ignores it: a compare-and-swap
+    with a stale ETag overwrites (S3-compatible servers before S3 added conditional writes)."""
+
+    def put(
+        self,
+        key: str,
+        data: Buffer,
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
+        metadata: Mapping[str, str] | None = None,
+    ) -> ObjectInfo:
+        if mode.etag is not None:
+            mode = PutMode.OVERWRITE
+        return super().put(key, data, mode=mode, metadata=metadata)
+
+
+class LaggingListDriver(MemoryDriver):
+    """An eventually consistent listing (S3 before December 2020, Swift, many S3 gateways over
+    a replicated index): the first listing after a write does not show the new key."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.unlisted: set[str] = set()
+
+    def put(self, key: str, data: Buffer, **kwargs: Any) -> ObjectInfo:
+        info = super().put(key, data, **kwargs)
+        self.unlisted.add(key)
+        return info
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        listed = list(super().list(prefix, start_after=start_after))
+        hidden = {info.key for info in listed} & self.unlisted
+        self.unlisted -= hidden
+        return iter([info for info in listed if info.key not in hidden])
+
+
+class StaleDeleteListDriver(MemoryDriver):
+    """A listing that lags deletes: a separately replicated bucket index still lists a deleted
+    key in the next listing (eventually consistent S3 clones and gateways)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.deleted: dict[str, ObjectInfo] = {}
+
+    def delete(self, key: str, *, version_id: str | None = None) -> None:
+        try:
+            self.deleted[key] = self.head(key)
+        except ObjectNotFoundError:
+            pass
+        super().delete(key, version_id=version_id)
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        listed = {info.key: info for info in super().list(prefix, start_after=start_after)}
+        for key, info in list(self.deleted.items()):
+            if key.startswith(prefix) and (start_after is None or key > start_after):
+                listed.setdefault(key, info)
+                del self.deleted[key]
+        return iter(sorted(listed.values(), key=lambda info: info.key))
+
+
+class FirstPageListDriver(MemoryDriver):
+    """A driver that reads only the first page of ``ListObjectsV2`` (no paginator, or a server
+    that answers ``IsTruncated: false`` early). S3 pages hold 1000 keys; this server's hold
+    one, so that two checkpoints overflow a page: the newest keys, sorted last, are lost."""
+
+    PAGE = 1
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        return iter(list(super().list(prefix, start_after=start_after))[: self.PAGE])
+
+
+class BlindMarkerCommit(ConditionalPutCommit):
+    """orbax's ``CommitFileTemporaryPath`` on GCS and S3: the checkpoint is committed by writing
+    a marker (``commit_success.txt``) with a plain write, so a second writer's marker lands on
+    the first's and both saves succeed."""
+
+    def publish(self, manifest: Manifest) -> None:
+        self._check_sealed(manifest)
+        self.driver.put(self.manifest_key(manifest.step), manifest.encode())
+
+
+class StaleReadCacheDriver(MemoryDriver):
+    """A client-side read cache that is never revalidated (fsspec's ``filecache``, a FUSE
+    mount's caches with an infinite TTL): a reader checksums the cached bytes, not the stored
+    ones, so a shard damaged in storage reads as intact: the checksum is right, over the
+    wrong bytes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache: dict[str, tuple[bytes, ObjectInfo]] = {}
+
+    def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
+        if version_id is None and key in self.cache:
+            return self.cache[key]
+        found = super().get(key, version_id=version_id)
+        if version_id is None and not key.endswith(".json") and key != "LATEST":
+            self.cache[key] = found
+        return found
+
+
+class IgnoresVersionIdDriver(MemoryDriver):
+    """A "versioned" S3-compatible gateway that returns version ids but keeps one object per
+    key, so that ``GET ?versionId=`` serves the current version."""
+
+    def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
+        return super().get(key)
+
+
+class VisiblePartsDriver(MemoryDriver):
+    """An S3 front end over a file system that appends each uploaded part to the final object
+    as it arrives: an unfinished multipart upload is readable."""
+
+    def upload_part(self, key: str, upload_id: str, part_number: int, data: Buffer) -> PartInfo:
+        info = super().upload_part(key, upload_id, part_number, data)
+        with self.bucket.lock:
+            upload = self.bucket.uploads[upload_id]
+            body = b"".join(upload.parts[n][0] for n in sorted(upload.parts))
+            self.bucket.objects[upload.key] = [
+                _Version("null", body, '"partial"', self.bucket.clock())
+            ]
+        return info
+
+
+class SilentRefusalDriver(MemoryDriver):
+    """An S3 clone that answers 200 to ``If-None-Match: *`` on an existing key and keeps the
+    old object (seen behind an S3-compatible proxy): the loser of a race is told it won."""
+
+    def put(
+        self,
+        key: str,
+        data: Buffer,
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
+        metadata: Mapping[str, str] | None = None,
+    ) -> ObjectInfo:
+        if mode.kind == "create":
+            try:
+                return self.head(key)
+            except ObjectNotFoundError:
+                pass
+        return super().put(key, data, mode=mode, metadata=metadata)
+
+
+class BlindRetryCommit(ConditionalPutCommit):
+    """A publish that retries a conditional PUT whose answer was lost and takes the retry's 412
+    for another writer's checkpoint (what an SDK's automatic retry of ``If-None-Match: *``
+    does): its own first try had taken effect."""
+
+    def publish(self, manifest: Manifest) -> None:
+        self._check_sealed(manifest)
+        key, body = self.manifest_key(manifest.step), manifest.encode()
+        for _ in range(3):
+            try:
+                self.driver.put(key, body, mode=PutMode.CREATE)
+                return
+            except PreconditionFailedError:
+                raise self._exists(manifest.step) from None
+            except TransientStorageError:
+                continue
+
+
+# -- variants only a suite feature still on another branch can catch -----------------------
+
+
+class NoopFsyncPosixDriver(PosixDriver):
+    """Lying fsync: the call returns success and persists nothing (a driver that "optimises"
+    fsync away, ``eatmydata``, a disk cache that acknowledges flushes it has not done). Real
+    crashes keep the page cache, and the power-loss layer simulates the strategy's calls, not
+    this driver's: only a trace of the driver's own system calls can see it."""
+
+    def fsync(self, handle: int) -> None:
+        return None
+
+    def fsync_dir(self, path: str) -> None:
+        return None
+
+
+class WrongDescriptorFsyncPosixDriver(PosixDriver):
+    """fsync on the wrong descriptor: each file's fsync syncs the store's root directory
+    instead (a handle mix-up), so the call succeeds and the file's data stays volatile."""
+
+    def fsync(self, handle: int) -> None:
+        super().fsync_dir("")
+
+
+class CheckThenPutDriver(MemoryDriver):
+    """A conditional create checked apart from the write (a HEAD, then the PUT, as S3 gateways
+    over a key-value store without transactions implement it): two racing creates can both
+    pass the check, and the later write wins."""
+
+    def put(
+        self,
+        key: str,
+        data: Buffer,
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
+        metadata: Mapping[str, str] | None = None,
+    ) -> ObjectInfo:
+        if mode.kind != "create":
+            return super().put(key, data, mode=mode, metadata=metadata)
+        try:
+            self.head(key)
+        except ObjectNotFoundError:
+            time.sleep(0.002)  # the round trip between the gateway's check and its write
+            return super().put(key, data, metadata=metadata)
+        raise PreconditionFailedError(f"{self.url}/{key}: object exists", http_status=412)
+
+
+class InitiationAgedGcCommit(ConditionalPutCommit):
+    """GC that ages a multipart upload by its initiation, as S3's lifecycle rule
+    ``AbortIncompleteMultipartUpload`` does: an upload that runs longer than the grace period
+    is aborted while its parts are still arriving."""
+
+    def _upload_progress(self, upload: UploadInfo) -> UploadProgress:
+        return UploadProgress(upload.initiated, 0, 0)
+
+
+class UnfinishedRemovingGcCommit(RenameCommit):
+    """Cleanup of "unfinished" checkpoints by the look of them (NeMo removes checkpoints it
+    marked unfinished on resume; scripts remove step directories without metadata): every
+    step-named directory without a manifest goes, an operator's partial copy included."""
+
+    def _collect(self, name: str, now: float, report: GcReport) -> None:
+        step = parse_step_token(name)
+        if step is not None:
+            try:
+                self.driver.stat(f"{name}/{MANIFEST_NAME}")
+            except ObjectNotFoundError:
+                report.removed.append(GcItem(kind="unfinished", name=name, age_s=0.0))
+                if not report.dry_run:
+                    self.remove_tree(name)
+                return
+        super()._collect(name, now, report)
+
+
+class StepPrefixAbortCommit(ConditionalPutCommit):
+    """The loser of a race cleans up by the step's prefix, not its attempt's (``rm -r
+    step-N*``; orbax and NeMo remove "unfinished" checkpoints by name): it deletes the
+    winner's shards along with its own."""
+
+    def abort(self, step: int, attempt: str) -> None:
+        for info in list(self.driver.list(step_token(step))):
+            self.driver.delete(info.key)

@@ -1,0 +1,594 @@
+"""The suite tests itself harder: broken variants modelled on real failures of real systems.
+
+Each variant (``broken_variants.py``) runs through the one layer of the suite that must catch
+it, in the ``ci`` profile's settings with a small, derandomised budget, and the test asserts
+(1) the invariant it breaks, or the capability reported MISSING, and (2) what the report says:
+the crash point in words, the power-loss state, the probe's sentence, or the sequence of steps
+hypothesis prints for the failing example (the runner shrinks it; these tests do not, to stay
+cheap). Variants that only a suite feature still on another branch can catch are
+at the end, marked ``xfail(strict=True)`` with the branch that brings the feature.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import broken_variants as bv
+import pytest
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from ckptstore import registry
+from ckptstore.backends.memory import MemoryDriver, drop_bucket, get_bucket
+from ckptstore.backends.posix import PosixDriver
+from ckptstore.checkpoint import Checkpoint
+from ckptstore.commit.conditional_put import ConditionalPutCommit
+from ckptstore.commit.rename import RenameCommit
+from ckptstore.commit.version_pin import VersionPinCommit
+from ckptstore.conformance import runner
+from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan
+from ckptstore.conformance.location import LocationFactory
+from ckptstore.conformance.machine import PROFILES, make_state_machine
+from ckptstore.conformance.model import InvariantViolation, Model
+from ckptstore.conformance.powerloss import run_power_loss
+from ckptstore.conformance.probes import run_probes
+from ckptstore.conformance.report import BackendReport, render_text
+from ckptstore.conformance.runner import CRASH_POINT_INVARIANTS, MACHINE_INVARIANTS
+from ckptstore.conformance.syscalls import TRACE_INVARIANTS, run_syscall_trace
+from ckptstore.conformance.syscalltrace import TracerUnavailable
+from ckptstore.conformance.workload import (
+    _crash_case,
+    big_shard_size,
+    run_crash_points,
+    run_indeterminate_outcomes,
+    standard_workload,
+)
+from ckptstore.store import Store
+
+PART = 1024
+DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "conformance.md")
+
+# -- running one layer, and reading its report ----------------------------------------------
+
+
+@pytest.fixture
+def scheme() -> Iterator[Callable[[str, Any], str]]:
+    """Register a broken backend under a scheme of its own for the duration of a test."""
+    added: list[str] = []
+
+    def add(name: str, factory: Any) -> str:
+        registry.register(name, factory, replace=True)
+        added.append(name)
+        return name
+
+    yield add
+    for name in added:
+        registry.unregister(name)
+
+
+@pytest.fixture
+def bucket() -> Iterator[str]:
+    """A memory bucket of this test's own, dropped afterwards."""
+    name = f"variant-{os.getpid()}-{next(_buckets)}"
+    yield name
+    drop_bucket(name)
+
+
+_buckets = itertools.count()
+
+
+def posix(strategy: type[RenameCommit], driver: type[PosixDriver] = PosixDriver) -> Any:
+    """A scheme factory: ``strategy`` over ``driver`` at the URL's path."""
+    return lambda url, options: strategy(driver(url.path))
+
+
+def memory(
+    driver: type[MemoryDriver],
+    strategy: type[ConditionalPutCommit] = ConditionalPutCommit,
+    **bucket_settings: Any,
+) -> Any:
+    """A scheme factory: ``strategy`` over ``driver`` on a memory bucket with 1 KiB parts."""
+
+    def open_variant(url: Any, options: Any) -> ConditionalPutCommit:
+        bucket = get_bucket(url.netloc, min_part_size=PART, **bucket_settings)
+        return strategy(driver(bucket, url.path), part_size=PART)
+
+    return open_variant
+
+
+def report_of(url: str, failures: Any, checked: tuple[str, ...]) -> str:
+    """The rendered report of one layer's findings, recorded as the runner records them."""
+    report = BackendReport(url=url, strategy="broken variant")
+    report.checked(*checked)
+    for failure in failures:
+        report.violated(failure.invariant, f"{failure.case}: {failure.message}")
+    return render_text([report])
+
+
+def verdicts(text: str) -> dict[str, str]:
+    """Each invariant's status as the report prints it (from the 39th column)."""
+    return {line.split()[0]: line[39:] for line in text.splitlines() if re.match(r"  I\d ", line)}
+
+
+def evidence(text: str, invariant: str) -> str:
+    """The evidence lines the report prints under ``invariant``."""
+    match = re.search(rf"^  {invariant} .*VIOLATED\n((?:      .*\n)+)", text, re.MULTILINE)
+    assert match is not None, f"{invariant} not VIOLATED in:\n{text}"
+    return match.group(1)
+
+
+def first_call(url: str, pattern: str, occurrence: int = 1) -> int:
+    """The index of the standard workload's storage call that is the ``occurrence``-th to
+    match ``pattern``."""
+    location = LocationFactory(url)()
+    try:
+        store = standard_workload(location, FaultPlan(), Model(), big_shard_size(location))
+        injector = store.strategy.driver
+        assert isinstance(injector, FaultInjector)  # Location.open puts one under every store
+        calls = injector.calls
+    finally:
+        location.destroy()
+    matching = [call.index for call in calls if re.search(pattern, str(call))]
+    return matching[occurrence - 1]
+
+
+def crash_points(
+    url: str, *, through: str | None = None, occurrence: int = 1, after: int = 1
+) -> tuple[str, str]:
+    """The crash-point layer's report, and every case it found violated (one per line; the
+    report shows five per invariant). With ``through``, only crashes up to ``after`` calls
+    past the call matching it (the part of the workload the variant breaks)."""
+    limit = None if through is None else first_call(url, through, occurrence) + after
+    result = run_crash_points(LocationFactory(url), limit=limit, workers=2)
+    cases = "\n".join(f"{f.invariant} {f.case}: {f.message}" for f in result.failures)
+    return report_of(url, result.failures, CRASH_POINT_INVARIANTS), cases
+
+
+def crash_at(
+    url: str, through: str, *, occurrence: int = 1, after: int = 0, mode: str = "before"
+) -> tuple[str, str]:
+    """One case of the crash-point layer: the process dies ``mode`` the call ``after`` calls
+    past the one matching ``through`` (where the variant breaks), then recovery is checked;
+    the report, and the case's findings as ``crash_points`` gives them."""
+    index = first_call(url, through, occurrence) + after
+    result = _crash_case(LocationFactory(url), index, CrashMode(mode))
+    cases = "\n".join(f"{f.invariant} {f.case}: {f.message}" for f in result.failures)
+    return report_of(url, result.failures, CRASH_POINT_INVARIANTS), cases
+
+
+def power_loss(strategy: Any) -> str:
+    """The power-loss layer's report on ``strategy``'s file-system protocol."""
+    result = run_power_loss(strategy)
+    return report_of(strategy.url, result.failures, ("I1", "I2", "I3", "I4"))
+
+
+def machine(url: str, examples: int, *, multipart: int = 0) -> tuple[str, str]:
+    """The property-based layer's violation: (its report, the steps hypothesis printed).
+
+    Derandomised (the same examples every run, no luck involved in CI), in sequences of up to
+    10 steps, and not shrunk: on a loaded CI machine shrinking costs more than finding (the
+    runner shrinks). Generation stops at the first failure, so ``examples`` is a cap that
+    costs nothing while the variant is found early: headroom for rules added later, which
+    change the derandomised sequence of examples."""
+    test = make_state_machine(LocationFactory(url), multipart_size=multipart)
+    profile = settings(
+        PROFILES["ci"],
+        max_examples=examples,
+        stateful_step_count=10,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+    )
+    with pytest.raises(InvariantViolation) as caught:
+        run_state_machine_as_test(test, settings=profile)
+    violation = caught.value
+    report = BackendReport(url=url, strategy="broken variant")
+    report.checked(*MACHINE_INVARIANTS)
+    report.violated(violation.invariant, violation.detail)
+    return render_text([report]), "\n".join(getattr(violation, "__notes__", []))
+
+
+def probes(url: str) -> str:
+    """The capability probes' report."""
+    location = LocationFactory(url)()
+    try:
+        report = BackendReport(url=url, strategy="broken variant")
+        report.capabilities = run_probes(location)
+    finally:
+        location.destroy()
+    return render_text([report])
+
+
+def syscall_trace(url: str) -> str:
+    """The report of the syscall-trace layer (the real driver under strace) on ``url``."""
+    location = LocationFactory(url)()
+    try:
+        result = run_syscall_trace(location)
+    except TracerUnavailable as exc:
+        pytest.skip(f"the real driver cannot be traced here: {exc}")
+    finally:
+        location.destroy()
+    return report_of(url, result.failures, TRACE_INVARIANTS)
+
+
+def missing(text: str, capability: str) -> str:
+    """The detail the report gives for a declared capability the probe did not find."""
+    match = re.search(
+        rf"^  {capability} +yes +no +MISSING \(declared, not found\) / (.*)$", text, re.MULTILINE
+    )
+    assert match is not None, f"{capability} not MISSING in:\n{text}"
+    return match.group(1)
+
+
+def test_the_same_layers_find_nothing_on_the_real_backends(tmp_path: Any, bucket: str) -> None:
+    """No false positives: the harness above, at the variants' own crash points and with the
+    variants' budgets, on the real strategies and drivers."""
+    url = f"file://{tmp_path}"
+    points = ((r"rename_replace\(.LATEST", 1, 0), (r"create\(\.LATEST\.tmp", 2, 1))
+    for through, occurrence, after in points:
+        text, cases = crash_at(url, through, occurrence=occurrence, after=after)
+        assert "VIOLATED" not in text and not cases
+    assert "VIOLATED" not in crash_points(url, through=r"^#0 ", after=0)[0]
+    assert "VIOLATED" not in power_loss(RenameCommit(PosixDriver(str(tmp_path / "power"))))
+    assert "MISSING" not in probes(f"memory://{bucket}/run?min_part_size={PART}")
+
+
+# -- file systems ---------------------------------------------------------------------------
+
+
+def test_dcp_writing_in_place_is_caught_as_i5(tmp_path: Any, scheme: Any) -> None:
+    scheme("dcp-in-place", posix(bv.DcpInPlaceCommit))
+    text, steps = machine(f"dcp-in-place://{tmp_path}", 100)
+    assert verdicts(text)["I5"] == "VIOLATED"
+    assert "two attempts both published step" in evidence(text, "I5")
+    assert "state.concurrent_writers(" in steps
+
+
+def test_dcp_unsynced_metadata_is_caught_by_power_loss_as_i2(tmp_path: Any) -> None:
+    text = power_loss(bv.UnsyncedManifestCommit(PosixDriver(str(tmp_path))))
+    assert verdicts(text)["I2"] == "VIOLATED"
+    assert re.search(
+        r"power loss at change \d+: .*inode \d+ (lost|torn|zeroed)", evidence(text, "I2")
+    )
+
+
+def test_copying_directory_rename_is_caught_as_i1(tmp_path: Any, scheme: Any) -> None:
+    scheme("copy-rename", posix(bv.CopyingRenameCommit))
+    url, manifest_copy = f"copy-rename://{tmp_path}", r"create\(step-0+1/manifest"
+    # the manifest copied, the first shard not yet: a checkpoint visible, and incomplete
+    text, _ = crash_at(url, manifest_copy, after=4)
+    assert verdicts(text)["I1"] == "VIOLATED"
+    assert re.search(
+        r"crash before call \d+: crash at call #\d+ create\(step-0+1/data/model/rank\d+\.bin\)"
+        r": published step 1 is incomplete: .* shard 'model/rank\d+\.bin' is missing",
+        evidence(text, "I1"),
+    ), text
+    # the manifest half copied: a checkpoint that cannot be read
+    text, _ = crash_at(url, manifest_copy, after=1)
+    assert re.search(
+        r"crash before call \d+: crash at call #\d+ write\(\d+, <\d+ bytes>\): "
+        r"latest\(\) failed on an intact store: .*manifest is not valid JSON",
+        evidence(text, "I1"),
+    ), text
+
+
+def test_orbax_shared_tmp_dir_is_caught_as_i7(tmp_path: Any, scheme: Any) -> None:
+    scheme("orbax-tmp", posix(bv.OrbaxTmpDirCommit))
+    staged = r"create\(step-0+1\.orbax-checkpoint-tmp/data/model/rank00000"
+    text, _ = crash_at(f"orbax-tmp://{tmp_path}", staged)
+    assert re.search(
+        r"crash before call \d+: .*GC left dead attempts' data: "
+        r"\['step-0+1\.orbax-checkpoint-tmp'",
+        evidence(text, "I7"),
+    ), text
+
+
+def test_megatron_reader_trusting_its_tracker_is_caught_as_i4(
+    tmp_path: Any, scheme: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Store, "latest", bv.latest_from_tracker)
+    scheme("trusts-tracker", posix(RenameCommit))
+    text, _ = crash_at(f"trusts-tracker://{tmp_path}", r"rename_replace\(.LATEST")
+    assert verdicts(text)["I4"] == "VIOLATED"
+    # the crash between the publishing rename and the tracker's update
+    assert re.search(
+        r"crash before call \d+: .*latest\(\) returned None, newest published is 1",
+        evidence(text, "I4"),
+    )
+
+
+def test_megatron_tracker_written_in_place_is_caught_as_i4(
+    tmp_path: Any, scheme: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheme("tracker-in-place", posix(bv.InPlaceTrackerCommit))
+    url, tracker = f"tracker-in-place://{tmp_path}", r"create\(LATEST"
+    # the crash between truncating the tracker and writing it, at the second save:
+    # ckptstore's own reader takes the tracker for a hint, and an empty one breaks nothing ...
+    assert "VIOLATED" not in crash_at(url, tracker, occurrence=2, after=1)[0]
+    # ... Megatron's loads what it names, and starts from scratch without one
+    monkeypatch.setattr(Store, "latest", bv.latest_from_tracker)
+    text, _ = crash_at(url, tracker, occurrence=2, after=1)
+    assert re.search(
+        r"crash before call \d+: crash at call #\d+ write\(\d+, <2 bytes>\): "
+        r"latest\(\) returned None, newest published is 2",
+        evidence(text, "I4"),
+    ), text
+
+
+def test_rmtree_retention_is_caught_as_i1(tmp_path: Any, scheme: Any) -> None:
+    scheme("rmtree", posix(bv.RmtreeUnpublishCommit))
+    text, _ = crash_at(f"rmtree://{tmp_path}", r"unlink\(step-0+1/data", after=1)
+    assert verdicts(text)["I1"] == "VIOLATED"
+    assert re.search(
+        r"crash before call \d+: crash at call #\d+ \w+\(step-0+1/.*\): "
+        r"published step 1 is incomplete: .* shard '.*' is missing",
+        evidence(text, "I1"),
+    ), text
+
+
+def test_short_writes_are_caught_as_i1(tmp_path: Any, scheme: Any) -> None:
+    scheme("short-write", posix(RenameCommit, bv.ShortWritePosixDriver))
+    text, steps = machine(f"short-write://{tmp_path}", 100)
+    assert verdicts(text)["I1"] == "VIOLATED"
+    assert re.search(r"has 4000 bytes, manifest says 4096", evidence(text, "I1"))
+    assert "state.save(" in steps
+
+
+def test_lying_fsync_is_caught_by_the_syscall_trace_as_i2(tmp_path: Any, scheme: Any) -> None:
+    scheme("lying-fsync", posix(RenameCommit, bv.NoopFsyncPosixDriver))
+    url = f"lying-fsync://{tmp_path}"
+    # the other layers cannot see it: a crash keeps the page cache, power loss is simulated
+    assert run_crash_points(LocationFactory(url), limit=0).failures == []
+    assert run_power_loss(RenameCommit(bv.NoopFsyncPosixDriver(str(tmp_path)))).failures == []
+    text = syscall_trace(url)
+    assert re.search(
+        r"syscall trace: driver call #\d+ fsync\(\d+\): fsync of step-0+1\.pending-\w+/\S+: "
+        r"no fsync or fdatasync system call reached the kernel",
+        evidence(text, "I2"),
+    ), text
+
+
+def test_fsync_of_the_wrong_descriptor_is_caught_by_the_syscall_trace_as_i2_and_i1(
+    tmp_path: Any, scheme: Any
+) -> None:
+    scheme("wrong-fd", posix(RenameCommit, bv.WrongDescriptorFsyncPosixDriver))
+    text = syscall_trace(f"wrong-fd://{tmp_path}")
+    assert re.search(
+        r"driver call #\d+ fsync\(\d+\): fsync of step-0+1\.pending-\w+/\S+: the kernel was "
+        r"asked to sync fsync\(\(the store's root\) \(a directory\)\) instead",
+        evidence(text, "I2"),
+    ), text
+    assert re.search(
+        r"syscall trace: power loss before system call #\d+ .*: published step 1 is incomplete",
+        evidence(text, "I1"),
+    ), text
+
+
+def test_retention_counting_unfinished_attempts_is_caught_as_i3(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Store, "apply_retention", bv.retention_counting_unfinished)
+    text, _ = crash_points(
+        f"file://{tmp_path}", through=r"^#0 ", after=0
+    )  # the run without a crash
+    assert verdicts(text)["I3"] == "VIOLATED"
+    assert "no crash: the newest committed step 2 disappeared" in evidence(text, "I3")
+
+
+def test_resuming_by_name_order_is_caught_as_i4(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Store, "latest", bv.latest_by_name)
+    text, _ = crash_points(f"file://{tmp_path}", through=r"^#0 ", after=0)
+    assert verdicts(text)["I4"] == "VIOLATED"
+    assert "no crash: a save after recovery is not the latest" in evidence(text, "I4")
+
+
+def test_verify_by_size_is_caught_as_i6(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Checkpoint, "verify", bv.verify_sizes_only)
+    text, steps = machine(f"file://{tmp_path}", 100)
+    assert verdicts(text)["I6"] == "VIOLATED"
+    assert re.search(r"verify passed step \d+ with a corrupted shard", evidence(text, "I6"))
+    assert "state.corrupt_a_shard(" in steps and "how='bitflip'" in steps
+
+
+# -- object stores --------------------------------------------------------------------------
+
+
+def test_a_clone_ignoring_if_none_match_on_complete_is_reported_missing(
+    bucket: str, scheme: Any
+) -> None:
+    scheme("no-complete-inm", memory(bv.IgnoresIfNoneMatchOnCompleteDriver))
+    text = probes(f"no-complete-inm://{bucket}/run")
+    assert "CompleteMultipartUpload ignored If-None-Match" in missing(
+        text, "conditional-multipart-complete"
+    )
+    assert re.search(r"conditional-create +yes +yes +ok", text)  # PutObject honours it
+
+
+def test_a_clone_ignoring_if_match_is_reported_missing(bucket: str, scheme: Any) -> None:
+    scheme("no-if-match", memory(bv.IgnoresIfMatchDriver))
+    text = probes(f"no-if-match://{bucket}/run")
+    assert "If-Match with a stale ETag overwrote" in missing(text, "compare-and-swap")
+
+
+def test_a_listing_lagging_writes_is_reported_missing(bucket: str, scheme: Any) -> None:
+    scheme("lagging-list", memory(bv.LaggingListDriver))
+    text = probes(f"lagging-list://{bucket}/run")
+    assert "listed after put: False" in missing(text, "strong-list-after-write")
+
+
+def test_a_listing_lagging_deletes_is_reported_missing(bucket: str, scheme: Any) -> None:
+    scheme("stale-list", memory(bv.StaleDeleteListDriver))
+    text = probes(f"stale-list://{bucket}/run")
+    assert "gone after delete: False" in missing(text, "strong-list-after-write")
+
+
+def test_a_listing_ending_early_is_caught_as_i3(bucket: str, scheme: Any) -> None:
+    scheme("first-page", memory(bv.FirstPageListDriver))
+    text, _ = crash_points(f"first-page://{bucket}/run", through=r"^#0 ", after=0)
+    assert verdicts(text)["I3"] == "VIOLATED"
+    assert "no crash: the newest committed step 2 disappeared" in evidence(text, "I3")
+
+
+def test_a_blindly_written_commit_marker_is_caught_as_i5(bucket: str, scheme: Any) -> None:
+    scheme("blind-marker", memory(MemoryDriver, bv.BlindMarkerCommit))
+    text, steps = machine(f"blind-marker://{bucket}/run", 100)
+    assert "two attempts both published step" in evidence(text, "I5")
+    assert "state.concurrent_writers(" in steps
+
+
+def test_a_stale_read_cache_is_caught_as_i6(bucket: str, scheme: Any) -> None:
+    scheme("stale-cache", memory(bv.StaleReadCacheDriver))
+    text, steps = machine(f"stale-cache://{bucket}/run", 100)
+    assert re.search(r"was corrupted \((bitflip|truncate)\) but read fine", evidence(text, "I6"))
+    assert "state.corrupt_a_shard(" in steps
+
+
+def test_a_versioned_clone_ignoring_version_ids_is_reported_missing(
+    bucket: str, scheme: Any
+) -> None:
+    scheme("no-version-id", memory(bv.IgnoresVersionIdDriver, VersionPinCommit, versioned=True))
+    text = probes(f"no-version-id://{bucket}/run")
+    assert "reading an old version by id returned other bytes" in missing(text, "versioning")
+
+
+def test_visible_multipart_parts_are_reported_missing(bucket: str, scheme: Any) -> None:
+    scheme("visible-parts", memory(bv.VisiblePartsDriver))
+    text = probes(f"visible-parts://{bucket}/run")
+    assert "an incomplete multipart upload was visible" in missing(text, "multipart")
+
+
+def test_a_clone_answering_200_to_a_refused_create_is_caught_as_i5(
+    bucket: str, scheme: Any
+) -> None:
+    scheme("silent-refusal", memory(bv.SilentRefusalDriver))
+    url = f"silent-refusal://{bucket}/run"
+    assert missing(probes(url), "conditional-create")
+    text, steps = machine(url, 100)
+    assert "two attempts both published step" in evidence(text, "I5")
+    assert "state.concurrent_writers(" in steps
+
+
+def test_a_retry_taking_its_own_publish_for_another_is_caught_as_i8(
+    bucket: str, scheme: Any
+) -> None:
+    scheme("blind-retry", memory(MemoryDriver, bv.BlindRetryCommit))
+    url = f"blind-retry://{bucket}/run"
+    result = run_indeterminate_outcomes(LocationFactory(url))
+    text = report_of(url, result.failures, ("I8",))
+    assert re.search(
+        r"timeout after call \d+ #\d+ put\(manifests/step-0+1\.json, .*\): "
+        r"own publish taken for another's",
+        evidence(text, "I8"),
+    ), text
+
+
+# -- variants that need a suite feature from another branch ---------------------------------
+# Each runs the layer that branch adds (its name as the branch has it now); the lead removes
+# the mark once the branch is merged. Strict: a variant caught early fails the mark.
+
+
+def needs(branch: str, feature: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(reason=f"needs {feature} from branch {branch}", strict=True)
+
+
+def race_findings(url: str) -> set[str]:
+    """The invariants the race layer finds broken on ``url``, threads only (c13-races)."""
+    races = importlib.import_module("ckptstore.conformance.races")
+    result = races.run_races(LocationFactory(url), races.RACE_PROFILES["ci"], processes=False)
+    return {failure.invariant for failure in result.failures}
+
+
+@needs("c13-races", "true concurrency races")
+def test_a_conditional_create_checked_apart_from_the_write_is_caught_as_i5(
+    bucket: str, scheme: Any
+) -> None:
+    scheme("check-then-put", memory(bv.CheckThenPutDriver))
+    url = f"check-then-put://{bucket}/run"
+    # one writer at a time, the probe finds it honoured
+    assert re.search(r"conditional-create +yes +yes +ok", probes(url))
+    assert "I5" in race_findings(url)
+
+
+@needs("c13-races", "true concurrency races")
+def test_orbax_shared_tmp_dir_wiped_by_a_second_writer_is_caught(
+    tmp_path: Any, scheme: Any
+) -> None:
+    scheme("orbax-tmp", posix(bv.OrbaxTmpDirCommit))
+    assert {"I5", "I7"} & race_findings(f"orbax-tmp://{tmp_path}")
+
+
+@needs("c13-strays", "stray entries planted by the state machine")
+def test_gc_removing_unfinished_looking_checkpoints_is_caught_as_i7(
+    tmp_path: Any, scheme: Any
+) -> None:
+    scheme("unfinished-gc", posix(bv.UnfinishedRemovingGcCommit))
+    text, steps = machine(f"unfinished-gc://{tmp_path}", 20)
+    assert verdicts(text)["I7"] == "VIOLATED"
+    assert "state.gc" in steps
+
+
+@pytest.mark.xfail(
+    reason="no layer runs an upload longer than the grace period while its parts keep arriving "
+    "(c13-capabilities GCs a live upload right after its first part, when its start and its "
+    "last part are equally young; the memory bucket's clock is the wall clock)",
+    strict=True,
+)
+def test_gc_aging_uploads_by_initiation_is_caught_as_i7(bucket: str, scheme: Any) -> None:
+    scheme("initiation-gc", memory(MemoryDriver, bv.InitiationAgedGcCommit))
+    text, steps = machine(f"initiation-gc://{bucket}/run", 20, multipart=2 * PART + 1)
+    assert verdicts(text)["I7"] == "VIOLATED"
+    assert "multipart" in steps
+
+
+@needs("c13-report", "attribution of a loser deleting the winner's data to I5")
+def test_a_loser_cleaning_up_by_step_prefix_is_caught_as_i5(bucket: str, scheme: Any) -> None:
+    scheme("prefix-abort", memory(MemoryDriver, bv.StepPrefixAbortCommit))
+    text, steps = machine(f"prefix-abort://{bucket}/run", 20)
+    assert verdicts(text)["I5"] == "VIOLATED"  # today: I1, a published step incomplete
+    assert "state.concurrent_writers(" in steps
+
+
+@needs("c13-report", "probe details that say what the server did")
+def test_the_probe_says_the_server_answered_200_and_kept_the_old_object(
+    bucket: str, scheme: Any
+) -> None:
+    scheme("silent-refusal", memory(bv.SilentRefusalDriver))
+    detail = missing(probes(f"silent-refusal://{bucket}/run"), "conditional-create")
+    assert "overwrote" not in detail  # today's sentence: it did not overwrite
+    assert "200" in detail and "kept" in detail
+
+
+@needs("c13-report", "the shrunk steps in the report")
+def test_the_runner_report_prints_the_shrunk_steps(tmp_path: Any, scheme: Any) -> None:
+    scheme("dcp-in-place", posix(bv.DcpInPlaceCommit))
+    report = BackendReport(url="dcp-in-place://", strategy="broken variant")
+    test = make_state_machine(LocationFactory(f"dcp-in-place://{tmp_path}"), multipart_size=0)
+    profile = settings(
+        PROFILES["ci"],
+        max_examples=20,
+        stateful_step_count=10,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+    )
+    # c13-report adds the shrinking deadline as a fourth argument
+    until = getattr(runner, "_Until", None)
+    runner._run_machine(report, test, profile, *([until(None)] if until else []))
+    assert "state.concurrent_writers(" in "\n".join(report.invariants["I5"].evidence)
+
+
+def test_every_variant_is_in_the_docs_table() -> None:
+    with open(DOCS, encoding="utf-8") as docs:
+        table = [line for line in docs if line.startswith("| `")]
+    listed = {line.split("`")[1] for line in table}
+    variants = {
+        name
+        for name, value in vars(bv).items()
+        if getattr(value, "__module__", "") == bv.__name__ and not name.startswith("_")
+    }
+    assert variants <= listed, sorted(variants - listed)
