@@ -155,32 +155,41 @@ def _check_visible(store: Store, model: Model, step: int) -> None:
     except IntegrityError as exc:
         if "truncate" in damaged.values() or "missing" in damaged.values():
             return
-        blame = "I7" if model.gc_since.get(step) else "I1"
+        blame = _raced(model, step) or ("I7" if model.gc_since.get(step) else "I1")
         raise InvariantViolation(blame, f"published step {step} is incomplete: {exc}") from exc
     match = next((c for c in candidates if c.matches(checkpoint)), None)
     if match is None:
-        blame = "I5" if step in model.contended else "I1"
+        blame = _raced(model, step) or "I1"
         raise InvariantViolation(
             blame, f"step {step} does not hold what any save of it wrote ({checkpoint.names})"
         )
     if damaged or model.read_at.get(step) != model.epoch:  # unchanged since read: spare it
         for name in checkpoint.names:
-            _check_shard(checkpoint, match, name, damaged.get(name))
+            _check_shard(checkpoint, match, name, damaged.get(name), _raced(model, step))
         model.read_at[step] = model.epoch
     model.save_committed(match)
 
 
-def _check_shard(checkpoint: Any, saved: Saved, name: str, damage: str | None) -> None:
+def _raced(model: Model, step: int) -> str | None:
+    """``I5`` for a step that two writers raced for: damage to it is the loser's doing."""
+    return "I5" if step in model.contended else None
+
+
+def _check_shard(
+    checkpoint: Any, saved: Saved, name: str, damage: str | None, raced: str | None
+) -> None:
     if damage is None:
         try:
             data = checkpoint.read(name)
         except IntegrityError as exc:
             raise InvariantViolation(
-                "I1", f"step {checkpoint.step} shard {name!r} unreadable: {exc}"
+                raced or "I1", f"step {checkpoint.step} shard {name!r} unreadable: {exc}"
             ) from exc
         if data != saved.shards[name]:
             raise InvariantViolation(
-                "I6", f"step {checkpoint.step} shard {name!r} read back different bytes"
+                raced or "I6",
+                f"step {checkpoint.step} shard {name!r} read back different bytes, and the "
+                f"checksum check passed them",
             )
         return
     try:
@@ -210,6 +219,9 @@ def _check_missing(
             model.committed.pop(step)
             model.removable.discard(step)
             continue
+        raced = None if lost_blame else _raced(model, step)
+        if raced:
+            raise InvariantViolation(raced, f"committed step {step} disappeared after a race")
         if lost_blame is None and step == newest:
             raise InvariantViolation("I3", f"the newest committed step {step} disappeared")
         blame = lost_blame or ("I7" if model.gc_since.get(step) else "I2")
