@@ -30,6 +30,14 @@ __all__ = [
 ]
 
 _LAZY_RESULTS = frozenset({"list", "list_versions", "list_multipart_uploads"})
+READ_CALLS = frozenset(
+    {
+        "get", "head", "list", "list_versions", "list_multipart_uploads", "bucket_versioning",
+        "check_bucket", "upload_progress", "open_read", "listdir", "stat", "close", "fsync",
+        "fsync_dir", "start_writeback",
+    }
+)  # fmt: skip
+"""Calls that never change what the storage holds (any other call may)."""
 
 
 class SimulatedCrash(BaseException):
@@ -85,8 +93,12 @@ class CallRecord:
 class FaultInjector:
     """A driver that forwards to ``inner`` and injects the faults of a ``FaultPlan``."""
 
-    def __init__(self, inner: Any, plan: FaultPlan | None = None) -> None:
+    def __init__(
+        self, inner: Any, plan: FaultPlan | None = None, on_change: Callable[[], None] | None = None
+    ) -> None:
         self._inner = inner
+        self.on_change = on_change
+        """Called before each call that may change what the storage holds."""
         self.plan = plan or FaultPlan()
         self.calls: list[CallRecord] = []
         self.crashed = False
@@ -123,6 +135,8 @@ class FaultInjector:
             conditional = isinstance(mode, PutMode) and mode.conditional
             record = CallRecord(len(self.calls), name, tuple(_short(a) for a in args), conditional)
             self.calls.append(record)
+            if self.on_change is not None and name not in READ_CALLS:
+                self.on_change()
             plan = self.plan
             if plan.crash_at == record.index and plan.crash_mode is CrashMode.BEFORE:
                 self._die(record)

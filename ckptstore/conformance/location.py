@@ -67,14 +67,20 @@ class Location:
         self.options = dict(options or {})
         self.clock = Clock()
         self.base = open_for_measuring(url, self.options)
+        self.changes = 0
+        """Calls made through ``open``'s stores that may have changed the storage, and
+        corruptions: while it stays the same, what the storage holds does too."""
 
     def open(
         self, plan: FaultPlan | None = None, retention: RetentionPolicy | None = None
     ) -> tuple[Store, FaultInjector]:
         """A fresh Store over this location, its driver wrapped in a fault injector."""
-        injector = FaultInjector(self.base.driver, plan)
+        injector = FaultInjector(self.base.driver, plan, on_change=self._changed)
         strategy: CommitStrategy[Any] = self.base.with_driver(injector)
         return Store(strategy, retention=retention, clock=self.clock), injector
+
+    def _changed(self) -> None:
+        self.changes += 1
 
     @property
     def audit(self) -> StorageAudit:
@@ -110,6 +116,7 @@ class Location:
         record = manifest.shard(name)
         if record is None:
             return None
+        self.changes += 1
         driver = self.base.driver
         if "version_id" in record.locator:
             driver.delete(record.locator["key"], version_id=record.locator["version_id"])

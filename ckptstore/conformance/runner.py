@@ -160,7 +160,7 @@ def run_backend(
             MACHINE_INVARIANTS,
             lambda: _state_machine(
                 report, factory, profile, int(sizes["multipart"]), sizes["per_case"], say,
-                deadline,
+                deadline, budget or 0.0,
             ),
         )  # fmt: skip
     return report
@@ -250,7 +250,8 @@ BUDGET_S: dict[str, float | None] = {"ci": 60.0, "thorough": None}
 gets what the layers before it left (at least ``MACHINE_MIN_S``), and stops shrinking at the
 budget: a failing backend's run ends well within twice it."""
 MACHINE_MIN_S = 10.0
-"""Seconds the property-based layer gets even when the layers before it used the budget."""
+"""Seconds the property-based layer gets even when the layers before it used the budget (at
+most a quarter of the budget)."""
 EXAMPLE_COST_IN_CRASH_CASES = 8.0
 """An example of the state machine costs about as much storage traffic as this many crash
 cases; used to fit the examples into the budget on slow (networked) storage."""
@@ -338,11 +339,12 @@ def _state_machine(
     per_case_s: float,
     say: Progress,
     deadline: float | None,
+    total_s: float = MACHINE_MIN_S * 4,
 ) -> None:
     machine = make_state_machine(factory, multipart_size=multipart)
     settings = PROFILES[profile]
     if deadline is not None:
-        budget = max(deadline - time.monotonic(), MACHINE_MIN_S)
+        budget = max(deadline - time.monotonic(), min(MACHINE_MIN_S, total_s / 4))
         deadline = time.monotonic() + budget
         affordable = int(budget / max(per_case_s * EXAMPLE_COST_IN_CRASH_CASES, 1e-6))
         examples = max(5, min(settings.max_examples, affordable))
