@@ -94,11 +94,16 @@ class FaultInjector:
     """A driver that forwards to ``inner`` and injects the faults of a ``FaultPlan``."""
 
     def __init__(
-        self, inner: Any, plan: FaultPlan | None = None, on_change: Callable[[], None] | None = None
+        self,
+        inner: Any,
+        plan: FaultPlan | None = None,
+        on_change: Callable[[tuple[str, ...] | None], None] | None = None,
     ) -> None:
         self._inner = inner
         self.on_change = on_change
-        """Called before each call that may change what the storage holds."""
+        """Called before each call that may change what the storage holds, with the names it
+        may change (None: not known)."""
+        self._paths: dict[int, str] = {}
         self.plan = plan or FaultPlan()
         self.calls: list[CallRecord] = []
         self.crashed = False
@@ -136,7 +141,7 @@ class FaultInjector:
             record = CallRecord(len(self.calls), name, tuple(_short(a) for a in args), conditional)
             self.calls.append(record)
             if self.on_change is not None and name not in READ_CALLS:
-                self.on_change()
+                self.on_change(self._names(args))
             plan = self.plan
             if plan.crash_at == record.index and plan.crash_mode is CrashMode.BEFORE:
                 self._die(record)
@@ -158,6 +163,8 @@ class FaultInjector:
                 raise
             if name in ("create", "create_with_layout"):
                 self._handles.add(result)
+                if args and isinstance(args[0], str):
+                    self._paths[result] = args[0]
             elif name == "close" and args:
                 self._handles.discard(args[0])
             fails_after = transient is CrashMode.AFTER and (
@@ -174,6 +181,19 @@ class FaultInjector:
             return result
 
         return call
+
+    def _names(self, args: tuple[Any, ...]) -> tuple[str, ...] | None:
+        """The names a changing call with ``args`` may change: its leading string arguments
+        (a key, a path, a rename's two paths), or a handle's path; None if not known."""
+        names = []
+        for arg in args[:2]:
+            if isinstance(arg, str):
+                names.append(arg)
+            elif isinstance(arg, int) and arg in self._paths:
+                names.append(self._paths[arg])
+            else:
+                break
+        return tuple(names) or None
 
     def _forward(
         self, name: str, method: Callable[..., Any], args: Any, kwargs: dict[str, Any]

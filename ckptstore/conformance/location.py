@@ -70,6 +70,7 @@ class Location:
         self.changes = 0
         """Calls made through ``open``'s stores that may have changed the storage, and
         corruptions: while it stays the same, what the storage holds does too."""
+        self._touched: set[str] | None = set()
 
     def open(
         self, plan: FaultPlan | None = None, retention: RetentionPolicy | None = None
@@ -79,8 +80,17 @@ class Location:
         strategy: CommitStrategy[Any] = self.base.with_driver(injector)
         return Store(strategy, retention=retention, clock=self.clock), injector
 
-    def _changed(self) -> None:
+    def _changed(self, names: tuple[str, ...] | None = None) -> None:
         self.changes += 1
+        if names is None:
+            self._touched = None
+        elif self._touched is not None:
+            self._touched.update(names)
+
+    def take_touched(self) -> set[str] | None:
+        """The raw names changed since the last call (None: some change's names are unknown)."""
+        touched, self._touched = self._touched, set()
+        return touched
 
     @property
     def audit(self) -> StorageAudit:
@@ -116,7 +126,7 @@ class Location:
         record = manifest.shard(name)
         if record is None:
             return None
-        self.changes += 1
+        self._changed((step_token(step),))
         driver = self.base.driver
         if "version_id" in record.locator:
             driver.delete(record.locator["key"], version_id=record.locator["version_id"])

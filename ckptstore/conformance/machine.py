@@ -13,6 +13,7 @@ driver's retries), the example stops at once with ``StorageFailure``: undecided,
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -59,6 +60,8 @@ PROFILES = {
 }
 
 _modes = st.sampled_from([CrashMode.BEFORE, CrashMode.AFTER])
+_STEP_TOKENS = re.compile(r"step-([0-9]{20})", re.ASCII)
+"""A step's token in a raw name (``names.step_token``)."""
 
 
 def make_state_machine(
@@ -242,8 +245,23 @@ def make_state_machine(
         def invariants_hold(self) -> None:
             if self.checked == self._unchanged_since():
                 return  # neither the storage nor the model changed: the same verdict
-            check_invariants(self.store, self.model)
+            unchanged = self._untouched(self.location.take_touched())
+            check_invariants(self.store, self.model, unchanged=unchanged)
             self.checked = self._unchanged_since()
+
+        def _untouched(self, touched: set[str] | None) -> frozenset[int]:
+            """Committed steps none of whose names a call changed since the last check; none
+            if a change touched a name that belongs to no step (nor to the store itself)."""
+            if touched is None:
+                return frozenset()
+            fixed: frozenset[str] = getattr(self.location.base, "fixed_names", frozenset())
+            steps: set[int] = set()
+            for name in touched:
+                found = _STEP_TOKENS.findall(name)
+                if not found and name not in fixed:
+                    return frozenset()
+                steps.update(int(number) for number in found)
+            return frozenset(s for s in self.model.committed if s not in steps)
 
         def teardown(self) -> None:
             self.location.destroy()

@@ -10,6 +10,7 @@ protocol invariant (docs/protocol.md §0) that broke.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,19 +123,37 @@ class Model:
 
 
 def check_invariants(
-    store: Store, model: Model, *, writers_alive: bool = False, lost_blame: str | None = None
+    store: Store,
+    model: Model,
+    *,
+    writers_alive: bool = False,
+    lost_blame: str | None = None,
+    unchanged: Collection[int] = (),
 ) -> None:
     """Check I1 to I7 on ``store`` against ``model``, resolving doubts; raise InvariantViolation.
 
     ``writers_alive``: some attempt may still publish later, so a step in doubt that is not
     visible yet stays in doubt. ``lost_blame``: the invariant to blame for a committed step that
-    vanished (after a power loss it is I2 whatever else ran).
+    vanished (after a power loss it is I2 whatever else ran). ``unchanged``: steps whose stored
+    names nothing changed since they were last checked, which need not be read again (if they
+    were read in full since the last GC, retention or corruption).
     """
     visible = store.steps()
     for step in visible:
+        if step in unchanged and _read_since_last_change(model, step):
+            model.save_committed(model.committed[step])
+            continue
         _check_visible(store, model, step)
     _check_missing(model, set(visible), writers_alive, lost_blame)
     _check_latest(store, model, visible)
+
+
+def _read_since_last_change(model: Model, step: int) -> bool:
+    return (
+        step in model.committed
+        and model.read_at.get(step) == model.epoch
+        and not model.corrupted.get(step)
+    )
 
 
 def _candidates(model: Model, step: int) -> list[Saved]:
