@@ -249,6 +249,8 @@ BUDGET_S: dict[str, float | None] = {"ci": 60.0, "thorough": None}
 """Seconds one backend's run may take per profile (None: no limit). The property-based layer
 gets what the layers before it left (at least ``MACHINE_MIN_S``), and stops shrinking at the
 budget: a failing backend's run ends well within twice it."""
+MACHINE_MAX_S: dict[str, float | None] = {"ci": 25.0, "thorough": None}
+"""Seconds the property-based layer takes at most per profile (None: what the budget leaves)."""
 MACHINE_MIN_S = 10.0
 """Seconds the property-based layer gets even when the layers before it used the budget (at
 most a quarter of the budget)."""
@@ -345,6 +347,7 @@ def _state_machine(
     settings = PROFILES[profile]
     if deadline is not None:
         budget = max(deadline - time.monotonic(), min(MACHINE_MIN_S, total_s / 4))
+        budget = min(budget, MACHINE_MAX_S.get(profile) or budget)
         deadline = time.monotonic() + budget
         affordable = int(budget / max(per_case_s * EXAMPLE_COST_IN_CRASH_CASES, 1e-6))
         examples = max(5, min(settings.max_examples, affordable))
