@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -475,20 +476,28 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
         if not args.json:
             sys.stderr.write(f"  .. {message}\n")
 
+    def write(reports: list[Any]) -> None:
+        for path, render in ((args.json_file, to_json), (args.junit, to_junit)):
+            if path:
+                _write_report(path, render(reports))
+
     def run(targets: list[Target]) -> list[Any]:
-        reports = []
+        reports: list[Any] = []
         for target in targets:
             if not args.json:
                 sys.stderr.write(f"conformance: {target.url}\n")
-            reports.append(
-                run_backend(
-                    target.url,
-                    options=target.options,
-                    profile=args.profile,
-                    allow_nonempty=args.yes,
-                    progress=progress,
-                )
+            # The report files are rewritten after every layer: a run that is stopped leaves
+            # the verdicts of the layers that finished.
+            report = run_backend(
+                target.url,
+                options=target.options,
+                profile=args.profile,
+                allow_nonempty=args.yes,
+                progress=progress,
+                budget_s=args.budget,
+                on_layer=functools.partial(_with_done, write, list(reports)),
             )
+            reports.append(report)
         return reports
 
     if args.urls:
@@ -496,14 +505,16 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     else:
         with embedded_targets() as targets:
             reports = run(targets)
-    for path, render in ((args.json_file, to_json), (args.junit, to_junit)):
-        if path:
-            _write_report(path, render(reports))
+    write(reports)
     out.write(to_json(reports) + "\n" if args.json else render_text(reports))
     outcomes = {report.outcome for report in reports}
     if "violated" in outcomes:
         return EXIT_BROKEN
     return EXIT_ERROR if "storage error" in outcomes else EXIT_OK  # undecided is not broken
+
+
+def _with_done(write: Callable[[list[Any]], None], done: list[Any], current: Any) -> None:
+    write([*done, current])
 
 
 def _write_report(path: str, text: str) -> None:
@@ -630,6 +641,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--junit", metavar="FILE", type=_output_file, help="also write the report as JUnit XML"
     )
     p.add_argument("--yes", action="store_true", help="run even where the URL is not empty")
+    p.add_argument(
+        "--budget",
+        metavar="SECONDS",
+        type=counted(1, 86400),
+        default=None,
+        help="seconds per backend, shrinking included (default: 60 for ci, none for thorough)",
+    )
     p.set_defaults(func=cmd_conformance)
     add_directory_commands(sub, parse_step, counted(1, 1024))
     p = command("demo", "save, crash and resume on an embedded default store (no setup)")

@@ -49,6 +49,15 @@ READ_ONLY_CALLS = frozenset(
 """Driver calls that only read (file-system and object-store protocols): a crash before one
 leaves the storage as a crash before the next call does."""
 
+READ_CALLS = frozenset(
+    {
+        "get", "head", "list", "list_versions", "list_multipart_uploads", "bucket_versioning",
+        "check_bucket", "upload_progress", "open_read", "listdir", "stat", "close", "fsync",
+        "fsync_dir", "start_writeback",
+    }
+)  # fmt: skip
+"""Calls that never change what the storage holds (any other call may)."""
+
 
 class SimulatedCrash(BaseException):
     """The process died here. A BaseException, so that ``except Exception`` cannot survive it."""
@@ -113,8 +122,17 @@ class CallRecord:
 class FaultInjector:
     """A driver that forwards to ``inner`` and injects the faults of a ``FaultPlan``."""
 
-    def __init__(self, inner: Any, plan: FaultPlan | None = None) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        plan: FaultPlan | None = None,
+        on_change: Callable[[tuple[str, ...] | None], None] | None = None,
+    ) -> None:
         self._inner = inner
+        self.on_change = on_change
+        """Called before each call that may change what the storage holds, with the names it
+        may change (None: not known)."""
+        self._paths: dict[int, str] = {}
         self.plan = plan or FaultPlan()
         self.calls: list[CallRecord] = []
         self.crashed = False
@@ -154,6 +172,8 @@ class FaultInjector:
                 len(self.calls), name, tuple(_short(a) for a in args), conditional, context
             )
             self.calls.append(record)
+            if self.on_change is not None and name not in READ_CALLS:
+                self.on_change(self._names(args))
             plan = self.plan
             if plan.crash_at == record.index and plan.crash_mode is CrashMode.BEFORE:
                 self._die(record)
@@ -175,6 +195,8 @@ class FaultInjector:
                 raise
             if name in ("create", "create_with_layout"):
                 self._handles.add(result)
+                if args and isinstance(args[0], str):
+                    self._paths[result] = args[0]
             elif name == "close" and args:
                 self._handles.discard(args[0])
             fails_after = transient is CrashMode.AFTER and (
@@ -191,6 +213,19 @@ class FaultInjector:
             return result
 
         return call
+
+    def _names(self, args: tuple[Any, ...]) -> tuple[str, ...] | None:
+        """The names a changing call with ``args`` may change: its leading string arguments
+        (a key, a path, a rename's two paths), or a handle's path; None if not known."""
+        names = []
+        for arg in args[:2]:
+            if isinstance(arg, str):
+                names.append(arg)
+            elif isinstance(arg, int) and arg in self._paths:
+                names.append(self._paths[arg])
+            else:
+                break
+        return tuple(names) or None
 
     def _forward(
         self, name: str, method: Callable[..., Any], args: Any, kwargs: dict[str, Any]

@@ -67,14 +67,30 @@ class Location:
         self.options = dict(options or {})
         self.clock = Clock()
         self.base = open_for_measuring(url, self.options)
+        self.changes = 0
+        """Calls made through ``open``'s stores that may have changed the storage, and
+        corruptions: while it stays the same, what the storage holds does too."""
+        self._touched: set[str] | None = set()
 
     def open(
         self, plan: FaultPlan | None = None, retention: RetentionPolicy | None = None
     ) -> tuple[Store, FaultInjector]:
         """A fresh Store over this location, its driver wrapped in a fault injector."""
-        injector = FaultInjector(self.base.driver, plan)
+        injector = FaultInjector(self.base.driver, plan, on_change=self._changed)
         strategy: CommitStrategy[Any] = self.base.with_driver(injector)
         return Store(strategy, retention=retention, clock=self.clock), injector
+
+    def _changed(self, names: tuple[str, ...] | None = None) -> None:
+        self.changes += 1
+        if names is None:
+            self._touched = None
+        elif self._touched is not None:
+            self._touched.update(names)
+
+    def take_touched(self) -> set[str] | None:
+        """The raw names changed since the last call (None: some change's names are unknown)."""
+        touched, self._touched = self._touched, set()
+        return touched
 
     @property
     def audit(self) -> StorageAudit:
@@ -110,6 +126,7 @@ class Location:
         record = manifest.shard(name)
         if record is None:
             return None
+        self._changed((step_token(step),))
         driver = self.base.driver
         if "version_id" in record.locator:
             driver.delete(record.locator["key"], version_id=record.locator["version_id"])

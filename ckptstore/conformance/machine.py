@@ -13,6 +13,7 @@ driver's retries), the example stops at once with ``StorageFailure``: undecided,
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -59,6 +60,8 @@ PROFILES = {
 }
 
 _modes = st.sampled_from([CrashMode.BEFORE, CrashMode.AFTER])
+_STEP_TOKENS = re.compile(r"step-([0-9]{20})", re.ASCII)
+"""A step's token in a raw name (``names.step_token``)."""
 
 
 def make_state_machine(
@@ -81,6 +84,7 @@ def make_state_machine(
             self.model = Model()
             self.store, _ = self.location.open()
             self.next_step = 1
+            self.checked: object = None
 
         def _new_save(self, shard_sizes: list[int]) -> Saved:
             step = self.next_step
@@ -222,10 +226,42 @@ def make_state_machine(
             if done is not None:
                 self.model.shard_corrupted(step, name, done)
 
+        def _unchanged_since(self) -> object:
+            """What a check's verdict depends on: the storage (changes made through the
+            location) and the model (what it expects)."""
+            model = self.model
+            return (
+                self.location.changes,
+                model.epoch,
+                tuple(sorted(model.committed)),
+                tuple(sorted((s, len(c)) for s, c in model.in_doubt.items())),
+                tuple(sorted(model.removable)),
+                tuple(sorted(model.contended)),
+                model.latest_floor,
+            )
+
         @invariant()
         @abort_on_storage_failure
         def invariants_hold(self) -> None:
-            check_invariants(self.store, self.model)
+            if self.checked == self._unchanged_since():
+                return  # neither the storage nor the model changed: the same verdict
+            unchanged = self._untouched(self.location.take_touched())
+            check_invariants(self.store, self.model, unchanged=unchanged)
+            self.checked = self._unchanged_since()
+
+        def _untouched(self, touched: set[str] | None) -> frozenset[int]:
+            """Committed steps none of whose names a call changed since the last check; none
+            if a change touched a name that belongs to no step (nor to the store itself)."""
+            if touched is None:
+                return frozenset()
+            fixed: frozenset[str] = getattr(self.location.base, "fixed_names", frozenset())
+            steps: set[int] = set()
+            for name in touched:
+                found = _STEP_TOKENS.findall(name)
+                if not found and name not in fixed:
+                    return frozenset()
+                steps.update(int(number) for number in found)
+            return frozenset(s for s in self.model.committed if s not in steps)
 
         def teardown(self) -> None:
             self.location.destroy()

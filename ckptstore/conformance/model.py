@@ -10,6 +10,7 @@ protocol invariant (docs/protocol.md §0) that broke.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,19 +130,37 @@ class Model:
 
 
 def check_invariants(
-    store: Store, model: Model, *, writers_alive: bool = False, lost_blame: str | None = None
+    store: Store,
+    model: Model,
+    *,
+    writers_alive: bool = False,
+    lost_blame: str | None = None,
+    unchanged: Collection[int] = (),
 ) -> None:
     """Check I1 to I7 on ``store`` against ``model``, resolving doubts; raise InvariantViolation.
 
     ``writers_alive``: some attempt may still publish later, so a step in doubt that is not
     visible yet stays in doubt. ``lost_blame``: the invariant to blame for a committed step that
-    vanished (after a power loss it is I2 whatever else ran).
+    vanished (after a power loss it is I2 whatever else ran). ``unchanged``: steps whose stored
+    names nothing changed since they were last checked, which need not be read again (if they
+    were read in full since the last GC, retention or corruption).
     """
     visible = store.steps()
     for step in visible:
+        if step in unchanged and _read_since_last_change(model, step):
+            model.save_committed(model.committed[step])
+            continue
         _check_visible(store, model, step)
     _check_missing(model, set(visible), writers_alive, lost_blame)
     _check_latest(store, model, visible)
+
+
+def _read_since_last_change(model: Model, step: int) -> bool:
+    return (
+        step in model.committed
+        and model.read_at.get(step) == model.epoch
+        and not model.corrupted.get(step)
+    )
 
 
 def _candidates(model: Model, step: int) -> list[Saved]:
@@ -162,32 +181,41 @@ def _check_visible(store: Store, model: Model, step: int) -> None:
     except IntegrityError as exc:
         if "truncate" in damaged.values() or "missing" in damaged.values():
             return
-        blame = "I7" if model.gc_since.get(step) else "I1"
+        blame = _raced(model, step) or ("I7" if model.gc_since.get(step) else "I1")
         raise InvariantViolation(blame, f"published step {step} is incomplete: {exc}") from exc
     match = next((c for c in candidates if c.matches(checkpoint)), None)
     if match is None:
-        blame = "I5" if step in model.contended else "I1"
+        blame = _raced(model, step) or "I1"
         raise InvariantViolation(
             blame, f"step {step} does not hold what any save of it wrote ({checkpoint.names})"
         )
     if damaged or model.read_at.get(step) != model.epoch:  # unchanged since read: spare it
         for name in checkpoint.names:
-            _check_shard(checkpoint, match, name, damaged.get(name))
+            _check_shard(checkpoint, match, name, damaged.get(name), _raced(model, step))
         model.read_at[step] = model.epoch
     model.save_committed(match)
 
 
-def _check_shard(checkpoint: Any, saved: Saved, name: str, damage: str | None) -> None:
+def _raced(model: Model, step: int) -> str | None:
+    """``I5`` for a step that two writers raced for: damage to it is the loser's doing."""
+    return "I5" if step in model.contended else None
+
+
+def _check_shard(
+    checkpoint: Any, saved: Saved, name: str, damage: str | None, raced: str | None
+) -> None:
     if damage is None:
         try:
             data = checkpoint.read(name)
         except IntegrityError as exc:
             raise InvariantViolation(
-                "I1", f"step {checkpoint.step} shard {name!r} unreadable: {exc}"
+                raced or "I1", f"step {checkpoint.step} shard {name!r} unreadable: {exc}"
             ) from exc
         if data != saved.shards[name]:
             raise InvariantViolation(
-                "I6", f"step {checkpoint.step} shard {name!r} read back different bytes"
+                raced or "I6",
+                f"step {checkpoint.step} shard {name!r} read back different bytes, and the "
+                f"checksum check passed them",
             )
         return
     try:
@@ -217,6 +245,9 @@ def _check_missing(
             model.committed.pop(step)
             model.removable.discard(step)
             continue
+        raced = None if lost_blame else _raced(model, step)
+        if raced:
+            raise InvariantViolation(raced, f"committed step {step} disappeared after a race")
         if lost_blame is None and step == newest:
             raise InvariantViolation("I3", f"the newest committed step {step} disappeared")
         blame = lost_blame or ("I7" if model.gc_since.get(step) else "I2")

@@ -22,10 +22,12 @@ from ckptstore.conformance.model import INVARIANTS
 from ckptstore.conformance.outcomes import STORAGE_ERROR
 from ckptstore.conformance.probes import HELD, NOT_MEASURED, ProbeResult
 
-__all__ = ["BackendReport", "InvariantResult", "render_text", "to_json", "to_junit"]
+__all__ = ["BackendReport", "InvariantResult", "LayerError", "render_text", "to_json", "to_junit"]
 
 HELD_STATUS, VIOLATED_STATUS, NOT_APPLICABLE = "held", "violated", "not applicable"
 NOT_CHECKED = "not checked"
+INTERRUPTED = "interrupted"
+"""The run was stopped (KeyboardInterrupt) before a layer finished: what is there was found."""
 STORAGE_ERROR_STATUS = STORAGE_ERROR
 """Undecided: the storage failed the cases that check it, on every run."""
 
@@ -38,6 +40,16 @@ class InvariantResult:
     name: str
     status: str = NOT_CHECKED
     evidence: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LayerError:
+    """What stopped a layer (or a step around the layers) before it finished: a ``violated``
+    (ckptstore raised something unexpected) or a ``storage error``; the rest still ran."""
+
+    layer: str
+    outcome: str
+    message: str
 
 
 @dataclass
@@ -54,6 +66,12 @@ class BackendReport:
     )
     coverage: dict[str, Any] = field(default_factory=dict)
     duration_s: float = 0.0
+    errors: list[LayerError] = field(default_factory=list)
+    """Layers that stopped early, and why (their invariants' verdicts say what was decided)."""
+
+    def layer_error(self, layer: str, outcome: str, message: str) -> None:
+        """Record what stopped ``layer``: ``violated`` or ``storage error``."""
+        self.errors.append(LayerError(layer, outcome, message))
 
     def checked(self, *invariants: str) -> None:
         """Mark invariants as checked by a layer (held unless a violation says otherwise)."""
@@ -101,20 +119,33 @@ class BackendReport:
     @property
     def storage_errors(self) -> list[str]:
         """What the storage's failures left undecided: invariants and capabilities."""
-        return [
-            f"{r.invariant} {r.name}"
-            for r in self.invariants.values()
-            if r.status == STORAGE_ERROR_STATUS
-        ] + [f"capability {c.capability}" for c in self.capabilities if c.measured == STORAGE_ERROR]
+        return (
+            [
+                f"{r.invariant} {r.name}"
+                for r in self.invariants.values()
+                if r.status == STORAGE_ERROR_STATUS
+            ]
+            + [
+                f"capability {c.capability}"
+                for c in self.capabilities
+                if c.measured == STORAGE_ERROR
+            ]
+            + [f"{e.layer}: {e.message}" for e in self.errors if e.outcome == STORAGE_ERROR_STATUS]
+        )
 
     @property
     def outcome(self) -> str:
-        """``violated`` (an invariant, or a declared capability missing), else ``storage
-        error`` (something undecided), else ``held``."""
-        if self.capability_mismatches or any(
-            r.status == VIOLATED_STATUS for r in self.invariants.values()
+        """``violated`` (an invariant, a declared capability missing, or a layer stopped by
+        an unexpected error), else ``interrupted``, else ``storage error`` (something
+        undecided), else ``held``."""
+        if (
+            self.capability_mismatches
+            or any(r.status == VIOLATED_STATUS for r in self.invariants.values())
+            or any(e.outcome == VIOLATED_STATUS for e in self.errors)
         ):
             return VIOLATED_STATUS
+        if any(e.outcome == INTERRUPTED for e in self.errors):
+            return INTERRUPTED
         return STORAGE_ERROR_STATUS if self.storage_errors else HELD_STATUS
 
     @property
@@ -166,6 +197,8 @@ def render_text(reports: list[BackendReport]) -> str:
         lines.append("")
         for key, value in report.coverage.items():
             lines.append(f"  {key}: {value}")
+        for error in report.errors:
+            lines.append(f"  {error.layer}: {error.outcome.upper()}: {error.message}")
         lines.append("")
     lines.append(f"conformance: {len(reports)} backend(s); {_summary(reports)}")
     return "\n".join(lines) + "\n"
@@ -186,7 +219,8 @@ def _summary(reports: list[BackendReport]) -> str:
 def to_json(reports: list[BackendReport]) -> str:
     """The report as JSON."""
     outcomes = [r.outcome for r in reports]
-    worst = next((o for o in (VIOLATED_STATUS, STORAGE_ERROR_STATUS) if o in outcomes), HELD_STATUS)
+    order = (VIOLATED_STATUS, INTERRUPTED, STORAGE_ERROR_STATUS)
+    worst = next((o for o in order if o in outcomes), HELD_STATUS)
     return json.dumps(
         {
             "ok": all(r.ok for r in reports),
@@ -232,7 +266,20 @@ def to_junit(reports: list[BackendReport]) -> str:
                 error.text = probe.detail
             elif probe.measured == NOT_MEASURED:
                 ElementTree.SubElement(case, "skipped", message=probe.detail)
-        suite.set("tests", str(len(report.invariants) + len(report.capabilities)))
+        for layer_error in report.errors:
+            case = ElementTree.SubElement(
+                suite, "testcase", classname=report.url, name=f"layer {layer_error.layer}"
+            )
+            if layer_error.outcome == VIOLATED_STATUS:
+                failures += 1
+                failure = ElementTree.SubElement(case, "failure", message="stopped early")
+                failure.text = layer_error.message
+            else:
+                errors += 1
+                error = ElementTree.SubElement(case, "error", message=layer_error.outcome)
+                error.text = layer_error.message
+        tests = len(report.invariants) + len(report.capabilities) + len(report.errors)
+        suite.set("tests", str(tests))
         suite.set("failures", str(failures))
         suite.set("errors", str(errors))
         suite.set("time", f"{report.duration_s:.3f}")

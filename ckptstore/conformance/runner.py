@@ -9,6 +9,7 @@ storage failed one of its cases on every run (a storage error: undecided, see ``
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -19,17 +20,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hypothesis
+from hypothesis.internal.conjecture import engine
 from hypothesis.reporting import with_reporter
 
 from ckptstore.conformance.location import LocationFactory, open_for_measuring
 from ckptstore.conformance.machine import PROFILES, make_state_machine, run_state_machine
 from ckptstore.conformance.model import InvariantViolation
-from ckptstore.conformance.outcomes import StorageFailure, storage_failure
+from ckptstore.conformance.outcomes import STORAGE_ERROR, StorageFailure, storage_failure
 from ckptstore.conformance.powerloss import run_power_loss
 from ckptstore.conformance.probes import run_probes
 from ckptstore.conformance.races import RACE_PROFILES, run_races
-from ckptstore.conformance.report import BackendReport
-from ckptstore.conformance.syscalls import report_syscall_layers
+from ckptstore.conformance.report import INTERRUPTED, VIOLATED_STATUS, BackendReport
+from ckptstore.conformance.syscalls import TRACE_INVARIANTS, report_syscall_layers
 from ckptstore.conformance.workload import (
     CrashPointResult,
     big_shard_size,
@@ -102,55 +104,177 @@ def run_backend(
     options: dict[str, Any] | None = None,
     allow_nonempty: bool = False,
     progress: Progress | None = None,
+    budget_s: float | None = None,
+    on_layer: Callable[[BackendReport], None] | None = None,
 ) -> BackendReport:
-    """Run the whole suite on the store at ``url``; refuse a non-empty store unless allowed."""
+    """Run the whole suite on the store at ``url``; refuse a non-empty store unless allowed.
+
+    Every layer runs whatever another one found: an error escaping a layer is recorded in the
+    report (a violation, or a storage error) and the next layer runs. ``budget_s`` (default:
+    the profile's ``BUDGET_S``) bounds the run, shrinking included. ``on_layer`` is called with
+    the report after each layer, so that what is found is written as it is found.
+    """
     if profile not in PROFILES:
         raise InvalidOptionError(f"unknown profile {profile!r}; choose from {sorted(PROFILES)}")
     say = progress or (lambda message: None)
     started = time.monotonic()
-    base = Store(open_for_measuring(url, dict(options or {})))
-    if not allow_nonempty and not base.is_empty():
+    budget = BUDGET_S.get(profile) if budget_s is None else budget_s
+    deadline = None if budget is None else started + budget
+    report = BackendReport(url=url, strategy="?")
+    written = on_layer or (lambda report: None)
+    layer = functools.partial(_layer, report, started=started, written=written)
+    base = _open_base(report, url, options, allow_nonempty)
+    if base is None:
+        report.duration_s = time.monotonic() - started
+        written(report)
+        return report
+    factory = LocationFactory(url, options)
+    file_system = driver_family(base.driver) is DriverFamily.FILE_SYSTEM
+    sizes = {"multipart": 0, "per_case": 0.0}
+    with _quiet():
+
+        def probes() -> None:
+            location = factory()
+            try:
+                report.capabilities = run_probes(location)
+                sizes["multipart"] = big_shard_size(location)
+            finally:
+                location.destroy()
+
+        say("capability probes")
+        layer("capability probes", (), probes)
+        say("exhaustive crash points")
+        layer(
+            "crash points",
+            CRASH_POINT_INVARIANTS,
+            lambda: sizes.update(per_case=_crash_points(report, factory)),
+        )
+        if file_system:
+            report.not_applicable("I8", "file-system calls have no unknown outcomes")
+            say("power loss")
+            layer("power loss", POWER_LOSS_INVARIANTS, lambda: _power_loss(report, base, profile))
+            layer(
+                "syscall trace",
+                TRACE_INVARIANTS,
+                lambda: report_syscall_layers(report, factory, profile, say),
+            )
+        else:
+            say("unknown outcomes of conditional writes")
+            layer("unknown outcomes", ("I8",), lambda: _indeterminate(report, factory))
+            report.coverage["power loss"] = "not applicable (object store)"
+            report.coverage["syscall trace"] = "not applicable (object store)"
+        say("parallel races")
+        layer("parallel races", RACE_INVARIANTS, lambda: _races(report, factory, profile))
+        layer(
+            "property-based",
+            MACHINE_INVARIANTS,
+            lambda: _state_machine(
+                report, factory, profile, int(sizes["multipart"]), sizes["per_case"], say,
+                deadline, budget or 0.0,
+            ),
+        )  # fmt: skip
+    return report
+
+
+def _open_base(
+    report: BackendReport, url: str, options: dict[str, Any] | None, allow_nonempty: bool
+) -> Any:
+    """The strategy at ``url``, checked empty; None (recorded in ``report``) if the storage
+    cannot even be opened. A storage error in the emptiness check is recorded, not fatal."""
+    try:
+        strategy = open_for_measuring(url, dict(options or {}))
+    except Exception as exc:
+        cause = storage_failure(exc)
+        if cause is None:
+            raise
+        report.storage_error(ALL_INVARIANTS, f"opening the store: {cause!r}")
+        report.layer_error("opening the store", STORAGE_ERROR, f"nothing could run: {cause!r}")
+        return None
+    report.strategy = strategy.name
+    try:
+        empty = allow_nonempty or Store(strategy).is_empty()
+    except Exception as exc:
+        cause = storage_failure(exc)
+        if cause is None:
+            raise
+        # The suite writes only under locations of its own: run, and say what was not known.
+        report.layer_error(
+            "emptiness check", STORAGE_ERROR, f"whether the store is empty is unknown: {cause!r}"
+        )
+        return strategy
+    if not empty:
         raise RefusedError(
             f"{url} is not empty; the conformance suite writes and deletes under it. "
             f"Point it at an empty location, or pass --yes (allow_nonempty=True)"
         )
-    report = BackendReport(url=url, strategy=base.strategy.name)
-    factory = LocationFactory(url, options)
-    file_system = driver_family(base.strategy.driver) is DriverFamily.FILE_SYSTEM
-    with _quiet():
-        say("capability probes")
-        location = factory()
-        try:
-            report.capabilities = run_probes(location)
-            multipart = big_shard_size(location)
-        finally:
-            location.destroy()
-        per_case = _crash_points(report, factory, say)
-        if file_system:
-            report.not_applicable("I8", "file-system calls have no unknown outcomes")
-            _power_loss(report, base.strategy, profile, say)
-            report_syscall_layers(report, factory, profile, say)
+    return strategy
+
+
+def _layer(
+    report: BackendReport,
+    name: str,
+    invariants: tuple[str, ...],
+    body: Callable[[], object],
+    *,
+    started: float,
+    written: Callable[[BackendReport], None],
+) -> None:
+    """Run one layer of the suite: whatever escapes it is recorded in ``report``, never raised.
+
+    An ``InvariantViolation`` is a violation of its invariant; the storage's own failure (see
+    ``outcomes``) leaves ``invariants`` undecided; anything else ckptstore raised is the
+    protocol misbehaving: the layer's first invariant is violated (the report's ``errors``
+    name the layer whose invariants it leaves unchecked). Then ``written(report)`` is called,
+    also when the run is interrupted (KeyboardInterrupt), so that finished layers stay written.
+    """
+    try:
+        body()
+    except StorageFailure as failure:
+        report.storage_error(invariants, f"{name}: {failure}")
+        report.layer_error(name, STORAGE_ERROR, f"stopped by the storage: {failure.error!r}")
+    except InvariantViolation as violation:
+        report.violated(violation.invariant, f"{name}: {violation.detail}")
+    except Exception as exc:
+        cause = storage_failure(exc)
+        if cause is not None:
+            report.storage_error(invariants, f"{name}: {cause!r}")
+            report.layer_error(name, STORAGE_ERROR, f"stopped by the storage: {cause!r}")
         else:
-            _indeterminate(report, factory, say)
-            report.coverage["power loss"] = "not applicable (object store)"
-            report.coverage["syscall trace"] = "not applicable (object store)"
-        _races(report, factory, profile, say)
-        _state_machine(report, factory, profile, multipart, per_case, say)
-    report.duration_s = time.monotonic() - started
-    return report
+            if invariants:
+                report.violated(invariants[0], f"{name}: the layer failed: {exc!r}")
+            report.layer_error(name, VIOLATED_STATUS, f"stopped by an unexpected error: {exc!r}")
+            log.debug("%s failed", name, exc_info=True)
+    except BaseException:
+        report.layer_error(
+            name, INTERRUPTED, "interrupted: this layer and the later ones did not finish"
+        )
+        raise
+    finally:
+        report.duration_s = time.monotonic() - started
+        written(report)
 
 
 CRASH_WORKERS = 4
-MACHINE_BUDGET_S = {"ci": 25.0}
-"""Seconds the property-based layer may take per profile (None: the profile's examples)."""
+BUDGET_S: dict[str, float | None] = {"ci": 60.0, "thorough": None}
+"""Seconds one backend's run may take per profile (None: no limit). The property-based layer
+gets what the layers before it left (at least ``MACHINE_MIN_S``), and stops shrinking at the
+budget: a failing backend's run ends well within twice it."""
+MACHINE_MAX_S: dict[str, float | None] = {"ci": 25.0, "thorough": None}
+"""Seconds the property-based layer takes at most per profile (None: what the budget leaves)."""
+MACHINE_MIN_S = 10.0
+"""Seconds the property-based layer gets even when the layers before it used the budget (at
+most a quarter of the budget)."""
 EXAMPLE_COST_IN_CRASH_CASES = 8.0
 """An example of the state machine costs about as much storage traffic as this many crash
 cases; used to fit the examples into the budget on slow (networked) storage."""
+CRASH_POINT_INVARIANTS = ("I1", "I2", "I3", "I4", "I7")
+POWER_LOSS_INVARIANTS = ("I1", "I2", "I3", "I4")
+MACHINE_INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7")
+ALL_INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8")
 
 
-def _crash_points(report: BackendReport, factory: LocationFactory, say: Progress) -> float:
+def _crash_points(report: BackendReport, factory: LocationFactory) -> float:
     """Run the crash-point layer; return the seconds one crash case took on average."""
-    say("exhaustive crash points")
     started = time.monotonic()
     result = run_crash_points(factory, workers=CRASH_WORKERS)
     # What one case costs when run alone (the state machine runs one thing at a time).
@@ -161,7 +285,9 @@ def _crash_points(report: BackendReport, factory: LocationFactory, say: Progress
     _undecided(report, CRASH_POINT_INVARIANTS, result)
     report.coverage["crash points"] = (
         f"{result.calls} storage calls, {_crash_states(result)}: "
-        f"{result.cases - 1} crashes, each recovered, GC'd and checked" + _retries(result)
+        f"{max(result.cases - 1, 0)} crashes, each recovered, GC'd and checked"
+        + _retries(result)
+        + _slow_cleanup(result)
     )
     return per_case
 
@@ -175,8 +301,13 @@ def _crash_states(result: CrashPointResult) -> str:
     )
 
 
-CRASH_POINT_INVARIANTS = ("I1", "I2", "I3", "I4", "I7")
-MACHINE_INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7")
+def _slow_cleanup(result: CrashPointResult) -> str:
+    if not result.slow_cleanups:
+        return ""
+    return (
+        f"; in {result.slow_cleanups} case(s) GC kept dead attempts longer than the grace "
+        f"period, and collected them later (allowed: the storage's clock may be ahead)"
+    )
 
 
 def _undecided(report: BackendReport, keys: tuple[str, ...], result: CrashPointResult) -> None:
@@ -193,8 +324,7 @@ def _retries(result: CrashPointResult) -> str:
     return "".join(f"; {note}" for note in notes)
 
 
-def _indeterminate(report: BackendReport, factory: LocationFactory, say: Progress) -> None:
-    say("unknown outcomes of conditional writes")
+def _indeterminate(report: BackendReport, factory: LocationFactory) -> None:
     result = run_indeterminate_outcomes(factory)
     if "I8" in result.invariants_checked:
         report.checked("I8")
@@ -206,10 +336,9 @@ def _indeterminate(report: BackendReport, factory: LocationFactory, say: Progres
     )
 
 
-def _power_loss(report: BackendReport, strategy: Any, profile: str, say: Progress) -> None:
-    say("power loss")
+def _power_loss(report: BackendReport, strategy: Any, profile: str) -> None:
     result = run_power_loss(strategy, depth=1 if profile == "ci" else 2)
-    report.checked("I1", "I2", "I3", "I4")
+    report.checked(*POWER_LOSS_INVARIANTS)
     for failure in result.failures:
         report.violated(failure.invariant, f"{failure.case}: {failure.message}")
     report.coverage["power loss"] = (
@@ -217,9 +346,11 @@ def _power_loss(report: BackendReport, strategy: Any, profile: str, say: Progres
     )
 
 
-def _races(report: BackendReport, factory: LocationFactory, profile: str, say: Progress) -> None:
+RACE_INVARIANTS = ("I5", "I1", "I4")
+
+
+def _races(report: BackendReport, factory: LocationFactory, profile: str) -> None:
     """Writers racing in threads and processes, released together (``races``)."""
-    say("parallel races")
     result = run_races(factory, RACE_PROFILES[profile])
     report.checked("I1", "I4", "I5")
     for failure in result.failures:
@@ -236,46 +367,126 @@ def _state_machine(
     multipart: int,
     per_case_s: float,
     say: Progress,
+    deadline: float | None,
+    total_s: float = MACHINE_MIN_S * 4,
 ) -> None:
     machine = make_state_machine(factory, multipart_size=multipart)
     settings = PROFILES[profile]
-    budget = MACHINE_BUDGET_S.get(profile)
-    if budget is not None:
+    if deadline is not None:
+        budget = max(deadline - time.monotonic(), min(MACHINE_MIN_S, total_s / 4))
+        budget = min(budget, MACHINE_MAX_S.get(profile) or budget)
+        deadline = time.monotonic() + budget
         affordable = int(budget / max(per_case_s * EXAMPLE_COST_IN_CRASH_CASES, 1e-6))
         examples = max(5, min(settings.max_examples, affordable))
         settings = hypothesis.settings(settings, max_examples=examples)
     say(f"property-based crash injection (profile {profile}, {settings.max_examples} examples)")
-    note = _run_machine(report, machine, settings)
+    until = _Until(deadline)
+    note = _run_machine(report, machine, settings, until)
     report.checked(*MACHINE_INVARIANTS)
     report.coverage["property-based"] = (
         f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps{note}"
     )
 
 
-def _run_machine(report: BackendReport, machine: Any, settings: hypothesis.settings) -> str:
+class _Until:
+    """The property-based layer's deadline: hypothesis stops shrinking there, and reports the
+    smallest failing sequence it has found so far."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline
+
+    @contextlib.contextmanager
+    def shrinking(self) -> Iterator[None]:
+        """Hypothesis's own limit on shrinking (five minutes from its start), moved to the
+        deadline: ``engine`` reads it as ``time.perf_counter() + MAX_SHRINKING_SECONDS``."""
+        if self.deadline is None:
+            yield
+            return
+        saved = engine.MAX_SHRINKING_SECONDS
+        left = self.deadline - time.monotonic()
+        engine.MAX_SHRINKING_SECONDS = _AtDeadline(time.perf_counter() + left)  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            engine.MAX_SHRINKING_SECONDS = saved
+
+
+class _AtDeadline(float):
+    """A number of seconds that, added to the time shrinking starts, gives the deadline."""
+
+    at: float
+
+    def __new__(cls, at: float) -> _AtDeadline:
+        seconds = super().__new__(cls, max(at - time.perf_counter(), 0.0))
+        seconds.at = at
+        return seconds
+
+    def __radd__(self, now: object) -> float:
+        return self.at
+
+
+def _run_machine(
+    report: BackendReport, machine: Any, settings: hypothesis.settings, until: _Until
+) -> str:
     """Run the state machine, recording what it found; a note for the coverage line."""
     undecided = "; stopped by the storage's failure on every run (undecided)"
     printed: list[str] = []
     try:
-        with with_reporter(lambda value: printed.append(str(value))):
+        with until.shrinking(), with_reporter(lambda value: printed.append(str(value))):
             run_state_machine(machine, settings)
     except StorageFailure as failure:  # on every run: undecided, neither held nor violated
         report.storage_error(MACHINE_INVARIANTS, f"property-based: {failure}")
         return undecided
     except InvariantViolation as violation:
-        report.violated(violation.invariant, _shrunk(violation.detail, printed))
+        report.violated(violation.invariant, _shrunk(violation.detail, violation, printed))
+        return _budget_note(violation, printed)
     except Exception as exc:  # anything else the store raised is reported, not hidden
         cause = storage_failure(exc)  # one that hypothesis shrank: the storage failed
         if cause is None:
-            report.violated("I1", _shrunk(f"unexpected error: {exc!r}", printed))
-            return ""
+            report.violated("I1", _shrunk(f"unexpected error: {exc!r}", exc, printed))
+            return _budget_note(exc, printed)
         report.storage_error(MACHINE_INVARIANTS, f"property-based: {cause!r}")
         return undecided
     return ""
 
 
-def _shrunk(message: str, printed: list[str]) -> str:
-    steps = [line for line in "\n".join(printed).splitlines() if line.strip()]
+def _budget_note(error: BaseException, printed: list[str]) -> str:
+    said = [str(note) for note in getattr(error, "__notes__", [])] + printed
+    if not any("stopped because it is making very slow" in line for line in said):
+        return ""
+    return "; shrinking stopped at the time budget (the sequence shown may not be the shortest)"
+
+
+_NOT_STEPS = (
+    "Falsifying example",
+    "Failing test case",
+    "You can reproduce",
+    "@reproduce_failure",
+    "WARNING",
+    "PLEASE",
+    "stopped because",
+    "progress.",
+    "take this long",
+    "provide a reproducing",
+    "performance for",
+)
+
+
+def _steps(error: BaseException, printed: list[str]) -> list[str]:
+    """Hypothesis's shrunk sequence of steps: from the exception's notes (where hypothesis
+    6.x puts them), else from what it printed through its reporter; without its explanation."""
+    notes = [str(note) for note in getattr(error, "__notes__", [])]
+    steps = []
+    for line in "\n".join(notes or printed).splitlines():
+        if line.lstrip().startswith("Explanation:"):
+            break
+        if line.strip() and not line.lstrip().startswith(_NOT_STEPS):
+            steps.append(line.rstrip())
+    return steps
+
+
+def _shrunk(message: str, error: BaseException, printed: list[str]) -> str:
+    steps = _steps(error, printed)
     if not steps:
         return message
     return message + "\n  shrunk failing sequence:\n" + "\n".join("    " + s for s in steps)
