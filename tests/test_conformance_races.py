@@ -150,7 +150,7 @@ def test_races_catch_two_writers_publishing_one_step() -> None:
 
 def test_the_runner_reports_races_as_invariants_and_coverage() -> None:
     report = BackendReport(url="memory://broken", strategy="conditional put")
-    runner._races(report, _broken_memory, "ci", lambda _: None)
+    runner._races(report, _broken_memory, "ci")
     assert report.invariants["I5"].status == "violated"
     text = render_text([report])
     assert "were told they published it" in text

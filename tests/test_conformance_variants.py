@@ -281,7 +281,7 @@ def test_orbax_shared_tmp_dir_is_caught_as_i7(tmp_path: Any, scheme: Any) -> Non
     staged = r"create\(step-0+1\.orbax-checkpoint-tmp/data/model/rank00000"
     text, _ = crash_at(f"orbax-tmp://{tmp_path}", staged)
     assert re.search(
-        r"crash before call \d+: .*GC left dead attempts' data: "
+        r"crash before call \d+: .*GC never collected dead attempts' data.*: "
         r"\['step-0+1\.orbax-checkpoint-tmp'",
         evidence(text, "I7"),
     ), text
@@ -335,7 +335,7 @@ def test_short_writes_are_caught_as_i1(tmp_path: Any, scheme: Any) -> None:
     text, steps = machine(f"short-write://{tmp_path}", 100)
     assert verdicts(text)["I1"] == "VIOLATED"
     assert re.search(r"has 4000 bytes, manifest says 4096", evidence(text, "I1"))
-    assert "state.save(" in steps
+    assert "state.save" in steps  # a save, with or without a fault
 
 
 def test_lying_fsync_is_caught_by_the_syscall_trace_as_i2(tmp_path: Any, scheme: Any) -> None:
@@ -547,7 +547,6 @@ def test_gc_aging_uploads_by_initiation_is_caught_as_i7(bucket: str, scheme: Any
     assert "multipart" in steps
 
 
-@needs("c13-report", "attribution of a loser deleting the winner's data to I5")
 def test_a_loser_cleaning_up_by_step_prefix_is_caught_as_i5(bucket: str, scheme: Any) -> None:
     scheme("prefix-abort", memory(MemoryDriver, bv.StepPrefixAbortCommit))
     text, steps = machine(f"prefix-abort://{bucket}/run", 20)
@@ -564,7 +563,6 @@ def test_the_probe_says_the_server_answered_200_and_kept_the_old_object(
     assert "200" in detail and "kept" in detail
 
 
-@needs("c13-report", "the shrunk steps in the report")
 def test_the_runner_report_prints_the_shrunk_steps(tmp_path: Any, scheme: Any) -> None:
     scheme("dcp-in-place", posix(bv.DcpInPlaceCommit))
     report = BackendReport(url="dcp-in-place://", strategy="broken variant")
