@@ -33,7 +33,25 @@ _LAZY_RESULTS = frozenset({"list", "list_versions", "list_multipart_uploads"})
 
 
 class SimulatedCrash(BaseException):
-    """The process died here. A BaseException, so that ``except Exception`` cannot survive it."""
+    """The process died here. A BaseException, so that ``except Exception`` cannot survive it.
+
+    ``record`` and ``mode``: the call the process died at, and whether before or after it
+    (None for a call made after the death). ``previous``: for a death before a call made when
+    no other call was in flight, the call made just before it, which had returned: the storage
+    is left as by a death just after that call.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        record: CallRecord | None = None,
+        mode: CrashMode | None = None,
+        previous: CallRecord | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.record = record
+        self.mode = mode
+        self.previous = previous
 
 
 class InjectedFault:
@@ -90,6 +108,8 @@ class FaultInjector:
         self.plan = plan or FaultPlan()
         self.calls: list[CallRecord] = []
         self.crashed = False
+        self.death: SimulatedCrash | None = None
+        """The crash the process died of (its call, mode and preceding call)."""
         self.transient_injected: list[CallRecord] = []
         self._handles: set[int] = set()
         self._calls = storage_calls(inner)
@@ -118,14 +138,21 @@ class FaultInjector:
     def _wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.crashed:
-                raise SimulatedCrash(f"{name} called after the process died")
+                death = self.death  # where it died, whichever later call notices it
+                raise SimulatedCrash(
+                    f"{name} called after the process died",
+                    *((death.record, death.mode, death.previous) if death else ()),
+                )
             mode = kwargs.get("mode")
             conditional = isinstance(mode, PutMode) and mode.conditional
             record = CallRecord(len(self.calls), name, tuple(_short(a) for a in args), conditional)
             self.calls.append(record)
             plan = self.plan
             if plan.crash_at == record.index and plan.crash_mode is CrashMode.BEFORE:
-                self._die(record)
+                with self._in_flight_lock:
+                    idle = self._in_flight == 0
+                previous = self.calls[-2] if idle and len(self.calls) > 1 else None
+                self._die(record, CrashMode.BEFORE, previous)
             transient = plan.transient.get(record.index)
             if transient is not None and (
                 plan.transient_calls is None or name in plan.transient_calls
@@ -140,7 +167,7 @@ class FaultInjector:
                 result = self._forward(name, method, args, kwargs)
             except Exception:
                 if dies_after:  # the process dies whatever the storage answered
-                    self._die(record)
+                    self._die(record, CrashMode.AFTER)
                 raise
             if name in ("create", "create_with_layout"):
                 self._handles.add(result)
@@ -152,7 +179,7 @@ class FaultInjector:
             if (dies_after or fails_after) and name == "open_read":
                 result.close()  # the caller never gets the stream it opened
             if dies_after:
-                self._die(record)
+                self._die(record, CrashMode.AFTER)
             if fails_after:
                 raise InjectedTimeoutError(
                     errno.ETIMEDOUT, f"injected timeout after {name} took effect"
@@ -174,7 +201,9 @@ class FaultInjector:
             with self._in_flight_lock:
                 self._in_flight -= 1
 
-    def _die(self, record: CallRecord) -> None:
+    def _die(
+        self, record: CallRecord, mode: CrashMode, previous: CallRecord | None = None
+    ) -> None:
         self.crashed = True
         for handle in list(self._handles):  # the kernel closes a dead process's descriptors
             try:
@@ -182,7 +211,8 @@ class FaultInjector:
             except OSError:
                 pass
         self._handles.clear()
-        raise SimulatedCrash(f"crash at call {record}")
+        self.death = SimulatedCrash(f"crash at call {record}", record, mode, previous)
+        raise self.death
 
 
 class _Materialised(Iterator[Any]):

@@ -176,6 +176,49 @@ def make_state_machine(
                 ) from exc
             self.model.save_committed(saved)
 
+        @precondition(lambda self: multipart_size > 0)
+        @rule(age=st.booleans())
+        @abort_on_storage_failure
+        def gc_during_a_live_multipart_upload(self, age: bool) -> None:
+            self._gc_mid_shard(age, size_hint=multipart_size)
+
+        @rule(age=st.booleans())
+        @abort_on_storage_failure
+        def gc_during_a_live_streamed_shard(self, age: bool) -> None:
+            self._gc_mid_shard(age, size_hint=None)
+
+        def _gc_mid_shard(self, age: bool, size_hint: int | None) -> None:
+            """GC between the writes of one shard (a multipart upload with a part uploaded,
+            or a stream left open), then finish and publish. Younger than the grace period,
+            the save must publish; aged past it, it may fail, cleanly (I7, and the
+            invariants judge whatever it left)."""
+            saved = self._new_save([100, multipart_size or 4096])
+            data = saved.shards["rank01/part.bin"]
+            self.model.save_started(saved)
+            pending = self.store.begin(saved.step, saved.metadata)
+            pending.write("rank00/part.bin", saved.shards["rank00/part.bin"])
+            writer = pending.open_shard("rank01/part.bin", size_hint)
+            writer.write(data[:-1])  # more than a part: the upload has begun
+            self.model.gc_started()
+            if age:
+                self.location.clock.advance(2 * GRACE.total_seconds())
+                self.store.gc(grace=GRACE)
+            else:
+                self.store.gc(grace=timedelta(seconds=self.location.clock.offset) + GRACE)
+            try:
+                writer.write(data[-1:])
+                writer.close()
+                pending.publish()
+            except CkptStoreError as exc:
+                pending.abort()
+                if age:
+                    return  # GC took it for dead, as it may: failing cleanly is allowed
+                what = "multipart upload" if size_hint else "streamed shard"
+                raise InvariantViolation(
+                    "I7", f"GC broke a save with a live {what} younger than the grace period: {exc}"
+                ) from exc
+            self.model.save_committed(saved)
+
         @rule()
         @abort_on_storage_failure
         def restart(self) -> None:

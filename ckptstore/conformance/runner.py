@@ -156,9 +156,21 @@ def _crash_points(report: BackendReport, factory: LocationFactory, say: Progress
     _undecided(report, CRASH_POINT_INVARIANTS, result)
     report.coverage["crash points"] = (
         f"{result.calls} storage calls, {_crash_states(result)}: "
-        f"{result.cases - 1} crashes, each recovered, GC'd and checked" + _retries(result)
+        f"{result.cases - 1} crashes, each recovered, GC'd and checked"
+        + _completions_note(result)
+        + _retries(result)
     )
     return per_case
+
+
+def _completions_note(result: CrashPointResult) -> str:
+    """How many multipart completions the crashes surrounded, as the injector recorded them."""
+    if not result.completions:
+        return ""
+    return (
+        f"; {result.completions_crashed_around} multipart completions crashed around (before "
+        f"and after each; {result.completions} in the workload)"
+    )
 
 
 def _crash_states(result: CrashPointResult) -> str:

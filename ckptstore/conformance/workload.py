@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 GRACE = timedelta(hours=1)
+MULTIPART_COMPLETION = "complete_multipart"
 _AGE = 2 * GRACE.total_seconds()
 LocationMaker = Callable[[], Location]
 
@@ -55,12 +56,13 @@ def pattern(size: int, seed: int) -> bytes:
 
 
 def big_shard_size(location: Location) -> int:
-    """A size that takes a multipart upload of three parts where the storage has them."""
+    """A size that takes a multipart upload of two parts (the last one short) where the
+    storage has them: each crash case runs the whole workload, so each part costs twice."""
     strategy = location.base
     if Capability.MULTIPART not in strategy.capabilities:
         return 0
     part_size = int(getattr(strategy, "part_size", 0) or 0)
-    return 2 * part_size + 123 if part_size else 0
+    return part_size + 123 if part_size else 0
 
 
 def _shards(step: int, big: int) -> dict[str, bytes]:
@@ -133,6 +135,8 @@ class CrashPointResult:
     """What the exhaustive crash-point layer covered and what it found."""
 
     calls: int = 0
+    call_names: list[str] = field(default_factory=list)
+    """The name of each storage call of the workload without a crash, in order."""
     cases: int = 0
     failures: list[CaseFailure] = field(default_factory=list)
     invariants_checked: set[str] = field(default_factory=set)
@@ -143,6 +147,17 @@ class CrashPointResult:
     overlapped: bool = False
     """The workload made storage calls concurrently: a crash after call k differs from one
     before call k + 1, so both are run."""
+    completions: int = 0
+    """Multipart completions the workload made (without a crash)."""
+    completions_before: set[int] = field(default_factory=set)
+    completions_after: set[int] = field(default_factory=set)
+    """The multipart completions (by call number) that a case died before, and just after,
+    as the fault injector recorded the crash."""
+
+    @property
+    def completions_crashed_around(self) -> int:
+        """Multipart completions that a case died before and another died just after."""
+        return len(self.completions_before & self.completions_after)
 
     def add(self, other: CrashPointResult) -> None:
         """Count the cases of ``other`` in this result too."""
@@ -151,6 +166,17 @@ class CrashPointResult:
         self.invariants_checked |= other.invariants_checked
         self.storage_errors.extend(other.storage_errors)
         self.retried += other.retried
+        self.completions_before |= other.completions_before
+        self.completions_after |= other.completions_after
+
+    def crashed_at(self, crash: SimulatedCrash) -> None:
+        """Note the multipart completion ``crash`` died before or after, if any."""
+        record, previous = crash.record, crash.previous
+        if record is not None and record.name == MULTIPART_COMPLETION:
+            died = crash.mode is CrashMode.BEFORE
+            (self.completions_before if died else self.completions_after).add(record.index)
+        if previous is not None and previous.name == MULTIPART_COMPLETION:
+            self.completions_after.add(previous.index)  # dying before the next call
 
 
 def recover_and_check(location: Location, model: Model) -> None:
@@ -173,12 +199,17 @@ def recover_and_check(location: Location, model: Model) -> None:
 
 
 def run_crash_points(
-    new_location: LocationMaker, *, limit: int | None = None, workers: int = 4
+    new_location: LocationMaker,
+    *,
+    limit: int | None = None,
+    workers: int = 4,
+    around: str | None = None,
 ) -> CrashPointResult:
     """Crash the standard workload at every storage call, before and after it took effect.
 
     Cases are independent (each has a location of its own), so ``workers`` run at once: on
-    networked storage most of a case is waiting for answers.
+    networked storage most of a case is waiting for answers. ``limit``: only the first calls;
+    ``around``: only just before and just after the calls of that name (a cheap test).
     """
     result = CrashPointResult()
     baseline = _retried(functools.partial(_baseline, new_location))
@@ -186,12 +217,16 @@ def run_crash_points(
     if baseline.storage_errors:  # the workload never ran through: no call to crash at
         return result
     result.calls = baseline.calls
+    result.call_names = baseline.call_names
     result.overlapped = baseline.overlapped
+    result.completions = baseline.completions
     reached = baseline.calls if limit is None else min(baseline.calls, limit)
-    cases = [(index, CrashMode.BEFORE) for index in range(reached)]
+    names = baseline.call_names
+    chosen = [i for i in range(reached) if around is None or around in names[max(0, i - 1) : i + 1]]
+    cases = [(index, CrashMode.BEFORE) for index in chosen]
     if baseline.overlapped:
         cases = [(index, mode) for index, _ in cases for mode in CrashMode]
-    elif reached:
+    elif chosen and chosen[-1] == reached - 1:
         # Calls made one at a time: dying after call k leaves the storage exactly as dying
         # before call k + 1 does (nothing happens in between), so each state is run once.
         cases.append((reached - 1, CrashMode.AFTER))
@@ -239,7 +274,9 @@ def _baseline(new_location: LocationMaker) -> CrashPointResult:
         injector = store.strategy.driver
         assert isinstance(injector, FaultInjector)  # Location.open puts one under every store
         result.calls = len(injector.calls)
+        result.call_names = [call.name for call in injector.calls]
         result.overlapped = injector.overlapped
+        result.completions = result.call_names.count(MULTIPART_COMPLETION)
         _run_case(result, "no crash", lambda: recover_and_check(location, model))
     finally:
         location.destroy()
@@ -261,6 +298,7 @@ def _crash_case(new_location: LocationMaker, index: int, mode: CrashMode) -> Cra
             name += " (not reached)"
         except SimulatedCrash as crash:
             name = f"{name}: {crash}"
+            result.crashed_at(crash)
         except CkptStoreError as exc:  # before the crash point: the storage failed the workload
             return _undecided(result, name, exc)
         _run_case(result, name, lambda: recover_and_check(location, model))
