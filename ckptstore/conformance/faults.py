@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 _LAZY_RESULTS = frozenset({"list", "list_versions", "list_multipart_uploads"})
+_CONDITIONS = {"create": "If-None-Match", "update": "If-Match"}
 
 
 class SimulatedCrash(BaseException):
@@ -95,6 +96,8 @@ class CallRecord:
     args: tuple[str, ...]
     conditional: bool = False
     """A conditional write (If-None-Match / If-Match): a commit point on object stores."""
+    condition: str = ""
+    """Its header: ``If-None-Match`` (create) or ``If-Match`` (compare-and-swap)."""
 
     def __str__(self) -> str:
         return f"#{self.index} {self.name}({', '.join(self.args)})"
@@ -145,7 +148,10 @@ class FaultInjector:
                 )
             mode = kwargs.get("mode")
             conditional = isinstance(mode, PutMode) and mode.conditional
-            record = CallRecord(len(self.calls), name, tuple(_short(a) for a in args), conditional)
+            condition = _CONDITIONS.get(mode.kind, "") if isinstance(mode, PutMode) else ""
+            record = CallRecord(
+                len(self.calls), name, tuple(_short(a) for a in args), conditional, condition
+            )
             self.calls.append(record)
             plan = self.plan
             if plan.crash_at == record.index and plan.crash_mode is CrashMode.BEFORE:
@@ -201,9 +207,7 @@ class FaultInjector:
             with self._in_flight_lock:
                 self._in_flight -= 1
 
-    def _die(
-        self, record: CallRecord, mode: CrashMode, previous: CallRecord | None = None
-    ) -> None:
+    def _die(self, record: CallRecord, mode: CrashMode, previous: CallRecord | None = None) -> None:
         self.crashed = True
         for handle in list(self._handles):  # the kernel closes a dead process's descriptors
             try:

@@ -128,7 +128,7 @@ def run_backend(
             report.not_applicable("I8", "file-system calls have no unknown outcomes")
             _power_loss(report, base.strategy, profile, say)
         else:
-            _indeterminate(report, factory, say)
+            _indeterminate(report, factory, say, every_call=profile != "ci")
             report.coverage["power loss"] = "not applicable (object store)"
         _state_machine(report, factory, profile, multipart, per_case, say)
     report.duration_s = time.monotonic() - started
@@ -197,16 +197,38 @@ def _retries(result: CrashPointResult) -> str:
     return "".join(f"; {note}" for note in notes)
 
 
-def _indeterminate(report: BackendReport, factory: LocationFactory, say: Progress) -> None:
+def _indeterminate(
+    report: BackendReport, factory: LocationFactory, say: Progress, *, every_call: bool = False
+) -> None:
     say("unknown outcomes of conditional writes")
-    result = run_indeterminate_outcomes(factory)
+    result = run_indeterminate_outcomes(factory, before_every_call=every_call)
     if "I8" in result.invariants_checked:
         report.checked("I8")
     for failure in result.failures:
         report.violated(failure.invariant, f"{failure.case}: {failure.message}")
     _undecided(report, ("I8",), result)
+    each = (
+        f"each of the {result.calls} storage calls of two saves, a 503 before and a timeout after"
+        if every_call
+        else f"a 503 before and a timeout after each commit point of two saves, a timeout after "
+        f"each of the first save's {result.first_save_calls} calls"
+    )
     report.coverage["unknown outcomes"] = (
-        f"a timeout after each of {result.cases} storage calls" + _retries(result)
+        f"{result.cases} cases ({each}); commit points failed: {_faulted_note(result)}"
+        + _retries(result)
+    )
+
+
+def _faulted_note(result: CrashPointResult) -> str:
+    """Each commit point the layer failed, with how often before and after (from the
+    injector's records of the faults it injected)."""
+    labels = sorted({key.split(" ", 1)[1] for key in result.faulted})
+    if not labels:
+        return "none"
+    return ", ".join(
+        f"{label} ({result.faulted['before ' + label]} before, "
+        f"{result.faulted['after ' + label]} after)"
+        for label in labels
     )
 
 

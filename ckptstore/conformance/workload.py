@@ -15,12 +15,20 @@ the storage keeps failing it, the case is reported as a storage error, never as 
 from __future__ import annotations
 
 import functools
+import re
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan, SimulatedCrash
+from ckptstore.conformance.faults import (
+    CallRecord,
+    CrashMode,
+    FaultInjector,
+    FaultPlan,
+    SimulatedCrash,
+)
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
 from ckptstore.conformance.outcomes import (
@@ -137,6 +145,8 @@ class CrashPointResult:
     calls: int = 0
     call_names: list[str] = field(default_factory=list)
     """The name of each storage call of the workload without a crash, in order."""
+    first_save_calls: int = 0
+    """Unknown outcomes: how many of the calls the first of the two saves made."""
     cases: int = 0
     failures: list[CaseFailure] = field(default_factory=list)
     invariants_checked: set[str] = field(default_factory=set)
@@ -147,6 +157,8 @@ class CrashPointResult:
     overlapped: bool = False
     """The workload made storage calls concurrently: a crash after call k differs from one
     before call k + 1, so both are run."""
+    faulted: Counter[str] = field(default_factory=Counter)
+    """Commit points failed on purpose, by mode and label (``before If-Match put LATEST``)."""
     completions: int = 0
     """Multipart completions the workload made (without a crash)."""
     completions_before: set[int] = field(default_factory=set)
@@ -167,6 +179,7 @@ class CrashPointResult:
         self.storage_errors.extend(other.storage_errors)
         self.retried += other.retried
         self.completions_before |= other.completions_before
+        self.faulted.update(other.faulted)
         self.completions_after |= other.completions_after
 
     def crashed_at(self, crash: SimulatedCrash) -> None:
@@ -321,49 +334,93 @@ def _run_case(result: CrashPointResult, name: str, body: Callable[[], None]) -> 
             result.failures.append(CaseFailure(name, "I1", f"recovery failed: {exc!r}"))
 
 
-def run_indeterminate_outcomes(new_location: LocationMaker) -> CrashPointResult:
-    """Time out every call of a save after it took effect, and after each: read back (I8).
+def run_indeterminate_outcomes(
+    new_location: LocationMaker, *, before_every_call: bool = False
+) -> CrashPointResult:
+    """Fail storage calls of two saves, one per case; then read back (I8) and check.
 
-    A save whose publish took effect must not report failure, and above all must not mistake
-    its own earlier write for another writer's (CheckpointExistsError).
+    The first save creates LATEST, the second moves it by compare-and-swap. Every commit point
+    of both (a conditional call, a multipart completion) fails with a 503 before it reached
+    storage, and times out after it took effect; every other call of the first save times out
+    after it took effect; with ``before_every_call``, every call of both fails both ways. A
+    save whose publish took effect must not report failure, nor mistake its own earlier write
+    for another writer's (CheckpointExistsError); a save that reports success must have
+    published; whatever the saves left must satisfy the invariants.
     """
     result = CrashPointResult()
     baseline = _retried(functools.partial(_count_save_calls, new_location))
     result.add(baseline)
     if baseline.storage_errors:
         return result
-    for index in range(baseline.calls):
-        result.add(_retried(functools.partial(_indeterminate_case, new_location, index)))
+    result.calls, result.first_save_calls = baseline.calls, baseline.first_save_calls
+    for index, label in enumerate(baseline.call_names):
+        commit_point = commit_point_label(label) is not None
+        every = before_every_call or commit_point
+        modes = [CrashMode.BEFORE] if every else []
+        if every or index < baseline.first_save_calls:
+            modes.append(CrashMode.AFTER)
+        for mode in modes:
+            saves = 1 if index < baseline.first_save_calls else 2
+            case = functools.partial(_transient_case, new_location, index, mode, saves)
+            result.add(_retried(case))
     return result
+
+
+def commit_point_label(record: CallRecord | str) -> str | None:
+    """How the report names a commit point (``If-Match put LATEST``), or None for another
+    call. ``record`` may be a label from ``_call_label`` already."""
+    label = record if isinstance(record, str) else _call_label(record)
+    if label.startswith(("If-None-Match ", "If-Match ")) or MULTIPART_COMPLETION in label:
+        return label
+    return None
+
+
+def _call_label(record: CallRecord) -> str:
+    """A call's name, condition and key, with step numbers and attempt ids left out."""
+    key = _STEP_DIGITS.sub("step-N", record.args[0]) if record.args else ""
+    key = _ATTEMPT_TAIL.sub(".<attempt>/", key)
+    condition = f"{record.condition} " if record.condition else ""
+    return f"{condition}{record.name} {key}".rstrip()
+
+
+_STEP_DIGITS = re.compile(r"step-\d+")
+_ATTEMPT_TAIL = re.compile(r"\.[0-9a-z]{6,}/")
 
 
 def _count_save_calls(new_location: LocationMaker) -> CrashPointResult:
-    """One save without faults, to count its storage calls (not itself a case)."""
+    """The two saves without faults, to list their storage calls (not itself a case)."""
     result = CrashPointResult()
     try:
         location = new_location()
     except CkptStoreError as exc:
-        return _undecided(result, "a save without faults", exc)
+        return _undecided(result, "two saves without faults", exc)
     try:
         store, injector = location.open()
-        save(store, Model(), Saved(1, _shards(1, 0), {}))
+        model, big = Model(), big_shard_size(location)
+        for step in (1, 2):
+            save(store, model, Saved(step, _shards(step, big), {}))
+            result.first_save_calls = result.first_save_calls or injector.count
         result.calls = injector.count
+        result.call_names = [_call_label(call) for call in injector.calls]
     except CkptStoreError as exc:
-        return _undecided(result, "a save without faults", exc)
+        return _undecided(result, "two saves without faults", exc)
     finally:
         location.destroy()
     return result
 
 
-def _indeterminate_case(new_location: LocationMaker, index: int) -> CrashPointResult:
+def _transient_case(
+    new_location: LocationMaker, index: int, mode: CrashMode, saves: int
+) -> CrashPointResult:
     result = CrashPointResult()
-    name = f"timeout after call {index}"
+    how = "503 before" if mode is CrashMode.BEFORE else "timeout after"
+    name = f"{how} call {index}"
     try:
         location = new_location()
     except CkptStoreError as exc:
         return _undecided(result, name, exc)
     try:
-        _time_out_after(result, location, index, name)
+        _fail_once(result, location, index, mode, name, saves)
     except CkptStoreError as exc:
         return _undecided(result, name, exc)
     finally:
@@ -371,33 +428,70 @@ def _indeterminate_case(new_location: LocationMaker, index: int) -> CrashPointRe
     return result
 
 
-def _time_out_after(result: CrashPointResult, location: Location, index: int, name: str) -> None:
-    model = Model()
-    store, injector = location.open(FaultPlan(transient={index: CrashMode.AFTER}))
-    saved = Saved(1, _shards(1, 0), {})
-    try:
-        save(store, model, saved)
-    except CheckpointExistsError as exc:
-        record = injector.transient_injected[0] if injector.transient_injected else None
-        result.cases += 1
-        result.failures.append(
-            CaseFailure(f"{name} {record}", "I8", f"own publish taken for another's: {exc}")
-        )
-        return
-    except CkptStoreError as exc:
-        if storage_failure(exc) is not None:
-            raise  # the storage failed the save, not the injected timeout: nothing to judge
+def _fail_once(
+    result: CrashPointResult,
+    location: Location,
+    index: int,
+    mode: CrashMode,
+    name: str,
+    saves: int,
+) -> None:
+    """Run ``saves`` saves with one fault; judge what they reported, and what they left."""
+    model, big = Model(), big_shard_size(location)
+    store, injector = location.open(FaultPlan(transient={index: mode}))
+    reported: dict[int, CkptStoreError | None] = {}
+    for step in range(1, saves + 1):
+        try:
+            save(store, model, Saved(step, _shards(step, big), {}))
+            reported[step] = None
+        except CheckpointExistsError as exc:  # the only writer: its own publish, taken for
+            result.cases += 1  # another writer's
+            result.failures.append(
+                CaseFailure(f"{name} {_faulted(injector)}", "I8", f"own publish taken for "
+                            f"another's: {exc}")
+            )  # fmt: skip
+            return
+        except CkptStoreError as exc:
+            if storage_failure(exc) is not None:
+                raise  # the storage failed the save, not the injected fault: nothing to judge
+            reported[step] = exc
     record = injector.transient_injected[0] if injector.transient_injected else None
     if record is not None:
         name = f"{name}: {record}"
+        label = commit_point_label(record)
+        if label is not None:
+            result.faulted[f"{mode.value} {label}"] += 1
         if record.conditional:
             result.invariants_checked.add("I8")
     clean, _ = location.open()
-    failed_but_published = bool(model.in_doubt.get(1)) and clean.steps() == [1]
-    if failed_but_published and record is not None and record.conditional:
-        result.cases += 1
-        result.failures.append(
-            CaseFailure(name, "I8", "the publish took effect but the save reported failure")
-        )
-        return
+    visible = set(clean.steps())
+    for step, error in reported.items():
+        if error is not None and step in visible and _holds_own(clean, model, step):
+            result.cases += 1
+            result.failures.append(
+                CaseFailure(name, "I8", f"step {step}'s publish took effect but the save "
+                            f"reported failure: {error!r}")
+            )  # fmt: skip
+            return
+        if error is None and step not in visible:
+            result.cases += 1
+            result.failures.append(
+                CaseFailure(name, "I8", f"the save of step {step} reported success but "
+                            f"nothing was published (an unknown outcome guessed)")
+            )  # fmt: skip
+            return
     _run_case(result, name, lambda: check_invariants(clean, model))
+
+
+def _holds_own(store: Store, model: Model, step: int) -> bool:
+    """Whether ``step`` is published with what this (the only) writer saved there."""
+    try:
+        checkpoint = store.get(step)
+    except CkptStoreError:
+        return False
+    saves = [*model.in_doubt.get(step, []), *filter(None, [model.committed.get(step)])]
+    return any(saved.matches(checkpoint) for saved in saves)
+
+
+def _faulted(injector: FaultInjector) -> str:
+    return str(injector.transient_injected[0]) if injector.transient_injected else ""
