@@ -19,6 +19,7 @@ from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import DATA_DIR, RenameCommit
 from ckptstore.conformance import runner
+from ckptstore.conformance.faults import CrashMode
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine
 from ckptstore.conformance.model import InvariantViolation
@@ -116,6 +117,28 @@ def test_on_s3_the_crash_points_crash_around_multipart_completions(moto_s3: Embe
     result = run_crash_points(LocationFactory(url, moto_s3.options), around=MULTIPART_COMPLETION)
     assert result.failures == [] and result.storage_errors == []
     assert result.completions == 2 and result.completions_crashed_around == 2
+
+
+def test_the_state_machine_counts_its_crashes_around_completions(memory_url: str) -> None:
+    factory, size = LocationFactory(memory_url), 4096 + 123
+    location = factory()
+    store, injector = location.open()
+    store.save(1, {"rank00/part.bin": pattern(size, 1)})
+    k = [call.name for call in injector.calls].index(MULTIPART_COMPLETION)
+    location.destroy()
+    machine_class = make_state_machine(factory, multipart_size=size)
+    machine = machine_class()
+    try:
+        for crash in ((k, CrashMode.BEFORE), (k + 1, CrashMode.BEFORE), (k, CrashMode.AFTER)):
+            machine.save(shard_sizes=[size], crash=crash, skip=0)
+            machine.invariants_hold()
+        machine.save(shard_sizes=[size], crash=(k - 1, CrashMode.BEFORE), skip=0)  # not around
+    finally:
+        machine.teardown()
+    assert machine_class.completion_crashes == Counter(before=1, after=2)
+    assert runner._machine_completions(machine_class, size) == (
+        "; crashes around multipart completions: 1 before, 2 after"
+    )
 
 
 class UploadBlindGcCommit(ConditionalPutCommit):

@@ -13,9 +13,10 @@ driver's retries), the example stops at once with ``StorageFailure``: undecided,
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -35,7 +36,7 @@ from ckptstore.conformance.outcomes import (
     abort_on_storage_failure,
     retry_storage_failures,
 )
-from ckptstore.conformance.workload import GRACE, pattern, save
+from ckptstore.conformance.workload import GRACE, MULTIPART_COMPLETION, pattern, save
 from ckptstore.errors import CheckpointExistsError, CkptStoreError
 from ckptstore.retention import KeepLast
 
@@ -74,6 +75,9 @@ def make_state_machine(
     class CheckpointStoreMachine(RuleBasedStateMachine):
         """One store, one model, and every way a trainer, a crash or a disk can treat it."""
 
+        completion_crashes: ClassVar[Counter[str]] = Counter()
+        """Crashes just ``before`` and just ``after`` a multipart completion, in all examples."""
+
         @abort_on_storage_failure
         def __init__(self) -> None:
             super().__init__()
@@ -108,7 +112,8 @@ def make_state_machine(
             store, _ = self.location.open(FaultPlan(crash_at=crash[0], crash_mode=crash[1]))
             try:
                 save(store, self.model, saved)
-            except SimulatedCrash:
+            except SimulatedCrash as died:
+                self.completion_crashes.update(_around_completion(died))
                 self.restart()
 
         @rule(index=st.integers(0, 40), mode=_modes)
@@ -274,6 +279,16 @@ def make_state_machine(
             self.location.destroy()
 
     return CheckpointStoreMachine
+
+
+def _around_completion(crash: SimulatedCrash) -> list[str]:
+    """Where ``crash`` died relative to a multipart completion, as the injector recorded it."""
+    where = []
+    if crash.record is not None and crash.record.name == MULTIPART_COMPLETION:
+        where.append("before" if crash.mode is CrashMode.BEFORE else "after")
+    if crash.previous is not None and crash.previous.name == MULTIPART_COMPLETION:
+        where.append("after")
+    return where
 
 
 def run_state_machine(machine: type[RuleBasedStateMachine], profile: settings) -> None:

@@ -262,7 +262,20 @@ def _state_machine(
     note = _run_machine(report, machine, settings)
     report.checked(*MACHINE_INVARIANTS)
     report.coverage["property-based"] = (
-        f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps{note}"
+        f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps"
+        f"{_machine_completions(machine, multipart)}{note}"
+    )
+
+
+def _machine_completions(machine: Any, multipart: int) -> str:
+    """How many of the state machine's crashes fell just before or after a multipart
+    completion (stores with multipart only)."""
+    crashes = getattr(machine, "completion_crashes", None)
+    if not multipart or crashes is None:
+        return ""
+    return (
+        f"; crashes around multipart completions: {crashes['before']} before, "
+        f"{crashes['after']} after"
     )
 
 
