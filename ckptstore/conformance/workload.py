@@ -8,6 +8,10 @@ is run again with the process dying before call k, and again with it dying after
 effect. After each crash a fresh store (a restarted trainer) is checked against the model,
 cleaned by GC, checked again, audited for leftovers, and used for one more save.
 
+Unknown outcomes (object stores): two saves, with one storage call failed per case, a 503
+before it reached storage or a timeout after it took effect, at every commit point; the save
+must retry or fail cleanly, and what it reports must match what it published (I8).
+
 A case that the storage itself fails (see ``outcomes``) is run again from a fresh location; if
 the storage keeps failing it, the case is reported as a storage error, never as a failure.
 """
@@ -179,8 +183,8 @@ class CrashPointResult:
         self.storage_errors.extend(other.storage_errors)
         self.retried += other.retried
         self.completions_before |= other.completions_before
-        self.faulted.update(other.faulted)
         self.completions_after |= other.completions_after
+        self.faulted.update(other.faulted)
 
     def crashed_at(self, crash: SimulatedCrash) -> None:
         """Note the multipart completion ``crash`` died before or after, if any."""
@@ -444,12 +448,8 @@ def _fail_once(
         try:
             save(store, model, Saved(step, _shards(step, big), {}))
             reported[step] = None
-        except CheckpointExistsError as exc:  # the only writer: its own publish, taken for
-            result.cases += 1  # another writer's
-            result.failures.append(
-                CaseFailure(f"{name} {_faulted(injector)}", "I8", f"own publish taken for "
-                            f"another's: {exc}")
-            )  # fmt: skip
+        except CheckpointExistsError as exc:  # the only writer: its own publish, mistaken
+            _i8(result, f"{name} {_faulted(injector)}", f"own publish taken for another's: {exc}")
             return
         except CkptStoreError as exc:
             if storage_failure(exc) is not None:
@@ -467,20 +467,19 @@ def _fail_once(
     visible = set(clean.steps())
     for step, error in reported.items():
         if error is not None and step in visible and _holds_own(clean, model, step):
-            result.cases += 1
-            result.failures.append(
-                CaseFailure(name, "I8", f"step {step}'s publish took effect but the save "
-                            f"reported failure: {error!r}")
-            )  # fmt: skip
+            message = f"step {step}'s publish took effect but the save reported failure"
+            _i8(result, name, f"{message}: {error!r}")
             return
         if error is None and step not in visible:
-            result.cases += 1
-            result.failures.append(
-                CaseFailure(name, "I8", f"the save of step {step} reported success but "
-                            f"nothing was published (an unknown outcome guessed)")
-            )  # fmt: skip
+            message = f"the save of step {step} reported success but nothing was published"
+            _i8(result, name, f"{message} (an unknown outcome guessed)")
             return
     _run_case(result, name, lambda: check_invariants(clean, model))
+
+
+def _i8(result: CrashPointResult, name: str, message: str) -> None:
+    result.cases += 1
+    result.failures.append(CaseFailure(name, "I8", message))
 
 
 def _holds_own(store: Store, model: Model, step: int) -> bool:
