@@ -133,11 +133,13 @@ def test_the_state_machine_counts_its_crashes_around_completions(memory_url: str
             machine.save(shard_sizes=[size], crash=crash, skip=0)
             machine.invariants_hold()
         machine.save(shard_sizes=[size], crash=(k - 1, CrashMode.BEFORE), skip=0)  # not around
+        machine.save_crashing_at_a_multipart_completion(mode=CrashMode.AFTER)
+        machine.invariants_hold()
     finally:
         machine.teardown()
-    assert machine_class.completion_crashes == Counter(before=1, after=2)
+    assert machine_class.completion_crashes == Counter(before=1, after=3)
     assert runner._machine_completions(machine_class, size) == (
-        "; crashes around multipart completions: 1 before, 2 after"
+        "; crashes around multipart completions: 1 before, 3 after"
     )
 
 
@@ -243,6 +245,11 @@ def _rules(
         for rule, age in steps:
             getattr(machine, rule)(age=age)
             machine.invariants_hold()
+        if multipart_size:
+            for mode in CrashMode:
+                machine.save_crashing_at_a_multipart_completion(mode=mode)
+                machine.invariants_hold()
+            assert sum(type(machine).completion_crashes.values()) == 2
     finally:
         machine.teardown()
 

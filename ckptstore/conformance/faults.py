@@ -82,6 +82,8 @@ class FaultPlan:
 
     crash_at: int | None = None
     crash_mode: CrashMode = CrashMode.BEFORE
+    crash_on: str | None = None
+    """Crash at the first call of this name (``complete_multipart``), if ``crash_at`` is None."""
     transient: dict[int, CrashMode] = field(default_factory=dict)
     transient_calls: frozenset[str] | None = None
     """Restrict transient faults to these call names (None: any call)."""
@@ -111,6 +113,7 @@ class FaultInjector:
         self.plan = plan or FaultPlan()
         self.calls: list[CallRecord] = []
         self.crashed = False
+        self._crash_at = self.plan.crash_at
         self.death: SimulatedCrash | None = None
         """The crash the process died of (its call, mode and preceding call)."""
         self.transient_injected: list[CallRecord] = []
@@ -154,7 +157,9 @@ class FaultInjector:
             )
             self.calls.append(record)
             plan = self.plan
-            if plan.crash_at == record.index and plan.crash_mode is CrashMode.BEFORE:
+            if self._crash_at is None and plan.crash_on == name:
+                self._crash_at = record.index
+            if self._crash_at == record.index and plan.crash_mode is CrashMode.BEFORE:
                 with self._in_flight_lock:
                     idle = self._in_flight == 0
                 previous = self.calls[-2] if idle and len(self.calls) > 1 else None
@@ -168,7 +173,7 @@ class FaultInjector:
                     raise InjectedTransientError(
                         f"injected transient fault at {name}", http_status=503
                     )
-            dies_after = plan.crash_at == record.index and plan.crash_mode is CrashMode.AFTER
+            dies_after = self._crash_at == record.index and plan.crash_mode is CrashMode.AFTER
             try:
                 result = self._forward(name, method, args, kwargs)
             except Exception:

@@ -116,6 +116,19 @@ def make_state_machine(
                 self.completion_crashes.update(_around_completion(died))
                 self.restart()
 
+        @precondition(lambda self: multipart_size > 0)
+        @rule(mode=_modes)
+        @abort_on_storage_failure
+        def save_crashing_at_a_multipart_completion(self, mode: CrashMode) -> None:
+            saved = self._new_save([100, multipart_size])
+            plan = FaultPlan(crash_mode=mode, crash_on=MULTIPART_COMPLETION)
+            store, _ = self.location.open(plan)
+            try:
+                save(store, self.model, saved)
+            except SimulatedCrash as died:
+                self.completion_crashes.update(_around_completion(died))
+                self.restart()
+
         @rule(index=st.integers(0, 40), mode=_modes)
         @abort_on_storage_failure
         def save_with_transient_fault(self, index: int, mode: CrashMode) -> None:
