@@ -48,8 +48,10 @@ from ckptstore.store import Store
 
 __all__ = [
     "GRACE",
+    "MULTIPART_COMPLETION",
     "CaseFailure",
     "CrashPointResult",
+    "commit_point_label",
     "run_crash_points",
     "run_indeterminate_outcomes",
     "standard_workload",
