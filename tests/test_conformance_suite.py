@@ -188,9 +188,10 @@ class ReplacingPosixDriver(PosixDriver):
 
     def rename_noreplace(self, src: str, dst: str) -> None:
         target = self._abs(dst)
-        if os.path.isdir(target):
-            shutil.rmtree(target)
-        os.rename(self._abs(src), target)
+        with self._translate("rename", src):  # broken in one way only: errors still translated
+            if os.path.isdir(target):
+                shutil.rmtree(target)
+            os.rename(self._abs(src), target)
 
 
 class NoParentFsyncCommit(RenameCommit):

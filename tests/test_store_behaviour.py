@@ -71,6 +71,9 @@ class TestRoundTrip:
     def test_shards_read_back_exactly(self, backend, store, count, size):
         if count > 1 and size == 0 and backend.name == "s3+versioned":
             pytest.skip("a thousand empty shards over HTTP: the s3 case covers the same driver")
+        if size >= MiB and backend.name.startswith("s3"):
+            # 1 MiB parts, not the fixture's 64 KiB: hundreds of part requests cost a minute
+            store = backend.open(part_size=MiB)
         shards = {f"rank{i:05d}/part.bin": _blob(size, i) for i in range(count)}
         published = store.save(10, shards, {"samples": 1280})
         assert published.step == 10

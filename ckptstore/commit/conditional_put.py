@@ -178,9 +178,11 @@ class ObjectShardSink(ShardSink):
         self._key = key
         self._metadata = metadata
         self._base = part_size
-        if size_hint is not None:  # known size: fixed parts that fit the part-count limit
-            needed = -(-size_hint // driver.max_parts)
-            self._base = max(part_size, -(-needed // _MiB) * _MiB)
+        needed = -(-size_hint // driver.max_parts) if size_hint is not None else 0
+        if needed > part_size:  # known size: fixed parts that fit the part-count limit
+            # Rounded to whole MiB only when grown: a part size the caller chose (4 KiB on a
+            # test store) is kept, or a small shard would never take a multipart upload.
+            self._base = -(-needed // _MiB) * _MiB
         self._fixed = size_hint is not None
         self._buffer = bytearray()
         self._upload_id: str | None = None

@@ -58,9 +58,29 @@ READ_CALLS = frozenset(
 )  # fmt: skip
 """Calls that never change what the storage holds (any other call may)."""
 
+_CONDITIONS = {"create": "If-None-Match", "update": "If-Match"}
+
 
 class SimulatedCrash(BaseException):
-    """The process died here. A BaseException, so that ``except Exception`` cannot survive it."""
+    """The process died here. A BaseException, so that ``except Exception`` cannot survive it.
+
+    ``record`` and ``mode``: the call the process died at, and whether before or after it
+    (None for a call made after the death). ``previous``: for a death before a call made when
+    no other call was in flight, the call made just before it, which had returned: the storage
+    is left as by a death just after that call.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        record: CallRecord | None = None,
+        mode: CrashMode | None = None,
+        previous: CallRecord | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.record = record
+        self.mode = mode
+        self.previous = previous
 
 
 class InjectedFault:
@@ -90,6 +110,8 @@ class FaultPlan:
 
     crash_at: int | None = None
     crash_mode: CrashMode = CrashMode.BEFORE
+    crash_on: str | None = None
+    """Crash at the first call of this name (``complete_multipart``), if ``crash_at`` is None."""
     transient: dict[int, CrashMode] = field(default_factory=dict)
     transient_calls: frozenset[str] | None = None
     """Restrict transient faults to these call names (None: any call)."""
@@ -107,6 +129,8 @@ class CallRecord:
     args: tuple[str, ...]
     conditional: bool = False
     """A conditional write (If-None-Match / If-Match): a commit point on object stores."""
+    condition: str = ""
+    """Its header: ``If-None-Match`` (create) or ``If-Match`` (compare-and-swap)."""
     context: object = None
     """What ``FaultPlan.observe`` answered before this call (None: nothing observed)."""
 
@@ -136,6 +160,9 @@ class FaultInjector:
         self.plan = plan or FaultPlan()
         self.calls: list[CallRecord] = []
         self.crashed = False
+        self._crash_at = self.plan.crash_at
+        self.death: SimulatedCrash | None = None
+        """The crash the process died of (its call, mode and preceding call)."""
         self.transient_injected: list[CallRecord] = []
         self._handles: set[int] = set()
         self._calls = storage_calls(inner)
@@ -164,19 +191,34 @@ class FaultInjector:
     def _wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.crashed:
-                raise SimulatedCrash(f"{name} called after the process died")
+                death = self.death  # where it died, whichever later call notices it
+                raise SimulatedCrash(
+                    f"{name} called after the process died",
+                    *((death.record, death.mode, death.previous) if death else ()),
+                )
             mode = kwargs.get("mode")
             conditional = isinstance(mode, PutMode) and mode.conditional
             context = self.plan.observe() if self.plan.observe is not None else None
+            condition = _CONDITIONS.get(mode.kind, "") if isinstance(mode, PutMode) else ""
             record = CallRecord(
-                len(self.calls), name, tuple(_short(a) for a in args), conditional, context
+                len(self.calls),
+                name,
+                tuple(_short(a) for a in args),
+                conditional,
+                condition=condition,
+                context=context,
             )
             self.calls.append(record)
             if self.on_change is not None and name not in READ_CALLS:
                 self.on_change(self._names(args))
             plan = self.plan
-            if plan.crash_at == record.index and plan.crash_mode is CrashMode.BEFORE:
-                self._die(record)
+            if self._crash_at is None and plan.crash_on == name:
+                self._crash_at = record.index
+            if self._crash_at == record.index and plan.crash_mode is CrashMode.BEFORE:
+                with self._in_flight_lock:
+                    idle = self._in_flight == 0
+                previous = self.calls[-2] if idle and len(self.calls) > 1 else None
+                self._die(record, CrashMode.BEFORE, previous)
             transient = plan.transient.get(record.index)
             if transient is not None and (
                 plan.transient_calls is None or name in plan.transient_calls
@@ -186,12 +228,12 @@ class FaultInjector:
                     raise InjectedTransientError(
                         f"injected transient fault at {name}", http_status=503
                     )
-            dies_after = plan.crash_at == record.index and plan.crash_mode is CrashMode.AFTER
+            dies_after = self._crash_at == record.index and plan.crash_mode is CrashMode.AFTER
             try:
                 result = self._forward(name, method, args, kwargs)
             except Exception:
                 if dies_after:  # the process dies whatever the storage answered
-                    self._die(record)
+                    self._die(record, CrashMode.AFTER)
                 raise
             if name in ("create", "create_with_layout"):
                 self._handles.add(result)
@@ -205,7 +247,7 @@ class FaultInjector:
             if (dies_after or fails_after) and name == "open_read":
                 result.close()  # the caller never gets the stream it opened
             if dies_after:
-                self._die(record)
+                self._die(record, CrashMode.AFTER)
             if fails_after:
                 raise InjectedTimeoutError(
                     errno.ETIMEDOUT, f"injected timeout after {name} took effect"
@@ -240,7 +282,7 @@ class FaultInjector:
             with self._in_flight_lock:
                 self._in_flight -= 1
 
-    def _die(self, record: CallRecord) -> None:
+    def _die(self, record: CallRecord, mode: CrashMode, previous: CallRecord | None = None) -> None:
         self.crashed = True
         for handle in list(self._handles):  # the kernel closes a dead process's descriptors
             try:
@@ -248,7 +290,8 @@ class FaultInjector:
             except OSError:
                 pass
         self._handles.clear()
-        raise SimulatedCrash(f"crash at call {record}")
+        self.death = SimulatedCrash(f"crash at call {record}", record, mode, previous)
+        raise self.death
 
 
 class _Materialised(Iterator[Any]):

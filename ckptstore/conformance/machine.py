@@ -14,9 +14,10 @@ driver's retries), the example stops at once with ``StorageFailure``: undecided,
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -36,7 +37,7 @@ from ckptstore.conformance.outcomes import (
     abort_on_storage_failure,
     retry_storage_failures,
 )
-from ckptstore.conformance.workload import GRACE, pattern, save
+from ckptstore.conformance.workload import GRACE, MULTIPART_COMPLETION, pattern, save
 from ckptstore.errors import CheckpointExistsError, CkptStoreError
 from ckptstore.retention import KeepLast
 
@@ -77,6 +78,9 @@ def make_state_machine(
     class CheckpointStoreMachine(RuleBasedStateMachine):
         """One store, one model, and every way a trainer, a crash or a disk can treat it."""
 
+        completion_crashes: ClassVar[Counter[str]] = Counter()
+        """Crashes just ``before`` and just ``after`` a multipart completion, in all examples."""
+
         @abort_on_storage_failure
         def __init__(self) -> None:
             super().__init__()
@@ -112,7 +116,21 @@ def make_state_machine(
             store, _ = self.location.open(FaultPlan(crash_at=crash[0], crash_mode=crash[1]))
             try:
                 save(store, self.model, saved)
-            except SimulatedCrash:
+            except SimulatedCrash as died:
+                self.completion_crashes.update(_around_completion(died))
+                self.restart()
+
+        @precondition(lambda self: multipart_size > 0)
+        @rule(mode=_modes)
+        @abort_on_storage_failure
+        def save_crashing_at_a_multipart_completion(self, mode: CrashMode) -> None:
+            saved = self._new_save([100, multipart_size])
+            plan = FaultPlan(crash_mode=mode, crash_on=MULTIPART_COMPLETION)
+            store, _ = self.location.open(plan)
+            try:
+                save(store, self.model, saved)
+            except SimulatedCrash as died:
+                self.completion_crashes.update(_around_completion(died))
                 self.restart()
 
         @rule(index=st.integers(0, 40), mode=_modes)
@@ -177,6 +195,49 @@ def make_state_machine(
             except CkptStoreError as exc:
                 raise InvariantViolation(
                     "I7", f"GC removed a live save younger than the grace period: {exc}"
+                ) from exc
+            self.model.save_committed(saved)
+
+        @precondition(lambda self: multipart_size > 0)
+        @rule(age=st.booleans())
+        @abort_on_storage_failure
+        def gc_during_a_live_multipart_upload(self, age: bool) -> None:
+            self._gc_mid_shard(age, size_hint=multipart_size)
+
+        @rule(age=st.booleans())
+        @abort_on_storage_failure
+        def gc_during_a_live_streamed_shard(self, age: bool) -> None:
+            self._gc_mid_shard(age, size_hint=None)
+
+        def _gc_mid_shard(self, age: bool, size_hint: int | None) -> None:
+            """GC between the writes of one shard (a multipart upload with a part uploaded,
+            or a stream left open), then finish and publish. Younger than the grace period,
+            the save must publish; aged past it, it may fail, cleanly (I7, and the
+            invariants judge whatever it left)."""
+            saved = self._new_save([100, multipart_size or 4096])
+            data = saved.shards["rank01/part.bin"]
+            self.model.save_started(saved)
+            pending = self.store.begin(saved.step, saved.metadata)
+            pending.write("rank00/part.bin", saved.shards["rank00/part.bin"])
+            writer = pending.open_shard("rank01/part.bin", size_hint)
+            writer.write(data[:-1])  # more than a part: the upload has begun
+            self.model.gc_started()
+            if age:
+                self.location.clock.advance(2 * GRACE.total_seconds())
+                self.store.gc(grace=GRACE)
+            else:
+                self.store.gc(grace=timedelta(seconds=self.location.clock.offset) + GRACE)
+            try:
+                writer.write(data[-1:])
+                writer.close()
+                pending.publish()
+            except CkptStoreError as exc:
+                pending.abort()
+                if age:
+                    return  # GC took it for dead, as it may: failing cleanly is allowed
+                what = "multipart upload" if size_hint else "streamed shard"
+                raise InvariantViolation(
+                    "I7", f"GC broke a save with a live {what} younger than the grace period: {exc}"
                 ) from exc
             self.model.save_committed(saved)
 
@@ -267,6 +328,16 @@ def make_state_machine(
             self.location.destroy()
 
     return CheckpointStoreMachine
+
+
+def _around_completion(crash: SimulatedCrash) -> list[str]:
+    """Where ``crash`` died relative to a multipart completion, as the injector recorded it."""
+    where = []
+    if crash.record is not None and crash.record.name == MULTIPART_COMPLETION:
+        where.append("before" if crash.mode is CrashMode.BEFORE else "after")
+    if crash.previous is not None and crash.previous.name == MULTIPART_COMPLETION:
+        where.append("after")
+    return where
 
 
 def run_state_machine(machine: type[RuleBasedStateMachine], profile: settings) -> None:

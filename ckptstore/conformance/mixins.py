@@ -133,12 +133,14 @@ class CrashPointTests(ConformanceFixtures):
 
 
 class UnknownOutcomeTests(ConformanceFixtures):
-    """A timeout after a conditional write took effect is resolved by reading back (I8)."""
+    """A 503 before, or a timeout after, a commit point is retried or read back (I8)."""
 
-    def test_unknown_outcomes_are_read_back(self, ckpt_locations: LocationFactory) -> None:
+    def test_unknown_outcomes_are_read_back(
+        self, ckpt_locations: LocationFactory, ckpt_profile: str
+    ) -> None:
         if _is_file_system(ckpt_locations):
             pytest.skip("file-system calls have no unknown outcomes")
-        result = run_indeterminate_outcomes(ckpt_locations)
+        result = run_indeterminate_outcomes(ckpt_locations, before_every_call=ckpt_profile != "ci")
         _fail_on_result(result)
         assert "I8" in result.invariants_checked, "no conditional write was exercised"
 

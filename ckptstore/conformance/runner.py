@@ -160,7 +160,11 @@ def run_backend(
             )
         else:
             say("unknown outcomes of conditional writes")
-            layer("unknown outcomes", ("I8",), lambda: _indeterminate(report, factory))
+            layer(
+                "unknown outcomes",
+                ("I8",),
+                lambda: _indeterminate(report, factory, every_call=profile != "ci"),
+            )
             report.coverage["power loss"] = "not applicable (object store)"
             report.coverage["syscall trace"] = "not applicable (object store)"
         say("parallel races")
@@ -286,10 +290,21 @@ def _crash_points(report: BackendReport, factory: LocationFactory) -> float:
     report.coverage["crash points"] = (
         f"{result.calls} storage calls, {_crash_states(result)}: "
         f"{max(result.cases - 1, 0)} crashes, each recovered, GC'd and checked"
+        + _completions_note(result)
         + _retries(result)
         + _slow_cleanup(result)
     )
     return per_case
+
+
+def _completions_note(result: CrashPointResult) -> str:
+    """How many multipart completions the crashes surrounded, as the injector recorded them."""
+    if not result.completions:
+        return ""
+    return (
+        f"; {result.completions_crashed_around} multipart completions crashed around (before "
+        f"and after each; {result.completions} in the workload)"
+    )
 
 
 def _crash_states(result: CrashPointResult) -> str:
@@ -324,15 +339,37 @@ def _retries(result: CrashPointResult) -> str:
     return "".join(f"; {note}" for note in notes)
 
 
-def _indeterminate(report: BackendReport, factory: LocationFactory) -> None:
-    result = run_indeterminate_outcomes(factory)
+def _indeterminate(
+    report: BackendReport, factory: LocationFactory, *, every_call: bool = False
+) -> None:
+    result = run_indeterminate_outcomes(factory, before_every_call=every_call)
     if "I8" in result.invariants_checked:
         report.checked("I8")
     for failure in result.failures:
         report.violated(failure.invariant, f"{failure.case}: {failure.message}")
     _undecided(report, ("I8",), result)
+    each = (
+        f"each of the {result.calls} storage calls of two saves, a 503 before and a timeout after"
+        if every_call
+        else f"a 503 before and a timeout after each commit point of two saves, a timeout after "
+        f"each of the first save's {result.first_save_calls} calls"
+    )
     report.coverage["unknown outcomes"] = (
-        f"a timeout after each of {result.cases} storage calls" + _retries(result)
+        f"{result.cases} cases ({each}); commit points failed: {_faulted_note(result)}"
+        + _retries(result)
+    )
+
+
+def _faulted_note(result: CrashPointResult) -> str:
+    """Each commit point the layer failed, with how often before and after (from the
+    injector's records of the faults it injected)."""
+    labels = sorted({key.split(" ", 1)[1] for key in result.faulted})
+    if not labels:
+        return "none"
+    return ", ".join(
+        f"{label} ({result.faulted['before ' + label]} before, "
+        f"{result.faulted['after ' + label]} after)"
+        for label in labels
     )
 
 
@@ -384,7 +421,20 @@ def _state_machine(
     note = _run_machine(report, machine, settings, until)
     report.checked(*MACHINE_INVARIANTS)
     report.coverage["property-based"] = (
-        f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps{note}"
+        f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps"
+        f"{_machine_completions(machine, multipart)}{note}"
+    )
+
+
+def _machine_completions(machine: Any, multipart: int) -> str:
+    """How many of the state machine's crashes fell just before or after a multipart
+    completion (stores with multipart only)."""
+    crashes = getattr(machine, "completion_crashes", None)
+    if not multipart or crashes is None:
+        return ""
+    return (
+        f"; crashes around multipart completions: {crashes['before']} before, "
+        f"{crashes['after']} after"
     )
 
 

@@ -8,6 +8,10 @@ is run again with the process dying before call k, and again with it dying after
 effect. After each crash a fresh store (a restarted trainer) is checked against the model,
 cleaned by GC, checked again, audited for leftovers, and used for one more save.
 
+Unknown outcomes (object stores): two saves, with one storage call failed per case, a 503
+before it reached storage or a timeout after it took effect, at every commit point; the save
+must retry or fail cleanly, and what it reports must match what it published (I8).
+
 A case that the storage itself fails (see ``outcomes``) is run again from a fresh location; if
 the storage keeps failing it, the case is reported as a storage error, never as a failure.
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,8 +49,10 @@ from ckptstore.store import Store
 
 __all__ = [
     "GRACE",
+    "MULTIPART_COMPLETION",
     "CaseFailure",
     "CrashPointResult",
+    "commit_point_label",
     "crash_cases",
     "run_crash_points",
     "run_indeterminate_outcomes",
@@ -52,6 +60,7 @@ __all__ = [
 ]
 
 GRACE = timedelta(hours=1)
+MULTIPART_COMPLETION = "complete_multipart"
 _AGE = 2 * GRACE.total_seconds()
 LocationMaker = Callable[[], Location]
 
@@ -63,12 +72,13 @@ def pattern(size: int, seed: int) -> bytes:
 
 
 def big_shard_size(location: Location) -> int:
-    """A size that takes a multipart upload of three parts where the storage has them."""
+    """A size that takes a multipart upload of two parts (the last one short) where the
+    storage has them: each crash case runs the whole workload, so each part costs twice."""
     strategy = location.base
     if Capability.MULTIPART not in strategy.capabilities:
         return 0
     part_size = int(getattr(strategy, "part_size", 0) or 0)
-    return 2 * part_size + 123 if part_size else 0
+    return part_size + 123 if part_size else 0
 
 
 def _shards(step: int, big: int) -> dict[str, bytes]:
@@ -141,6 +151,10 @@ class CrashPointResult:
     """What the exhaustive crash-point layer covered and what it found."""
 
     calls: int = 0
+    call_names: list[str] = field(default_factory=list)
+    """The name of each storage call of the workload without a crash, in order."""
+    first_save_calls: int = 0
+    """Unknown outcomes: how many of the calls the first of the two saves made."""
     cases: int = 0
     failures: list[CaseFailure] = field(default_factory=list)
     invariants_checked: set[str] = field(default_factory=set)
@@ -157,6 +171,19 @@ class CrashPointResult:
     """The baseline's calls, with what the model and clock were before each."""
     slow_cleanups: int = 0
     """Cases where GC kept dead attempts past the grace period, collecting them only later."""
+    faulted: Counter[str] = field(default_factory=Counter)
+    """Commit points failed on purpose, by mode and label (``before If-Match put LATEST``)."""
+    completions: int = 0
+    """Multipart completions the workload made (without a crash)."""
+    completions_before: set[int] = field(default_factory=set)
+    completions_after: set[int] = field(default_factory=set)
+    """The multipart completions (by call number) that a case died before, and just after,
+    as the fault injector recorded the crash."""
+
+    @property
+    def completions_crashed_around(self) -> int:
+        """Multipart completions that a case died before and another died just after."""
+        return len(self.completions_before & self.completions_after)
 
     def add(self, other: CrashPointResult) -> None:
         """Count the cases of ``other`` in this result too."""
@@ -166,6 +193,18 @@ class CrashPointResult:
         self.storage_errors.extend(other.storage_errors)
         self.retried += other.retried
         self.slow_cleanups += other.slow_cleanups
+        self.completions_before |= other.completions_before
+        self.completions_after |= other.completions_after
+        self.faulted.update(other.faulted)
+
+    def crashed_at(self, crash: SimulatedCrash) -> None:
+        """Note the multipart completion ``crash`` died before or after, if any."""
+        record, previous = crash.record, crash.previous
+        if record is not None and record.name == MULTIPART_COMPLETION:
+            died = crash.mode is CrashMode.BEFORE
+            (self.completions_before if died else self.completions_after).add(record.index)
+        if previous is not None and previous.name == MULTIPART_COMPLETION:
+            self.completions_after.add(previous.index)  # dying before the next call
 
 
 LONG_AGE = 14 * 24 * 3600.0
@@ -209,12 +248,17 @@ def recover_and_check(location: Location, model: Model) -> bool:
 
 
 def run_crash_points(
-    new_location: LocationMaker, *, limit: int | None = None, workers: int = 4
+    new_location: LocationMaker,
+    *,
+    limit: int | None = None,
+    workers: int = 4,
+    around: str | None = None,
 ) -> CrashPointResult:
     """Crash the standard workload at every storage call, before and after it took effect.
 
     Cases are independent (each has a location of its own), so ``workers`` run at once: on
-    networked storage most of a case is waiting for answers.
+    networked storage most of a case is waiting for answers. ``limit``: only the first calls;
+    ``around``: only just before and just after the calls of that name (a cheap test).
     """
     result = CrashPointResult()
     baseline = _retried(functools.partial(_baseline, new_location))
@@ -222,11 +266,18 @@ def run_crash_points(
     if baseline.storage_errors:  # the workload never ran through: no call to crash at
         return result
     result.calls = baseline.calls
+    result.call_names = baseline.call_names
     result.overlapped = baseline.overlapped
     result.records = baseline.records
     result.reads = sum(record.reads_only for record in baseline.records)
+    result.completions = baseline.completions
     reached = baseline.calls if limit is None else min(baseline.calls, limit)
-    cases = crash_cases(baseline.records[:reached], overlapped=baseline.overlapped)
+    names = baseline.call_names
+    cases = [
+        (index, mode)
+        for index, mode in crash_cases(baseline.records[:reached], overlapped=baseline.overlapped)
+        if around is None or around in names[max(0, index - 1) : index + 1]
+    ]
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="crash-case") as pool:
         outcomes = pool.map(
             lambda case: _retried(functools.partial(_crash_case, new_location, *case)), cases
@@ -249,9 +300,12 @@ def crash_cases(records: list[CallRecord], *, overlapped: bool) -> list[tuple[in
     if overlapped:
         return [(record.index, mode) for record in records for mode in CrashMode]
     cases = []
+    previous: CallRecord | None = None
     for record, following in itertools.pairwise(records):
-        if record.reads_only and record.context == following.context:
-            continue
+        after_completion = previous is not None and previous.name == MULTIPART_COMPLETION
+        previous = record
+        if record.reads_only and record.context == following.context and not after_completion:
+            continue  # (a crash just after a multipart completion is kept: it is counted)
         cases.append((record.index, CrashMode.BEFORE))
     if records:
         last = records[-1]
@@ -303,7 +357,9 @@ def _baseline(new_location: LocationMaker) -> CrashPointResult:
         assert isinstance(injector, FaultInjector)  # Location.open puts one under every store
         result.calls = len(injector.calls)
         result.records = list(injector.calls)
+        result.call_names = [call.name for call in injector.calls]
         result.overlapped = injector.overlapped
+        result.completions = result.call_names.count(MULTIPART_COMPLETION)
         _run_case(result, "no crash", lambda: _recover(result, location, model))
     finally:
         location.destroy()
@@ -325,6 +381,7 @@ def _crash_case(new_location: LocationMaker, index: int, mode: CrashMode) -> Cra
             name += " (not reached)"
         except SimulatedCrash as crash:
             name = f"{name}: {crash}"
+            result.crashed_at(crash)
         except CkptStoreError as exc:  # before the crash point: the storage failed the workload
             return _undecided(result, name, exc)
         _run_case(result, name, lambda: _recover(result, location, model))
@@ -352,49 +409,93 @@ def _run_case(result: CrashPointResult, name: str, body: Callable[[], None]) -> 
             result.failures.append(CaseFailure(name, "I1", f"recovery failed: {exc!r}"))
 
 
-def run_indeterminate_outcomes(new_location: LocationMaker) -> CrashPointResult:
-    """Time out every call of a save after it took effect, and after each: read back (I8).
+def run_indeterminate_outcomes(
+    new_location: LocationMaker, *, before_every_call: bool = False
+) -> CrashPointResult:
+    """Fail storage calls of two saves, one per case; then read back (I8) and check.
 
-    A save whose publish took effect must not report failure, and above all must not mistake
-    its own earlier write for another writer's (CheckpointExistsError).
+    The first save creates LATEST, the second moves it by compare-and-swap. Every commit point
+    of both (a conditional call, a multipart completion) fails with a 503 before it reached
+    storage, and times out after it took effect; every other call of the first save times out
+    after it took effect; with ``before_every_call``, every call of both fails both ways. A
+    save whose publish took effect must not report failure, nor mistake its own earlier write
+    for another writer's (CheckpointExistsError); a save that reports success must have
+    published; whatever the saves left must satisfy the invariants.
     """
     result = CrashPointResult()
     baseline = _retried(functools.partial(_count_save_calls, new_location))
     result.add(baseline)
     if baseline.storage_errors:
         return result
-    for index in range(baseline.calls):
-        result.add(_retried(functools.partial(_indeterminate_case, new_location, index)))
+    result.calls, result.first_save_calls = baseline.calls, baseline.first_save_calls
+    for index, label in enumerate(baseline.call_names):
+        commit_point = commit_point_label(label) is not None
+        every = before_every_call or commit_point
+        modes = [CrashMode.BEFORE] if every else []
+        if every or index < baseline.first_save_calls:
+            modes.append(CrashMode.AFTER)
+        for mode in modes:
+            saves = 1 if index < baseline.first_save_calls else 2
+            case = functools.partial(_transient_case, new_location, index, mode, saves)
+            result.add(_retried(case))
     return result
 
 
+def commit_point_label(record: CallRecord | str) -> str | None:
+    """How the report names a commit point (``If-Match put LATEST``), or None for another
+    call. ``record`` may be a label from ``_call_label`` already."""
+    label = record if isinstance(record, str) else _call_label(record)
+    if label.startswith(("If-None-Match ", "If-Match ")) or MULTIPART_COMPLETION in label:
+        return label
+    return None
+
+
+def _call_label(record: CallRecord) -> str:
+    """A call's name, condition and key, with step numbers and attempt ids left out."""
+    key = _STEP_DIGITS.sub("step-N", record.args[0]) if record.args else ""
+    key = _ATTEMPT_TAIL.sub(".<attempt>/", key)
+    condition = f"{record.condition} " if record.condition else ""
+    return f"{condition}{record.name} {key}".rstrip()
+
+
+_STEP_DIGITS = re.compile(r"step-\d+")
+_ATTEMPT_TAIL = re.compile(r"\.[0-9a-z]{6,}/")
+
+
 def _count_save_calls(new_location: LocationMaker) -> CrashPointResult:
-    """One save without faults, to count its storage calls (not itself a case)."""
+    """The two saves without faults, to list their storage calls (not itself a case)."""
     result = CrashPointResult()
     try:
         location = new_location()
     except CkptStoreError as exc:
-        return _undecided(result, "a save without faults", exc)
+        return _undecided(result, "two saves without faults", exc)
     try:
         store, injector = location.open()
-        save(store, Model(), Saved(1, _shards(1, 0), {}))
+        model, big = Model(), big_shard_size(location)
+        for step in (1, 2):
+            save(store, model, Saved(step, _shards(step, big), {}))
+            result.first_save_calls = result.first_save_calls or injector.count
         result.calls = injector.count
+        result.call_names = [_call_label(call) for call in injector.calls]
     except CkptStoreError as exc:
-        return _undecided(result, "a save without faults", exc)
+        return _undecided(result, "two saves without faults", exc)
     finally:
         location.destroy()
     return result
 
 
-def _indeterminate_case(new_location: LocationMaker, index: int) -> CrashPointResult:
+def _transient_case(
+    new_location: LocationMaker, index: int, mode: CrashMode, saves: int
+) -> CrashPointResult:
     result = CrashPointResult()
-    name = f"timeout after call {index}"
+    how = "503 before" if mode is CrashMode.BEFORE else "timeout after"
+    name = f"{how} call {index}"
     try:
         location = new_location()
     except CkptStoreError as exc:
         return _undecided(result, name, exc)
     try:
-        _time_out_after(result, location, index, name)
+        _fail_once(result, location, index, mode, name, saves)
     except CkptStoreError as exc:
         return _undecided(result, name, exc, "I8")
     finally:
@@ -402,33 +503,65 @@ def _indeterminate_case(new_location: LocationMaker, index: int) -> CrashPointRe
     return result
 
 
-def _time_out_after(result: CrashPointResult, location: Location, index: int, name: str) -> None:
-    model = Model()
-    store, injector = location.open(FaultPlan(transient={index: CrashMode.AFTER}))
-    saved = Saved(1, _shards(1, 0), {})
-    try:
-        save(store, model, saved)
-    except CheckpointExistsError as exc:
-        record = injector.transient_injected[0] if injector.transient_injected else None
-        result.cases += 1
-        result.failures.append(
-            CaseFailure(f"{name} {record}", "I8", f"own publish taken for another's: {exc}")
-        )
-        return
-    except CkptStoreError as exc:
-        if storage_failure(exc) is not None:
-            raise  # the storage failed the save, not the injected timeout: nothing to judge
+def _fail_once(
+    result: CrashPointResult,
+    location: Location,
+    index: int,
+    mode: CrashMode,
+    name: str,
+    saves: int,
+) -> None:
+    """Run ``saves`` saves with one fault; judge what they reported, and what they left."""
+    model, big = Model(), big_shard_size(location)
+    store, injector = location.open(FaultPlan(transient={index: mode}))
+    reported: dict[int, CkptStoreError | None] = {}
+    for step in range(1, saves + 1):
+        try:
+            save(store, model, Saved(step, _shards(step, big), {}))
+            reported[step] = None
+        except CheckpointExistsError as exc:  # the only writer: its own publish, mistaken
+            _i8(result, f"{name} {_faulted(injector)}", f"own publish taken for another's: {exc}")
+            return
+        except CkptStoreError as exc:
+            if storage_failure(exc) is not None:
+                raise  # the storage failed the save, not the injected fault: nothing to judge
+            reported[step] = exc
     record = injector.transient_injected[0] if injector.transient_injected else None
     if record is not None:
         name = f"{name}: {record}"
+        label = commit_point_label(record)
+        if label is not None:
+            result.faulted[f"{mode.value} {label}"] += 1
         if record.conditional:
             result.invariants_checked.add("I8")
     clean, _ = location.open()
-    failed_but_published = bool(model.in_doubt.get(1)) and clean.steps() == [1]
-    if failed_but_published and record is not None and record.conditional:
-        result.cases += 1
-        result.failures.append(
-            CaseFailure(name, "I8", "the publish took effect but the save reported failure")
-        )
-        return
+    visible = set(clean.steps())
+    for step, error in reported.items():
+        if error is not None and step in visible and _holds_own(clean, model, step):
+            message = f"step {step}'s publish took effect but the save reported failure"
+            _i8(result, name, f"{message}: {error!r}")
+            return
+        if error is None and step not in visible:
+            message = f"the save of step {step} reported success but nothing was published"
+            _i8(result, name, f"{message} (an unknown outcome guessed)")
+            return
     _run_case(result, name, lambda: check_invariants(clean, model))
+
+
+def _i8(result: CrashPointResult, name: str, message: str) -> None:
+    result.cases += 1
+    result.failures.append(CaseFailure(name, "I8", message))
+
+
+def _holds_own(store: Store, model: Model, step: int) -> bool:
+    """Whether ``step`` is published with what this (the only) writer saved there."""
+    try:
+        checkpoint = store.get(step)
+    except CkptStoreError:
+        return False
+    saves = [*model.in_doubt.get(step, []), *filter(None, [model.committed.get(step)])]
+    return any(saved.matches(checkpoint) for saved in saves)
+
+
+def _faulted(injector: FaultInjector) -> str:
+    return str(injector.transient_injected[0]) if injector.transient_injected else ""
