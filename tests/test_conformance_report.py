@@ -148,6 +148,14 @@ class ClockAheadDriver(MemoryDriver):
         for info in super().list(prefix, start_after=start_after):
             yield dataclasses.replace(info, last_modified=info.last_modified + 7200.0)
 
+    def list_multipart_uploads(self, prefix: str) -> Any:
+        for upload in super().list_multipart_uploads(prefix):
+            yield dataclasses.replace(upload, initiated=upload.initiated + 7200.0)
+
+    def upload_progress(self, upload: Any) -> Any:
+        progress = super().upload_progress(upload)
+        return dataclasses.replace(progress, last_activity=progress.last_activity + 7200.0)
+
 
 class FlippingDriver(MemoryDriver):
     """A bit flipped in every GET of a shard, in transit (the stored bytes are intact)."""
@@ -200,7 +208,7 @@ def test_a_state_machine_violation_shows_the_shrunk_steps(scheme: Any) -> None:
     evidence = report.invariants["I7"].evidence[0]
     assert "shrunk failing sequence:" in evidence
     assert "state = CheckpointStoreMachine()" in evidence
-    assert "state.gc_during_a_live_save()" in evidence
+    assert "state.gc_during_a_live_" in evidence  # a save, or a streamed shard
     assert "Explanation" not in evidence  # hypothesis's notes, without its commentary
     text = render_text([report])
     assert "    state.gc_during_a_live_save()" in text

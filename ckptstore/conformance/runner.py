@@ -487,17 +487,27 @@ def _run_machine(
     except StorageFailure as failure:  # on every run: undecided, neither held nor violated
         report.storage_error(MACHINE_INVARIANTS, f"property-based: {failure}")
         return undecided
-    except InvariantViolation as violation:
-        report.violated(violation.invariant, _shrunk(violation.detail, violation, printed))
-        return _budget_note(violation, printed)
-    except Exception as exc:  # anything else the store raised is reported, not hidden
-        cause = storage_failure(exc)  # one that hypothesis shrank: the storage failed
-        if cause is None:
-            report.violated("I1", _shrunk(f"unexpected error: {exc!r}", exc, printed))
-            return _budget_note(exc, printed)
-        report.storage_error(MACHINE_INVARIANTS, f"property-based: {cause!r}")
-        return undecided
+    except Exception as exc:
+        # Hypothesis raises several distinct failures as one group, each shrunk on its own.
+        found = list(getattr(exc, "exceptions", None) or [exc])  # an ExceptionGroup's, or it
+        notes = [_machine_finding(report, error, printed) for error in found]
+        if any(note is None for note in notes):
+            return undecided
+        return next((note for note in notes if note), "")
     return ""
+
+
+def _machine_finding(report: BackendReport, error: BaseException, printed: list[str]) -> str | None:
+    """Record one failure the state machine found; its coverage note (None: undecided)."""
+    if isinstance(error, InvariantViolation):
+        report.violated(error.invariant, _shrunk(error.detail, error, printed))
+        return _budget_note(error, printed)
+    cause = storage_failure(error)  # one that hypothesis shrank: the storage failed
+    if cause is None:  # anything else the store raised is reported, not hidden
+        report.violated("I1", _shrunk(f"unexpected error: {error!r}", error, printed))
+        return _budget_note(error, printed)
+    report.storage_error(MACHINE_INVARIANTS, f"property-based: {cause!r}")
+    return None
 
 
 def _budget_note(error: BaseException, printed: list[str]) -> str:
