@@ -500,7 +500,7 @@ def needs(branch: str, feature: str) -> pytest.MarkDecorator:
 
 
 def race_findings(url: str) -> set[str]:
-    """The invariants the race layer finds broken on ``url``, threads only (c13-races)."""
+    """The invariants the race layer finds broken on ``url``, threads only."""
     races = importlib.import_module("ckptstore.conformance.races")
     result = races.run_races(LocationFactory(url), races.RACE_PROFILES["ci"], processes=False)
     return {failure.invariant for failure in result.failures}
@@ -516,7 +516,6 @@ def test_a_conditional_create_checked_apart_from_the_write_is_caught_as_i5(
     assert "I5" in race_findings(url)
 
 
-@needs("c13-races", "true concurrency races")
 def test_orbax_shared_tmp_dir_wiped_by_a_second_writer_is_caught(
     tmp_path: Any, scheme: Any
 ) -> None:
@@ -536,7 +535,7 @@ def test_gc_removing_unfinished_looking_checkpoints_is_caught_as_i7(
 
 @pytest.mark.xfail(
     reason="no layer runs an upload longer than the grace period while its parts keep arriving "
-    "(c13-capabilities GCs a live upload right after its first part, when its start and its "
+    "(the state machine GCs a live upload right after its first part, when its start and its "
     "last part are equally young; the memory bucket's clock is the wall clock)",
     strict=True,
 )

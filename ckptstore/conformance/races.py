@@ -211,11 +211,13 @@ def writer_shards(step: int, writer: int) -> dict[str, bytes]:
 
 def _race_once(store: Store, gate: RaceGate, writer: int, race: Round) -> Outcome:
     step = race.step(writer)
+    # Armed from the start: a writer that fails before its commit point still arrives at the
+    # barrier (``release``), so that the others are not left waiting for it.
+    gate.arm(at_publish if race.kind == PUBLISH else at_pointer)
     try:
         pending = store.begin(step, {"writer": writer, "round": race.number})
         for name, data in writer_shards(step, writer).items():
             pending.write(name, data)
-        gate.arm(at_publish if race.kind == PUBLISH else at_pointer)
         pending.publish()
         return Outcome(writer, "published")
     except CheckpointExistsError as exc:
