@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -465,8 +464,9 @@ def cmd_rollback(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     try:
+        from ckptstore.conformance.batch import run_targets
         from ckptstore.conformance.report import render_text, to_json, to_junit
-        from ckptstore.conformance.runner import Target, embedded_targets, run_backend
+        from ckptstore.conformance.runner import Target, embedded_targets
     except ImportError as exc:
         raise BackendUnavailableError(
             f"the conformance suite needs {exc.name}: pip install 'ckptstore[conformance]'"
@@ -474,47 +474,38 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
 
     def progress(message: str) -> None:
         if not args.json:
-            sys.stderr.write(f"  .. {message}\n")
+            start = "" if message.startswith("conformance: ") else "  .. "
+            sys.stderr.write(f"{start}{message}\n")
 
     def write(reports: list[Any]) -> None:
         for path, render in ((args.json_file, to_json), (args.junit, to_junit)):
             if path:
                 _write_report(path, render(reports))
 
-    def run(targets: list[Target]) -> list[Any]:
-        reports: list[Any] = []
-        for target in targets:
-            if not args.json:
-                sys.stderr.write(f"conformance: {target.url}\n")
-            # The report files are rewritten after every layer: a run that is stopped leaves
-            # the verdicts of the layers that finished.
-            report = run_backend(
-                target.url,
-                options=target.options,
-                profile=args.profile,
-                allow_nonempty=args.yes,
-                progress=progress,
-                budget_s=args.budget,
-                on_layer=functools.partial(_with_done, write, list(reports)),
-            )
-            reports.append(report)
-        return reports
+    def run(targets: list[Target], jobs: int) -> list[Any]:
+        # The report files are rewritten after every layer: a run that is stopped leaves the
+        # verdicts of the layers that finished.
+        return run_targets(
+            targets,
+            jobs=jobs,
+            progress=progress,
+            on_layer=write,
+            profile=args.profile,
+            allow_nonempty=args.yes,
+            budget_s=args.budget,
+        )
 
     if args.urls:
-        reports = run([Target(url) for url in args.urls])
-    else:
+        reports = run([Target(url) for url in args.urls], args.jobs or 1)
+    else:  # the embedded defaults share the machine well: all at once unless told otherwise
         with embedded_targets() as targets:
-            reports = run(targets)
+            reports = run(targets, args.jobs or len(targets))
     write(reports)
     out.write(to_json(reports) + "\n" if args.json else render_text(reports))
     outcomes = {report.outcome for report in reports}
     if "violated" in outcomes:
         return EXIT_BROKEN
     return EXIT_ERROR if "storage error" in outcomes else EXIT_OK  # undecided is not broken
-
-
-def _with_done(write: Callable[[list[Any]], None], done: list[Any], current: Any) -> None:
-    write([*done, current])
 
 
 def _write_report(path: str, text: str) -> None:
@@ -647,6 +638,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=counted(1, 86400),
         default=None,
         help="seconds per backend, shrinking included (default: 60 for ci, none for thorough)",
+    )
+    p.add_argument(
+        "--jobs",
+        metavar="N",
+        type=counted(1, 64),
+        default=None,
+        help="backends run at once (default: 1 for URLs given, all for the embedded defaults)",
     )
     p.set_defaults(func=cmd_conformance)
     add_directory_commands(sub, parse_step, counted(1, 1024))
