@@ -15,8 +15,15 @@ from typing import Any
 from ckptstore.commit.base import CommitStrategy, StorageAudit
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
+from ckptstore.conformance.strays import Stray
 from ckptstore.driver import DriverFamily, driver_family
-from ckptstore.errors import CapabilityError, IntegrityError, ObjectNotFoundError, StorageError
+from ckptstore.errors import (
+    CapabilityError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    ObjectNotFoundError,
+    StorageError,
+)
 from ckptstore.names import step_token
 from ckptstore.registry import resolve
 from ckptstore.retention import RetentionPolicy
@@ -67,6 +74,8 @@ class Location:
         self.options = dict(options or {})
         self.clock = Clock()
         self.base = open_for_measuring(url, self.options)
+        self.strays: list[Stray] = []
+        """Foreign entries the suite planted here: never leftovers of the protocol's."""
 
     def open(
         self, plan: FaultPlan | None = None, retention: RetentionPolicy | None = None
@@ -91,14 +100,21 @@ class Location:
         return self.audit.raw_names()
 
     def leftovers(self) -> set[str]:
-        """Raw names that belong to no published checkpoint (nor to the store itself)."""
+        """Raw names that belong to no published checkpoint (nor to the store itself), apart
+        from the foreign entries the suite planted (``strays``)."""
         owned: set[str] = set(self.audit.fixed_names)
         for step in self.base.published_steps():
             try:
                 owned |= self.audit.stored_names(self.base.read_manifest(step))
+            except CheckpointNotFoundError:
+                continue  # a stray named like a step, or unpublished since the listing
             except IntegrityError:
                 owned |= {n for n in self.raw_names() if step_token(step) in n}
-        return self.raw_names() - owned
+        return {
+            name
+            for name in self.raw_names() - owned
+            if not any(stray.owns(name) for stray in self.strays)
+        }
 
     def corrupt(self, step: int, name: str, how: str) -> str | None:
         """Damage one published shard behind the store's back; return the damage done.

@@ -28,6 +28,7 @@ from hypothesis.stateful import (
 )
 
 from ckptstore.conformance.faults import CrashMode, FaultPlan, SimulatedCrash
+from ckptstore.conformance.foreign import ForeignEntryRules
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
 from ckptstore.conformance.outcomes import (
@@ -71,7 +72,7 @@ def make_state_machine(
     """
     sizes = st.sampled_from([0, 1, 100, 4096] + ([multipart_size] if multipart_size else []))
 
-    class CheckpointStoreMachine(RuleBasedStateMachine):
+    class CheckpointStoreMachine(ForeignEntryRules):
         """One store, one model, and every way a trainer, a crash or a disk can treat it."""
 
         @abort_on_storage_failure
