@@ -8,8 +8,9 @@
   and "directory marker" keys. The model is told, so a stray taken for a checkpoint is I1;
 - ``plant_a_pointer``: a corrupt LATEST pointer (bytes that are no step, a step past every
   checkpoint, one never published, a directory, a FIFO), which the protocol must ignore;
-- ``operator_races_a_reader``: an operator's delete, rollback or retention at any storage
-  call of a resuming trainer's ``latest()`` and reads (``operators``).
+- ``operator_deletes_under_a_reader`` (with and without ``--force``), ``..._rolls_back_...``,
+  ``..._applies_retention_...``: an operator's action at any storage call of a resuming
+  trainer's ``latest()`` and reads (``operators``).
 
 After every step: no planted entry is gone or changed (I7: "entries the protocol did not make
 are never removed"), and no reader blocked on a planted FIFO (I4: a resume that never
@@ -25,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model
-from ckptstore.conformance.operators import ACTIONS, OperatorAction, race_a_reader
+from ckptstore.conformance.operators import OperatorAction, race_a_reader
 from ckptstore.conformance.outcomes import abort_on_storage_failure
 from ckptstore.conformance.strays import (
     FILE_SYSTEM_KINDS,
@@ -94,18 +95,29 @@ class ForeignEntryRules(RuleBasedStateMachine):
             self.model.hint_planted(named)
         self._remember(stray)
 
-    @precondition(lambda self: bool(self.model.committed))
-    @rule(action=st.sampled_from(ACTIONS), data=st.data(), at=st.integers(0, 24))
-    @abort_on_storage_failure
-    def operator_races_a_reader(self, action: str, data: Any, at: int) -> None:
-        published = sorted(self.model.committed)
-        operation = OperatorAction(action)
-        if action == "retention":
-            operation.keep = data.draw(st.integers(1, 3), label="keep")
-        else:
-            operation.step = data.draw(st.sampled_from(published), label="step")
+    def _race(self, operation: OperatorAction, at: int) -> None:
         operator, _ = self.location.open()
         race_a_reader(self.location.base, operator, operation, at, self.model, self.location.clock)
+
+    @precondition(lambda self: bool(self.model.committed))
+    @rule(data=st.data(), force=st.booleans(), at=st.integers(0, 24))
+    @abort_on_storage_failure
+    def operator_deletes_under_a_reader(self, data: Any, force: bool, at: int) -> None:
+        step = data.draw(st.sampled_from(sorted(self.model.committed)), label="step")
+        self._race(OperatorAction("delete --force" if force else "delete", step=step), at)
+
+    @precondition(lambda self: bool(self.model.committed))
+    @rule(data=st.data(), at=st.integers(0, 24))
+    @abort_on_storage_failure
+    def operator_rolls_back_under_a_reader(self, data: Any, at: int) -> None:
+        step = data.draw(st.sampled_from(sorted(self.model.committed)), label="step")
+        self._race(OperatorAction("rollback", step=step), at)
+
+    @precondition(lambda self: bool(self.model.committed))
+    @rule(keep=st.integers(1, 3), at=st.integers(0, 24))
+    @abort_on_storage_failure
+    def operator_applies_retention_under_a_reader(self, keep: int, at: int) -> None:
+        self._race(OperatorAction("retention", keep=keep), at)
 
     @invariant()
     def foreign_entries_left_alone(self) -> None:

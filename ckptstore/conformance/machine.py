@@ -6,7 +6,9 @@ implementations. Rules save (random shard counts and sizes, optionally crashing 
 storage call, before or after it took effect), read, verify, apply retention, collect garbage
 (with and without aging the leftovers, and while a save is still live), restart the store,
 race a second writer at the same step, corrupt a shard behind the store's back, and inject
-transient faults. After every step the model checks I1 to I7; a failure is shrunk by
+transient faults; the rules of ``foreign.ForeignEntryRules`` plant strays and corrupt
+pointers and run an operator's delete, rollback and retention under a resuming reader. After
+every step the model checks I1 to I7; a failure is shrunk by
 hypothesis to a short sequence of rules. Where the storage itself fails a step (after its
 driver's retries), the example stops at once with ``StorageFailure``: undecided, not shrunk.
 """
