@@ -137,7 +137,7 @@ def old_rollback(self: Store, step: int) -> list[int]:
     newer = self.strategy.published_steps(min_step=step + 1)
     for doomed in reversed(newer):
         self.strategy.unpublish(doomed)
-    self.strategy.reset_latest_hint(step)
+    self._reset_hint(step)  # (today's: a LATEST directory does not fail the rollback)
     return newer
 
 
@@ -254,15 +254,14 @@ def test_gc_taking_an_operators_copy_for_its_own_is_i7(
 
 
 def test_latest_giving_up_when_an_operator_deletes_the_hinted_step_is_i4(
-    tmp_path: Any, memory_url: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(Store, "latest", old_latest)
-    for url in (f"file://{tmp_path}/s", memory_url):
-        violation, steps = _caught(url)
-        assert violation.invariant == "I4", violation
-        assert "latest() returned None; step" in str(violation)
-        assert "stayed published (an operator's" in str(violation)
-        assert _rules(steps)[-1].startswith("operator_"), steps
+    violation, steps = _caught(f"file://{tmp_path}/s")
+    assert violation.invariant == "I4", violation
+    assert "latest() returned None; step" in str(violation)
+    assert "stayed published (an operator's" in str(violation)
+    assert _rules(steps)[-1].startswith("operator_"), steps
 
 
 def test_false_corruption_when_a_delete_races_a_read_is_caught(
