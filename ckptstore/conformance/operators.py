@@ -31,9 +31,7 @@ from ckptstore.errors import (
 from ckptstore.retention import KeepLast
 from ckptstore.store import Store
 
-__all__ = ["ACTIONS", "CallHook", "OperatorAction", "race_a_reader"]
-
-ACTIONS = ("rollback", "delete", "retention", "delete --force")
+__all__ = ["CallHook", "OperatorAction", "race_a_reader"]
 
 
 class CallHook:

@@ -97,11 +97,6 @@ class Stray:
     must_stay: bool = True
     """False for a pointer: LATEST is the protocol's name, and a publish may rewrite it."""
 
-    @property
-    def roots(self) -> set[str]:
-        """The top-level names planted: whatever lies under them belongs to the stray."""
-        return {name.split("/", 1)[0] for name in self.entries if not name.startswith(_MANIFESTS)}
-
     def owns(self, raw_name: str) -> bool:
         """Whether a name from a raw listing (``key@version`` on versioned stores) is part of
         this stray."""
