@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -463,6 +464,7 @@ def cmd_rollback(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
+    _import_backends(args.imports)
     try:
         from ckptstore.conformance.batch import run_targets
         from ckptstore.conformance.report import render_text, to_json, to_junit
@@ -506,6 +508,21 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     if "violated" in outcomes:
         return EXIT_BROKEN
     return EXIT_ERROR if "storage error" in outcomes else EXIT_OK  # undecided is not broken
+
+
+def _import_backends(modules: Sequence[str]) -> None:
+    """Import each module (``--import``), which registers its scheme with
+    ``ckptstore.registry.register``: a backend without an installed entry point. Modules are
+    found on the Python path, and in the current directory as with ``python -m``."""
+    if modules and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # whatever the module raised: its author must see it
+            raise InvalidOptionError(
+                f"--import {name}: the module could not be imported ({type(exc).__name__}: {exc})"
+            ) from exc
 
 
 def _write_report(path: str, text: str) -> None:
@@ -645,6 +662,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=counted(1, 64),
         default=None,
         help="backends run at once (default: 1 for URLs given, all for the embedded defaults)",
+    )
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first, which registers a scheme (ckptstore.registry.register); "
+        "repeatable",
     )
     p.set_defaults(func=cmd_conformance)
     add_directory_commands(sub, parse_step, counted(1, 1024))

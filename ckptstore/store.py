@@ -458,7 +458,7 @@ class Store:
         self.strategy.unpublish(step)
         self._confirmed.pop(step, None)
         if step == steps[-1]:
-            self.strategy.reset_latest_hint(steps[-2] if len(steps) > 1 else None)
+            self._reset_hint(steps[-2] if len(steps) > 1 else None)
 
     def rollback(self, step: int) -> list[int]:
         """Delete every checkpoint newer than ``step`` (newest first); return their steps.
@@ -479,8 +479,19 @@ class Store:
         for doomed in reversed(newer):
             if self._unpublish_confirmed(doomed):
                 removed.append(doomed)
-        self.strategy.reset_latest_hint(step)
+        self._reset_hint(step)
         return sorted(removed)
+
+    def _reset_hint(self, step: int | None) -> None:
+        """Point LATEST back at ``step`` after a deletion; where it cannot be rewritten (a
+        directory named LATEST), say so once: the deletion is done, and readers list past a
+        hint that names no checkpoint."""
+        try:
+            self.strategy.reset_latest_hint(step)
+        except StorageError as exc:
+            if exc.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.ENOTDIR, errno.EEXIST):
+                raise
+            ignore_hint(f"{self.url}/LATEST", f"it cannot be rewritten ({exc.strerror})")
 
     def _unpublish_confirmed(self, step: int) -> bool:
         """Unpublish ``step`` if it is still the checkpoint this Store confirmed; True if so.

@@ -523,7 +523,6 @@ def test_orbax_shared_tmp_dir_wiped_by_a_second_writer_is_caught(
     assert {"I5", "I7"} & race_findings(f"orbax-tmp://{tmp_path}")
 
 
-@needs("c13-strays", "stray entries planted by the state machine")
 def test_gc_removing_unfinished_looking_checkpoints_is_caught_as_i7(
     tmp_path: Any, scheme: Any
 ) -> None:

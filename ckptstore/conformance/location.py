@@ -7,6 +7,7 @@ test, opened as often as a restarted trainer would open it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -15,15 +16,29 @@ from typing import Any
 from ckptstore.commit.base import CommitStrategy, StorageAudit
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
+from ckptstore.conformance.strays import Stray
 from ckptstore.driver import DriverFamily, driver_family
-from ckptstore.errors import CapabilityError, IntegrityError, ObjectNotFoundError, StorageError
+from ckptstore.errors import (
+    CapabilityError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    ObjectNotFoundError,
+    StorageError,
+)
 from ckptstore.names import step_token
 from ckptstore.registry import resolve
 from ckptstore.retention import RetentionPolicy
 from ckptstore.store import Store
 from ckptstore.urls import parse_url
 
-__all__ = ["Clock", "Location", "LocationFactory", "child_url", "open_for_measuring"]
+__all__ = [
+    "Clock",
+    "Location",
+    "LocationFactory",
+    "child_url",
+    "open_for_measuring",
+    "refused_at_open",
+]
 
 _ids = itertools.count()
 
@@ -35,14 +50,54 @@ def child_url(base: str, segment: str) -> str:
 
 
 def open_for_measuring(url: str, options: dict[str, Any]) -> CommitStrategy[Any]:
-    """Open a store to measure it: created if missing, and not refused for lacking a
-    capability (the suite reports what is missing instead)."""
+    """Open a store to measure it: created if missing, and never refused where ckptstore
+    refuses a writer (the suite reports what is missing instead, and the probes measure it).
+
+    Every refusal a strategy makes when a store is opened, or before its first save, is
+    turned off: the check of the driver's declared capabilities (``Store`` calls
+    ``check_capabilities``), a ``CapabilityError`` from ``open_root`` (a versioned store on a
+    bucket without versioning), kept in ``refused_at_open`` for the report, and the probe of
+    conditional create before the first publish. A store the strategy hands out afterwards
+    (``with_driver``) is measured alike.
+    """
     parsed = parse_url(url)
     strategy = resolve(parsed.scheme)(parsed, {**parsed.query, **options})
+    strategy.__class__ = _measured(type(strategy))
     if isinstance(strategy, ConditionalPutCommit):
         strategy.verify_conditional_writes = False
     strategy.open_root(create=True)
     return strategy
+
+
+def refused_at_open(strategy: CommitStrategy[Any]) -> list[str]:
+    """What ``open_root`` refused the store for (empty: nothing), once opened to measure."""
+    return list(getattr(strategy, "_refused_at_open", []))
+
+
+@functools.cache
+def _measured(cls: type[CommitStrategy[Any]]) -> type[CommitStrategy[Any]]:
+    """``cls``, refusing nothing at open: a subclass of the same name (idempotent)."""
+    if getattr(cls, "_measured", False):
+        return cls
+
+    def check_capabilities(self: CommitStrategy[Any]) -> None:
+        """Refuse nothing: the probes report what is missing."""
+
+    def open_root(self: CommitStrategy[Any], *, create: bool) -> None:
+        try:
+            cls.open_root(self, create=create)
+        except CapabilityError as exc:
+            self._refused_at_open = [str(exc)]  # type: ignore[attr-defined]
+
+    namespace = {
+        "check_capabilities": check_capabilities,
+        "open_root": open_root,
+        "_measured": True,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+    }
+    return type(cls.__name__, (cls,), namespace)
 
 
 class Clock:
@@ -71,6 +126,8 @@ class Location:
         """Calls made through ``open``'s stores that may have changed the storage, and
         corruptions: while it stays the same, what the storage holds does too."""
         self._touched: set[str] | None = set()
+        self.strays: list[Stray] = []
+        """Foreign entries the suite planted here: never leftovers of the protocol's."""
 
     def open(
         self, plan: FaultPlan | None = None, retention: RetentionPolicy | None = None
@@ -107,14 +164,21 @@ class Location:
         return self.audit.raw_names()
 
     def leftovers(self) -> set[str]:
-        """Raw names that belong to no published checkpoint (nor to the store itself)."""
+        """Raw names that belong to no published checkpoint (nor to the store itself), apart
+        from the foreign entries the suite planted (``strays``)."""
         owned: set[str] = set(self.audit.fixed_names)
         for step in self.base.published_steps():
             try:
                 owned |= self.audit.stored_names(self.base.read_manifest(step))
+            except CheckpointNotFoundError:
+                continue  # a stray named like a step, or unpublished since the listing
             except IntegrityError:
                 owned |= {n for n in self.raw_names() if step_token(step) in n}
-        return self.raw_names() - owned
+        return {
+            name
+            for name in self.raw_names() - owned
+            if not any(stray.owns(name) for stray in self.strays)
+        }
 
     def corrupt(self, step: int, name: str, how: str) -> str | None:
         """Damage one published shard behind the store's back; return the damage done.

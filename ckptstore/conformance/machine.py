@@ -6,7 +6,9 @@ implementations. Rules save (random shard counts and sizes, optionally crashing 
 storage call, before or after it took effect), read, verify, apply retention, collect garbage
 (with and without aging the leftovers, and while a save is still live), restart the store,
 race a second writer at the same step, corrupt a shard behind the store's back, and inject
-transient faults. After every step the model checks I1 to I7; a failure is shrunk by
+transient faults; the rules of ``foreign.ForeignEntryRules`` plant strays and corrupt
+pointers and run an operator's delete, rollback and retention under a resuming reader. After
+every step the model checks I1 to I7; a failure is shrunk by
 hypothesis to a short sequence of rules. Where the storage itself fails a step (after its
 driver's retries), the example stops at once with ``StorageFailure``: undecided, not shrunk.
 """
@@ -30,6 +32,7 @@ from hypothesis.stateful import (
 )
 
 from ckptstore.conformance.faults import CrashMode, FaultPlan, SimulatedCrash
+from ckptstore.conformance.foreign import ForeignEntryRules
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
 from ckptstore.conformance.outcomes import (
@@ -75,7 +78,7 @@ def make_state_machine(
     """
     sizes = st.sampled_from([0, 1, 100, 4096] + ([multipart_size] if multipart_size else []))
 
-    class CheckpointStoreMachine(RuleBasedStateMachine):
+    class CheckpointStoreMachine(ForeignEntryRules):
         """One store, one model, and every way a trainer, a crash or a disk can treat it."""
 
         completion_crashes: ClassVar[Counter[str]] = Counter()

@@ -82,6 +82,14 @@ class Model:
     """The epoch at which each step's shards were last read back in full."""
     events: int = 0
     """How many events (below) the model was told of: equal counts, equal models."""
+    strays: dict[int, str] = field(default_factory=dict)
+    """Steps at which the suite planted a foreign entry named like a step (what it is): never
+    a checkpoint, never saved by the suite."""
+    damaged_strays: set[int] = field(default_factory=set)
+    """Planted steps whose manifest is present but unreadable (a FIFO or a directory in its
+    place): damage by design, so ``latest()`` may raise for it while it is the newest."""
+    planted_hints: set[int] = field(default_factory=set)
+    """Steps that a LATEST pointer planted by the suite named (the protocol never wrote them)."""
 
     # -- events --------------------------------------------------------------------------
 
@@ -122,6 +130,21 @@ class Model:
         self.events += 1
         self.corrupted.setdefault(step, {})[name] = how
         self.epoch += 1
+
+    def stray_planted(self, step: int, what: str, *, damaged: bool = False) -> None:
+        """The suite planted a foreign entry at ``step``: it must never be taken for a
+        checkpoint (``damaged``: its manifest is present but unreadable, see ``damaged_strays``)."""
+        self.strays.setdefault(step, what)
+        if damaged:
+            self.damaged_strays.add(step)
+
+    def hint_planted(self, step: int) -> None:
+        """The suite wrote a LATEST pointer naming ``step`` behind the store's back."""
+        self.planted_hints.add(step)
+
+    def damage_above(self, step: int | None) -> bool:
+        """Whether a planted damaged entry is newer than ``step`` (None: than nothing)."""
+        return any(step is None or s > step for s in self.damaged_strays)
 
     def newest_committed(self) -> int | None:
         """The newest step whose commit returned and which is not being removed."""
@@ -170,6 +193,10 @@ def _candidates(model: Model, step: int) -> list[Saved]:
 
 
 def _check_visible(store: Store, model: Model, step: int) -> None:
+    if step in model.strays:
+        raise InvariantViolation(
+            "I1", f"step {step} counts as a checkpoint, but it is {model.strays[step]}"
+        )
     candidates = _candidates(model, step)
     if not candidates:
         raise InvariantViolation("I1", f"step {step} is visible but no save of it ever began")
@@ -260,19 +287,24 @@ def _check_missing(
 
 def _check_latest(store: Store, model: Model, visible: list[int]) -> None:
     hint = store.strategy.read_latest_hint()
-    if hint is not None and hint not in model.ever_published:
+    if hint is not None and hint not in model.ever_published | model.planted_hints:
         raise InvariantViolation("I1", f"LATEST names step {hint}, which was never published")
     intact = [s for s in visible if not model.corrupted.get(s)]
     try:
         latest = store.latest()
     except IntegrityError as exc:
-        if visible and model.corrupted.get(visible[-1]):
+        newest_visible = visible[-1] if visible else None
+        if (visible and model.corrupted.get(visible[-1])) or model.damage_above(newest_visible):
             latest = None
         else:
             raise InvariantViolation("I1", f"latest() failed on an intact store: {exc}") from exc
     else:
         newest = visible[-1] if visible else None
         got = latest.step if latest is not None else None
+        if got in model.strays:
+            raise InvariantViolation(
+                "I1", f"latest() returned step {got}, which is {model.strays[got]}"
+            )
         if got != newest:
             raise InvariantViolation("I4", f"latest() returned {got}, newest published is {newest}")
     if latest is not None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore.conformance.location import Location
+from ckptstore.conformance.location import Location, refused_at_open
 from ckptstore.conformance.outcomes import STORAGE_ERROR, retry_storage_failures, storage_failure
 from ckptstore.driver import Capability, DriverFamily, PutMode, driver_family
 from ckptstore.errors import (
@@ -45,6 +45,9 @@ class ProbeResult:
     declared: bool
     measured: str
     detail: str = ""
+    required: bool = False
+    """The store's commit protocol needs it: ckptstore refuses storage whose driver does not
+    declare it (the suite measures such storage all the same, and reports it missing)."""
 
 
 def run_probes(location: Location) -> list[ProbeResult]:
@@ -71,20 +74,32 @@ def _raw_requests(driver: Any) -> Iterator[None]:
 
 def _run_probes(location: Location, driver: Any) -> list[ProbeResult]:
     declared = location.base.capabilities
+    required = location.base.required_capabilities
     file_system = driver_family(driver) is DriverFamily.FILE_SYSTEM
     probes = _FILE_SYSTEM_PROBES if file_system else _OBJECT_STORE_PROBES
     results = []
     for capability in Capability:
         probe = probes.get(capability)
+        needed = capability in required
         if probe is None:
-            if capability in declared:  # declared, but nothing here can measure it
-                results.append(ProbeResult(capability.value, True, NOT_MEASURED, "no probe"))
+            if capability in declared or needed:  # nothing here can measure it
+                results.append(
+                    ProbeResult(
+                        capability.value, capability in declared, NOT_MEASURED, "no probe", needed
+                    )
+                )
             continue
         (measured, detail), _ = retry_storage_failures(
             functools.partial(_measure, probe, driver),
             lambda outcome: outcome[0] == STORAGE_ERROR,
         )
-        results.append(ProbeResult(capability.value, capability in declared, measured, detail))
+        results.append(
+            ProbeResult(capability.value, capability in declared, measured, detail, needed)
+        )
+    results.extend(
+        ProbeResult("opening the store", True, VIOLATED, refusal, True)
+        for refusal in refused_at_open(location.base)
+    )
     return results
 
 

@@ -110,11 +110,7 @@ class BackendReport:
     @property
     def capability_mismatches(self) -> list[ProbeResult]:
         """Capabilities declared but not found on the real system."""
-        return [
-            c
-            for c in self.capabilities
-            if c.declared and c.measured not in (HELD, NOT_MEASURED, STORAGE_ERROR)
-        ]
+        return [c for c in self.capabilities if _missing(c)]
 
     @property
     def storage_errors(self) -> list[str]:
@@ -163,11 +159,27 @@ def _measured(probe: ProbeResult) -> str:
     return "yes" if probe.measured == HELD else "no"
 
 
+def _missing(probe: ProbeResult) -> bool:
+    """Declared or required, and not found; or required and not declared (ckptstore would
+    refuse the storage at open)."""
+    if probe.measured == STORAGE_ERROR:
+        return False
+    if probe.required and not probe.declared:
+        return True
+    return (probe.declared or probe.required) and probe.measured not in (HELD, NOT_MEASURED)
+
+
 def _verdict(probe: ProbeResult) -> str:
-    if probe.measured == NOT_MEASURED:
-        return ""
     if probe.measured == STORAGE_ERROR:
         return "STORAGE ERROR (undecided)"
+    if probe.required and not probe.declared:
+        if probe.measured == HELD:
+            return "MISSING from the driver's declaration (required; found: declare it)"
+        if probe.measured == NOT_MEASURED:
+            return "MISSING (required by the commit protocol, not declared)"
+        return "MISSING (required by the commit protocol, not declared, not found)"
+    if probe.measured == NOT_MEASURED:
+        return ""
     if probe.declared and probe.measured != HELD:
         return "MISSING (declared, not found)"
     if not probe.declared and probe.measured == HELD:
