@@ -259,9 +259,10 @@ def test_latest_giving_up_when_an_operator_deletes_the_hinted_step_is_i4(
     monkeypatch.setattr(Store, "latest", old_latest)
     violation, steps = _caught(f"file://{tmp_path}/s")
     assert violation.invariant == "I4", violation
-    assert "latest() returned None; step" in str(violation)
-    assert "stayed published (an operator's" in str(violation)
-    assert _rules(steps)[-1].startswith("operator_"), steps
+    assert "latest() returned None" in str(violation)
+    # Found by an operator's deletion under the reader, or sooner by a planted pointer that
+    # names a step never published: the old latest() gave up on a hint it could not follow.
+    assert _rules(steps)[-1].startswith(("operator_", "plant_a_pointer")), steps
 
 
 def test_false_corruption_when_a_delete_races_a_read_is_caught(
@@ -377,7 +378,7 @@ def test_conformance_imports_a_backend_and_measures_what_ckptstore_refuses(
 ) -> None:
     from ckptstore.conformance import runner
 
-    monkeypatch.setattr(runner, "MACHINE_BUDGET_S", {"ci": 2.0})  # the fewest examples
+    monkeypatch.setattr(runner, "MACHINE_MAX_S", {"ci": 2.0})  # the fewest examples
     url = f"plainput://plain-{os.getpid()}/run"
     out = io.StringIO()
     status = main(

@@ -299,7 +299,9 @@ def _kind(mode: int) -> str:
 
 def _translated(exc: OSError, what: str) -> StorageError:
     message = f"{what}: {exc.strerror or exc}"
-    if isinstance(exc, FileNotFoundError):
+    if isinstance(exc, FileNotFoundError) or exc.errno == errno.ENOTDIR:
+        # ENOTDIR: a component of the path is a file (a stray named like a step, say), so
+        # nothing exists at the path: the same answer as ENOENT.
         return ObjectNotFoundError(errno.ENOENT, message)
     if isinstance(exc, FileExistsError) or exc.errno == errno.ENOTEMPTY:
         return TargetExistsError(errno.EEXIST, message)

@@ -66,6 +66,7 @@ class ForeignEntryRules(RuleBasedStateMachine):
         return step
 
     def _remember(self, stray: Stray) -> None:
+        self.location.changed()  # planted behind the store's back: the next check looks
         self.planted.append(stray)
         self.location.strays.append(stray)
         for path in fifo_paths(self.location, stray):

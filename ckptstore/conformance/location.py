@@ -74,6 +74,19 @@ def refused_at_open(strategy: CommitStrategy[Any]) -> list[str]:
     return list(getattr(strategy, "_refused_at_open", []))
 
 
+def measuring_class(cls: type[CommitStrategy[Any]]) -> type[CommitStrategy[Any]]:
+    """``cls`` as ``open_for_measuring`` makes it: refusing nothing at open."""
+    return _measured(original_class(cls))
+
+
+def original_class(cls: type[CommitStrategy[Any]]) -> type[CommitStrategy[Any]]:
+    """The strategy class that ``open_for_measuring`` derived ``cls`` from (or ``cls``): the
+    one that can be pickled, by its module and name."""
+    while cls.__dict__.get("_measured", False):
+        cls = cls.__bases__[0]
+    return cls
+
+
 @functools.cache
 def _measured(cls: type[CommitStrategy[Any]]) -> type[CommitStrategy[Any]]:
     """``cls``, refusing nothing at open: a subclass of the same name (idempotent)."""
@@ -133,11 +146,13 @@ class Location:
         self, plan: FaultPlan | None = None, retention: RetentionPolicy | None = None
     ) -> tuple[Store, FaultInjector]:
         """A fresh Store over this location, its driver wrapped in a fault injector."""
-        injector = FaultInjector(self.base.driver, plan, on_change=self._changed)
+        injector = FaultInjector(self.base.driver, plan, on_change=self.changed)
         strategy: CommitStrategy[Any] = self.base.with_driver(injector)
         return Store(strategy, retention=retention, clock=self.clock), injector
 
-    def _changed(self, names: tuple[str, ...] | None = None) -> None:
+    def changed(self, names: tuple[str, ...] | None = None) -> None:
+        """Note a change of the storage (of ``names``; None: of anything) made some way other
+        than through ``open``'s stores: the next invariant check must not skip it."""
         self.changes += 1
         if names is None:
             self._touched = None
@@ -190,7 +205,7 @@ class Location:
         record = manifest.shard(name)
         if record is None:
             return None
-        self._changed((step_token(step),))
+        self.changed((step_token(step),))
         driver = self.base.driver
         if "version_id" in record.locator:
             driver.delete(record.locator["key"], version_id=record.locator["version_id"])

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ckptstore.conformance.fsimages import IMAGE_TYPES, ImageUnavailable, image_url, mounted_image
-from ckptstore.conformance.location import Location, LocationFactory
+from ckptstore.conformance.location import Location, LocationFactory, original_class
 from ckptstore.conformance.probes import HELD, NOT_MEASURED, STORAGE_ERROR, run_probes
 from ckptstore.conformance.report import BackendReport
 from ckptstore.conformance.syscalltrace import TracerUnavailable, parse_trace, trace_command
@@ -69,7 +69,9 @@ def run_syscall_trace(location: Location, *, depth: int = 1) -> SyscallTraceResu
     if not isinstance(root, str) or not os.path.isdir(root):
         raise TracerUnavailable("the driver has no local root directory to trace")
     try:
-        recipe = pickle.dumps((type(strategy), strategy.settings(), strategy.driver))
+        recipe = pickle.dumps(
+            (original_class(type(strategy)), strategy.settings(), strategy.driver)
+        )
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise TracerUnavailable(f"the driver cannot be handed to a traced process: {exc}") from exc
     with tempfile.TemporaryDirectory(prefix="ckptstore-trace-") as scratch:

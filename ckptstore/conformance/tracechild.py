@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
-from ckptstore.conformance.location import Clock
+from ckptstore.conformance.location import Clock, measuring_class
 from ckptstore.conformance.model import Model
 from ckptstore.conformance.outcomes import storage_failure
 from ckptstore.conformance.workload import big_shard_size, standard_workload
@@ -164,6 +164,7 @@ def main(argv: list[str]) -> int:
         strategy_type, settings, driver = pickle.load(stream)  # written by our own parent
     model = Model()
     journal = _Journal(model)
+    strategy_type = measuring_class(strategy_type)  # measured as the parent does: no refusal
     strategy = strategy_type(_MarkingDriver(driver, journal), **settings)
     location = _TracedLocation(strategy)
     try:
