@@ -380,7 +380,10 @@ def _crash_case(new_location: LocationMaker, index: int, mode: CrashMode) -> Cra
             standard_workload(location, plan, model, big_shard_size(location))
             name += " (not reached)"
         except SimulatedCrash as crash:
-            name = f"{name}: {crash}"
+            # Named by where the process died, even if a later call (in an ``except`` or
+            # ``finally``) was the one that noticed it.
+            death = f"crash at call {crash.record}" if crash.record is not None else str(crash)
+            name = f"{name}: {death}"
             result.crashed_at(crash)
         except CkptStoreError as exc:  # before the crash point: the storage failed the workload
             return _undecided(result, name, exc)
