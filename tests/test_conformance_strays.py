@@ -57,6 +57,7 @@ UNRELATED_RULES = (
     "gc_during_a_live_save",
     "concurrent_writers",
     "corrupt_a_shard",
+    "gc_during_a_long_multipart_upload",
 )
 
 

@@ -98,7 +98,9 @@ class ForeignEntryRules(RuleBasedStateMachine):
 
     def _race(self, operation: OperatorAction, at: int) -> None:
         operator, _ = self.location.open()
-        race_a_reader(self.location.base, operator, operation, at, self.model, self.location.clock)
+        race_a_reader(
+            self.location.base, operator, operation, at, self.model, self.location.store_clock
+        )
 
     @precondition(lambda self: bool(self.model.committed))
     @rule(data=st.data(), force=st.booleans(), at=st.integers(0, 24))

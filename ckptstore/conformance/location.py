@@ -11,6 +11,7 @@ import functools
 import itertools
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy, StorageAudit
@@ -113,6 +114,15 @@ def _measured(cls: type[CommitStrategy[Any]]) -> type[CommitStrategy[Any]]:
     return type(cls.__name__, (cls,), namespace)
 
 
+def _follow(driver: Any, clock: Clock) -> bool:
+    """Make ``driver`` stamp its writes with ``clock`` where it can (a ``clock`` attribute, as
+    the memory driver has); whether it does."""
+    if not hasattr(driver, "clock") or isinstance(getattr(type(driver), "clock", None), property):
+        return False
+    driver.clock = clock
+    return True
+
+
 class Clock:
     """Wall-clock time plus an offset the tests move forward (to age leftovers past the grace)."""
 
@@ -135,6 +145,10 @@ class Location:
         self.options = dict(options or {})
         self.clock = Clock()
         self.base = open_for_measuring(url, self.options)
+        self.storage_follows_clock = _follow(self.base.driver, self.clock)
+        """The storage stamps its writes with ``clock`` (memory://): time the suite makes pass
+        passes for the storage too, so that an upload can outlive the grace period on the
+        storage's own clock while its parts keep arriving."""
         self.changes = 0
         """Calls made through ``open``'s stores that may have changed the storage, and
         corruptions: while it stays the same, what the storage holds does too."""
@@ -148,7 +162,15 @@ class Location:
         """A fresh Store over this location, its driver wrapped in a fault injector."""
         injector = FaultInjector(self.base.driver, plan, on_change=self.changed)
         strategy: CommitStrategy[Any] = self.base.with_driver(injector)
-        return Store(strategy, retention=retention, clock=self.clock), injector
+        return Store(strategy, retention=retention, clock=self.store_clock), injector
+
+    @property
+    def store_clock(self) -> Callable[[], float]:
+        """The clock a store here runs on: ``clock``, unless the storage itself follows it
+        (then the store's own clock is this host's, and the storage's stamps carry the time
+        the suite made pass; GC, which measures ages on the storage's clock, would otherwise
+        count it twice)."""
+        return time.time if self.storage_follows_clock else self.clock
 
     def changed(self, names: tuple[str, ...] | None = None) -> None:
         """Note a change of the storage (of ``names``; None: of anything) made some way other

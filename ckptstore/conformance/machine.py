@@ -16,6 +16,7 @@ driver's retries), the example stops at once with ``StorageFailure``: undecided,
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -39,12 +40,17 @@ from ckptstore.conformance.outcomes import (
     StorageFailure,
     abort_on_storage_failure,
     retry_storage_failures,
+    storage_failure,
 )
 from ckptstore.conformance.workload import GRACE, MULTIPART_COMPLETION, pattern, save
-from ckptstore.errors import CheckpointExistsError, CkptStoreError
+from ckptstore.errors import CheckpointExistsError, CkptStoreError, StorageError
+from ckptstore.names import step_token
 from ckptstore.retention import KeepLast
 
 __all__ = ["PROFILES", "make_state_machine", "run_state_machine"]
+
+PART_WAIT_S = 30.0
+"""How long a rule waits for parts a writer's threads are uploading."""
 
 PROFILES = {
     "ci": settings(
@@ -243,6 +249,67 @@ def make_state_machine(
                     "I7", f"GC broke a save with a live {what} younger than the grace period: {exc}"
                 ) from exc
             self.model.save_committed(saved)
+
+        @precondition(lambda self: multipart_size > 0 and self.location.storage_follows_clock)
+        @rule()
+        @abort_on_storage_failure
+        def gc_during_a_long_multipart_upload(self) -> None:
+            """An upload that began longer ago than the grace period, its parts still arriving
+            (a large shard on a slow link): GC must age it by its last part, not its start.
+            Only where the storage stamps its writes with the suite's clock (memory://), so
+            that the upload's start is old on the storage's own clock."""
+            part = int(getattr(self.location.base, "part_size", 0) or 0)
+            if part <= 0 or not self._lists_uploads():
+                return
+            saved = self._new_save([2 * part + 123])
+            data = saved.shards["rank00/part.bin"]
+            self.model.save_started(saved)
+            pending = self.store.begin(saved.step, saved.metadata)
+            writer = pending.open_shard("rank00/part.bin", len(data))
+            writer.write(data[: part + 1])  # the upload begins: its first part
+            self.location.clock.advance(2 * GRACE.total_seconds())
+            writer.write(data[part + 1 : 2 * part + 1])  # its second part, now
+            self._wait_for_parts(saved.step, 2)
+            self.model.gc_started()
+            self.store.gc(grace=GRACE)
+            try:
+                writer.write(data[2 * part + 1 :])
+                writer.close()
+                pending.publish()
+            except CkptStoreError as exc:
+                pending.abort()
+                raise InvariantViolation(
+                    "I7",
+                    f"GC removed a multipart upload whose parts were still arriving (it began "
+                    f"{2 * GRACE} ago, its last part a moment ago): {exc}",
+                ) from exc
+            self.model.save_committed(saved)
+
+        def _lists_uploads(self) -> bool:
+            """Whether the storage lists incomplete uploads (the rule waits on that); one
+            that cannot (501) does not get this rule."""
+            try:
+                list(self.location.base.driver.list_multipart_uploads(""))
+            except StorageError as exc:
+                if storage_failure(exc) is None:
+                    raise
+                return False
+            return True
+
+        def _wait_for_parts(self, step: int, parts: int) -> None:
+            """Until the storage holds ``parts`` parts of the step's upload (parts may go up
+            on threads of their own)."""
+            driver = self.location.base.driver
+            deadline = time.monotonic() + PART_WAIT_S
+            while time.monotonic() < deadline:
+                for upload in driver.list_multipart_uploads(""):
+                    mine = step_token(step) in upload.key
+                    if mine and driver.upload_progress(upload).parts >= parts:
+                        return
+                time.sleep(0.005)
+            raise InvariantViolation(
+                "I1", f"the upload of step {step} never held {parts} parts ({PART_WAIT_S:.0f} s)"
+            )
 
         @rule()
         @abort_on_storage_failure
