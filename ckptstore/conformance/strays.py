@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.driver import DriverFamily, driver_family
-from ckptstore.errors import ObjectNotFoundError
+from ckptstore.errors import CkptStoreError, ObjectNotFoundError
 from ckptstore.names import MAX_STEP, step_token
 
 __all__ = [
@@ -180,8 +180,17 @@ def _plant_on_object_store(
         with contextlib.suppress(ObjectNotFoundError):
             store.head(key)
             return None  # planted before
+    written: list[tuple[str, str | None]] = []
     for key, data in keys.items():
-        store.put(key, data)
+        try:
+            written.append((key, store.put(key, data).version_id))
+        except CkptStoreError:
+            # A name this storage cannot hold (moto answers 404 to a key with a newline):
+            # nothing of this kind can be planted here; what was, goes again (each version).
+            for planted, version in written:
+                with contextlib.suppress(CkptStoreError):
+                    store.delete(planted, version_id=version)
+            return None
         stray.entries[key] = str(len(data))
     return stray
 
