@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from broken_variants import BlindRetryCommit
 from hypothesis import Phase, settings
 
 from ckptstore import registry
@@ -333,21 +334,9 @@ def test_a_publish_guessed_done_is_caught_as_i8_by_the_failure_before(scheme: An
     assert "put(manifests/step-" in failures[0].case
 
 
-class NoReadBackCommit(ConditionalPutCommit):
-    """Broken: a retried manifest create refused with 412 is taken for another writer's
-    publish, without reading back whose it is."""
-
-    def publish(self, manifest: Manifest) -> None:
-        self._check_sealed(manifest)
-        key, body = self.manifest_key(manifest.step), manifest.encode()
-        for _ in range(3):
-            try:
-                self.driver.put(key, body, mode=PutMode.CREATE)
-                return
-            except PreconditionFailedError:
-                raise self._exists(manifest.step) from None
-            except TransientStorageError:
-                continue
+NoReadBackCommit = BlindRetryCommit
+"""Broken: a retried manifest create refused with 412 is taken for another writer's publish,
+without reading back whose it is (the variant of ``broken_variants``)."""
 
 
 def test_a_retried_create_taken_for_another_writer_is_caught_as_i8(scheme: Any) -> None:
