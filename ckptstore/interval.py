@@ -224,6 +224,7 @@ class IntervalAdvice:
             "formula": "daly",
             "recommended": {
                 "interval_s": self.recommended_s,
+                "minutes": self.recommended_s / 60.0,
                 "steps": self.recommended_steps,
             },
             "young_s": self.young_s,

@@ -266,7 +266,8 @@ def test_advise_json_schema_for_schedulers(tmp_path: Path) -> None:
         "restart_s", "steps_per_s", "current", "table",
     }  # fmt: skip
     assert document["formula"] == "daly" and document["url"] == url
-    assert set(document["recommended"]) == {"interval_s", "steps"}
+    assert set(document["recommended"]) == {"interval_s", "minutes", "steps"}
+    assert document["recommended"]["minutes"] == document["recommended"]["interval_s"] / 60
     assert set(document["cost_s"]) == {"median", "min", "max", "saves", "asynchronous"}
     assert document["cost_s"]["saves"] == 2  # --recent 2
     assert (document["mtbi_s"], document["mtbi_source"], document["restart_s"]) == (
