@@ -287,16 +287,19 @@ def advise(
 
 
 def _recent_manifests(store: Store, recent: int) -> list[Manifest]:
-    """The manifests of the newest ``recent`` checkpoints that record timings, by step."""
+    """The manifests of the newest ``recent`` checkpoints that record timings, by step, and of
+    those without timings newer than the oldest of them (counted in the error if too few)."""
     found: list[Manifest] = []
+    timed = 0
     for step in reversed(store.strategy.published_steps()):
         try:
             manifest = store.strategy.read_manifest(step)
         except (CheckpointNotFoundError, IntegrityError):
             continue  # a stray, a damaged manifest, or deleted since the listing
+        found.append(manifest)
         if save_cost(manifest) is not None:
-            found.append(manifest)
-            if len(found) == recent:
+            timed += 1
+            if timed == recent:
                 break
     return found[::-1]
 
