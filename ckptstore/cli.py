@@ -1,5 +1,5 @@
 """The ``ckptstore`` command: ls, show, verify, gc, delete, rollback, push, pull, bench,
-lifecycle, conformance and demo.
+advise, lifecycle, conformance and demo.
 
 Every command but ``demo`` takes store URLs (or bare paths), and ``--json`` prints its result
 as JSON on stdout (``conformance`` also writes report files: ``--json-file``, ``--junit``).
@@ -38,6 +38,7 @@ from ckptstore.errors import (
     NotACheckpointError,
     StorageError,
 )
+from ckptstore.interval import DEFAULT_RECENT, MIN_SAVES, advise
 from ckptstore.names import MAX_STEP
 from ckptstore.progress import ProgressBar
 from ckptstore.store import DEFAULT_GRACE, Store, open_store
@@ -554,6 +555,76 @@ def cmd_lifecycle(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+def cmd_advise(args: argparse.Namespace, out: TextIO) -> int:
+    store = _open(args.url)
+    advice = advise(store, mtbi=args.mtbi, recent=args.recent, restart=args.restart)
+    if args.json:
+        json.dump({"url": store.url, **advice.to_document()}, out, indent=2)
+        out.write("\n")
+        return EXIT_OK
+    cost, steps = advice.cost, advice.recommended_steps
+    kind = (
+        "blocked time of asynchronous saves"
+        if advice.asynchronous == advice.saves
+        else "whole synchronous saves"
+        if not advice.asynchronous
+        else f"{advice.asynchronous} asynchronous (blocked time), the rest synchronous"
+    )
+    source = "--mtbi" if advice.mtbi_source == "option" else "the store's restarts"
+    lines = [
+        f"checkpoint interval for {store.url}",
+        f"  save cost C   median {_duration(cost.median)} (min {_duration(cost.low)}, "
+        f"max {_duration(cost.high)}) over {cost.count} saves: {kind}",
+        f"  interruptions M every {_duration(advice.mtbi_s)} (from {source}), each "
+        f"costing the work since the last save"
+        + (f" and a {_duration(advice.restart_s)} restart" if advice.restart_s else ""),
+        f"  step rate     {_rate(advice.steps_per_s)} between saves",
+        f"  current       {_interval(advice.current_interval_s, advice.current_steps)}",
+        f"  recommended   {_interval(advice.recommended_s, steps)} (Daly; Young's "
+        f"sqrt(2CM) = {_duration(advice.young_s)})",
+    ]
+    out.write("\n".join(map(printable, lines)) + "\n\n")
+    rows = [["INTERVAL", "STEPS", "SAVING C/T", "LOST (T/2+R)/M", "TOTAL", ""]]
+    for row in advice.table:
+        rows.append(
+            [
+                _duration(row.interval_s),
+                "-" if row.steps is None else str(row.steps),
+                f"{row.overhead:.2%}",
+                f"{row.lost:.2%}",
+                f"{row.waste:.2%}",
+                row.label,
+            ]
+        )
+    _print_table(rows, out)
+    return EXIT_OK
+
+
+def _duration(seconds: float) -> str:
+    """Seconds for a reader: ``850 ms``, ``42.0 s``, ``12.5 min``, ``6.0 h``, ``3.0 d``."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def _rate(steps_per_s: float | None) -> str:
+    if steps_per_s is None:
+        return "unknown (no training time measured between saves)"
+    return f"{steps_per_s:.3g} steps/s"
+
+
+def _interval(seconds: float | None, steps: int | None) -> str:
+    if seconds is None:
+        return "unknown"
+    return _duration(seconds) + ("" if steps is None else f" of training, {steps} steps")
+
+
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     from ckptstore.tools.store_bench import run_bench
 
@@ -619,6 +690,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--repeats", type=counted(1, 1000), default=3, help="(default 3)")
     p.set_defaults(func=cmd_bench)
+    p = command("advise", "the checkpoint interval that loses the least work, from the timings")
+    p.add_argument(
+        "--mtbi",
+        type=parse_duration,
+        default=None,
+        help="mean time between interruptions (6h, 2d...)",
+    )
+    p.add_argument(
+        "--recent",
+        metavar="N",
+        type=counted(MIN_SAVES, 100000),
+        default=DEFAULT_RECENT,
+        help=f"measure the newest N checkpoints (default {DEFAULT_RECENT})",
+    )
+    p.add_argument(
+        "--restart",
+        type=parse_duration,
+        default=timedelta(0),
+        help="time from an interruption to training again, for the table (default 0)",
+    )
+    p.set_defaults(func=cmd_advise)
     p = command("lifecycle", "install the S3 rule that aborts stale multipart uploads")
     p.add_argument(
         "--days",

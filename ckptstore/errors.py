@@ -22,6 +22,7 @@ and ``except ValueError`` keep working in code that does not know ckptstore::
     ├── CheckpointStateError (RuntimeError)       a pending checkpoint used after publish/abort
     ├── CoverageError                             expected shards missing at publish
     ├── RefusedError                              an operation that would break I3 without force
+    ├── NotEnoughSavesError                       too few saves with timings to measure from
     ├── IntegrityError                            stored data is not what was committed (I6)
     │   ├── ManifestCorruptError
     │   ├── ShardCorruptError
@@ -59,6 +60,7 @@ __all__ = [
     "InvalidURLError",
     "ManifestCorruptError",
     "NotACheckpointError",
+    "NotEnoughSavesError",
     "ObjectNotFoundError",
     "PreconditionFailedError",
     "PreconditionInferredError",
@@ -151,6 +153,11 @@ class CoverageError(CkptStoreError):
 
 class RefusedError(CkptStoreError):
     """The operation would remove the newest checkpoint (I3); pass force=True to do it anyway."""
+
+
+class NotEnoughSavesError(CkptStoreError):
+    """The store holds too few checkpoints with recorded timings to measure what a save costs
+    the trainer and how fast it steps (``ckptstore advise``); nothing is wrong with them."""
 
 
 class IntegrityError(CkptStoreError):

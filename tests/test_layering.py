@@ -25,7 +25,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     COMMIT: ("commit",),
     BACKENDS: ("backends",),
-    CORE: ("checkpoint", "pending", "store", "registry", ""),
+    CORE: ("checkpoint", "pending", "store", "registry", "interval", ""),
     TORCH: ("torch",),
     TRAINERS: ("directory", "huggingface", "lightning"),
     TOOLING: ("conformance", "cli", "cli_directory", "tools"),

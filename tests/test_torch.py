@@ -179,7 +179,8 @@ def test_save_and_load_state(tmp_path: Path) -> None:
     assert fresh_scheduler.state_dict() == scheduler.state_dict()
     manifest = store.latest().manifest
     assert manifest.metadata["counters"]["samples_read"] == 640
-    assert "blocked_s" in manifest.timings
+    assert "snapshot_s" in manifest.timings  # synchronous: blocked for the whole save,
+    assert "blocked_s" not in manifest.timings  # which only an asynchronous save records
 
 
 def test_async_save_snapshots_then_training_runs_on(tmp_path: Path) -> None:

@@ -5,8 +5,9 @@ trainer), and returns a future of the published checkpoint. At most ``max_in_fli
 run at once: a further save waits (backpressure) rather than piling up snapshots in memory.
 An error in the background is raised by the future and again by the next ``save`` (or
 ``wait``/``close``), never swallowed. The manifest records ``blocked_s`` (how long the trainer
-was blocked) and ``to_commit_s`` (from the call to the moment the manifest was sealed, just
-before the atomic publish).
+was blocked: the wait for a free slot and the snapshot; only saves that go on in the background
+record it, so it is what such a save cost the trainer) and ``to_commit_s`` (from the call to the
+moment the manifest was sealed, just before the atomic publish).
 """
 
 from __future__ import annotations

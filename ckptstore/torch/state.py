@@ -206,11 +206,16 @@ def save_state(
     metadata: Mapping[str, Any] | None = None,
     rng: bool = True,
 ) -> Checkpoint:
-    """Save a trainer's state as ``step``, synchronously; return the published checkpoint."""
+    """Save a trainer's state as ``step``, synchronously; return the published checkpoint.
+
+    The manifest records ``snapshot_s`` (the state's encoding, before the store's ``write_s``)
+    and no ``blocked_s``: a synchronous save blocks the trainer for all of it, and
+    ``blocked_s`` is recorded only by saves that go on in the background after it
+    (``ckptstore.interval`` tells the two apart by it).
+    """
     started = time.perf_counter()
     snapshot = snapshot_state(components, counters=counters, metadata=metadata, rng=rng, copy=False)
-    blocked = time.perf_counter() - started
-    return write_snapshot(store, step, snapshot, {"blocked_s": blocked, "snapshot_s": blocked})
+    return write_snapshot(store, step, snapshot, {"snapshot_s": time.perf_counter() - started})
 
 
 def load_state(
