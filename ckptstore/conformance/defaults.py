@@ -95,7 +95,9 @@ def _s3_targets(stack: contextlib.ExitStack, run: str, say: Skipped) -> list[Tar
     url = versioned.url(run, scheme="s3+versioned", part_size=part, concurrency=1)
     targets.append(Target(url, versioned.options))
     if not _fsspec_missing("s3fs", say):
-        targets.append(Target(s3.fsspec_url(f"{run}-fsspec"), s3.fsspec_options))
+        query = f"endpoint_url={s3.endpoint_url}&min_part_size={part}&part_size={part}"
+        url = f"fsspec+s3://{s3.bucket}/{run}-fsspec?{query}&concurrency=1"
+        targets.append(Target(url, {"key": s3.access_key, "secret": s3.secret_key}))
     return targets
 
 
@@ -107,11 +109,14 @@ def _gcs_targets(stack: contextlib.ExitStack, run: str, say: Skipped) -> list[Ta
     from ckptstore.tools.embedded_gcs import embedded_fake_gcs
 
     gcs = stack.enter_context(embedded_fake_gcs())
-    targets = [Target(gcs.url(run, concurrency=1), gcs.options)]
+    targets = [Target(gcs.url(run, part_size=4096, concurrency=1), gcs.options)]
     versioned = gcs.versioned_bucket(f"{gcs.bucket}-versioned")
-    targets.append(Target(versioned.url(run, scheme="gs+versioned"), versioned.options))
+    url = versioned.url(run, scheme="gs+versioned", part_size=4096, concurrency=1)
+    targets.append(Target(url, versioned.options))
     if not _fsspec_missing("gcsfs", say):
-        targets.append(Target(gcs.fsspec_url(f"{run}-fsspec"), gcs.fsspec_options))
+        query = f"endpoint_url={gcs.endpoint_url}&part_size=65536&concurrency=1"
+        url = f"fsspec+gcs://{gcs.bucket}/{run}-fsspec?{query}"
+        targets.append(Target(url, {"token": "anon"}))
     return targets
 
 
@@ -123,7 +128,8 @@ def _azure_targets(stack: contextlib.ExitStack, run: str, say: Skipped) -> list[
     from ckptstore.tools.embedded_azure import embedded_azurite
 
     azure = stack.enter_context(embedded_azurite())
-    targets = [Target(azure.url(run, concurrency=1), azure.options)]
+    targets = [Target(azure.url(run, part_size=4096, concurrency=1), azure.options)]
     if not _fsspec_missing("adlfs", say):
-        targets.append(Target(azure.fsspec_url(f"{run}-fsspec"), azure.fsspec_options))
+        url = f"fsspec+abfs://{azure.container}/{run}-fsspec?part_size=65536&concurrency=1"
+        targets.append(Target(url, {"connection_string": azure.connection_string}))
     return targets
