@@ -468,8 +468,9 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     _import_backends(args.imports)
     try:
         from ckptstore.conformance.batch import run_targets
+        from ckptstore.conformance.defaults import embedded_targets
         from ckptstore.conformance.report import render_text, to_json, to_junit
-        from ckptstore.conformance.runner import Target, embedded_targets
+        from ckptstore.conformance.runner import Target
     except ImportError as exc:
         raise BackendUnavailableError(
             f"the conformance suite needs {exc.name}: pip install 'ckptstore[conformance]'"
@@ -501,7 +502,9 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     if args.urls:
         reports = run([Target(url) for url in args.urls], args.jobs or 1)
     else:  # the embedded defaults share the machine well: all at once unless told otherwise
-        with embedded_targets() as targets:
+        with embedded_targets(
+            skipped=lambda line: sys.stderr.write(f"conformance: {line}\n")
+        ) as targets:
             reports = run(targets, args.jobs or len(targets))
     write(reports)
     out.write(to_json(reports) + "\n" if args.json else render_text(reports))

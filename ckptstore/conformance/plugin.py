@@ -30,11 +30,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "ckpt_target" in metafunc.fixturenames:
+        from ckptstore.conformance.defaults import EMBEDDED_SCHEMES
+
         urls = metafunc.config.getoption("ckpt_url") or [
-            "<embedded file>",
-            "<embedded memory>",
-            "<embedded s3>",
-            "<embedded s3+versioned>",
+            f"<embedded {scheme}>" for scheme in EMBEDDED_SCHEMES
         ]
         metafunc.parametrize("ckpt_target", urls, scope="session")
 
@@ -42,7 +41,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="session")
 def ckpt_embedded() -> Iterator[dict[str, Any]]:
     """The built-in backends on embedded defaults, by placeholder name."""
-    from ckptstore.conformance.runner import embedded_targets
+    from ckptstore.conformance.defaults import embedded_targets
 
     with embedded_targets() as targets:
         yield {f"<embedded {t.url.split(':', 1)[0]}>": t for t in targets}
@@ -57,7 +56,7 @@ def ckpt_checked_target(ckpt_target: str, ckpt_embedded: dict[str, Any], request
 
     if ckpt_target.startswith("<embedded"):
         if ckpt_target not in ckpt_embedded:
-            pytest.skip(f"{ckpt_target} is not available (pip install 'ckptstore[embedded]')")
+            pytest.skip(f"{ckpt_target} is not available here (see the warnings for how to add it)")
         return ckpt_embedded[ckpt_target]
     if not request.config.getoption("ckpt_yes") and not open_store(ckpt_target).is_empty():
         raise RefusedError(f"{ckpt_target} is not empty; pass --ckpt-yes to run there anyway")

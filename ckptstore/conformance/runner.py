@@ -11,9 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
-import secrets
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,7 +39,7 @@ from ckptstore.driver import DriverFamily, driver_family
 from ckptstore.errors import InvalidOptionError, RefusedError
 from ckptstore.store import Store
 
-__all__ = ["Target", "embedded_targets", "run_backend"]
+__all__ = ["Target", "run_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -67,34 +64,6 @@ class Target:
 
     url: str
     options: dict[str, Any] = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def embedded_targets() -> Iterator[list[Target]]:
-    """Every built-in backend on embedded defaults (a temporary directory, memory, and
-    s3:// and s3+versioned:// on a moto server on 127.0.0.1 where moto is installed),
-    removed afterwards."""
-    with contextlib.ExitStack() as stack:
-        scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptstore-conf-"))
-        bucket = f"conformance-{os.getpid()}-{secrets.token_hex(4)}"
-        targets = [
-            Target(f"file://{scratch}/store"),
-            Target(f"memory://{bucket}/store?min_part_size=4096&part_size=4096"),
-        ]
-        try:
-            from ckptstore.tools.embedded import embedded_moto
-
-            s3 = stack.enter_context(embedded_moto())
-        except ImportError:
-            log.warning("moto is not installed: skipping s3:// (pip install 'ckptstore[embedded]')")
-        else:
-            part = max(s3.min_part_size, 4096)
-            run = f"conformance-{secrets.token_hex(4)}"
-            targets.append(Target(s3.url(run, part_size=part, concurrency=1), s3.options))
-            versioned = s3.versioned_bucket(f"{s3.bucket}-versioned")
-            url = versioned.url(run, scheme="s3+versioned", part_size=part, concurrency=1)
-            targets.append(Target(url, versioned.options))
-        yield targets
 
 
 def run_backend(
