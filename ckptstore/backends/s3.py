@@ -20,6 +20,7 @@ import errno
 import functools
 import hashlib
 import hmac
+import http.client
 import io
 import logging
 import re
@@ -31,6 +32,7 @@ from datetime import datetime
 from typing import Any, BinaryIO, TypeVar, cast
 
 import boto3
+import urllib3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError
 from tenacity import (
@@ -408,12 +410,18 @@ class S3Driver(RangedReadDriver):
             body = response["Body"]
             try:
                 total = _range_total(response, offset + got, end, what)
+                direct = _socket_reader(body)
+                read = body.readinto if direct is None else direct[0].readinto
                 with translate_s3_errors(f"reading {what}", bucket=self.bucket):
                     while got < view.nbytes:
-                        count = body.readinto(view[got : got + _READ_PIECE])
-                        if not count:  # botocore checks Content-Length: this is a clean end
-                            raise StorageError(errno.EIO, f"{what}: body ended at byte {got}")
+                        count = read(view[got : got + _READ_PIECE])
+                        if not count:  # the connection ended early: resume from here
+                            raise TransientStorageError(
+                                errno.ECONNRESET, f"{what}: the body ended at byte {got}"
+                            )
                         got += count
+                if direct is not None:
+                    direct[1].release_conn()  # read to its end: the connection is reusable
             except TransientStorageError as exc:
                 if not tries_left:
                     raise
@@ -638,6 +646,30 @@ class S3Driver(RangedReadDriver):
 
 def _version(value: Any) -> str | None:
     return None if value in (None, "", "null") else str(value)
+
+
+def _socket_reader(
+    body: Any,
+) -> tuple[http.client.HTTPResponse, urllib3.response.HTTPResponse] | None:
+    """The http.client response under a botocore body (to read straight into the
+    destination), and the urllib3 one that returns the connection to the pool.
+
+    urllib3's ``readinto`` reads into a new bytes object and copies it (http.client's
+    ``read(n)`` copies once more): three passes over every byte where one will do, on a
+    machine whose cores the server may share. None (read through botocore) unless the layers
+    are the known ones, untouched, and the body is not content-encoded.
+    """
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if not isinstance(raw, urllib3.response.HTTPResponse) or not isinstance(
+        fp, http.client.HTTPResponse
+    ):
+        return None
+    if raw.headers.get("content-encoding", "identity") != "identity":
+        return None
+    if getattr(raw, "_fp_bytes_read", None) != 0 or fp.isclosed():
+        return None
+    return fp, raw
 
 
 def _range_total(response: Mapping[str, Any], first: int, last: int, what: str) -> int:
