@@ -3,19 +3,26 @@
 Every read checks the size and CRC32C the manifest recorded, while streaming. A streaming
 reader raises ShardCorruptError at the read that reaches the end of the shard if the bytes
 differ; ``read`` and ``read_into`` check before they return anything.
+
+``read_into`` of a large shard on storage whose driver reads ranges (``RangedReadDriver``)
+reads it as ranged reads in parallel, all pinned to the one object version a HEAD found, each
+landing in place in the caller's buffer; each block is checked against its recorded CRC32C as
+its range lands, and the blocks' CRC32Cs combine into the shard's (no second pass).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import BinaryIO, NoReturn
 
-from ckptstore.checksum import Crc32c, crc32c_combine
+from ckptstore.checksum import Crc32c, crc32c_combine, crc32c_of
+from ckptstore.commit.base import ShardRanges
 from ckptstore.driver import BytesLike
 from ckptstore.errors import (
     IntegrityError,
@@ -34,6 +41,7 @@ _PIPELINE_PIECE = 16 * 1024 * 1024
 """A read at least twice this large checksums each piece while the next one is read (small
 pieces: only the last piece's checksum is not overlapped with reading)."""
 Opener = Callable[[Manifest, ShardRecord], BinaryIO]
+RangeOpener = Callable[[Manifest, ShardRecord], "ShardRanges | None"]
 
 
 class ShardReader(io.RawIOBase):
@@ -190,9 +198,12 @@ class VerifyReport:
 class Checkpoint:
     """A published checkpoint: its manifest and verified access to its shards."""
 
-    def __init__(self, manifest: Manifest, opener: Opener, url: str) -> None:
+    def __init__(
+        self, manifest: Manifest, opener: Opener, url: str, *, ranges: RangeOpener | None = None
+    ) -> None:
         self.manifest = manifest
         self._opener = opener
+        self._ranges = ranges
         self.url = url
         self._records = {record.name: record for record in manifest.shards}
 
@@ -260,14 +271,81 @@ class Checkpoint:
             raise ValueError(f"buffer has {view.nbytes} bytes, shard {name!r} has {record.size}")
         if view.readonly:
             raise ValueError("buffer is read-only")
-        if record.size >= 2 * _PIPELINE_PIECE and self._read_in_two(record, view):
-            return record.size
+        if record.size >= 2 * _PIPELINE_PIECE:
+            ranges = None if self._ranges is None else self._ranges(self.manifest, record)
+            if ranges is not None:
+                self._read_ranged(record, view, ranges)
+                return record.size
+            if self._read_in_two(record, view):
+                return record.size
         with self.open(name) as reader:
             got = 0
             while got < record.size:
                 got += reader.readinto(view[got:])
             reader.readinto(bytearray(1))  # reaching the end verifies
         return got
+
+    def _read_ranged(self, record: ShardRecord, view: memoryview, ranges: ShardRanges) -> None:
+        """Read ``ranges`` (whole blocks each) in parallel into ``view``; check each block as
+        its range lands, then the shard's CRC32C combined from the ranges'. On an error the
+        ranges not started are dropped and those under way finish (they write into ``view``)
+        before it is raised."""
+        if ranges.size != record.size:
+            self._corrupt(record, f"stored with {ranges.size} bytes, manifest says {record.size}")
+        block = record.block_size
+        step = max(1, ranges.range_size // block) * block if block else ranges.range_size
+        starts = range(0, record.size, step)
+        failed = threading.Event()
+
+        def read(start: int) -> int:
+            if failed.is_set():
+                return 0  # another range failed: the result is not used
+            end = min(start + step, record.size)
+            try:
+                ranges.read(start, view[start:end])
+                return self._check_range(record, view, start, end)
+            except BaseException:
+                failed.set()
+                raise
+
+        workers = min(ranges.concurrency, len(starts))
+        with ThreadPoolExecutor(workers, thread_name_prefix="ckptstore-read") as pool:
+            futures = [pool.submit(read, start) for start in starts]
+            try:
+                crcs = [future.result() for future in futures]
+            except BaseException:
+                failed.set()
+                for future in futures:
+                    future.cancel()
+                raise
+        whole = crcs[0]
+        for start, crc in zip(starts[1:], crcs[1:], strict=True):
+            whole = crc32c_combine(whole, crc, min(step, record.size - start))
+        if f"{whole:08x}" != record.crc32c:
+            self._corrupt(
+                record,
+                f"CRC32C mismatch: stored bytes have {whole:08x}, manifest says {record.crc32c}",
+            )
+
+    def _check_range(self, record: ShardRecord, view: memoryview, start: int, end: int) -> int:
+        """The CRC32C of ``view[start:end]``, each whole block in it checked on the way."""
+        block = record.block_size
+        if not block:
+            return crc32c_of(view[start:end])
+        crc = 0
+        for first in range(start, end, block):
+            last = min(first + block, end)
+            value = crc32c_of(view[first:last])
+            index = first // block
+            expected = record.block_crc32c[8 * index : 8 * index + 8]
+            if f"{value:08x}" != expected:
+                self._corrupt(
+                    record,
+                    f"CRC32C mismatch in block {index} (bytes {first}..{last}): stored bytes "
+                    f"have {value:08x}, manifest says {expected}",
+                )
+            crc = value if first == start else crc32c_combine(crc, value, last - first)
+        return crc
 
     def _read_in_two(self, record: ShardRecord, view: memoryview) -> bool:
         """Read a large shard as two halves at once, each from its own stream and checksummed

@@ -46,6 +46,7 @@ __all__ = [  # the errors a driver raises are part of its interface
     "PreconditionFailedError",
     "PreconditionInferredError",
     "PutMode",
+    "RangedReadDriver",
     "StorageError",
     "TargetExistsError",
     "TransientStorageError",
@@ -333,6 +334,36 @@ class ObjectStoreDriver(Protocol):
         GC ages an upload by it (a long upload keeps uploading parts, and some servers report a
         fixed, fake initiation time) and reports what aborting it frees.
         Raises ObjectNotFoundError when the upload was completed or aborted meanwhile.
+        """
+
+
+@runtime_checkable
+class RangedReadDriver(ObjectStoreDriver, Protocol):
+    """An object store that also reads byte ranges of an object straight into a buffer.
+
+    Optional: a driver without ``read_range`` works unchanged (its shards are read through
+    ``open_read``). With it, a large shard is read as ranged reads in parallel, each landing
+    in place in the caller's buffer and checked against the shard's block checksums.
+    """
+
+    def read_range(
+        self,
+        key: str,
+        offset: int,
+        into: BytesLike,
+        *,
+        version_id: str | None = None,
+        if_match: str | None = None,
+    ) -> ObjectInfo:
+        """Fill ``into`` with bytes ``offset`` to ``offset + len(into)`` of the object.
+
+        Every byte comes from the one object (version) ``if_match`` names: the ``etag`` that
+        ``head`` returned, sent as ``If-Match`` (a generation or version where the storage
+        pins by those); a replaced object raises PreconditionFailedError, a deleted one
+        ObjectNotFoundError, and nothing of another object is ever written into ``into``.
+        A read that breaks is resumed from the byte reached, under the same condition, up to
+        the driver's attempts (TransientStorageError after them). A range past the object's
+        end raises StorageError. Returns the object's info (``size``: the whole object's).
         """
 
 

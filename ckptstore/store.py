@@ -8,6 +8,7 @@ process that dies at any instant loses only its unpublished attempt.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import time
@@ -18,7 +19,13 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, BinaryIO, cast
 
 from ckptstore.checkpoint import Checkpoint
-from ckptstore.commit.base import CommitStrategy, GcReport, ShardSink, StrategyDriver
+from ckptstore.commit.base import (
+    CommitStrategy,
+    GcReport,
+    ShardRanges,
+    ShardSink,
+    StrategyDriver,
+)
 from ckptstore.driver import BytesLike
 from ckptstore.errors import (
     CheckpointExistsError,
@@ -218,7 +225,7 @@ class Store:
             backend=self.strategy.name,
         )
         self.strategy.publish(manifest)
-        return Checkpoint(manifest, self._opener, self.url)
+        return Checkpoint(manifest, self._opener, self.url, ranges=self._ranges)
 
     def _after_publish(self, step: int) -> None:
         try:
@@ -325,7 +332,7 @@ class Store:
                 + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
             )
         self._confirmed[step] = _Confirmed(manifest.attempt, manifest.committed_at)
-        return Checkpoint(manifest, self._opener, self.url)
+        return Checkpoint(manifest, self._opener, self.url, ranges=self._ranges)
 
     def _check_still_published(self, manifest: Manifest) -> None:
         """Raise CheckpointNotFoundError if ``manifest`` is no longer the published one.
@@ -351,6 +358,24 @@ class Store:
         return cast(
             BinaryIO, _VanishingShardStream(stream, lambda: self._vanished(manifest, record))
         )
+
+    def _ranges(self, manifest: Manifest, record: ShardRecord) -> ShardRanges | None:
+        try:
+            ranges = self.strategy.open_shard_ranges(manifest, record)
+        except ShardMissingError:
+            self._check_still_published(manifest)
+            raise
+        if ranges is None:
+            return None
+        read = ranges.read
+
+        def read_or_vanish(offset: int, view: memoryview) -> None:
+            try:
+                read(offset, view)
+            except ObjectNotFoundError as exc:  # deleted between two ranges
+                raise self._vanished(manifest, record) from exc
+
+        return dataclasses.replace(ranges, read=read_or_vanish)
 
     def _vanished(self, manifest: Manifest, record: ShardRecord) -> CkptStoreError:
         """The error for a shard that disappeared while it was being read."""

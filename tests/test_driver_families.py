@@ -20,6 +20,7 @@ from ckptstore.driver import (
     DriverFamily,
     FileSystemDriver,
     ObjectStoreDriver,
+    RangedReadDriver,
     driver_family,
     storage_calls,
 )
@@ -29,7 +30,7 @@ DRIVERS = [
     (LustreDriver, DriverFamily.FILE_SYSTEM, LayoutFileSystemDriver),
     (SimulatedFileSystem, DriverFamily.FILE_SYSTEM, FileSystemDriver),
     (MemoryDriver, DriverFamily.OBJECT_STORE, ObjectStoreDriver),
-    (S3Driver, DriverFamily.OBJECT_STORE, ObjectStoreDriver),
+    (S3Driver, DriverFamily.OBJECT_STORE, RangedReadDriver),
 ]
 
 

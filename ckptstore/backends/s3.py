@@ -20,6 +20,7 @@ import errno
 import functools
 import hashlib
 import hmac
+import http.client
 import io
 import logging
 import re
@@ -31,6 +32,7 @@ from datetime import datetime
 from typing import Any, BinaryIO, TypeVar, cast
 
 import boto3
+import urllib3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError
 from tenacity import (
@@ -44,20 +46,26 @@ from tenacity import (
 
 from ckptstore.backends.s3_errors import translate_s3_errors
 from ckptstore.checksum import crc32c_of
-from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
+from ckptstore.commit.conditional_put import (
+    DEFAULT_PART_SIZE,
+    DEFAULT_READ_RANGE_SIZE,
+    ConditionalPutCommit,
+)
 from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.driver import (
     Buffer,
+    BytesLike,
     Capability,
     ObjectInfo,
-    ObjectStoreDriver,
     PartInfo,
     PutMode,
+    RangedReadDriver,
     UploadInfo,
     UploadProgress,
     multipart_mode,
 )
 from ckptstore.errors import (
+    InvalidInputError,
     InvalidOptionError,
     InvalidURLError,
     ObjectNotFoundError,
@@ -93,6 +101,8 @@ URL_OPTIONS = (
     "sse",
     "sse_kms_key_id",
     "concurrency",
+    "read_concurrency",
+    "read_range_size",
     "part_size",
     "min_part_size",
     "max_attempts",
@@ -128,7 +138,7 @@ def _timestamp(value: Any) -> float:
     return value.timestamp() if isinstance(value, datetime) else time.time()
 
 
-class S3Driver(ObjectStoreDriver):
+class S3Driver(RangedReadDriver):
     """Object-store primitives on one S3 bucket under a key prefix, through a boto3 client."""
 
     max_parts = S3_MAX_PARTS
@@ -369,6 +379,65 @@ class S3Driver(ObjectStoreDriver):
             ),
         )
 
+    def read_range(
+        self,
+        key: str,
+        offset: int,
+        into: BytesLike,
+        *,
+        version_id: str | None = None,
+        if_match: str | None = None,
+    ) -> ObjectInfo:
+        """A GET Range (If-Match ``if_match``) read straight into ``into``; a body that breaks
+        is asked for again from the byte reached, under the same If-Match."""
+        view = memoryview(into).cast("B")
+        if view.readonly:
+            raise InvalidInputError("read_range needs a writable buffer")
+        args = self._object_args(key, version_id)
+        if if_match:
+            args["IfMatch"] = if_match
+        if not view.nbytes:
+            info = self.head(key, version_id=version_id)
+            if if_match and info.etag != if_match:
+                raise PreconditionFailedError(f"HeadObject {key}: ETag is {info.etag}")
+            return info
+        end = offset + view.nbytes - 1
+        got = 0
+        for tries_left in reversed(range(self.max_attempts)):
+            what = f"GetObject {key} bytes {offset + got}-{end}"
+            ranged = {**args, "Range": f"bytes={offset + got}-{end}"}
+            response = self._retried(what, functools.partial(self.client.get_object, **ranged))
+            body = response["Body"]
+            try:
+                total = _range_total(response, offset + got, end, what)
+                direct = _socket_reader(body)
+                read = body.readinto if direct is None else direct[0].readinto
+                with translate_s3_errors(f"reading {what}", bucket=self.bucket):
+                    while got < view.nbytes:
+                        count = read(view[got : got + _READ_PIECE])
+                        if not count:  # the connection ended early: resume from here
+                            raise TransientStorageError(
+                                errno.ECONNRESET, f"{what}: the body ended at byte {got}"
+                            )
+                        got += count
+                if direct is not None:
+                    direct[1].release_conn()  # read to its end: the connection is reusable
+            except TransientStorageError as exc:
+                if not tries_left:
+                    raise
+                log.info("%s: connection broke (%s); resuming at byte %d", what, exc, got)
+                continue
+            finally:
+                body.close()
+            return ObjectInfo(
+                key=key,
+                size=total,
+                etag=str(response.get("ETag", "")),
+                last_modified=_timestamp(response.get("LastModified")),
+                version_id=_version(response.get("VersionId")),
+            )
+        raise AssertionError("unreachable")  # max_attempts >= 1
+
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
         response = self._retried(
             f"HeadObject {key}",
@@ -579,6 +648,43 @@ def _version(value: Any) -> str | None:
     return None if value in (None, "", "null") else str(value)
 
 
+def _socket_reader(
+    body: Any,
+) -> tuple[http.client.HTTPResponse, urllib3.response.HTTPResponse] | None:
+    """The http.client response under a botocore body (to read straight into the
+    destination), and the urllib3 one that returns the connection to the pool.
+
+    urllib3's ``readinto`` reads into a new bytes object and copies it (http.client's
+    ``read(n)`` copies once more): three passes over every byte where one will do, on a
+    machine whose cores the server may share. None (read through botocore) unless the layers
+    are the known ones, untouched, and the body is not content-encoded.
+    """
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if not isinstance(raw, urllib3.response.HTTPResponse) or not isinstance(
+        fp, http.client.HTTPResponse
+    ):
+        return None
+    if raw.headers.get("content-encoding", "identity") != "identity":
+        return None
+    if getattr(raw, "_fp_bytes_read", None) != 0 or fp.isclosed():
+        return None
+    return fp, raw
+
+
+def _range_total(response: Mapping[str, Any], first: int, last: int, what: str) -> int:
+    """The object's size from a ranged answer's Content-Range; StorageError unless the answer
+    holds exactly bytes ``first``..``last`` (a server that ignored the Range, or an object
+    that ends before ``last``)."""
+    reached = str(response.get("ContentRange", ""))
+    match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", reached)
+    if not match or (int(match[1]), int(match[2])) != (first, last):
+        raise StorageError(
+            errno.EIO, f"{what}: the server answered {reached or 'the whole object'}"
+        )
+    return int(match[3])
+
+
 class _ObjectReplacedError(ObjectNotFoundError):
     """The object was replaced or deleted while being read: the bytes being read are gone."""
 
@@ -783,7 +889,14 @@ def parse_location(url: StoreURL) -> tuple[str, str]:
 def open_s3(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:
     """Open an ``s3://bucket/prefix`` store: S3Driver + ConditionalPutCommit."""
     driver, part_size, concurrency = _s3_driver(url, options, versioned=False)
-    return ConditionalPutCommit(driver, part_size=part_size, concurrency=concurrency)
+    read_concurrency, read_range_size = _read_options(options, concurrency)
+    return ConditionalPutCommit(
+        driver,
+        part_size=part_size,
+        concurrency=concurrency,
+        read_concurrency=read_concurrency,
+        read_range_size=read_range_size,
+    )
 
 
 def open_s3_versioned(url: StoreURL, options: Mapping[str, object]) -> VersionPinCommit:
@@ -792,7 +905,23 @@ def open_s3_versioned(url: StoreURL, options: Mapping[str, object]) -> VersionPi
     The bucket must have versioning enabled; opening checks and refuses otherwise.
     """
     driver, part_size, concurrency = _s3_driver(url, options, versioned=True)
-    return VersionPinCommit(driver, part_size=part_size, concurrency=concurrency)
+    read_concurrency, read_range_size = _read_options(options, concurrency)
+    return VersionPinCommit(
+        driver,
+        part_size=part_size,
+        concurrency=concurrency,
+        read_concurrency=read_concurrency,
+        read_range_size=read_range_size,
+    )
+
+
+def _read_options(options: Mapping[str, object], concurrency: int) -> tuple[int, int]:
+    """How a large shard is read: ``read_concurrency`` ranged GETs at once (default: the
+    upload ``concurrency``) of ``read_range_size`` bytes each (default 16 MiB)."""
+    return (
+        option_int(options, "read_concurrency", concurrency, minimum=1),
+        option_int(options, "read_range_size", DEFAULT_READ_RANGE_SIZE, minimum=1),
+    )
 
 
 def _s3_driver(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Generic, Protocol, TypeVar
 
@@ -28,6 +28,7 @@ __all__ = [
     "GcItem",
     "GcReport",
     "ShardProblem",
+    "ShardRanges",
     "ShardSink",
     "StorageAudit",
     "StrategyDriver",
@@ -70,6 +71,23 @@ class ShardProblem:
         return (
             f"shard {self.name!r} has {self.stored_size} bytes, manifest says {self.recorded_size}"
         )
+
+
+@dataclass(frozen=True)
+class ShardRanges:
+    """A published shard's object pinned to the one version opened: read it range by range.
+
+    ``read(offset, view)`` fills ``view`` with the object's bytes from ``offset``, every byte
+    from that version (a replaced object raises, never splices). Reads may run in parallel.
+    """
+
+    size: int
+    """The stored object's size (the reader compares it with the manifest's)."""
+    read: Callable[[int, memoryview], None]
+    concurrency: int
+    """How many ranges to read at once."""
+    range_size: int
+    """Bytes per ranged read (the reader rounds it to whole blocks)."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +264,11 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
     @abc.abstractmethod
     def open_shard_reader(self, manifest: Manifest, record: ShardRecord) -> BinaryIO:
         """Open a published shard through its locator (raises ShardMissingError if gone)."""
+
+    def open_shard_ranges(self, manifest: Manifest, record: ShardRecord) -> ShardRanges | None:
+        """Pin a published shard for parallel ranged reads, or None where the driver has none
+        (the shard is then read through ``open_shard_reader``). ShardMissingError if gone."""
+        return None
 
     @abc.abstractmethod
     def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:

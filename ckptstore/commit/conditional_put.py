@@ -32,6 +32,7 @@ from ckptstore.commit.base import (
     GcItem,
     GcReport,
     ShardProblem,
+    ShardRanges,
     ShardSink,
     StorageAudit,
     clock_lead,
@@ -55,6 +56,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
     PreconditionInferredError,
+    ShardCorruptError,
     ShardMissingError,
     StorageAccessDeniedError,
     StorageError,
@@ -73,6 +75,10 @@ PROBE_PREFIX = ".ckptstore-probe-"
 LATEST_KEY = "LATEST"
 _MiB = 1024 * 1024
 DEFAULT_PART_SIZE = 8 * _MiB
+DEFAULT_READ_RANGE_SIZE = 16 * _MiB
+"""Bytes per ranged GET of a large shard read in parallel (rounded to whole blocks): large
+enough that a request's latency is small beside its transfer, small enough to spread a shard
+over ``read_concurrency`` connections."""
 PARTS_PER_TIER = 1000
 PUBLISH_TRIES = 5
 CAS_TRIES = 16
@@ -308,6 +314,8 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         part_size: int = DEFAULT_PART_SIZE,
         concurrency: int = 1,
         verify_conditional_writes: bool = True,
+        read_concurrency: int | None = None,
+        read_range_size: int = DEFAULT_READ_RANGE_SIZE,
     ) -> None:
         if part_size < driver.min_part_size:
             raise InvalidOptionError(
@@ -316,9 +324,18 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             )
         if concurrency < 1:
             raise InvalidOptionError(f"concurrency must be at least 1, got {concurrency}")
+        read_concurrency = concurrency if read_concurrency is None else read_concurrency
+        if read_concurrency < 1 or read_range_size < 1:
+            raise InvalidOptionError(
+                f"read_concurrency and read_range_size must be at least 1, got "
+                f"{read_concurrency} and {read_range_size}"
+            )
         super().__init__(driver)
         self.part_size = part_size
         self.concurrency = concurrency
+        self.read_concurrency = read_concurrency
+        """Ranged reads of one large shard at once (drivers with ``read_range``)."""
+        self.read_range_size = read_range_size
         self.verify_conditional_writes = verify_conditional_writes
         """Probe conditional create before a writer's first publish (the conformance suite
         turns this off, to measure and report storage that ckptstore would refuse)."""
@@ -342,6 +359,8 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             "part_size": self.part_size,
             "concurrency": self.concurrency,
             "verify_conditional_writes": self.verify_conditional_writes,
+            "read_concurrency": self.read_concurrency,
+            "read_range_size": self.read_range_size,
         }
 
     def close(self) -> None:
@@ -665,6 +684,35 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             raise ShardMissingError(
                 f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({key})"
             ) from exc
+
+    def open_shard_ranges(self, manifest: Manifest, record: ShardRecord) -> ShardRanges | None:
+        """The shard's object pinned by its ETag (and version, if recorded) from one HEAD;
+        None if the driver reads no ranges or the storage gives no ETag to pin by."""
+        read_range = getattr(self.driver, "read_range", None)
+        if read_range is None:
+            return None
+        key, version = record.locator["key"], record.locator.get("version_id")
+        try:
+            info = self.driver.head(key, version_id=version)
+        except ObjectNotFoundError as exc:
+            raise ShardMissingError(
+                f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({key})"
+            ) from exc
+        if not info.etag and not version:
+            return None  # nothing pins the ranges to one object: one stream it is
+        etag = info.etag or None
+
+        def read(offset: int, view: memoryview) -> None:
+            try:
+                read_range(key, offset, view, version_id=version, if_match=etag)
+            except PreconditionFailedError as exc:
+                raise ShardCorruptError(
+                    f"{self.url} step {manifest.step}: shard {record.name!r}: the object was "
+                    f"replaced while being read (its ETag is no longer {etag}); nothing of the "
+                    f"new object was used"
+                ) from exc
+
+        return ShardRanges(info.size, read, self.read_concurrency, self.read_range_size)
 
     def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
         """One listing of the attempt; what it does not show as recorded is asked of the object

@@ -36,6 +36,7 @@ READ_ONLY_CALLS = frozenset(
         "stat",
         "listdir",
         "open_read",
+        "read_range",
         "get",
         "head",
         "list",
@@ -52,8 +53,8 @@ leaves the storage as a crash before the next call does."""
 READ_CALLS = frozenset(
     {
         "get", "head", "list", "list_versions", "list_multipart_uploads", "bucket_versioning",
-        "check_bucket", "upload_progress", "open_read", "listdir", "stat", "close", "fsync",
-        "fsync_dir", "start_writeback",
+        "check_bucket", "upload_progress", "open_read", "read_range", "listdir", "stat", "close",
+        "fsync", "fsync_dir", "start_writeback",
     }
 )  # fmt: skip
 """Calls that never change what the storage holds (any other call may)."""
