@@ -37,8 +37,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, BinaryIO, TypeVar
+from urllib.parse import quote
 
 import requests.adapters
+from google.api_core import exceptions as api_exceptions
 from google.api_core.client_options import ClientOptions
 from google.auth.credentials import AnonymousCredentials
 from google.auth.transport.requests import AuthorizedSession
@@ -159,8 +161,12 @@ class GCSDriver(ObjectStoreDriver):
         versioned: bool = False,
         timeout: tuple[float, float] = (5.0, 60.0),
         read_concurrency: int = 8,
+        http: Any = None,
     ) -> None:
         self.client = client
+        self.http = http
+        """The authorized requests session the client uses, for ranged reads (None: the
+        client's own downloads)."""
         self.bucket = bucket
         self._bucket = client.bucket(bucket)
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
@@ -391,21 +397,13 @@ class GCSDriver(ObjectStoreDriver):
         blob = self._stat(self._full(key), self._version(version_id))
         return _GenerationStream(self, self._info(key, blob), blob)
 
-    def fetch_range(self, blob: Any, start: int, end: int) -> bytes:
+    def fetch_range(self, blob: Any, start: int, end: int) -> bytes | bytearray:
         """Bytes [start, end) of one generation; a replaced object is _ObjectReplacedError."""
-        pinned = self._blob(blob.name, int(blob.generation))
         what = f"download {blob.name} bytes {start}-{end - 1}"
+        generation = int(blob.generation)
         try:
-            data: bytes = self._retried(
-                what,
-                lambda: pinned.download_as_bytes(
-                    start=start,
-                    end=end - 1,
-                    raw_download=True,
-                    checksum=None,  # a range has no checksum to compare; the caller checks
-                    retry=None,
-                    timeout=self.timeout,
-                ),
+            data: bytes | bytearray = self._retried(
+                what, lambda: self._download(blob.name, generation, start, end)
             )
         except ObjectNotFoundError as exc:
             raise _ObjectReplacedError(
@@ -414,6 +412,45 @@ class GCSDriver(ObjectStoreDriver):
         if len(data) != end - start:
             raise StorageError(errno.EIO, f"{what}: got {len(data)} bytes")
         return data
+
+    def _download(self, name: str, generation: int, start: int, end: int) -> bytes | bytearray:
+        """One ranged GET of a generation, read straight into a buffer in large reads.
+
+        The client's own download reads the body 8 KiB at a time through a BytesIO, which
+        costs more CPU than the transfer on a fast link; the request is the same JSON API
+        media download (``alt=media&generation=``), on the client's own authorized session.
+        """
+        if self.http is None:
+            data: bytes = self._blob(name, generation).download_as_bytes(
+                start=start, end=end - 1, raw_download=True, checksum=None, retry=None,
+                timeout=self.timeout,
+            )  # fmt: skip
+            return data
+        url = (
+            f"{self.client.api_endpoint}/download/storage/v1/b/{quote(self.bucket, safe='')}"
+            f"/o/{quote(name, safe='')}"
+        )
+        response = self.http.get(
+            url,
+            params={"alt": "media", "generation": str(generation)},
+            headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"},
+            stream=True,
+            timeout=self.timeout,
+        )
+        with response:
+            if response.status_code not in (200, 206):
+                raise api_exceptions.from_http_response(response)  # type: ignore[no-untyped-call]
+            if response.status_code == 200 and start != 0:
+                raise StorageError(errno.EIO, f"GET {name}: the server ignored the Range")
+            buffer = bytearray(end - start)
+            view = memoryview(buffer)
+            got = 0
+            while got < len(buffer):
+                count = response.raw.readinto(view[got:])
+                if not count:
+                    break
+                got += count
+            return buffer if got == len(buffer) else buffer[:got]
 
     def delete(self, key: str, *, version_id: str | None = None) -> None:
         if version_id is not None and version_id.startswith(_MARKER_VERSION):
@@ -771,8 +808,8 @@ class _GenerationStream(io.RawIOBase):
         self._size = info.size
         self._position = 0
         self._next = 0  # where the next window to fetch starts
-        self._ahead: deque[tuple[int, Future[bytes]]] = deque()
-        self._window = b""
+        self._ahead: deque[tuple[int, Future[bytes | bytearray]]] = deque()
+        self._window: bytes | bytearray = b""
         self._window_start = 0
 
     def readable(self) -> bool:
@@ -807,7 +844,7 @@ class _GenerationStream(io.RawIOBase):
         while len(self._ahead) < depth and self._next < self._size:
             start, end = self._next, min(self._size, self._next + READ_WINDOW)
             if depth == 1:
-                future: Future[bytes] = Future()
+                future: Future[bytes | bytearray] = Future()
                 future.set_result(self._driver.fetch_range(self._blob, start, end))
             else:
                 future = self._driver.read_executor().submit(
@@ -854,13 +891,19 @@ class _GenerationStream(io.RawIOBase):
 
 _exact_deletes: dict[tuple[str, str], bool] = {}
 _exact_deletes_lock = threading.Lock()
-_clients: dict[tuple[tuple[str, str], ...], Any] = {}
+_clients: dict[tuple[tuple[str, str], ...], tuple[Any, Any]] = {}
 _clients_lock = threading.Lock()
 _CLIENT_OPTIONS = ("endpoint_url", "project", "credentials_file", "token", "concurrency")
 
 
 def make_client(options: Mapping[str, object]) -> Any:
-    """A google.cloud.storage.Client from options, shared by stores opened with the same ones.
+    """A google.cloud.storage.Client from options (see ``make_transport``)."""
+    return make_transport(options)[0]
+
+
+def make_transport(options: Mapping[str, object]) -> tuple[Any, Any]:
+    """A google.cloud.storage.Client from options and its authorized requests session, shared
+    by stores opened with the same options.
 
     Credentials: ``token=anonymous`` or an ``endpoint_url`` (an emulator) sign nothing;
     ``credentials_file`` is a service-account JSON; else Application Default Credentials.
@@ -869,13 +912,13 @@ def make_client(options: Mapping[str, object]) -> Any:
     """
     key = tuple(sorted((k, str(options[k])) for k in _CLIENT_OPTIONS if options.get(k)))
     with _clients_lock:
-        client = _clients.get(key)
-        if client is None:
-            client = _clients[key] = _new_client(options)
-        return client
+        transport = _clients.get(key)
+        if transport is None:
+            transport = _clients[key] = _new_client(options)
+        return transport
 
 
-def _new_client(options: Mapping[str, object]) -> Any:
+def _new_client(options: Mapping[str, object]) -> tuple[Any, Any]:
     endpoint = str(options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST") or "")
     token = str(options.get("token") or "")
     if token not in ("", "anonymous"):
@@ -914,12 +957,13 @@ def _new_client(options: Mapping[str, object]) -> Any:
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     client_options = ClientOptions(api_endpoint=endpoint) if endpoint else None
-    return storage.Client(
+    client = storage.Client(
         project=project or "_",
         credentials=credentials,
         _http=session,
         client_options=client_options,
     )
+    return client, session
 
 
 def parse_location(url: StoreURL) -> tuple[str, str]:
@@ -974,8 +1018,9 @@ def _gcs_driver(
 ) -> tuple[GCSDriver, int, int]:
     url.reject_unknown(options, allowed=URL_OPTIONS)
     bucket, prefix = parse_location(url)
+    client, session = make_transport(options)
     driver = GCSDriver(
-        make_client(options),
+        client,
         bucket,
         prefix,
         url=f"{url.scheme}://{bucket}/{prefix}".rstrip("/"),
@@ -988,6 +1033,7 @@ def _gcs_driver(
             float(option_int(options, "read_timeout", 60, minimum=1)),
         ),
         read_concurrency=option_int(options, "read_concurrency", 8, minimum=1),
+        http=session,
     )
     part_size = option_int(
         options, "part_size", max(DEFAULT_PART_SIZE, driver.min_part_size), minimum=1
