@@ -8,8 +8,9 @@ and four. Baselines, the SDK's best on this emulator: saves with ``Blob.upload_f
 shard, and ``transfer_manager.upload_many`` (the shards in 8 threads); loads with
 ``Blob.download_to_file`` per shard and ``transfer_manager.download_chunks_concurrently``
 (8 threads, 16 MiB ranges; ``upload_chunks_concurrently`` needs the XML API, which
-fake-gcs-server does not serve). ckptstore: composite uploads of 16 MiB parts, 8 at once, and
-generation-pinned ranged reads, 8 at once.
+fake-gcs-server does not serve). ckptstore: composite uploads of 8 MiB parts, 8 at once, and
+generation-pinned ranged reads, 8 at once; and with one part per shard (no compose: each
+shard one upload, as the SDK's).
 """
 
 from __future__ import annotations
@@ -47,12 +48,21 @@ def _run(server: object, shards: dict[str, bytes], repeats: int) -> None:
     size = sum(len(data) for data in shards.values())
     client = server.client()
     bucket = client.bucket(server.bucket)
-    url = server.url(f"bench-{len(shards)}", part_size=16 * MiB, concurrency=WORKERS)
+    url = server.url(f"bench-{len(shards)}", part_size=8 * MiB, concurrency=WORKERS)
     store = ckptstore.open(url, **server.options)
     layout = f"{size / 2**20:.0f} MiB in {len(shards)} shard{'s' if len(shards) > 1 else ''}"
 
     def ckpt_save(repeat: int) -> None:
         with store.begin(repeat + 1) as pending:
+            for name, data in shards.items():
+                pending.write(name, data)
+
+    largest = max(len(data) for data in shards.values())
+    whole_url = server.url(f"bench-whole-{len(shards)}", part_size=largest, concurrency=WORKERS)
+    whole = ckptstore.open(whole_url, **server.options)
+
+    def ckpt_save_whole(repeat: int) -> None:
+        with whole.begin(repeat + 1) as pending:  # each shard one upload: no compose
             for name, data in shards.items():
                 pending.write(name, data)
 
@@ -69,7 +79,7 @@ def _run(server: object, shards: dict[str, bytes], repeats: int) -> None:
 
     saved = measure(
         {"sdk upload_from_file": sdk_upload, "sdk upload_many": sdk_upload_many,
-         "ckptstore": ckpt_save},
+         "ckptstore": ckpt_save, "ckptstore part_size=shard": ckpt_save_whole},
         repeats,
     )  # fmt: skip
     print_table(f"GCS save, {layout}", saved, "sdk upload_many", size)
