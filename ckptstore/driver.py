@@ -83,6 +83,8 @@ class Capability(enum.Enum):
     """PutObject with If-Match: <etag> fails when the object changed."""
     VERSIONING = "versioning"
     """Every put creates a new version that can be read by its id."""
+    VERSION_DELETE = "version-delete"
+    """Deleting one version by its id removes exactly that version, for good."""
     MULTIPART = "multipart"
     """Objects can be uploaded in parts, invisible until completed."""
     SERVER_CHECKSUMS = "server-checksums"

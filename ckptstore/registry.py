@@ -32,6 +32,11 @@ _BUILTIN: Mapping[str, tuple[str, str]] = MappingProxyType(
         "memory+versioned": ("ckptstore.backends.memory:open_memory", ""),
         "s3": ("ckptstore.backends.s3:open_s3", "pip install 'ckptstore[s3]'"),
         "s3+versioned": ("ckptstore.backends.s3:open_s3_versioned", "pip install 'ckptstore[s3]'"),
+        "gs": ("ckptstore.backends.gcs:open_gcs", "pip install 'ckptstore[gcs]'"),
+        "gs+versioned": (
+            "ckptstore.backends.gcs:open_gcs_versioned",
+            "pip install 'ckptstore[gcs]'",
+        ),
         "lustre": ("ckptstore.backends.lustre:open_lustre", ""),
     }
 )

@@ -212,7 +212,7 @@ class MemoryDriver(ObjectStoreDriver):
             Capability.STRONG_LIST_AFTER_WRITE,
         }
         if bucket.versioned:
-            caps.add(Capability.VERSIONING)
+            caps.update({Capability.VERSIONING, Capability.VERSION_DELETE})
         self.capabilities = frozenset(caps)
 
     def _now(self) -> float:

@@ -189,7 +189,7 @@ class S3Driver(RangedReadDriver):
                 Capability.COMPARE_AND_SWAP,
                 Capability.MULTIPART,
                 Capability.STRONG_LIST_AFTER_WRITE,
-                *([Capability.VERSIONING] if versioned else []),
+                *([Capability.VERSIONING, Capability.VERSION_DELETE] if versioned else []),
             }
         )
 

