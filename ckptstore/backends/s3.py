@@ -178,6 +178,7 @@ class S3Driver(RangedReadDriver):
             before_sleep=lambda state: log.debug("retrying S3 call: %s", state.outcome),
         )
         self._quote_etags = True
+        self._quote_read_etags = True
         self.raw_conditionals = False
         """Send each conditional put, and a conditional completion, as one request and return
         what the server answered: no retry in the other ETag quoting, no HEAD after a 412 or
@@ -394,19 +395,36 @@ class S3Driver(RangedReadDriver):
         if view.readonly:
             raise InvalidInputError("read_range needs a writable buffer")
         args = self._object_args(key, version_id)
+        bare = (if_match or "").strip('"')
         if if_match:
-            args["IfMatch"] = if_match
+            args["IfMatch"] = f'"{bare}"' if self._quote_read_etags else bare
         if not view.nbytes:
             info = self.head(key, version_id=version_id)
-            if if_match and info.etag != if_match:
+            if if_match and info.etag.strip('"') != bare:
                 raise PreconditionFailedError(f"HeadObject {key}: ETag is {info.etag}")
             return info
         end = offset + view.nbytes - 1
-        got = 0
-        for tries_left in reversed(range(self.max_attempts)):
+        got, tries, requoted = 0, 0, False
+        while True:
+            tries += 1
             what = f"GetObject {key} bytes {offset + got}-{end}"
             ranged = {**args, "Range": f"bytes={offset + got}-{end}"}
-            response = self._retried(what, functools.partial(self.client.get_object, **ranged))
+            try:
+                response = self._retried(what, functools.partial(self.client.get_object, **ranged))
+            except PreconditionFailedError:
+                if (
+                    not if_match
+                    or requoted
+                    or self.head(key, version_id=version_id).etag.strip('"') != bare
+                ):
+                    raise  # the object really changed
+                requoted = True  # same ETag refused: the server wants the other quoting
+                quoted = not args["IfMatch"].startswith('"')  # whatever other threads chose
+                self._quote_read_etags = quoted
+                args["IfMatch"] = f'"{bare}"' if quoted else bare
+                log.info("%s: the server wants %s ETags in If-Match on GET", self.url,
+                         "quoted" if quoted else "unquoted")  # fmt: skip
+                continue
             body = response["Body"]
             try:
                 total = _range_total(response, offset + got, end, what)
@@ -423,7 +441,7 @@ class S3Driver(RangedReadDriver):
                 if direct is not None:
                     direct[1].release_conn()  # read to its end: the connection is reusable
             except TransientStorageError as exc:
-                if not tries_left:
+                if tries >= self.max_attempts:
                     raise
                 log.info("%s: connection broke (%s); resuming at byte %d", what, exc, got)
                 continue
@@ -436,7 +454,6 @@ class S3Driver(RangedReadDriver):
                 last_modified=_timestamp(response.get("LastModified")),
                 version_id=_version(response.get("VersionId")),
             )
-        raise AssertionError("unreachable")  # max_attempts >= 1
 
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
         response = self._retried(
