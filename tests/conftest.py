@@ -15,6 +15,7 @@ from ckptstore.backends.lustre import LustreStripingWarning
 from ckptstore.backends.memory import MemoryDriver, drop_bucket
 from ckptstore.store import Store
 from ckptstore.tools.embedded import EmbeddedS3, embedded_moto, embedded_seaweedfs
+from ckptstore.tools.embedded_azure import EmbeddedAzure, embedded_azurite
 
 _counter = itertools.count()
 
@@ -213,6 +214,13 @@ def moto_s3() -> Iterator[EmbeddedS3]:
 def seaweedfs_s3() -> Iterator[EmbeddedS3]:
     """A SeaweedFS server on 127.0.0.1 for the whole session."""
     with embedded_seaweedfs() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[EmbeddedAzure]:
+    """Azurite's blob service on 127.0.0.1 for the whole session."""
+    with embedded_azurite() as server:
         yield server
 
 
