@@ -33,6 +33,9 @@ _BUILTIN: Mapping[str, tuple[str, str]] = MappingProxyType(
         "s3": ("ckptstore.backends.s3:open_s3", "pip install 'ckptstore[s3]'"),
         "s3+versioned": ("ckptstore.backends.s3:open_s3_versioned", "pip install 'ckptstore[s3]'"),
         "lustre": ("ckptstore.backends.lustre:open_lustre", ""),
+        "az": ("ckptstore.backends.azure:open_azure", "pip install 'ckptstore[azure]'"),
+        "abfs": ("ckptstore.backends.azure:open_azure", "pip install 'ckptstore[azure]'"),
+        "abfss": ("ckptstore.backends.azure:open_azure", "pip install 'ckptstore[azure]'"),
     }
 )
 _registered: dict[str, BackendFactory] = {}
