@@ -252,7 +252,54 @@ class VersionedS3Backend(S3Backend):
         )
 
 
-@pytest.fixture(params=["file", "lustre", "memory", "memory+versioned", "s3", "s3+versioned"])
+class AzureBackend(BackendUnderTest):
+    """``az://`` on Azurite: 1 MiB blocks, so that multi-megabyte shards are staged blocks."""
+
+    name = "az"
+
+    def __init__(self, tmp_path: Any, server: EmbeddedAzure) -> None:
+        super().__init__(tmp_path)
+        self.server = server
+        self.prefix = f"runs/test-{os.getpid()}-{next(_counter)}"
+        self.url = server.url(self.prefix, part_size=1024 * 1024, concurrency=3)
+
+    def open(self, **options: Any) -> Store:
+        return ckptstore.open(self.url, **{**self.server.options, **options})
+
+    def _names(self, **listing: Any) -> list[str]:
+        with self.server.client() as client:
+            container = client.get_container_client(self.server.container)
+            return [b.name for b in container.list_blobs(name_starts_with=self.prefix + "/",
+                                                         **listing)]  # fmt: skip
+
+    def raw_names(self) -> list[str]:
+        committed = self._names()
+        staged = set(self._names(include=["uncommittedblobs"])) - set(committed)
+        return sorted(committed) + sorted(staged)
+
+    def _rewrite(self, key: str, edit: Callable[[bytes], bytes]) -> None:
+        with self.server.client() as client:
+            blob = client.get_blob_client(self.server.container, f"{self.prefix}/{key}")
+            blob.upload_blob(edit(blob.download_blob().readall()), overwrite=True)
+
+    def rewrite_shard(self, store: Store, step: int, name: str, edit: Callable[[bytes], bytes]):
+        record = store.strategy.read_manifest(step).shard(name)
+        assert record is not None
+        self._rewrite(record.locator["key"], edit)
+
+    def rewrite_manifest(self, store: Store, step: int, edit: Callable[[bytes], bytes]) -> None:
+        self._rewrite(f"manifests/step-{step:020d}.json", edit)
+
+    def remove_shard(self, store: Store, step: int, name: str) -> None:
+        record = store.strategy.read_manifest(step).shard(name)
+        assert record is not None
+        with self.server.client() as client:
+            client.get_blob_client(
+                self.server.container, f"{self.prefix}/{record.locator['key']}"
+            ).delete_blob()
+
+
+@pytest.fixture(params=["file", "lustre", "memory", "memory+versioned", "s3", "s3+versioned", "az"])
 def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUnderTest]:
     """One fresh store location per test, on each backend in turn (s3: the moto server)."""
     made: BackendUnderTest
@@ -266,6 +313,8 @@ def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUn
         made = VersionedMemoryBackend(tmp_path)
     elif request.param == "s3":
         made = S3Backend(tmp_path, request.getfixturevalue("moto_s3"))
+    elif request.param == "az":
+        made = AzureBackend(tmp_path, request.getfixturevalue("azurite"))
     else:
         made = VersionedS3Backend(tmp_path, request.getfixturevalue("moto_s3"))
     yield made

@@ -36,6 +36,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any, BinaryIO, TypeVar, cast
 
 from azure.core import MatchConditions
+from azure.core.exceptions import HttpResponseError
 from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient
 from tenacity import (
     Retrying,
@@ -107,6 +108,11 @@ _CLIENT_OPTIONS = frozenset(
 )  # fmt: skip
 
 
+def _code(exc: BaseException) -> str:
+    code = getattr(exc, "error_code", None)
+    return str(getattr(code, "value", code) or "")
+
+
 def _quoted(etag: object) -> str:
     text = str(etag or "").strip('"')
     return f'"{text}"' if text else ""
@@ -138,6 +144,58 @@ class ServerClock:
 
     def now(self) -> float:
         return time.time() + self.offset
+
+
+def encode_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """User metadata as Azure takes it: names are C# identifiers (letters, digits, ``_``),
+    compared without case. Names are lowercased (as S3 returns them) and escaped reversibly:
+    ``_`` as ``__``, ``-`` as ``_h``, any other character as ``_xHH``, a leading digit after
+    ``_n``."""
+    encoded = {}
+    for name, value in metadata.items():
+        out = []
+        for char in name.lower():
+            if char.isascii() and char.isalnum():
+                out.append(char)
+            elif char == "_":
+                out.append("__")
+            elif char == "-":
+                out.append("_h")
+            else:
+                out.append(f"_x{ord(char):02x}")
+        text = "".join(out)
+        encoded[f"_n{text}" if text[:1].isdigit() else text] = value
+    return encoded
+
+
+def decode_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """The names ``encode_metadata`` made, back; a name it could not have made is kept as is."""
+    decoded = {}
+    for name, value in (metadata or {}).items():
+        decoded[_decode_name(name)] = value
+    return decoded
+
+
+def _decode_name(name: str) -> str:
+    out, index = [], 2 if name.startswith("_n") else 0
+    while index < len(name):
+        char = name[index]
+        if char != "_":
+            out.append(char)
+            index += 1
+            continue
+        escape = name[index + 1 : index + 2]
+        if escape == "_":
+            out.append("_")
+        elif escape == "h":
+            out.append("-")
+        elif escape == "x" and re.fullmatch(r"[0-9a-f]{2}", name[index + 2 : index + 4]):
+            out.append(chr(int(name[index + 2 : index + 4], 16)))
+            index += 2
+        else:
+            return name
+        index += 2
+    return "".join(out)
 
 
 @dataclass(frozen=True)
@@ -258,13 +316,18 @@ class AzureBlobDriver(ObjectStoreDriver):
         )
 
     def properties_info(self, key: str, properties: Any) -> ObjectInfo:
+        """What GetBlobProperties, or the first answer of a ranged GetBlob, says of a blob."""
+        size = int(properties.size or 0)
+        whole = str(getattr(properties, "content_range", None) or "").rpartition("/")[2]
+        if whole.isdigit():  # a ranged answer: properties.size is the range's
+            size = int(whole)
         return ObjectInfo(
             key=key,
-            size=int(properties.size or 0),
+            size=size,
             etag=_quoted(properties.etag),
             last_modified=_timestamp(properties.last_modified),
             version_id=getattr(properties, "version_id", None) or None,
-            metadata=dict(properties.metadata or {}),
+            metadata=decode_metadata(properties.metadata),
         )
 
     # -- the driver interface ------------------------------------------------------------
@@ -296,7 +359,7 @@ class AzureBlobDriver(ObjectStoreDriver):
         args: dict[str, Any] = {"length": len(body), "overwrite": mode.kind != "create"}
         args.update(self._validate())
         if metadata:
-            args["metadata"] = dict(metadata)
+            args["metadata"] = encode_metadata(metadata)
         if mode.kind == "update":
             args["etag"] = _quoted(mode.etag)
             args["match_condition"] = MatchConditions.IfNotModified
@@ -393,8 +456,13 @@ class AzureBlobDriver(ObjectStoreDriver):
         blob = self._blob(key)
 
         def call() -> tuple[bytes, Any]:
-            downloader = blob.download_blob(**args)
-            return downloader.readall(), downloader.properties
+            try:
+                downloader = blob.download_blob(**args)
+            except HttpResponseError as exc:
+                if offset or _code(exc) != "InvalidRange":
+                    raise
+                downloader = blob.download_blob(**{**args, "offset": None, "length": None})
+            return downloader.readall(), downloader.properties  # an empty blob has no range 0-
 
         return self._retried(f"GetBlob {key} [{offset}+{length}]", call)
 
@@ -469,7 +537,7 @@ class AzureBlobDriver(ObjectStoreDriver):
         upload_id = secrets.token_hex(8)
         if metadata:
             with self._metadata_lock:
-                self._metadata[upload_id] = dict(metadata)
+                self._metadata[upload_id] = encode_metadata(metadata)
         return upload_id
 
     def upload_part(self, key: str, upload_id: str, part_number: int, data: Buffer) -> PartInfo:

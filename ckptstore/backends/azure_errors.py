@@ -98,7 +98,8 @@ def _broken(what: str, exc: BaseException) -> IndeterminateOutcomeError:
 
 
 def _from_response(exc: HttpResponseError, what: str, container: str) -> CkptStoreError:
-    code = str(getattr(exc, "error_code", None) or "")
+    raw = getattr(exc, "error_code", None)
+    code = str(getattr(raw, "value", raw) or "")  # the SDK's StorageErrorCode, or a string
     status = int(exc.status_code or 0)
     reason = str(exc.message or getattr(exc, "reason", None) or "").strip().split("\n", 1)[0]
     message = f"{what}: {code or status}: {reason}".rstrip(": ")
