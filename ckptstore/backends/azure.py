@@ -257,7 +257,9 @@ class AzureBlobDriver(ObjectStoreDriver):
         self.min_part_size = min_part_size
         self.checksums = checksums
         self.max_attempts = max_attempts
-        self.clock = clock or ServerClock()
+        self.server_clock = clock or ServerClock()
+        """Not ``clock``: a driver's ``clock`` stamps its writes (the memory driver's), and the
+        conformance suite sets it to age leftovers; Azure stamps its own writes."""
         self.read_concurrency = max(1, read_concurrency)
         self._retrying = Retrying(
             retry=retry_if_exception_type(TransientStorageError),
@@ -271,8 +273,6 @@ class AzureBlobDriver(ObjectStoreDriver):
         the server answered: no read-back. For measuring the server (the conformance probes)."""
         self._metadata: dict[str, dict[str, str]] = {}
         self._metadata_lock = threading.Lock()
-        self._readers: ThreadPoolExecutor | None = None
-        self._readers_lock = threading.Lock()
         self.capabilities = frozenset(
             {
                 Capability.CONDITIONAL_CREATE,
@@ -467,13 +467,15 @@ class AzureBlobDriver(ObjectStoreDriver):
         return self._retried(f"GetBlob {key} [{offset}+{length}]", call)
 
     def readers(self) -> ThreadPoolExecutor:
-        """The threads that fetch ranges ahead for this driver's streams (started on use)."""
-        with self._readers_lock:
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(
+        """The threads that fetch ranges ahead for streams (started on first use), shared by
+        every driver of the same ``concurrency``: stores opened and dropped leak no threads."""
+        with _readers_lock:
+            pool = _readers.get(self.read_concurrency)
+            if pool is None:
+                pool = _readers[self.read_concurrency] = ThreadPoolExecutor(
                     self.read_concurrency, thread_name_prefix="ckptstore-az-read"
                 )
-            return self._readers
+            return pool
 
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
         blob = self._blob(key)
@@ -544,7 +546,7 @@ class AzureBlobDriver(ObjectStoreDriver):
         if not 1 <= part_number <= AZURE_MAX_BLOCKS:
             raise StorageError(f"{key}: part number {part_number} out of 1..{AZURE_MAX_BLOCKS}")
         body = data if isinstance(data, bytes) else bytes(data)
-        name = block_id(upload_id, part_number, self.clock.now())
+        name = block_id(upload_id, part_number, self.server_clock.now())
         blob = self._blob(key)
         validate = self._validate()
         self._retried(
@@ -859,6 +861,8 @@ class _BlobReader:
 
 # -- opening: URL, credentials, client -------------------------------------------------------
 
+_readers: dict[int, ThreadPoolExecutor] = {}
+_readers_lock = threading.Lock()
 _clients: dict[tuple[tuple[str, str], ...], tuple[BlobServiceClient, ServerClock]] = {}
 _clients_lock = threading.Lock()
 _FINGERPRINT_KEY = secrets.token_bytes(32)

@@ -94,6 +94,16 @@ def embedded_targets() -> Iterator[list[Target]]:
             versioned = s3.versioned_bucket(f"{s3.bucket}-versioned")
             url = versioned.url(run, scheme="s3+versioned", part_size=part, concurrency=1)
             targets.append(Target(url, versioned.options))
+        try:
+            from ckptstore.tools.embedded_azure import embedded_azurite
+
+            azure = stack.enter_context(embedded_azurite())
+        except ImportError as exc:  # the SDK, or Azurite itself (BackendUnavailableError)
+            log.warning("skipping az://: %s", exc)
+        else:
+            run = f"conformance-{secrets.token_hex(4)}"
+            url = azure.url(run, part_size=4096, concurrency=1)
+            targets.append(Target(url, azure.options))
         yield targets
 
 

@@ -155,6 +155,13 @@ def _wait_for_container(server: EmbeddedAzure, seconds: float, alive: Any) -> No
 @contextlib.contextmanager
 def embedded_azurite(container: str = "ckptstore") -> Iterator[EmbeddedAzure]:
     """Azurite's blob service as a child process on 127.0.0.1, in memory, with ``container``."""
+    try:
+        import azure.storage.blob  # noqa: F401 - only to say clearly when it is missing
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "the embedded Azure Blob emulator needs azure-storage-blob: "
+            "pip install 'ckptstore[azure]'"
+        ) from exc
     binary = azurite_binary()
     with tempfile.TemporaryDirectory(prefix="ckptstore-azurite-") as directory:
         port = free_port()
