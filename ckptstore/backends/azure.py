@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import hmac
 import logging
@@ -80,6 +81,9 @@ log = logging.getLogger(__name__)
 AZURE_MAX_BLOCKS = 50_000
 READ_PIECE = 8 * 1024 * 1024
 """Bytes per ranged GET of a large blob; ``concurrency`` of them are in flight per stream."""
+FIRST_PIECE = 1024 * 1024
+"""Bytes of the GET that opens a stream: a manifest in one request, and little read in vain
+by a stream that seeks away at once (the second half of a shard)."""
 MAX_SINGLE_PUT = 256 * 1024 * 1024
 """A put up to this size is one Put Blob request (larger ones: blocks, committed at once)."""
 BODY_PIECE = 1024 * 1024
@@ -746,28 +750,71 @@ class _ObjectReplacedError(ObjectNotFoundError):
     """The object was replaced or deleted while being read: the bytes being read are gone."""
 
 
+class _SharedPieces:
+    """Ranges being fetched, shared by the streams of one object: two streams reading the two
+    halves of a shard at once (``Checkpoint.read_into``) fetch the pieces one reads ahead past
+    its half once, not twice. An entry lives while some stream holds it unread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pieces: dict[tuple[str, str, int], tuple[Future[bytes], int]] = {}
+
+    def get(self, name: tuple[str, str, int], fetch: Callable[[], Future[bytes]]) -> Future[bytes]:
+        with self._lock:
+            known = self._pieces.get(name)
+            if known is not None:
+                self._pieces[name] = (known[0], known[1] + 1)
+                return known[0]
+            future = fetch()
+            self._pieces[name] = (future, 1)
+            return future
+
+    def release(self, name: tuple[str, str, int]) -> None:
+        with self._lock:
+            known = self._pieces.get(name)
+            if known is None:
+                return
+            if known[1] <= 1:
+                del self._pieces[name]
+                known[0].cancel()  # not started yet: nobody wants it any more
+            else:
+                self._pieces[name] = (known[0], known[1] - 1)
+
+
+_shared_pieces = _SharedPieces()
+
+
 class _BlobReader:
     """A blob read as ranges fetched ahead in parallel, each pinned to the first answer's ETag
-    (or to its version): the stream never splices two objects' bytes."""
+    (or to its version): the stream never splices two objects' bytes.
+
+    Opening reads the first ``FIRST_PIECE`` bytes (all of a small object, in one request);
+    then ``READ_PIECE`` ranges on a fixed grid are fetched up to ``concurrency`` ahead, shared
+    with other streams of the same object version.
+    """
 
     def __init__(self, driver: AzureBlobDriver, key: str, version_id: str | None) -> None:
         self._driver = driver
         self._key = key
         self._version_id = version_id
-        first, properties = driver.get_range(key, version_id, 0, READ_PIECE, None)
+        first, properties = driver.get_range(key, version_id, 0, FIRST_PIECE, None)
         self.info = driver.properties_info(key, properties)
         self._size = self.info.size
         self._etag = self.info.etag if version_id is None else None
+        self._pin = f"{self._driver.bucket}/{self._full()}#{self._etag or version_id}"
         self._chunk = memoryview(first)
         self._position = 0
         self._next = len(first)  # the first byte not yet asked for
-        self._ahead: deque[Future[bytes]] = deque()
+        self._ahead: deque[tuple[tuple[str, str, int], Future[bytes]]] = deque()
         self._closed = False
 
-    def _fetch(self, offset: int) -> bytes:
+    def _full(self) -> str:
+        return self._driver.prefix + self._key
+
+    def _fetch(self, offset: int, length: int) -> bytes:
         try:
             data, _ = self._driver.get_range(
-                self._key, self._version_id, offset, READ_PIECE, self._etag
+                self._key, self._version_id, offset, length, self._etag
             )
         except (PreconditionFailedError, ObjectNotFoundError) as exc:
             raise _ObjectReplacedError(
@@ -775,18 +822,24 @@ class _BlobReader:
                 f"reading {self._driver.url}/{self._key}: the object was replaced or deleted "
                 f"while being read (at byte {offset})",
             ) from exc
-        want = min(READ_PIECE, self._size - offset)
-        if len(data) != want:
+        if len(data) != length:
             raise StorageError(
-                errno.EIO, f"GetBlob {self._key}: {len(data)} bytes at {offset}, expected {want}"
+                errno.EIO, f"GetBlob {self._key}: {len(data)} bytes at {offset}, expected {length}"
             )
         return data
 
     def _fill_ahead(self) -> None:
         depth = self._driver.read_concurrency
         while len(self._ahead) < depth and self._next < self._size:
-            self._ahead.append(self._driver.readers().submit(self._fetch, self._next))
-            self._next += READ_PIECE
+            offset = self._next
+            end = min(self._size, (offset // READ_PIECE + 1) * READ_PIECE)  # on the grid
+            name = (self._pin, str(end - offset), offset)
+            fetch = functools.partial(
+                self._driver.readers().submit, self._fetch, offset, end - offset
+            )
+            future = _shared_pieces.get(name, fetch)
+            self._ahead.append((name, future))
+            self._next = end
 
     def _advance(self) -> bool:
         """Make the next fetched range current; False at the end."""
@@ -795,7 +848,11 @@ class _BlobReader:
         self._fill_ahead()
         if not self._ahead:
             return False
-        self._chunk = memoryview(self._ahead.popleft().result())
+        name, future = self._ahead.popleft()
+        try:
+            self._chunk = memoryview(future.result())
+        finally:
+            _shared_pieces.release(name)
         self._fill_ahead()
         return True
 
@@ -841,11 +898,9 @@ class _BlobReader:
         return position
 
     def _cancel_ahead(self) -> None:
-        for future in self._ahead:
-            future.cancel()
-        for future in self._ahead:
-            with contextlib.suppress(Exception):  # not needed any more
-                future.result()
+        """Let go of the pieces fetched ahead (another stream may still want them)."""
+        for name, _ in self._ahead:
+            _shared_pieces.release(name)
         self._ahead.clear()
 
     def close(self) -> None:
