@@ -134,7 +134,8 @@ class ServerClock:
     Azure records no time for an uncommitted block, so each block id carries when it was staged
     on the storage's clock (this host's clock plus the offset measured here): GC ages an upload
     by its newest block on the same clock that stamps objects, whatever this host's skew.
-    ``Date`` has one-second resolution; the offset errs late, so an upload looks younger.
+    ``Date`` has one-second resolution (the middle of its second is taken): stamps are within
+    about a second of the storage's clock, which GC's grace period (an hour) dwarfs.
     """
 
     def __init__(self) -> None:
@@ -146,7 +147,7 @@ class ServerClock:
         if not header:
             return
         with contextlib.suppress(TypeError, ValueError):
-            self.offset = parsedate_to_datetime(header).timestamp() + 1.0 - time.time()
+            self.offset = parsedate_to_datetime(header).timestamp() + 0.5 - time.time()
 
     def now(self) -> float:
         return time.time() + self.offset
