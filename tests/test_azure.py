@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import socket
@@ -19,11 +20,18 @@ import test_driver_contract as contract
 from azure.core.exceptions import ResourceModifiedError, ServiceResponseError
 
 import ckptstore
-from ckptstore.backends.azure import AzureBlobDriver, open_azure, parse_location
+from ckptstore.backends.azure import (
+    AzureBlobDriver,
+    decode_metadata,
+    encode_metadata,
+    open_azure,
+    parse_location,
+)
 from ckptstore.conformance.report import render_text
 from ckptstore.conformance.runner import run_backend
 from ckptstore.driver import ObjectStoreDriver, PutMode
 from ckptstore.errors import (
+    BackendUnavailableError,
     InvalidOptionError,
     InvalidURLError,
     ObjectNotFoundError,
@@ -411,3 +419,23 @@ def test_open_azure_is_the_registered_factory() -> None:
     from ckptstore.registry import resolve
 
     assert {resolve(s) for s in ("az", "abfs", "abfss")} == {open_azure}
+
+
+def test_without_credentials_nor_azure_identity_the_error_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_CONNECTION_STRING"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setitem(sys.modules, "azure.identity", None)  # as if not installed
+    with pytest.raises(BackendUnavailableError, match="pip install azure-identity"):
+        ckptstore.open("az://ckpt@nocredsacct.blob.core.windows.net/x")
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [{"ckptstore-attempt": "x"}, {"a_b": "1", "a-b": "2", "a.b": "3"}, {"9lives": "v"}],
+)
+def test_metadata_names_survive_azures_identifier_rule(metadata: dict[str, str]) -> None:
+    encoded = encode_metadata(metadata)
+    assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) for name in encoded)
+    assert decode_metadata(encoded) == metadata
