@@ -38,6 +38,9 @@ _BUILTIN: Mapping[str, tuple[str, str]] = MappingProxyType(
             "pip install 'ckptstore[gcs]'",
         ),
         "lustre": ("ckptstore.backends.lustre:open_lustre", ""),
+        "az": ("ckptstore.backends.azure:open_azure", "pip install 'ckptstore[azure]'"),
+        "abfs": ("ckptstore.backends.azure:open_azure", "pip install 'ckptstore[azure]'"),
+        "abfss": ("ckptstore.backends.azure:open_azure", "pip install 'ckptstore[azure]'"),
     }
 )
 _registered: dict[str, BackendFactory] = {}

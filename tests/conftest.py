@@ -15,6 +15,7 @@ from ckptstore.backends.lustre import LustreStripingWarning
 from ckptstore.backends.memory import MemoryDriver, drop_bucket
 from ckptstore.store import Store
 from ckptstore.tools.embedded import EmbeddedS3, embedded_moto, embedded_seaweedfs
+from ckptstore.tools.embedded_azure import EmbeddedAzure, embedded_azurite
 from ckptstore.tools.embedded_gcs import EmbeddedGCS, embedded_fake_gcs
 
 _counter = itertools.count()
@@ -318,6 +319,60 @@ class VersionedGCSBackend(GCSBackend):
         pytest.skip("fake-gcs-server cannot delete a given generation (it archives the live one)")
 
 
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[EmbeddedAzure]:
+    """Azurite's blob service on 127.0.0.1 for the whole session."""
+    with embedded_azurite() as server:
+        yield server
+
+
+class AzureBackend(BackendUnderTest):
+    """``az://`` on Azurite: 1 MiB blocks, so that multi-megabyte shards are staged blocks."""
+
+    name = "az"
+
+    def __init__(self, tmp_path: Any, server: EmbeddedAzure) -> None:
+        super().__init__(tmp_path)
+        self.server = server
+        self.prefix = f"runs/test-{os.getpid()}-{next(_counter)}"
+        self.url = server.url(self.prefix, part_size=1024 * 1024, concurrency=3)
+
+    def open(self, **options: Any) -> Store:
+        return ckptstore.open(self.url, **{**self.server.options, **options})
+
+    def _names(self, **listing: Any) -> list[str]:
+        with self.server.client() as client:
+            container = client.get_container_client(self.server.container)
+            return [b.name for b in container.list_blobs(name_starts_with=self.prefix + "/",
+                                                         **listing)]  # fmt: skip
+
+    def raw_names(self) -> list[str]:
+        committed = self._names()
+        staged = set(self._names(include=["uncommittedblobs"])) - set(committed)
+        return sorted(committed) + sorted(staged)
+
+    def _rewrite(self, key: str, edit: Callable[[bytes], bytes]) -> None:
+        with self.server.client() as client:
+            blob = client.get_blob_client(self.server.container, f"{self.prefix}/{key}")
+            blob.upload_blob(edit(blob.download_blob().readall()), overwrite=True)
+
+    def rewrite_shard(self, store: Store, step: int, name: str, edit: Callable[[bytes], bytes]):
+        record = store.strategy.read_manifest(step).shard(name)
+        assert record is not None
+        self._rewrite(record.locator["key"], edit)
+
+    def rewrite_manifest(self, store: Store, step: int, edit: Callable[[bytes], bytes]) -> None:
+        self._rewrite(f"manifests/step-{step:020d}.json", edit)
+
+    def remove_shard(self, store: Store, step: int, name: str) -> None:
+        record = store.strategy.read_manifest(step).shard(name)
+        assert record is not None
+        with self.server.client() as client:
+            client.get_blob_client(
+                self.server.container, f"{self.prefix}/{record.locator['key']}"
+            ).delete_blob()
+
+
 @pytest.fixture(
     params=[
         "file",
@@ -328,6 +383,7 @@ class VersionedGCSBackend(GCSBackend):
         "s3+versioned",
         "gs",
         "gs+versioned",
+        "az",
     ]
 )
 def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUnderTest]:
@@ -349,6 +405,8 @@ def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUn
         if request.node.originalname in VersionedGCSBackend.NEEDS_REAL_GCS:
             pytest.skip("frees old generations: fake-gcs-server cannot delete one")
         made = VersionedGCSBackend(tmp_path, request.getfixturevalue("fake_gcs"))
+    elif request.param == "az":
+        made = AzureBackend(tmp_path, request.getfixturevalue("azurite"))
     else:
         made = VersionedS3Backend(tmp_path, request.getfixturevalue("moto_s3"))
     yield made

@@ -1,8 +1,8 @@
 """``ckptstore demo``: save, crash mid-save, resume, GC and detect corruption, with no setup.
 
 Runs on the embedded defaults: a file:// store in a directory (temporary unless given), an
-in-process memory:// store, s3:// on an S3 server (moto) and gs:// on a GCS emulator
-(fake-gcs-server) started on 127.0.0.1. A writer
+in-process memory:// store, s3:// on an S3 server (moto), gs:// on a GCS emulator
+(fake-gcs-server) and az:// on Azurite (each where installed) started on 127.0.0.1. A writer
 subprocess is killed with SIGKILL in the middle of a save to show that ``latest()`` still
 returns the last complete checkpoint and that GC removes the dead attempt once it is older
 than the grace period.
@@ -10,6 +10,7 @@ than the grace period.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -148,6 +149,21 @@ def _demo_embedded_gcs(out: TextIO) -> None:
         _demo_store(store, out, crash=True, url=url, env=server.environment())
 
 
+def _demo_embedded_azure(out: TextIO) -> None:
+    with contextlib.ExitStack() as stack:
+        try:
+            from ckptstore.tools.embedded_azure import embedded_azurite
+
+            server = stack.enter_context(embedded_azurite())
+        except ImportError as exc:  # the SDK, or Azurite itself (BackendUnavailableError)
+            out.write(f"\n(az:// skipped: {exc})\n")
+            return
+        url = server.url("demo/run", part_size=1024 * 1024)
+        store = open_store(url, retention=KeepLast(3), **server.options)
+        out.write(f"\n(an Azure Blob emulator, Azurite, started on {server.endpoint_url})")
+        _demo_store(store, out, crash=True, url=url, env=server.environment())
+
+
 def run_demo(directory: str | None, out: TextIO) -> int:
     """Run the demo; return 0 when every step behaved as the protocol promises."""
     with tempfile.TemporaryDirectory(prefix="ckptstore-demo-") as scratch:
@@ -160,6 +176,7 @@ def run_demo(directory: str | None, out: TextIO) -> int:
         _demo_store(memory_store, out, crash=False)
         _demo_embedded_s3(out)
         _demo_embedded_gcs(out)
+        _demo_embedded_azure(out)
         _demo_corruption(f"{root}/run", file_store, out)
         out.write(
             f"\ndone. Inspect with: ckptstore ls {file_store.url}\n" if directory else "\ndone.\n"

@@ -1,0 +1,944 @@
+"""Azure Blob Storage driver on azure-storage-blob: ``az://container/prefix``, committed by a
+conditional put.
+
+The protocol: docs/protocol.md §3-4; this backend: docs/backends/azure.md.
+
+Shards go to attempt-unique block blobs: small ones as one Put Blob, large ones as blocks staged
+concurrently (Put Block) and committed (Put Block List); the manifest is created with
+``If-None-Match: *`` and LATEST moved with ``If-Match``. Azure has no multipart upload object:
+an "upload" is the uncommitted blocks of one blob whose block ids name it (upload id, part
+number, and when the block was staged on the storage's clock), so that GC can list dead
+uploads, age them by their newest block, and free them. Idempotent calls are retried on
+transient errors with bounded exponential backoff and jitter (tenacity; the SDK's own retries
+are off); conditional writes are never retried blindly: a create whose outcome is unknown is
+resolved by reading the key back. Reads of large blobs fetch ranges in parallel, each pinned to
+the first answer's ETag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import hmac
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from email.utils import parsedate_to_datetime
+from typing import Any, BinaryIO, TypeVar, cast
+
+from azure.core import MatchConditions
+from azure.core.exceptions import HttpResponseError
+from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+    wait_random,
+)
+
+from ckptstore.backends.azure_errors import translate_azure_errors
+from ckptstore.backends.azure_read import READ_PIECE, BlobReader, ObjectReplacedError
+from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
+from ckptstore.driver import (
+    Buffer,
+    Capability,
+    ObjectInfo,
+    ObjectStoreDriver,
+    PartInfo,
+    PutMode,
+    UploadInfo,
+    UploadProgress,
+    multipart_mode,
+)
+from ckptstore.errors import (
+    BackendUnavailableError,
+    InvalidOptionError,
+    InvalidURLError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    PreconditionInferredError,
+    StorageError,
+    StoreNotFoundError,
+    TransientStorageError,
+)
+from ckptstore.urls import StoreURL, option_bool, option_int
+
+__all__ = ["AzureBlobDriver", "open_azure", "parse_location"]
+
+log = logging.getLogger(__name__)
+
+AZURE_MAX_BLOCKS = 50_000
+MAX_SINGLE_PUT = 256 * 1024 * 1024
+"""A put up to this size is one Put Blob request (larger ones: blocks, committed at once)."""
+BODY_PIECE = 1024 * 1024
+"""Bytes per read of a response body."""
+POOL_HEADROOM = 32
+"""Connections beyond ``concurrency`` transfers: other threads and stores sharing the client."""
+_CONTAINER_RE = re.compile(r"^(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
+_ACCOUNT_RE = re.compile(r"^[a-z0-9]{3,24}$")
+_HOST_RE = re.compile(r"^(?P<account>[^.]+)\.(?:blob|dfs)\.(?P<suffix>.+)$")
+_BLOCK_RE = re.compile(r"^(?P<upload>[0-9a-f]{16})\.(?P<part>\d{5})\.(?P<stamp>\d{13})$")
+T = TypeVar("T")
+
+URL_OPTIONS = (
+    "endpoint_url",
+    "account_name",
+    "concurrency",
+    "part_size",
+    "min_part_size",
+    "max_attempts",
+    "checksums",
+    "connect_timeout",
+    "read_timeout",
+)
+CREDENTIAL_OPTIONS = ("connection_string", "account_key", "sas_token", "credential")
+_CLIENT_OPTIONS = frozenset(
+    {"endpoint_url", "account_name", "concurrency", "connect_timeout", "read_timeout",
+     *CREDENTIAL_OPTIONS}
+)  # fmt: skip
+
+
+def _code(exc: BaseException) -> str:
+    code = getattr(exc, "error_code", None)
+    return str(getattr(code, "value", code) or "")
+
+
+def _quoted(etag: object) -> str:
+    text = str(etag or "").strip('"')
+    return f'"{text}"' if text else ""
+
+
+def _timestamp(value: Any) -> float:
+    return value.timestamp() if isinstance(value, datetime) else time.time()
+
+
+class ServerClock:
+    """The storage's clock as seen in its answers' ``Date`` headers, read off every response.
+
+    Azure records no time for an uncommitted block, so each block id carries when it was staged
+    on the storage's clock (this host's clock plus the offset measured here): GC ages an upload
+    by its newest block on the same clock that stamps objects, whatever this host's skew.
+    ``Date`` has one-second resolution (the middle of its second is taken): stamps are within
+    about a second of the storage's clock, which GC's grace period (an hour) dwarfs.
+    """
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def observe(self, pipeline_response: Any) -> None:
+        """A ``raw_response_hook``: take the offset from the answer's ``Date``."""
+        header = pipeline_response.http_response.headers.get("Date")
+        if not header:
+            return
+        with contextlib.suppress(TypeError, ValueError):
+            self.offset = parsedate_to_datetime(header).timestamp() + 0.5 - time.time()
+
+    def now(self) -> float:
+        return time.time() + self.offset
+
+
+def encode_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """User metadata as Azure takes it: names are C# identifiers (letters, digits, ``_``),
+    compared without case. Names are lowercased (as S3 returns them) and escaped reversibly:
+    ``_`` as ``__``, ``-`` as ``_h``, any other character as ``_xHH``, a leading digit after
+    ``_n``."""
+    encoded = {}
+    for name, value in metadata.items():
+        out = []
+        for char in name.lower():
+            if char.isascii() and char.isalnum():
+                out.append(char)
+            elif char == "_":
+                out.append("__")
+            elif char == "-":
+                out.append("_h")
+            else:
+                out.append(f"_x{ord(char):02x}")
+        text = "".join(out)
+        encoded[f"_n{text}" if text[:1].isdigit() else text] = value
+    return encoded
+
+
+def decode_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """The names ``encode_metadata`` made, back; a name it could not have made is kept as is."""
+    decoded = {}
+    for name, value in (metadata or {}).items():
+        decoded[_decode_name(name)] = value
+    return decoded
+
+
+def _decode_name(name: str) -> str:
+    out, index = [], 2 if name.startswith("_n") else 0
+    while index < len(name):
+        char = name[index]
+        if char != "_":
+            out.append(char)
+            index += 1
+            continue
+        escape = name[index + 1 : index + 2]
+        if escape == "_":
+            out.append("_")
+        elif escape == "h":
+            out.append("-")
+        elif escape == "x" and re.fullmatch(r"[0-9a-f]{2}", name[index + 2 : index + 4]):
+            out.append(chr(int(name[index + 2 : index + 4], 16)))
+            index += 2
+        else:
+            return name
+        index += 2
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class _Block:
+    upload_id: str
+    part_number: int
+    staged: float
+    size: int
+
+
+_Blocks = list[_Block]  # (the driver's ``list`` method hides the builtin in its class)
+_Names = list[str]
+_Items = list[Any]
+
+
+def block_id(upload_id: str, part_number: int, staged: float) -> str:
+    """The block id of one part (the SDK base64-encodes it on the wire): every id of a blob has
+    the same length, as Azure requires."""
+    return f"{upload_id}.{part_number:05d}.{int(staged * 1000):013d}"
+
+
+def _parse_block(block: Any) -> _Block | None:
+    """Our block's upload id, part and staging time; None for a block someone else staged."""
+    match = _BLOCK_RE.fullmatch(str(getattr(block, "id", "") or ""))  # decoded by the SDK
+    if match is None:
+        return None
+    return _Block(
+        match["upload"], int(match["part"]), int(match["stamp"]) / 1000, int(block.size or 0)
+    )
+
+
+class AzureBlobDriver(ObjectStoreDriver):
+    """Object-store primitives on one Azure Blob container under a name prefix."""
+
+    max_parts = AZURE_MAX_BLOCKS
+
+    def __init__(
+        self,
+        client: ContainerClient,
+        container: str,
+        prefix: str = "",
+        *,
+        url: str | None = None,
+        identity: str | None = None,
+        clock: ServerClock | None = None,
+        min_part_size: int = 1,
+        checksums: bool = True,
+        max_attempts: int = 6,
+        max_delay_s: float = 60.0,
+        read_concurrency: int = 8,
+    ) -> None:
+        self.client = client
+        self.container = container
+        self.bucket = identity or f"{client.url}"
+        """Which storage this is (account endpoint and container): the conditional-create
+        probe's outcome is remembered per bucket."""
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = url or f"az://{container}/{self.prefix}".rstrip("/")
+        self.min_part_size = min_part_size
+        self.checksums = checksums
+        self.max_attempts = max_attempts
+        self.server_clock = clock or ServerClock()
+        """Not ``clock``: a driver's ``clock`` stamps its writes (the memory driver's), and the
+        conformance suite sets it to age leftovers; Azure stamps its own writes."""
+        self.read_concurrency = max(1, read_concurrency)
+        self._retrying = Retrying(
+            retry=retry_if_exception_type(TransientStorageError),
+            stop=stop_after_attempt(max_attempts) | stop_after_delay(max_delay_s),
+            wait=wait_exponential(multiplier=0.05, max=5.0) + wait_random(0, 0.1),
+            reraise=True,
+            before_sleep=lambda state: log.debug("retrying Azure call: %s", state.outcome),
+        )
+        self.raw_conditionals = False
+        """Send each conditional put, and a conditional commit, as one request and return what
+        the server answered: no read-back. For measuring the server (the conformance probes)."""
+        self._metadata: dict[str, dict[str, str]] = {}
+        self._metadata_lock = threading.Lock()
+        self.capabilities = frozenset(
+            {
+                Capability.CONDITIONAL_CREATE,
+                Capability.CONDITIONAL_MULTIPART_COMPLETE,
+                Capability.COMPARE_AND_SWAP,
+                Capability.MULTIPART,
+                Capability.STRONG_LIST_AFTER_WRITE,
+            }
+        )
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return self.prefix + key
+
+    def _relative(self, full: str) -> str:
+        return full[len(self.prefix) :]
+
+    def _blob(self, key: str) -> Any:
+        return self.client.get_blob_client(self._full(key))
+
+    def _once(self, what: str, call: Callable[[], T]) -> T:
+        with translate_azure_errors(f"{what} az://{self.container}", container=self.container):
+            return call()
+
+    def _retried(self, what: str, call: Callable[[], T]) -> T:
+        result: T = self._retrying(self._once, what, call)
+        return result
+
+    def _validate(self) -> dict[str, Any]:
+        """Content-MD5 on each request, which the service checks against the bytes it got."""
+        return {"validate_content": True} if self.checksums else {}
+
+    def _info(self, key: str, response: Mapping[str, Any], size: int) -> ObjectInfo:
+        return ObjectInfo(
+            key=key,
+            size=size,
+            etag=_quoted(response.get("etag")),
+            last_modified=_timestamp(response.get("last_modified")),
+            version_id=response.get("version_id") or None,
+        )
+
+    def properties_info(self, key: str, properties: Any) -> ObjectInfo:
+        """What GetBlobProperties, or the first answer of a ranged GetBlob, says of a blob."""
+        size = int(properties.size or 0)
+        whole = str(getattr(properties, "content_range", None) or "").rpartition("/")[2]
+        if whole.isdigit():  # a ranged answer: properties.size is the range's
+            size = int(whole)
+        return ObjectInfo(
+            key=key,
+            size=size,
+            etag=_quoted(properties.etag),
+            last_modified=_timestamp(properties.last_modified),
+            version_id=getattr(properties, "version_id", None) or None,
+            metadata=decode_metadata(properties.metadata),
+        )
+
+    # -- the driver interface ------------------------------------------------------------
+
+    def check_bucket(self) -> None:
+        once = Retrying(
+            retry=retry_if_exception_type(TransientStorageError),
+            stop=stop_after_attempt(2),
+            wait=wait_exponential(multiplier=0.2, max=1.0) + wait_random(0, 0.1),
+            reraise=True,
+        )
+        try:
+            once(self._once, "GetContainerProperties", self.client.get_container_properties)
+        except ObjectNotFoundError as exc:
+            raise StoreNotFoundError(
+                f"{self.url}: container {self.container!r} does not exist (ckptstore never "
+                f"creates containers; create it, or check the account and endpoint)"
+            ) from exc
+
+    def put(
+        self,
+        key: str,
+        data: Buffer,
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
+        metadata: Mapping[str, str] | None = None,
+    ) -> ObjectInfo:
+        body = bytes(data)
+        args: dict[str, Any] = {"length": len(body), "overwrite": mode.kind != "create"}
+        args.update(self._validate())
+        if metadata:
+            args["metadata"] = encode_metadata(metadata)
+        if mode.kind == "update":
+            args["etag"] = _quoted(mode.etag)
+            args["match_condition"] = MatchConditions.IfNotModified
+        blob = self._blob(key)
+        what = f"PutBlob {key}"
+        if mode.conditional:
+            what += " (If-None-Match)" if mode.kind == "create" else " (If-Match)"
+        if mode.kind == "create" and not self.raw_conditionals:
+            return self._create(what, key, body, lambda: blob.upload_blob(body, **args))
+        call = self._once if mode.conditional else self._retried  # CAS in doubt: I8 reads back
+        response = call(what, lambda: blob.upload_blob(body, **args))
+        return self._info(key, response, len(body))
+
+    def _create(
+        self, what: str, key: str, body: bytes, send: Callable[[], Mapping[str, Any]]
+    ) -> ObjectInfo:
+        """Put Blob If-None-Match: * retried until its outcome is known (I8).
+
+        After a transient failure, and after a refusal that follows one (our earlier try may be
+        what is there), the key is read back: absent, nothing was created and the conditional
+        put is safe to send again; holding our bytes, our put took effect; holding other
+        bytes, another writer created it first. Identical bytes count as ours: callers create
+        keys or contents unique to the writer.
+        """
+        in_doubt = False
+
+        def attempt() -> ObjectInfo:
+            nonlocal in_doubt
+            try:
+                return self._info(key, self._once(what, send), len(body))
+            except PreconditionFailedError:
+                if not in_doubt:
+                    raise
+                return self._created_by_us(what, key, body, refused=True)
+            except TransientStorageError as exc:
+                in_doubt = True
+                log.debug("%s: %s; reading back", what, exc)
+            return self._created_by_us(what, key, body, refused=False)
+
+        result: ObjectInfo = self._retrying(attempt)
+        return result
+
+    def _created_by_us(self, what: str, key: str, body: bytes, *, refused: bool) -> ObjectInfo:
+        try:
+            stored, info = self._read_whole(key, None)
+        except ObjectNotFoundError:
+            raise TransientStorageError(
+                errno.EAGAIN, f"{what}: not created; trying again"
+            ) from None
+        if stored != body:
+            if refused:
+                raise PreconditionFailedError(
+                    f"{what}: another writer created it first", http_status=409
+                )
+            raise PreconditionInferredError(
+                f"{what}: another writer created it first (read back; no refusal received)"
+            )
+        log.info("%s: the outcome of a broken call was read back: created", what)
+        return info
+
+    def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
+        """The whole object; read again whole if it was replaced between two ranges."""
+        for tries_left in reversed(range(self.max_attempts)):
+            try:
+                return self._read_whole(key, version_id)
+            except ObjectReplacedError:
+                if not tries_left:
+                    raise
+        raise AssertionError("unreachable")  # max_attempts >= 1
+
+    def _read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
+        with self._open_stream(key, version_id) as stream:
+            data = stream.read()
+        return data, stream.info
+
+    def open_read(self, key: str, *, version_id: str | None = None) -> BinaryIO:
+        """A stream of the object that fetches ranges ahead in parallel, each pinned to the
+        first answer's ETag (callers check the bytes end to end)."""
+        return cast(BinaryIO, self._open_stream(key, version_id))
+
+    def _open_stream(self, key: str, version_id: str | None) -> BlobReader:
+        return BlobReader(self, key, version_id)
+
+    def get_range(
+        self, key: str, version_id: str | None, offset: int, length: int, etag: str | None
+    ) -> tuple[bytes, Any]:
+        """``length`` bytes from ``offset`` (fewer at the end) and the blob's properties."""
+        args: dict[str, Any] = {"offset": offset, "length": length, "max_concurrency": 1}
+        if version_id is not None:
+            args["version_id"] = version_id
+        if etag:
+            args["etag"] = etag
+            args["match_condition"] = MatchConditions.IfNotModified
+        blob = self._blob(key)
+
+        def call() -> tuple[bytes, Any]:
+            try:
+                downloader = blob.download_blob(**args)
+            except HttpResponseError as exc:
+                if offset or _code(exc) != "InvalidRange":
+                    raise
+                downloader = blob.download_blob(**{**args, "offset": None, "length": None})
+            return downloader.readall(), downloader.properties  # an empty blob has no range 0-
+
+        return self._retried(f"GetBlob {key} [{offset}+{length}]", call)
+
+    def readers(self) -> ThreadPoolExecutor:
+        """The threads that fetch ranges ahead for streams (started on first use), shared by
+        every driver of the same ``concurrency``: stores opened and dropped leak no threads."""
+        with _readers_lock:
+            pool = _readers.get(self.read_concurrency)
+            if pool is None:
+                pool = _readers[self.read_concurrency] = ThreadPoolExecutor(
+                    self.read_concurrency, thread_name_prefix="ckptstore-az-read"
+                )
+            return pool
+
+    def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
+        blob = self._blob(key)
+        properties = self._retried(
+            f"GetBlobProperties {key}", lambda: blob.get_blob_properties(version_id=version_id)
+        )
+        return self.properties_info(key, properties)
+
+    def delete(self, key: str, *, version_id: str | None = None) -> None:
+        blob = self._blob(key)
+        with contextlib.suppress(ObjectNotFoundError):  # deleting what is gone is no error
+            self._retried(f"DeleteBlob {key}", lambda: blob.delete_blob(version_id=version_id))
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """Listed from ``start_after`` with ``startFrom`` (inclusive; a server that ignores it
+        only costs time: names up to ``start_after`` are dropped here)."""
+        after = self._full(start_after) if start_after is not None else None
+        args: dict[str, Any] = {"name_starts_with": self._full(prefix)}
+        if after is not None:
+            args["start_from"] = after
+        for item in self._pages("ListBlobs", args):
+            if after is not None and item.name <= after:
+                continue
+            yield self._listed(item)
+
+    def _listed(self, item: Any) -> ObjectInfo:
+        return ObjectInfo(
+            key=self._relative(item.name),
+            size=int(item.size or 0),
+            etag=_quoted(item.etag),
+            last_modified=_timestamp(item.last_modified),
+        )
+
+    def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Without blob versioning, each object is its only (and latest) version."""
+        yield from self.list(prefix)
+
+    def _pages(self, what: str, args: Mapping[str, Any]) -> Iterator[Any]:
+        """Every item of a listing; each page request is retried on its own (an iterator
+        that failed cannot be resumed, and a short listing would mislead GC and discovery)."""
+        token: str | None = None
+        while True:
+
+            def one_page(marker: str | None = token) -> tuple[_Items, str | None]:
+                pages: Any = self.client.list_blobs(**args).by_page(continuation_token=marker)
+                items = list(next(pages))
+                return items, pages.continuation_token
+
+            items, following = self._retried(what, one_page)
+            yield from items
+            if not following:
+                return
+            if following == token:
+                raise StorageError(f"{self.url}: {what} repeats its continuation marker")
+            token = following
+
+    # -- multipart: blocks staged, then committed ----------------------------------------
+
+    def create_multipart(self, key: str, *, metadata: Mapping[str, str] | None = None) -> str:
+        """A new upload id; nothing is sent (Azure has no upload object: blocks make one)."""
+        upload_id = secrets.token_hex(8)
+        if metadata:
+            with self._metadata_lock:
+                self._metadata[upload_id] = encode_metadata(metadata)
+        return upload_id
+
+    def upload_part(self, key: str, upload_id: str, part_number: int, data: Buffer) -> PartInfo:
+        if not 1 <= part_number <= AZURE_MAX_BLOCKS:
+            raise StorageError(f"{key}: part number {part_number} out of 1..{AZURE_MAX_BLOCKS}")
+        body = data if isinstance(data, bytes) else bytes(data)
+        name = block_id(upload_id, part_number, self.server_clock.now())
+        blob = self._blob(key)
+        validate = self._validate()
+        self._retried(
+            f"PutBlock {key} #{part_number}",
+            lambda: blob.stage_block(name, body, length=len(body), **validate),
+        )
+        return PartInfo(part_number, name, len(body))
+
+    def complete_multipart(
+        self,
+        key: str,
+        upload_id: str,
+        parts: Sequence[PartInfo],
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
+    ) -> ObjectInfo:
+        """Put Block List of the parts' blocks; a create sends ``If-None-Match: *``.
+
+        Blocks that are gone (GC freed the upload) make it fail with ObjectNotFoundError.
+        """
+        create = multipart_mode(mode).kind == "create"
+        blocks = [BlobBlock(part.etag) for part in parts]
+        with self._metadata_lock:
+            metadata = self._metadata.get(upload_id)
+        args: dict[str, Any] = {"metadata": metadata} if metadata else {}
+        if create:
+            args["match_condition"] = MatchConditions.IfMissing
+        blob = self._blob(key)
+        what = f"PutBlockList {key}" + (" (If-None-Match)" if create else "")
+        size = sum(part.size for part in parts)
+        ids = [part.etag for part in parts]
+        if create and self.raw_conditionals:
+            response = self._once(what, lambda: blob.commit_block_list(blocks, **args))
+            info = self._info(key, response, size)
+        elif create:
+            info = self._commit_create(what, key, ids, size, lambda: blob.commit_block_list(
+                blocks, **args))  # fmt: skip
+        else:  # the same list committed again commits the same blocks: safe to retry
+            info = self._info(key, self._retried(
+                what, lambda: blob.commit_block_list(blocks, **args)), size)  # fmt: skip
+        with self._metadata_lock:
+            self._metadata.pop(upload_id, None)
+        return info
+
+    def _commit_create(
+        self, what: str, key: str, ids: _Names, size: int, send: Callable[[], Any]
+    ) -> ObjectInfo:
+        """A conditional commit retried until its outcome is known (I8): after a broken call,
+        the blob's committed block list says whether it is ours (our block ids are unique)."""
+        in_doubt = False
+
+        def attempt() -> ObjectInfo:
+            nonlocal in_doubt
+            try:
+                return self._info(key, self._once(what, send), size)
+            except PreconditionFailedError:
+                if not in_doubt:
+                    raise
+                refused = True
+            except TransientStorageError as exc:
+                in_doubt, refused = True, False
+                log.debug("%s: %s; reading back", what, exc)
+            committed = self._committed_ids(key)
+            if committed is None:
+                raise TransientStorageError(errno.EAGAIN, f"{what}: not committed; trying again")
+            if committed != ids:
+                if refused:
+                    raise PreconditionFailedError(f"{what}: another writer created it first")
+                raise PreconditionInferredError(f"{what}: another writer created it first")
+            log.info("%s: the outcome of a broken call was read back: committed", what)
+            return self.head(key)
+
+        result: ObjectInfo = self._retrying(attempt)
+        return result
+
+    def _committed_ids(self, key: str) -> _Names | None:
+        """The committed block ids of a blob; None if it has no committed content."""
+        blob = self._blob(key)
+        try:
+            committed, _ = self._retried(
+                f"GetBlockList {key}", lambda: blob.get_block_list("committed")
+            )
+        except ObjectNotFoundError:
+            return None
+        return [str(block.id) for block in committed]
+
+    def _blocks(self, key: str) -> tuple[bool, _Blocks]:
+        """Whether the blob has committed content, and our uncommitted blocks on it."""
+        blob = self._blob(key)
+        committed, uncommitted = self._retried(
+            f"GetBlockList {key}", lambda: blob.get_block_list("all")
+        )
+        parsed = [_parse_block(block) for block in uncommitted]
+        return bool(committed), [block for block in parsed if block is not None]
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Free the upload's uncommitted blocks: an empty block list committed only if the blob
+        has no content (``If-None-Match: *``; Put Block List discards every uncommitted block
+        it does not name), then that empty blob deleted (``If-Match`` its ETag).
+
+        Azure has no call that discards uncommitted blocks alone. Beside a committed blob (a
+        create-only completion that was refused), they are left to Azure, which discards
+        uncommitted blocks after seven days; rewriting the blob would change its ETag.
+        """
+        with self._metadata_lock:
+            self._metadata.pop(upload_id, None)
+        try:
+            has_content, blocks = self._blocks(key)
+        except ObjectNotFoundError:
+            return  # nothing staged, or freed already
+        if has_content or not any(block.upload_id == upload_id for block in blocks):
+            return
+        blob = self._blob(key)
+        what = f"PutBlockList {key} (empty, If-None-Match: discards the upload's blocks)"
+        try:
+            empty = self._once(
+                what, lambda: blob.commit_block_list([], match_condition=MatchConditions.IfMissing)
+            )
+        except PreconditionFailedError:
+            return  # committed meanwhile: a blob with content is never replaced here
+        except TransientStorageError:
+            # Unknown outcome: an empty blob may be there; the next GC deletes it as a
+            # leftover object of the dead attempt. Try once more now, as a conditional delete.
+            self._delete_if_empty(key)
+            return
+        etag = _quoted(empty.get("etag"))
+        with contextlib.suppress(PreconditionFailedError, ObjectNotFoundError):
+            self._retried(
+                f"DeleteBlob {key} (If-Match)",
+                lambda: blob.delete_blob(etag=etag, match_condition=MatchConditions.IfNotModified),
+            )
+
+    def _delete_if_empty(self, key: str) -> None:
+        with contextlib.suppress(ObjectNotFoundError, PreconditionFailedError):
+            info = self.head(key)
+            if info.size == 0:
+                blob = self._blob(key)
+                self._retried(
+                    f"DeleteBlob {key} (If-Match)",
+                    lambda: blob.delete_blob(
+                        etag=info.etag, match_condition=MatchConditions.IfNotModified
+                    ),
+                )
+
+    def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
+        """Blobs that hold uncommitted blocks of ours and no content: the names a listing
+        with ``uncommittedblobs`` has and a plain listing has not; each one's block list says
+        which uploads it holds and when each began."""
+        full = self._full(prefix)
+        plain = self._pages("ListBlobs", {"name_starts_with": full})
+        committed = next(plain, None)
+        for item in self._pages(
+            "ListBlobs (uncommitted)", {"name_starts_with": full, "include": ["uncommittedblobs"]}
+        ):
+            while committed is not None and committed.name < item.name:
+                committed = next(plain, None)
+            if committed is not None and committed.name == item.name:
+                continue
+            key = self._relative(item.name)
+            try:
+                has_content, blocks = self._blocks(key)
+            except ObjectNotFoundError:
+                continue  # committed or freed meanwhile
+            if has_content:
+                continue
+            uploads: dict[str, float] = {}
+            for block in blocks:
+                uploads[block.upload_id] = min(uploads.get(block.upload_id, block.staged),
+                                               block.staged)  # fmt: skip
+            for upload_id, initiated in sorted(uploads.items(), key=lambda u: u[1]):
+                yield UploadInfo(key=key, upload_id=upload_id, initiated=initiated)
+
+    def upload_progress(self, upload: UploadInfo) -> UploadProgress:
+        try:
+            has_content, blocks = self._blocks(upload.key)
+        except ObjectNotFoundError:
+            has_content, blocks = False, []
+        ours = [block for block in blocks if block.upload_id == upload.upload_id]
+        if has_content or not ours:
+            raise ObjectNotFoundError(
+                errno.ENOENT, f"{self.url}/{upload.key}: upload {upload.upload_id} is gone"
+            )
+        return UploadProgress(
+            last_activity=max(block.staged for block in ours),
+            size=sum(block.size for block in ours),
+            parts=len({block.part_number for block in ours}),
+        )
+
+    def bucket_versioning(self) -> str:
+        """Never on: ckptstore does not use Azure blob versioning (docs/backends/azure.md)."""
+        return ""
+
+
+# -- opening: URL, credentials, client -------------------------------------------------------
+
+_readers: dict[int, ThreadPoolExecutor] = {}
+_readers_lock = threading.Lock()
+_clients: dict[tuple[tuple[str, str], ...], tuple[BlobServiceClient, ServerClock]] = {}
+_clients_lock = threading.Lock()
+_FINGERPRINT_KEY = secrets.token_bytes(32)
+
+
+def _fingerprint(option: str, value: object) -> str:
+    """``value``, or for a credential a keyed hash of it: no secret is kept as a cache key."""
+    if option not in CREDENTIAL_OPTIONS:
+        return str(value)
+    if option == "credential" and not isinstance(value, str):
+        return f"object:{id(value)}"
+    return hmac.new(_FINGERPRINT_KEY, str(value).encode(), hashlib.sha256).hexdigest()
+
+
+def make_client(options: Mapping[str, object]) -> tuple[BlobServiceClient, ServerClock]:
+    """A BlobServiceClient (and the clock its answers feed) shared by stores opened with the
+    same options. The SDK's own retries are off: ckptstore retries only what is safe."""
+    key = tuple(
+        sorted((k, _fingerprint(k, v)) for k, v in options.items() if k in _CLIENT_OPTIONS and v)
+    )
+    with _clients_lock:
+        made = _clients.get(key)
+        if made is None:
+            made = _clients[key] = _new_client(options)
+        return made
+
+
+def _new_client(options: Mapping[str, object]) -> tuple[BlobServiceClient, ServerClock]:
+    import requests
+    from azure.core.pipeline.transport import RequestsTransport
+
+    clock = ServerClock()
+    session = requests.Session()
+    pool = option_int(options, "concurrency", 8, minimum=1) + POOL_HEADROOM
+    adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=pool)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    transport = RequestsTransport(
+        session=session,
+        session_owner=False,
+        connection_timeout=option_int(options, "connect_timeout", 5, minimum=1),
+        read_timeout=option_int(options, "read_timeout", 60, minimum=1),
+        # azure-core reads bodies in pieces of this size (its own default is 4 KiB, the
+        # storage SDK's 256 KiB): 4 KiB pieces cost a 8 MiB range 2,048 Python iterations.
+        connection_data_block_size=BODY_PIECE,
+    )
+    settings: dict[str, Any] = {
+        "transport": transport,
+        "retry_total": 0,  # a resent conditional write could come back as a refusal of our own
+        "raw_response_hook": clock.observe,
+        "max_single_put_size": MAX_SINGLE_PUT,
+        "max_single_get_size": READ_PIECE,
+        "max_chunk_get_size": READ_PIECE,
+    }
+    endpoint, credential = _endpoint_and_credential(options)
+    try:
+        if isinstance(credential, _ConnectionString):
+            if endpoint:
+                settings["account_url"] = endpoint
+            client = BlobServiceClient.from_connection_string(credential.value, **settings)
+        else:
+            client = BlobServiceClient(endpoint, credential=credential, **settings)
+    except ValueError as exc:  # a malformed connection string, endpoint or key
+        raise InvalidOptionError(f"az:// client options: {exc}") from exc
+    return client, clock
+
+
+@dataclass(frozen=True)
+class _ConnectionString:
+    value: str
+
+
+def _endpoint_and_credential(options: Mapping[str, object]) -> tuple[str, Any]:
+    """The blob endpoint and the credential, from options first, then the environment, then
+    DefaultAzureCredential (azure-identity) when installed."""
+    endpoint = str(options.get("endpoint_url") or "")
+    account = str(options.get("account_name") or os.environ.get("AZURE_STORAGE_ACCOUNT") or "")
+    if options.get("connection_string"):
+        return endpoint, _ConnectionString(str(options["connection_string"]))
+    if not endpoint and not account:
+        if os.environ.get("AZURE_STORAGE_CONNECTION_STRING"):
+            return "", _ConnectionString(os.environ["AZURE_STORAGE_CONNECTION_STRING"])
+        raise InvalidOptionError(
+            "az://: no storage account: name it in the URL (az://container@account.blob.core."
+            "windows.net/prefix), or pass account_name, endpoint_url or connection_string (or "
+            "set AZURE_STORAGE_ACCOUNT or AZURE_STORAGE_CONNECTION_STRING)"
+        )
+    if endpoint and not account:
+        account = _account_of_endpoint(endpoint)
+    endpoint = endpoint or f"https://{account}.blob.core.windows.net"
+    if options.get("credential") is not None:
+        return endpoint, options["credential"]
+    if options.get("account_key"):
+        return endpoint, {"account_name": account, "account_key": str(options["account_key"])}
+    if options.get("sas_token"):
+        return endpoint, str(options["sas_token"]).lstrip("?")
+    if os.environ.get("AZURE_STORAGE_KEY") and account:
+        return endpoint, {"account_name": account, "account_key": os.environ["AZURE_STORAGE_KEY"]}
+    if os.environ.get("AZURE_STORAGE_SAS_TOKEN"):
+        return endpoint, os.environ["AZURE_STORAGE_SAS_TOKEN"].lstrip("?")
+    if os.environ.get("AZURE_STORAGE_CONNECTION_STRING") and not options.get("account_name"):
+        return endpoint if options.get("endpoint_url") else "", _ConnectionString(
+            os.environ["AZURE_STORAGE_CONNECTION_STRING"]
+        )
+    try:
+        from azure.identity import DefaultAzureCredential
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "az://: no credentials given (connection_string, account_key or sas_token, or "
+            "AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_KEY / AZURE_STORAGE_SAS_TOKEN), "
+            "and DefaultAzureCredential needs azure-identity: pip install azure-identity"
+        ) from exc
+    return endpoint, DefaultAzureCredential()
+
+
+def _account_of_endpoint(endpoint: str) -> str:
+    """The account of an endpoint: its host's first label, or an emulator's first path part."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(endpoint)
+    match = _HOST_RE.fullmatch(parts.hostname or "")
+    if match:
+        return match["account"]
+    return parts.path.strip("/").split("/", 1)[0]
+
+
+def parse_location(url: StoreURL) -> tuple[str, str, str | None, str | None]:
+    """Container, prefix, and (from ``container@host``) account and endpoint of an az:// URL.
+
+    Accepts ``az://container/prefix`` and the forms of other tools:
+    ``abfs[s]://container@account.dfs.core.windows.net/prefix`` and
+    ``az://container@account.blob.core.windows.net/prefix`` (the blob API serves both).
+    """
+    container, at, host = url.netloc.partition("@")
+    account = endpoint = None
+    if at:
+        if ":" in container:
+            raise InvalidURLError(f"{url.raw}: credentials do not belong in a URL")
+        match = _HOST_RE.fullmatch(host.lower())
+        if match is not None:
+            account = match["account"]
+            endpoint = f"https://{account}.blob.{match['suffix']}"
+        elif _ACCOUNT_RE.fullmatch(host):
+            account = host
+        else:
+            raise InvalidURLError(
+                f"{url.raw}: {host!r} is not an Azure storage host (expected "
+                f"<account>.blob.core.windows.net or <account>.dfs.core.windows.net)"
+            )
+        if not _ACCOUNT_RE.fullmatch(account):
+            raise InvalidURLError(f"{url.raw}: {account!r} is not a valid storage account name")
+    if not _CONTAINER_RE.fullmatch(container) and container != "$root":
+        raise InvalidURLError(
+            f"{url.raw}: {container!r} is not a valid Azure container name (3-63 lowercase "
+            f"letters, digits and single hyphens)"
+        )
+    return container, url.path.strip("/"), account, endpoint
+
+
+def open_azure(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:
+    """Open an ``az://container/prefix`` store (also ``abfs[s]://container@account...``):
+    AzureBlobDriver + ConditionalPutCommit."""
+    leaked = sorted(set(url.query) & set(CREDENTIAL_OPTIONS))
+    if leaked:
+        raise InvalidOptionError(
+            f"credentials ({', '.join(leaked)}) do not belong in a URL, where they end up in "
+            f"logs; pass them as keyword arguments or through the environment"
+        )
+    url.reject_unknown(options, allowed=URL_OPTIONS + CREDENTIAL_OPTIONS)
+    container, prefix, account, endpoint = parse_location(url)
+    merged = dict(options)
+    if account is not None:
+        given = options.get("account_name")
+        if given and str(given) != account:
+            raise InvalidOptionError(
+                f"{url.raw}: the URL names account {account!r}, account_name says {given!r}"
+            )
+        merged["account_name"] = account
+        if endpoint and not options.get("endpoint_url"):
+            merged["endpoint_url"] = endpoint
+    client, clock = make_client(merged)
+    concurrency = option_int(options, "concurrency", 8, minimum=1)
+    min_part_size = option_int(options, "min_part_size", 1, minimum=1)
+    driver = AzureBlobDriver(
+        client.get_container_client(container),
+        container,
+        prefix,
+        url=f"{url.scheme}://{url.netloc}/{prefix}".rstrip("/"),
+        identity=f"{client.url.rstrip('/')}/{container}",
+        clock=clock,
+        min_part_size=min_part_size,
+        checksums=option_bool(options, "checksums", True),
+        max_attempts=option_int(options, "max_attempts", 6, minimum=1),
+        read_concurrency=concurrency,
+    )
+    part_size = option_int(options, "part_size", max(DEFAULT_PART_SIZE, min_part_size), minimum=1)
+    return ConditionalPutCommit(driver, part_size=part_size, concurrency=concurrency)
