@@ -15,6 +15,7 @@ from ckptstore.backends.lustre import LustreStripingWarning
 from ckptstore.backends.memory import MemoryDriver, drop_bucket
 from ckptstore.store import Store
 from ckptstore.tools.embedded import EmbeddedS3, embedded_moto, embedded_seaweedfs
+from ckptstore.tools.embedded_gcs import EmbeddedGCS, embedded_fake_gcs
 
 _counter = itertools.count()
 
@@ -206,6 +207,13 @@ class S3Backend(BackendUnderTest):
 def moto_s3() -> Iterator[EmbeddedS3]:
     """moto's S3 server on 127.0.0.1 for the whole session."""
     with embedded_moto() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def fake_gcs() -> Iterator[EmbeddedGCS]:
+    """fake-gcs-server on 127.0.0.1 (in memory, HTTP) for the whole session."""
+    with embedded_fake_gcs() as server:
         yield server
 
 
