@@ -17,6 +17,10 @@ from ckptstore.store import Store
 from ckptstore.tools.embedded import EmbeddedS3, embedded_moto, embedded_seaweedfs
 from ckptstore.tools.embedded_gcs import EmbeddedGCS, embedded_fake_gcs
 
+# gcsfs reads this when imported: its default (true) probes every bucket over gRPC, which an
+# emulator never answers (60 s per call). Set before any test imports gcsfs.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 _counter = itertools.count()
 
 
@@ -252,7 +256,35 @@ class VersionedS3Backend(S3Backend):
         )
 
 
-@pytest.fixture(params=["file", "lustre", "memory", "memory+versioned", "s3", "s3+versioned"])
+def fsspec_s3_url(server: EmbeddedS3, prefix: str, **query: object) -> str:
+    """An ``fsspec+s3://`` URL (s3fs) in this server's bucket; credentials go as options."""
+    params = {"endpoint_url": server.endpoint_url, "min_part_size": server.min_part_size, **query}
+    text = "&".join(f"{k}={v}" for k, v in params.items())
+    return f"fsspec+s3://{server.bucket}/{prefix.strip('/')}?{text}"
+
+
+def fsspec_s3_options(server: EmbeddedS3) -> dict[str, Any]:
+    """s3fs's own names for the server's credentials."""
+    return {"key": server.access_key, "secret": server.secret_key}
+
+
+class FsspecS3Backend(S3Backend):
+    """``fsspec+s3://``: the same bucket and layout as ``s3://``, through s3fs."""
+
+    name = "fsspec+s3"
+
+    def __init__(self, tmp_path: Any, server: EmbeddedS3) -> None:
+        super().__init__(tmp_path, server)
+        part = max(server.min_part_size, 65536)
+        self.url = fsspec_s3_url(server, self.prefix, part_size=part, concurrency=3)
+
+    def open(self, **options: Any) -> Store:
+        return ckptstore.open(self.url, **{**fsspec_s3_options(self.server), **options})
+
+
+@pytest.fixture(
+    params=["file", "lustre", "memory", "memory+versioned", "s3", "s3+versioned", "fsspec+s3"]
+)
 def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUnderTest]:
     """One fresh store location per test, on each backend in turn (s3: the moto server)."""
     made: BackendUnderTest
@@ -266,6 +298,8 @@ def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUn
         made = VersionedMemoryBackend(tmp_path)
     elif request.param == "s3":
         made = S3Backend(tmp_path, request.getfixturevalue("moto_s3"))
+    elif request.param == "fsspec+s3":
+        made = FsspecS3Backend(tmp_path, request.getfixturevalue("moto_s3"))
     else:
         made = VersionedS3Backend(tmp_path, request.getfixturevalue("moto_s3"))
     yield made
