@@ -16,6 +16,7 @@ from ckptstore.backends.memory import MemoryDriver, drop_bucket
 from ckptstore.store import Store
 from ckptstore.tools.embedded import EmbeddedS3, embedded_moto, embedded_seaweedfs
 from ckptstore.tools.embedded_gcs import EmbeddedGCS, embedded_fake_gcs
+from ckptstore.tools.embedded_azure import EmbeddedAzure, embedded_azurite
 
 # gcsfs reads this when imported: its default (true) probes every bucket over gRPC, which an
 # emulator never answers (60 s per call). Set before any test imports gcsfs.
@@ -225,6 +226,13 @@ def fake_gcs() -> Iterator[EmbeddedGCS]:
 def seaweedfs_s3() -> Iterator[EmbeddedS3]:
     """A SeaweedFS server on 127.0.0.1 for the whole session."""
     with embedded_seaweedfs() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[EmbeddedAzure]:
+    """Azurite's blob service on 127.0.0.1 for the whole session."""
+    with embedded_azurite() as server:
         yield server
 
 
