@@ -15,8 +15,8 @@ from ckptstore.backends.lustre import LustreStripingWarning
 from ckptstore.backends.memory import MemoryDriver, drop_bucket
 from ckptstore.store import Store
 from ckptstore.tools.embedded import EmbeddedS3, embedded_moto, embedded_seaweedfs
-from ckptstore.tools.embedded_gcs import EmbeddedGCS, embedded_fake_gcs
 from ckptstore.tools.embedded_azure import EmbeddedAzure, embedded_azurite
+from ckptstore.tools.embedded_gcs import EmbeddedGCS, embedded_fake_gcs
 
 # gcsfs reads this when imported: its default (true) probes every bucket over gRPC, which an
 # emulator never answers (60 s per call). Set before any test imports gcsfs.

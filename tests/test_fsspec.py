@@ -36,6 +36,7 @@ from ckptstore.errors import (
     UnknownSchemeError,
 )
 from ckptstore.tools.embedded import EmbeddedS3
+from ckptstore.tools.embedded_azure import EmbeddedAzure
 from ckptstore.tools.embedded_gcs import EmbeddedGCS
 
 MiB = 1024 * 1024
@@ -160,6 +161,58 @@ def test_conformance_holds_on_fsspec_gcs(fake_gcs: EmbeddedGCS) -> None:
     assert all(r.status == "held" for r in report.invariants.values()), text
     declared = {p.capability for p in report.capabilities if p.declared}
     assert declared == {"conditional-create", "strong-list-after-write"}
+
+
+@pytest.mark.slow  # minutes: every crash point, over HTTP
+def test_conformance_holds_on_fsspec_abfs(azurite: EmbeddedAzure) -> None:
+    started = time.monotonic()
+    url = f"fsspec+abfs://{azurite.container}/fsspec-conformance-{os.getpid()}?part_size=4096"
+    report = run_backend(url, options=_abfs_options(azurite), profile="ci")
+    text = render_text([report])
+    print(f"fsspec+abfs (adlfs on Azurite) conformance: "
+          f"{time.monotonic() - started:.0f} s\n{text}")  # fmt: skip
+    assert not report.storage_errors, text
+    assert report.ok, text
+    assert all(r.status == "held" for r in report.invariants.values()), text
+    declared = {p.capability for p in report.capabilities if p.declared}
+    assert declared == {"conditional-create", "strong-list-after-write"}
+
+
+def _abfs_options(azurite: EmbeddedAzure) -> dict[str, Any]:
+    return {"connection_string": azurite.connection_string}
+
+
+def test_fsspec_gcs_and_abfs_save_stream_and_refuse_a_second_publish(
+    fake_gcs: EmbeddedGCS, azurite: EmbeddedAzure
+) -> None:
+    gcs = (f"fsspec+gcs://{fake_gcs.bucket}/fsspec-{os.getpid()}"
+           f"?endpoint_url={fake_gcs.endpoint_url}&part_size=65536")  # fmt: skip
+    abfs = f"fsspec+abfs://{azurite.container}/fsspec-{os.getpid()}?part_size=65536"
+    for url, options in ((gcs, {"token": "anon"}), (abfs, _abfs_options(azurite))):
+        store = ckptstore.open(url, **options)
+        big = bytes(range(256)) * 1200  # five parts, streamed through fs.open(key, "wb")
+        store.save(1, {"big.bin": big, "empty.bin": b""})
+        with pytest.raises(ckptstore.CheckpointExistsError):
+            store.save(1, {"big.bin": b"other"})
+        assert store.latest().read("big.bin") == big
+        assert Capability.MULTIPART not in store.strategy.capabilities
+
+
+def test_fsspec_abfs_bad_container_and_credentials(azurite: EmbeddedAzure) -> None:
+    missing = "fsspec+abfs://no-such-container/x"
+    with pytest.raises(StoreNotFoundError, match="'no-such-container' does not exist"):
+        ckptstore.open(missing, **_abfs_options(azurite))
+    wrong = azurite.connection_string.replace(azurite.account_key, "A" * 86 + "==")
+    started = time.monotonic()
+    with pytest.raises(StorageAccessDeniedError, match="credentials"):
+        ckptstore.open(f"fsspec+abfs://{azurite.container}/x", connection_string=wrong)
+    assert time.monotonic() - started < 10
+
+
+def test_fsspec_gcs_missing_bucket(fake_gcs: EmbeddedGCS) -> None:
+    url = f"fsspec+gcs://no-such-bucket-here/x?endpoint_url={fake_gcs.endpoint_url}"
+    with pytest.raises(StoreNotFoundError, match="'no-such-bucket-here' does not exist"):
+        ckptstore.open(url, token="anon")
 
 
 WRITER = textwrap.dedent(

@@ -153,8 +153,6 @@ class FsspecDriver(ObjectStoreDriver):
             wait=wait_exponential(multiplier=0.05, max=2.0) + wait_random(0, 0.1),
             reraise=True,
         )
-        self._streams: dict[str, _Stream] = {}
-        self._streams_lock = threading.Lock()
         capabilities = {Capability.STRONG_LIST_AFTER_WRITE}
         if atomic_create or unsafe:
             capabilities.add(Capability.CONDITIONAL_CREATE)
@@ -212,6 +210,10 @@ class FsspecDriver(ObjectStoreDriver):
         else:
             target = self.bucket
             check = lambda: bool(self.fs.exists(target))  # noqa: E731
+            try:  # first: exists() answers False (s3fs, gcsfs) or True with a warning (adlfs)
+                self._retried(f"info {self.root}", lambda: self.fs.info(self.root))  # on denial
+            except ObjectNotFoundError:
+                pass  # an empty store, or no bucket: exists() tells
         try:
             found = self._retried(f"checking {target}", check)
         except ObjectNotFoundError:
@@ -290,6 +292,8 @@ class FsspecDriver(ObjectStoreDriver):
             return self._info(key, {**answer, "size": answer.get("ContentLength", 0)})
         details = self._retried(f"info {key}", lambda: self.fs.info(path))
         if details.get("type") == "directory":
+            if key.endswith("/"):  # gcsfs and adlfs show a marker object "x/" as a directory
+                return ObjectInfo(key, 0, "", _timestamp(details.get("updated")))
             raise ObjectNotFoundError(errno.ENOENT, f"{self.url}/{key}: a directory, no object")
         return self._info(key, details)
 
@@ -369,19 +373,25 @@ class FsspecDriver(ObjectStoreDriver):
         kwargs = {"metadata": dict(metadata)} if metadata else {}
         handle = self._once(f"opening {key} for writing", lambda: self.fs.open(path, "wb",
                                                                              **kwargs))  # fmt: skip
-        stream = _Stream(key, handle, time.time())
-        with self._streams_lock:
-            self._streams[stream.upload_id] = stream
+        if isinstance(handle, AbstractBufferedFile):
+            handle._unclosable = True  # noqa: SLF001  only complete_multipart commits it
+        stream = _Stream(self._where(path), handle, time.time())
+        with _STREAMS_LOCK:
+            _STREAMS[stream.upload_id] = stream
         return stream.upload_id
+
+    def _where(self, path: str) -> str:
+        """A stream's place among this process's streams: implementation, endpoint, path."""
+        return f"{self.implementation}|{self.endpoint}|{path}"
 
     def _s3_args(self, key: str, upload_id: str) -> dict[str, Any]:
         bucket, _, full = self._path(key).lstrip("/").partition("/")
         return {"Bucket": bucket, "Key": full, "UploadId": upload_id}
 
     def _stream(self, key: str, upload_id: str) -> _Stream:
-        with self._streams_lock:
-            stream = self._streams.get(upload_id)
-        if stream is None or stream.key != key:
+        with _STREAMS_LOCK:
+            stream = _STREAMS.get(upload_id)
+        if stream is None or stream.where != self._where(self._path(key)):
             raise ObjectNotFoundError(
                 errno.ENOENT, f"{self.url}/{key}: no upload {upload_id} in this process"
             )
@@ -438,8 +448,9 @@ class FsspecDriver(ObjectStoreDriver):
         stream = self._stream(key, upload_id)
         if [p.part_number for p in parts] != list(range(1, stream.parts + 1)):
             raise InvalidInputError(f"{self.url}/{key}: the parts are not the ones written")
-        with self._streams_lock:
-            self._streams.pop(upload_id, None)
+        with _STREAMS_LOCK:
+            _STREAMS.pop(upload_id, None)
+        stream.handle._unclosable = False  # noqa: SLF001
         self._once(f"closing {key}", stream.handle.close)
         return self.head(key)
 
@@ -452,17 +463,18 @@ class FsspecDriver(ObjectStoreDriver):
             )
             return
         stream = self._stream(key, upload_id)
-        with self._streams_lock:
-            self._streams.pop(upload_id, None)
+        with _STREAMS_LOCK:
+            _STREAMS.pop(upload_id, None)
         self._once(f"abandoning the write of {key}", lambda: _discard(self.fs, stream))
 
     def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
         if not self.s3_multipart:
-            with self._streams_lock:
-                streams = sorted(self._streams.values(), key=lambda s: s.key)
-            for stream in streams:
-                if stream.key.startswith(prefix):
-                    yield UploadInfo(stream.key, stream.upload_id, stream.started)
+            start = self._where(self._path(prefix))
+            with _STREAMS_LOCK:
+                mine = sorted((s.where, s) for s in _STREAMS.values() if s.where.startswith(start))
+            for where, stream in mine:
+                key = where[len(self._where(self._path(""))) :]
+                yield UploadInfo(key, stream.upload_id, stream.started)
             return
         bucket, _, full = self._path(prefix).lstrip("/").partition("/")
         args: dict[str, Any] = {"Bucket": bucket, "Prefix": full}
@@ -501,15 +513,15 @@ class FsspecDriver(ObjectStoreDriver):
 
 
 class _Stream:
-    """One shard being streamed through ``fs.open(key, "wb")`` by this process."""
+    """One shard being streamed through ``fs.open(key, "wb")`` by this process: an "upload"
+    that every driver of the process over the same storage sees (GC after a writer failed)."""
 
     _ids = iter(range(1, 1 << 62))
-    _ids_lock = threading.Lock()
 
-    def __init__(self, key: str, handle: Any, started: float) -> None:
-        with self._ids_lock:
+    def __init__(self, where: str, handle: Any, started: float) -> None:
+        with _STREAMS_LOCK:
             self.upload_id = f"stream-{next(self._ids)}-{id(handle):x}"
-        self.key = key
+        self.where = where
         self.handle = handle
         self.started = started
         self.last_activity = started
@@ -518,12 +530,17 @@ class _Stream:
         self.lock = threading.Lock()
 
 
+_STREAMS: dict[str, _Stream] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
 def _discard(fs: Any, stream: _Stream) -> None:
     """Abandon a stream without publishing its bytes: a buffered file's ``discard`` (an aborted
     upload, dropped blocks), never its close (which would commit them); a file written in place
     (local) is closed and removed."""
     handle = stream.handle
     if isinstance(handle, AbstractBufferedFile):
+        handle._unclosable = False  # noqa: SLF001
         handle.discard()
         handle.closed = True  # never committed, not even by its __del__
         return
