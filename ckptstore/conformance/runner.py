@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
 import os
 import secrets
@@ -94,7 +95,19 @@ def embedded_targets() -> Iterator[list[Target]]:
             versioned = s3.versioned_bucket(f"{s3.bucket}-versioned")
             url = versioned.url(run, scheme="s3+versioned", part_size=part, concurrency=1)
             targets.append(Target(url, versioned.options))
+            targets.extend(_fsspec_s3_target(s3, run, part))
         yield targets
+
+
+def _fsspec_s3_target(s3: Any, run: str, part: int) -> list[Target]:
+    """``fsspec+s3://`` (s3fs) on the embedded S3 server, where s3fs is installed."""
+    if importlib.util.find_spec("s3fs") is None:
+        log.warning("s3fs is not installed: skipping fsspec+s3:// (pip install 'ckptstore[fsspec]' "
+                    "s3fs)")  # fmt: skip
+        return []
+    url = (f"fsspec+s3://{s3.bucket}/{run}-fsspec?endpoint_url={s3.endpoint_url}"
+           f"&min_part_size={s3.min_part_size}&part_size={part}&concurrency=1")  # fmt: skip
+    return [Target(url, {"key": s3.access_key, "secret": s3.secret_key})]
 
 
 def run_backend(
