@@ -290,9 +290,49 @@ class FsspecS3Backend(S3Backend):
         return ckptstore.open(self.url, **{**fsspec_s3_options(self.server), **options})
 
 
+class FsspecBackend(BackendUnderTest):
+    """``fsspec+gcs://`` (gcsfs on fake-gcs-server) or ``fsspec+abfs://`` (adlfs on Azurite):
+    damage and inspection through the implementation's own file system, raw."""
+
+    def __init__(
+        self, tmp_path: Any, name: str, location: str, query: str = "", **options: Any
+    ) -> None:
+        super().__init__(tmp_path)
+        self.name = name
+        self.prefix = f"runs/test-{os.getpid()}-{next(_counter)}"
+        self.url = f"{location}/{self.prefix}?part_size=65536{query}"
+        self.options = options
+        driver = self.open().strategy.driver
+        self.fs, self.root = driver.fs, driver.root  # type: ignore[attr-defined]
+
+    def open(self, **options: Any) -> Store:
+        return ckptstore.open(self.url, **{**self.options, **options})
+
+    def raw_names(self) -> list[str]:
+        return sorted(path[len(self.root) + 1 :] for path in self.fs.find(self.root))
+
+    def _rewrite(self, key: str, edit: Callable[[bytes], bytes]) -> None:
+        path = f"{self.root}/{key}"
+        self.fs.pipe_file(path, edit(self.fs.cat_file(path)))
+
+    def rewrite_shard(self, store: Store, step: int, name: str, edit: Callable[[bytes], bytes]):
+        record = store.strategy.read_manifest(step).shard(name)
+        assert record is not None
+        self._rewrite(record.locator["key"], edit)
+
+    def rewrite_manifest(self, store: Store, step: int, edit: Callable[[bytes], bytes]) -> None:
+        self._rewrite(f"manifests/step-{step:020d}.json", edit)
+
+    def remove_shard(self, store: Store, step: int, name: str) -> None:
+        record = store.strategy.read_manifest(step).shard(name)
+        assert record is not None
+        self.fs.rm_file(f"{self.root}/{record.locator['key']}")
+
+
 @pytest.fixture(
-    params=["file", "lustre", "memory", "memory+versioned", "s3", "s3+versioned", "fsspec+s3"]
-)
+    params=["file", "lustre", "memory", "memory+versioned", "s3", "s3+versioned", "fsspec+s3",
+            "fsspec+gcs", "fsspec+abfs"]
+)  # fmt: skip
 def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUnderTest]:
     """One fresh store location per test, on each backend in turn (s3: the moto server)."""
     made: BackendUnderTest
@@ -308,6 +348,15 @@ def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUn
         made = S3Backend(tmp_path, request.getfixturevalue("moto_s3"))
     elif request.param == "fsspec+s3":
         made = FsspecS3Backend(tmp_path, request.getfixturevalue("moto_s3"))
+    elif request.param == "fsspec+gcs":
+        gcs: EmbeddedGCS = request.getfixturevalue("fake_gcs")
+        query = f"&endpoint_url={gcs.endpoint_url}"
+        made = FsspecBackend(tmp_path, "fsspec+gcs", f"fsspec+gcs://{gcs.bucket}", query,
+                             token="anon")  # fmt: skip
+    elif request.param == "fsspec+abfs":
+        azure: EmbeddedAzure = request.getfixturevalue("azurite")
+        made = FsspecBackend(tmp_path, "fsspec+abfs", f"fsspec+abfs://{azure.container}",
+                             connection_string=azure.connection_string)  # fmt: skip
     else:
         made = VersionedS3Backend(tmp_path, request.getfixturevalue("moto_s3"))
     yield made
