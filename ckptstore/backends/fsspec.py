@@ -74,7 +74,7 @@ T = TypeVar("T")
 SCHEME_PREFIX = "fsspec+"
 INSTALL_HINT = "pip install 'ckptstore[fsspec]'"
 ATOMIC_CREATE: Mapping[str, str] = {
-    "s3fs.core.S3FileSystem": "PutObject If-None-Match: * (s3fs)",
+    "s3fs.core.S3FileSystem": "PutObject If-None-Match: * (s3fs)",  # S3FS
     "gcsfs.core.GCSFileSystem": "upload with ifGenerationMatch=0 (gcsfs)",
     # gcsfs's default class since 2026 (GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT): standard buckets
     # go to GCSFileSystem's upload; zonal buckets overwrite, which the open-time probe refuses.
@@ -83,8 +83,8 @@ ATOMIC_CREATE: Mapping[str, str] = {
 }
 """Implementations whose ``pipe_file(mode="create")`` is one conditional request, by their
 source: the check and the write are the storage's single operation."""
-_S3_MULTIPART = "s3fs.core.S3FileSystem"
-S3_MIN_PART_SIZE = 5 * 1024 * 1024
+S3FS = "s3fs.core.S3FileSystem"
+"""The one implementation with S3's multipart calls (``call_s3``): driven by ``S3fsDriver``."""
 UNSAFE_OPTION = "unsafe_non_atomic_create"
 CKPTSTORE_OPTIONS = ("part_size", "min_part_size", "concurrency", "max_attempts", UNSAFE_OPTION)
 SECRET_OPTIONS = frozenset(
@@ -99,7 +99,8 @@ def implementation_name(fs: Any) -> str:
     return f"{type(fs).__module__}.{type(fs).__qualname__}"
 
 
-def _timestamp(value: Any) -> float:
+def object_time(value: Any) -> float:
+    """Seconds since the epoch of a time as implementations give it (datetime, number, ISO)."""
     if isinstance(value, datetime):
         return value.timestamp()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -116,13 +117,16 @@ class FsspecDriver(ObjectStoreDriver):
     """Object-store primitives under one root of an fsspec file system.
 
     ``atomic_create``: ``pipe_file(mode="create")`` is a single conditional request on this
-    implementation (or the user took the risk: ``unsafe``). ``writable`` False refuses every
-    write with ``refusal``. On s3fs, multipart calls are S3's own (``call_s3``); elsewhere an
-    "upload" is one stream through ``fs.open(key, "wb")`` held by this process, its parts
-    written in order.
+    implementation (or the user took the risk: ``unsafe``); without either, every write is
+    refused with ``refusal``. An "upload" is one stream through ``fs.open(key, "wb")`` held by
+    this process, its parts written in order (s3fs has S3's own: ``S3fsDriver``).
     """
 
     max_parts = 10_000
+    default_min_part_size = 1
+    extra_capabilities: frozenset[Capability] = frozenset()
+    metadata_argument = "metadata"
+    """The name under which ``pipe_file`` and ``open`` take user metadata."""
 
     def __init__(
         self,
@@ -142,11 +146,10 @@ class FsspecDriver(ObjectStoreDriver):
         self.endpoint = endpoint
         self.bucket = self.root.lstrip("/").split("/", 1)[0]
         self.implementation = implementation_name(fs)
-        self.s3_multipart = self.implementation == _S3_MULTIPART
         self.atomic_create = atomic_create
         self.unsafe = unsafe and not atomic_create
         self.refusal = None if atomic_create or unsafe else _refusal(url, self.implementation)
-        self.min_part_size = min_part_size or (S3_MIN_PART_SIZE if self.s3_multipart else 1)
+        self.min_part_size = min_part_size or self.default_min_part_size
         self._retrying = Retrying(
             retry=retry_if_exception_type(TransientStorageError),
             stop=stop_after_attempt(max_attempts),
@@ -156,9 +159,7 @@ class FsspecDriver(ObjectStoreDriver):
         capabilities = {Capability.STRONG_LIST_AFTER_WRITE}
         if atomic_create or unsafe:
             capabilities.add(Capability.CONDITIONAL_CREATE)
-        if self.s3_multipart:
-            capabilities.add(Capability.MULTIPART)
-        self.capabilities = frozenset(capabilities)
+        self.capabilities = frozenset(capabilities | self.extra_capabilities)
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -195,7 +196,7 @@ class FsspecDriver(ObjectStoreDriver):
             key=key,
             size=int(details.get("size") or details.get("Size") or 0),
             etag=str(etag),
-            last_modified=_timestamp(modified),
+            last_modified=object_time(modified),
             metadata=details.get("metadata") or details.get("Metadata"),
         )
 
@@ -204,23 +205,17 @@ class FsspecDriver(ObjectStoreDriver):
     def check_bucket(self) -> None:
         if not self.bucket or self.root.startswith("/"):
             return  # a local or memory root has no bucket: its directories come with writes
-        if self.s3_multipart:  # HeadBucket: s3fs.exists answers False for any error at all
-            target = self.bucket
-            check = lambda: bool(self.fs.call_s3("head_bucket", Bucket=target))  # noqa: E731
-        else:
-            target = self.bucket
-            check = lambda: bool(self.fs.exists(target))  # noqa: E731
-            try:  # first: exists() answers False (s3fs, gcsfs) or True with a warning (adlfs)
-                self._retried(f"info {self.root}", lambda: self.fs.info(self.root))  # on denial
-            except ObjectNotFoundError:
-                pass  # an empty store, or no bucket: exists() tells
-        try:
-            found = self._retried(f"checking {target}", check)
+        try:  # first: exists() answers False (gcsfs) or True with a warning (adlfs) on denial
+            self._retried(f"info {self.root}", lambda: self.fs.info(self.root))
         except ObjectNotFoundError:
-            found = False
+            pass  # an empty store, or no bucket: exists() tells
+        self._bucket_found(self._retried(f"checking {self.bucket}",
+                                         lambda: bool(self.fs.exists(self.bucket))))  # fmt: skip
+
+    def _bucket_found(self, found: bool) -> None:
         if not found:
             raise StoreNotFoundError(
-                f"{self.url}: {target!r} does not exist (ckptstore never creates buckets, "
+                f"{self.url}: {self.bucket!r} does not exist (ckptstore never creates buckets, "
                 f"containers or root directories; create it, or check the name and endpoint)"
             )
 
@@ -240,11 +235,7 @@ class FsspecDriver(ObjectStoreDriver):
                 f"updated conditionally"
             )
         body = bytes(data)
-        kwargs: dict[str, Any] = {}
-        if metadata and self.s3_multipart:
-            kwargs["Metadata"] = dict(metadata)
-        elif metadata:
-            kwargs["metadata"] = dict(metadata)
+        kwargs = {self.metadata_argument: dict(metadata)} if metadata else {}
         path = self._path(key)
         written: Any
         if mode.kind == "create":
@@ -279,21 +270,21 @@ class FsspecDriver(ObjectStoreDriver):
         path = self._path(key)
         what = f"reading {key}"
         handle = self._retried(what, lambda: self.fs.open(path, "rb"))
+        details = getattr(handle, "details", None)
+        if isinstance(details, Mapping) and (
+            details.get("type") == "directory" or details.get("size") is None
+        ):  # adlfs opens a prefix (keys below it, no object) as a file of no size
+            handle.close()
+            raise ObjectNotFoundError(errno.ENOENT, f"{self.url}/{key}: a directory, no object")
         return cast(BinaryIO, _TranslatingReader(handle, f"{what} {self.url}"))
 
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
         self._no_versions(version_id)
         path = self._path(key)
-        if self.s3_multipart:  # HeadObject itself: s3fs's info() drops the user metadata
-            bucket, _, full = path.lstrip("/").partition("/")
-            answer = self._retried(
-                f"HeadObject {key}", lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=full)
-            )
-            return self._info(key, {**answer, "size": answer.get("ContentLength", 0)})
         details = self._retried(f"info {key}", lambda: self.fs.info(path))
         if details.get("type") == "directory":
             if key.endswith("/"):  # gcsfs and adlfs show a marker object "x/" as a directory
-                return ObjectInfo(key, 0, "", _timestamp(details.get("updated")))
+                return ObjectInfo(key, 0, "", object_time(details.get("updated")))
             raise ObjectNotFoundError(errno.ENOENT, f"{self.url}/{key}: a directory, no object")
         return self._info(key, details)
 
@@ -309,9 +300,6 @@ class FsspecDriver(ObjectStoreDriver):
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
         """Every object under ``prefix`` in key order: one recursive ``find`` of the deepest
         directory the prefix names, filtered (a listing, trusted only to say what to look at)."""
-        if self.s3_multipart:
-            yield from self._list_s3(prefix, start_after)
-            return
         directory = prefix.rpartition("/")[0]
         base = self._path(directory) if directory else self.root
         found = self._retried(
@@ -322,27 +310,18 @@ class FsspecDriver(ObjectStoreDriver):
             if details.get("type") == "directory":
                 continue
             key = self._relative(path)
+            if not details.get("size") and not self._is_object(key):
+                key += "/"  # a marker "x/" listed as "x" (adlfs): never take it for "x"
             if key.startswith(prefix) and (start_after is None or key > start_after):
                 infos.append(self._info(key, details))
         yield from sorted(infos, key=lambda info: info.key)
 
-    def _list_s3(self, prefix: str, start_after: str | None) -> Iterator[ObjectInfo]:
-        """ListObjectsV2 itself: s3fs's find() shows a key ending in '/' (a directory marker
-        someone else made) as a directory, or not at all, where the protocol needs every key."""
-        bucket, _, full = self._path(prefix).lstrip("/").partition("/")
-        args: dict[str, Any] = {"Bucket": bucket, "Prefix": full}
-        if start_after is not None:
-            args["StartAfter"] = self._path(start_after).lstrip("/").partition("/")[2]
-        while True:
-            page = self._retried(
-                f"ListObjectsV2 {prefix}", lambda: self.fs.call_s3("list_objects_v2", **args)
-            )
-            for item in page.get("Contents", []):
-                key = self._relative(f"{bucket}/{item['Key']}")
-                yield self._info(key, {**item, "size": item.get("Size", 0)})
-            if not page.get("IsTruncated"):
-                return
-            args["ContinuationToken"] = page["NextContinuationToken"]
+    def _is_object(self, key: str) -> bool:
+        try:
+            self.head(key)
+        except ObjectNotFoundError:
+            return False
+        return True
 
     def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:
         yield from self.list(prefix)  # no versions: each object is its only version
@@ -355,22 +334,12 @@ class FsspecDriver(ObjectStoreDriver):
         if version_id is not None:
             raise InvalidInputError("fsspec+ stores keep no object versions to read or delete")
 
-    # -- multipart: S3's own on s3fs, one in-process stream elsewhere ---------------------
+    # -- uploads: one stream through fs.open(key, "wb") per shard, held by this process -----
 
     def create_multipart(self, key: str, *, metadata: Mapping[str, str] | None = None) -> str:
         self._writable(f"uploading {key}")
         path = self._path(key)
-        if self.s3_multipart:
-            bucket, _, full = path.lstrip("/").partition("/")
-            args: dict[str, Any] = {"Bucket": bucket, "Key": full}
-            if metadata:
-                args["Metadata"] = dict(metadata)
-            response = self._retried(
-                f"CreateMultipartUpload {key}",
-                lambda: self.fs.call_s3("create_multipart_upload", **args),
-            )
-            return str(response["UploadId"])
-        kwargs = {"metadata": dict(metadata)} if metadata else {}
+        kwargs = {self.metadata_argument: dict(metadata)} if metadata else {}
         handle = self._once(f"opening {key} for writing", lambda: self.fs.open(path, "wb",
                                                                              **kwargs))  # fmt: skip
         if isinstance(handle, AbstractBufferedFile):
@@ -384,10 +353,6 @@ class FsspecDriver(ObjectStoreDriver):
         """A stream's place among this process's streams: implementation, endpoint, path."""
         return f"{self.implementation}|{self.endpoint}|{path}"
 
-    def _s3_args(self, key: str, upload_id: str) -> dict[str, Any]:
-        bucket, _, full = self._path(key).lstrip("/").partition("/")
-        return {"Bucket": bucket, "Key": full, "UploadId": upload_id}
-
     def _stream(self, key: str, upload_id: str) -> _Stream:
         with _STREAMS_LOCK:
             stream = _STREAMS.get(upload_id)
@@ -398,13 +363,6 @@ class FsspecDriver(ObjectStoreDriver):
         return stream
 
     def upload_part(self, key: str, upload_id: str, part_number: int, data: Buffer) -> PartInfo:
-        if self.s3_multipart:
-            args = {**self._s3_args(key, upload_id), "PartNumber": part_number,
-                    "Body": bytes(data)}  # fmt: skip
-            response = self._retried(
-                f"UploadPart {key} #{part_number}", lambda: self.fs.call_s3("upload_part", **args)
-            )
-            return PartInfo(part_number, str(response["ETag"]), len(data))
         stream = self._stream(key, upload_id)
         with stream.lock:
             if part_number != stream.parts + 1:
@@ -427,19 +385,6 @@ class FsspecDriver(ObjectStoreDriver):
         mode: PutMode = PutMode.OVERWRITE,
     ) -> ObjectInfo:
         mode = multipart_mode(mode)
-        if self.s3_multipart:
-            args = self._s3_args(key, upload_id)
-            args["MultipartUpload"] = {
-                "Parts": [{"PartNumber": p.part_number, "ETag": p.etag} for p in parts]
-            }
-            if mode.kind == "create":
-                args["IfNoneMatch"] = "*"
-            self._once(
-                f"CompleteMultipartUpload {key}",
-                lambda: self.fs.call_s3("complete_multipart_upload", **args),
-                create=mode.kind == "create",
-            )
-            return self.head(key)
         if mode.kind == "create":
             raise CapabilityError(
                 f"{self.url}: a streamed write through fsspec cannot be completed "
@@ -455,61 +400,21 @@ class FsspecDriver(ObjectStoreDriver):
         return self.head(key)
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
-        if self.s3_multipart:
-            args = self._s3_args(key, upload_id)
-            self._retried(
-                f"AbortMultipartUpload {key}",
-                lambda: self.fs.call_s3("abort_multipart_upload", **args),
-            )
-            return
         stream = self._stream(key, upload_id)
         with _STREAMS_LOCK:
             _STREAMS.pop(upload_id, None)
         self._once(f"abandoning the write of {key}", lambda: _discard(self.fs, stream))
 
     def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
-        if not self.s3_multipart:
-            start = self._where(self._path(prefix))
-            with _STREAMS_LOCK:
-                mine = sorted((s.where, s) for s in _STREAMS.values() if s.where.startswith(start))
-            for where, stream in mine:
-                key = where[len(self._where(self._path(""))) :]
-                yield UploadInfo(key, stream.upload_id, stream.started)
-            return
-        bucket, _, full = self._path(prefix).lstrip("/").partition("/")
-        args: dict[str, Any] = {"Bucket": bucket, "Prefix": full}
-        while True:
-            page = self._retried(
-                "ListMultipartUploads", lambda: self.fs.call_s3("list_multipart_uploads", **args)
-            )
-            for upload in page.get("Uploads", []):
-                yield UploadInfo(
-                    key=self._relative(f"{bucket}/{upload['Key']}"),
-                    upload_id=str(upload["UploadId"]),
-                    initiated=_timestamp(upload.get("Initiated")),
-                )
-            if not page.get("IsTruncated"):
-                return
-            args["KeyMarker"] = page.get("NextKeyMarker", "")
-            args["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
+        start, root = self._where(self._path(prefix)), self._where(self._path(""))
+        with _STREAMS_LOCK:
+            mine = [stream for stream in _STREAMS.values() if stream.where.startswith(start)]
+        for stream in sorted(mine, key=lambda stream: stream.where):
+            yield UploadInfo(stream.where[len(root) :], stream.upload_id, stream.started)
 
     def upload_progress(self, upload: UploadInfo) -> UploadProgress:
-        if not self.s3_multipart:
-            stream = self._stream(upload.key, upload.upload_id)
-            return UploadProgress(stream.last_activity, stream.size, stream.parts)
-        args: dict[str, Any] = self._s3_args(upload.key, upload.upload_id)
-        newest, size, count = upload.initiated, 0, 0
-        while True:
-            page = self._retried(
-                f"ListParts {upload.key}", lambda: self.fs.call_s3("list_parts", **args)
-            )
-            for part in page.get("Parts", []):
-                newest = max(newest, _timestamp(part.get("LastModified")))
-                size += int(part.get("Size", 0))
-                count += 1
-            if not page.get("IsTruncated"):
-                return UploadProgress(last_activity=newest, size=size, parts=count)
-            args["PartNumberMarker"] = page.get("NextPartNumberMarker", 0)
+        stream = self._stream(upload.key, upload.upload_id)
+        return UploadProgress(stream.last_activity, stream.size, stream.parts)
 
 
 class _Stream:
@@ -712,7 +617,12 @@ def make_driver(url: StoreURL, options: Mapping[str, object]) -> FsspecDriver:
         log.warning("%s: %s: writing although create-if-absent is not atomic there", url.raw,
                     UNSAFE_OPTION)  # fmt: skip
     min_part = options.get("min_part_size")
-    return FsspecDriver(
+    driver_class = FsspecDriver
+    if implementation == S3FS:
+        from ckptstore.backends.fsspec_s3 import S3fsDriver
+
+        driver_class = S3fsDriver
+    return driver_class(
         fs,
         root,
         url=f"{url.scheme}://{location}",
