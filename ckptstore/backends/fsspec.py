@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import io
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -83,6 +84,7 @@ ATOMIC_CREATE: Mapping[str, str] = {
 }
 """Implementations whose ``pipe_file(mode="create")`` is one conditional request, by their
 source: the check and the write are the storage's single operation."""
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 S3FS = "s3fs.core.S3FileSystem"
 """The one implementation with S3's multipart calls (``call_s3``): driven by ``S3fsDriver``."""
 UNSAFE_OPTION = "unsafe_non_atomic_create"
@@ -126,6 +128,7 @@ class FsspecDriver(ObjectStoreDriver):
     default_min_part_size = 1
     extra_capabilities: frozenset[Capability] = frozenset()
     metadata_argument = "metadata"
+    names_keep_control_characters = False
     """The name under which ``pipe_file`` and ``open`` take user metadata."""
 
     def __init__(
@@ -163,8 +166,17 @@ class FsspecDriver(ObjectStoreDriver):
 
     # -- plumbing ------------------------------------------------------------------------
 
-    def _path(self, key: str) -> str:
-        return f"{self.root}/{key}"
+    def _path(self, key: str, *, writing: bool = False) -> str:
+        """The implementation's path of ``key``. A key with a control character has no object:
+        adlfs (and Azure) store "a\\n.json" as "a.json", so a write would land on another key."""
+        if self.names_keep_control_characters or not _CONTROL.search(key):
+            return f"{self.root}/{key}"
+        if writing:
+            raise InvalidInputError(
+                f"{self.url}: {key!r}: {self.implementation} does not keep control characters "
+                f"in names"
+            )
+        raise ObjectNotFoundError(errno.ENOENT, f"{self.url}/{key!r}: no such name here")
 
     def _relative(self, path: str) -> str:
         stripped = self.root.lstrip("/")
@@ -236,7 +248,7 @@ class FsspecDriver(ObjectStoreDriver):
             )
         body = bytes(data)
         kwargs = {self.metadata_argument: dict(metadata)} if metadata else {}
-        path = self._path(key)
+        path = self._path(key, writing=True)
         written: Any
         if mode.kind == "create":
             # One request, never retried here: the commit resolves a lost answer by reading
@@ -338,7 +350,7 @@ class FsspecDriver(ObjectStoreDriver):
 
     def create_multipart(self, key: str, *, metadata: Mapping[str, str] | None = None) -> str:
         self._writable(f"uploading {key}")
-        path = self._path(key)
+        path = self._path(key, writing=True)
         kwargs = {self.metadata_argument: dict(metadata)} if metadata else {}
         handle = self._once(f"opening {key} for writing", lambda: self.fs.open(path, "wb",
                                                                              **kwargs))  # fmt: skip

@@ -38,6 +38,7 @@ class S3fsDriver(FsspecDriver):
     default_min_part_size = S3_MIN_PART_SIZE
     extra_capabilities = frozenset({Capability.MULTIPART})
     metadata_argument = "Metadata"
+    names_keep_control_characters = True
 
     def _split(self, key: str) -> tuple[str, str]:
         """Bucket and full S3 key of a key under the store's root."""
