@@ -43,6 +43,10 @@ _BUILTIN: Mapping[str, tuple[str, str]] = MappingProxyType(
         "abfss": ("ckptstore.backends.azure:open_azure", "pip install 'ckptstore[azure]'"),
     }
 )
+_FAMILIES: Mapping[str, tuple[str, str]] = MappingProxyType(
+    {"fsspec+": ("ckptstore.backends.fsspec:open_fsspec", "pip install 'ckptstore[fsspec]'")}
+)
+"""Scheme prefixes a built-in backend opens whatever follows: ``fsspec+<protocol>``."""
 _registered: dict[str, BackendFactory] = {}
 _lock = threading.Lock()
 
@@ -54,7 +58,7 @@ def builtin_schemes() -> tuple[str, ...]:
 
 def known_schemes() -> tuple[str, ...]:
     """Every scheme that can be opened: built-in, registered, and from entry points."""
-    names = set(_BUILTIN) | set(_registered)
+    names = set(_BUILTIN) | set(_registered) | {f"{family}<protocol>" for family in _FAMILIES}
     names.update(ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
     return tuple(sorted(names))
 
@@ -83,6 +87,9 @@ def resolve(scheme: str) -> BackendFactory:
     if scheme in _BUILTIN:
         target, hint = _BUILTIN[scheme]
         return _load(target, scheme, hint)
+    for family, (target, hint) in _FAMILIES.items():
+        if scheme.startswith(family) and len(scheme) > len(family):
+            return _load(target, scheme, hint)  # the factory checks the rest (the protocol)
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if entry.name == scheme:
             loaded: BackendFactory = entry.load()

@@ -73,7 +73,7 @@ class TestRoundTrip:
         if count > 1 and (http_elsewhere or (size == 0 and backend.name == "s3+versioned")):
             # a minute each over HTTP on the emulators: the s3 case covers the same calls
             pytest.skip("a thousand shards over HTTP: the s3 case covers the same driver calls")
-        if size >= MiB and backend.name.startswith(("s3", "gs")):
+        if size >= MiB and backend.name.startswith(("s3", "gs", "fsspec+s3")):
             # 1 MiB parts, not the fixture's 64 KiB: hundreds of part requests cost a minute
             store = backend.open(part_size=MiB)
         shards = {f"rank{i:05d}/part.bin": _blob(size, i) for i in range(count)}

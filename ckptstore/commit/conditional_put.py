@@ -142,7 +142,7 @@ def _storage_identity(driver: ObjectStoreDriver) -> tuple[str, str, str]:
     if bucket is None:
         return kind, "", driver.url
     client_meta = getattr(getattr(driver, "client", None), "meta", None)
-    endpoint = str(getattr(client_meta, "endpoint_url", "") or "")
+    endpoint = str(getattr(client_meta, "endpoint_url", "") or getattr(driver, "endpoint", ""))
     if isinstance(bucket, str):
         return kind, endpoint, bucket
     return kind, endpoint, f"{getattr(bucket, 'name', '')}#{id(bucket)}"  # in-process buckets
@@ -752,9 +752,13 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         Losing to another writer re-reads and tries again. A storage that refuses the
         conditional write itself (501 NotImplemented, a 400 for the header, a 412 although
         the ETag has not changed) is not contention: the hint is left as it is, with a warning
-        that says what the storage answered. Readers list past the hint either way.
+        that says what the storage answered. Readers list past the hint either way. A driver
+        that does not declare compare-and-swap (fsspec+) gets a forward-only plain overwrite.
         """
         body = f"{step}\n".encode("ascii")
+        if Capability.COMPARE_AND_SWAP not in self.capabilities:
+            self._overwrite_latest(step, body)
+            return
         transient_left = 3
         for _ in range(CAS_TRIES):
             current, etag = self._read_latest()
@@ -789,6 +793,27 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             step,
             CAS_TRIES,
         )
+
+    def _overwrite_latest(self, step: int, body: bytes) -> None:
+        """Move the hint forward by a plain overwrite, on storage without compare-and-swap.
+
+        Written only when what was read is older than ``step`` (a step this writer has
+        published): the hint never names an unpublished step, and never goes back before what
+        was there when racing publishes began, but two writers of different steps at the same
+        instant may leave it at the older one, as on a file system. Readers list past the hint
+        (I4): it only saves a listing.
+        """
+        for attempt in range(3):
+            current = self._read_latest()[0]
+            if current is not None and current >= step:
+                return
+            try:
+                self.driver.put(LATEST_KEY, body)
+                return
+            except TransientStorageError:
+                if attempt == 2:
+                    raise
+                _backoff(attempt)  # re-read: a lost answer may have moved it already
 
     def _cas_refused(self, step: int, answer: str) -> None:
         """Say, once per store and then quietly, that the storage refused the hint's CAS."""

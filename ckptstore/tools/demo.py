@@ -11,6 +11,7 @@ than the grace period.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 from ckptstore.errors import CkptStoreError
 from ckptstore.retention import KeepLast
@@ -130,6 +131,19 @@ def _demo_embedded_s3(out: TextIO) -> None:
         store = open_store(url, retention=KeepLast(3), **server.options)
         out.write(f"\n(an S3 server, moto, started on {server.endpoint_url})")
         _demo_store(store, out, crash=True, url=url, env=server.credentials_env())
+        _demo_fsspec_s3(server, out)
+
+
+def _demo_fsspec_s3(server: Any, out: TextIO) -> None:
+    """The same server through s3fs: ``fsspec+s3://``, where s3fs is installed."""
+    if importlib.util.find_spec("s3fs") is None:
+        out.write("\n(fsspec+s3:// skipped: pip install 'ckptstore[fsspec]' s3fs)\n")
+        return
+    url = (f"fsspec+s3://{server.bucket}/demo/fsspec-run?endpoint_url={server.endpoint_url}"
+           f"&min_part_size={1024 * 1024}&part_size={1024 * 1024}")  # fmt: skip
+    store = open_store(url, retention=KeepLast(3), key=server.access_key,
+                       secret=server.secret_key)  # fmt: skip
+    _demo_store(store, out, crash=False)
 
 
 def _demo_embedded_gcs(out: TextIO) -> None:

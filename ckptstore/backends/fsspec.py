@@ -1,0 +1,664 @@
+"""A generic object-store driver over any fsspec file system: ``fsspec+<protocol>://<path>``.
+
+The protocol: docs/protocol.md §3-4; this backend: docs/backends/fsspec.md.
+
+The commit point is the manifest created with ``pipe_file(path, data, mode="create")``, which is
+an atomic create-if-absent only on the implementations listed in ``ATOMIC_CREATE`` (s3fs:
+``If-None-Match: *``; gcsfs: ``ifGenerationMatch=0``; adlfs: ``upload_blob(overwrite=False)``),
+and is confirmed there by the writer's conditional-create probe before its first save. Every
+other implementation (fsspec's local and memory file systems among them) checks, then writes:
+two writers can both publish one step. A store on one opens read-only unless the user passes
+``unsafe_non_atomic_create=true``, which the conformance suite then reports as conditional
+create MISSING and I5 violated.
+
+fsspec has no compare-and-swap: LATEST is a plain overwrite, moved forward only (readers list
+past the hint). Shards: on s3fs, S3 multipart uploads to attempt-unique keys (``call_s3``;
+listed and aborted by GC after a crash); elsewhere, streamed through ``fs.open(key, "wb")``
+(the implementation's own resumable upload or staged blocks, invisible until closed), which is
+not a multipart upload another process can list: see the page for what a crash leaves.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any, BinaryIO, TypeVar, cast
+
+import fsspec
+from fsspec.registry import known_implementations
+from fsspec.spec import AbstractBufferedFile
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+    wait_random,
+)
+
+from ckptstore.backends.fsspec_errors import translate_fsspec_errors
+from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
+from ckptstore.driver import (
+    Buffer,
+    Capability,
+    ObjectInfo,
+    ObjectStoreDriver,
+    PartInfo,
+    PutMode,
+    UploadInfo,
+    UploadProgress,
+    multipart_mode,
+)
+from ckptstore.errors import (
+    BackendUnavailableError,
+    CapabilityError,
+    InvalidInputError,
+    InvalidOptionError,
+    InvalidURLError,
+    ObjectNotFoundError,
+    StoreNotFoundError,
+    TransientStorageError,
+    UnknownSchemeError,
+)
+from ckptstore.urls import StoreURL, option_bool, option_int
+
+__all__ = ["ATOMIC_CREATE", "FsspecDriver", "FsspecReadOnlyCommit", "open_fsspec"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SCHEME_PREFIX = "fsspec+"
+INSTALL_HINT = "pip install 'ckptstore[fsspec]'"
+ATOMIC_CREATE: Mapping[str, str] = {
+    "s3fs.core.S3FileSystem": "PutObject If-None-Match: * (s3fs)",  # S3FS
+    "gcsfs.core.GCSFileSystem": "upload with ifGenerationMatch=0 (gcsfs)",
+    # gcsfs's default class since 2026 (GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT): standard buckets
+    # go to GCSFileSystem's upload; zonal buckets overwrite, which the open-time probe refuses.
+    "gcsfs.extended_gcsfs.ExtendedGcsFileSystem": "upload with ifGenerationMatch=0 (gcsfs)",
+    "adlfs.spec.AzureBlobFileSystem": "upload_blob(overwrite=False) (adlfs)",
+}
+"""Implementations whose ``pipe_file(mode="create")`` is one conditional request, by their
+source: the check and the write are the storage's single operation."""
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+S3FS = "s3fs.core.S3FileSystem"
+"""The one implementation with S3's multipart calls (``call_s3``): driven by ``S3fsDriver``."""
+UNSAFE_OPTION = "unsafe_non_atomic_create"
+CKPTSTORE_OPTIONS = ("part_size", "min_part_size", "concurrency", "max_attempts", UNSAFE_OPTION)
+SECRET_OPTIONS = frozenset(
+    {"key", "secret", "token", "password", "account_key", "connection_string", "sas_token",
+     "client_secret", "credential", "credentials", "session_token", "aws_secret_access_key"}
+)  # fmt: skip
+"""Storage options that hold secrets: refused in a URL, where they would end up in logs."""
+
+
+def implementation_name(fs: Any) -> str:
+    """``module.Class`` of a file-system instance."""
+    return f"{type(fs).__module__}.{type(fs).__qualname__}"
+
+
+def object_time(value: Any) -> float:
+    """Seconds since the epoch of a time as implementations give it (datetime, number, ISO)."""
+    if isinstance(value, datetime):
+        return value.timestamp()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            pass
+    return time.time()
+
+
+class FsspecDriver(ObjectStoreDriver):
+    """Object-store primitives under one root of an fsspec file system.
+
+    ``atomic_create``: ``pipe_file(mode="create")`` is a single conditional request on this
+    implementation (or the user took the risk: ``unsafe``); without either, every write is
+    refused with ``refusal``. An "upload" is one stream through ``fs.open(key, "wb")`` held by
+    this process, its parts written in order (s3fs has S3's own: ``S3fsDriver``).
+    """
+
+    max_parts = 10_000
+    default_min_part_size = 1
+    extra_capabilities: frozenset[Capability] = frozenset()
+    metadata_argument = "metadata"
+    names_keep_control_characters = False
+    """The name under which ``pipe_file`` and ``open`` take user metadata."""
+
+    def __init__(
+        self,
+        fs: Any,
+        root: str,
+        *,
+        url: str,
+        endpoint: str = "",
+        atomic_create: bool,
+        unsafe: bool = False,
+        min_part_size: int | None = None,
+        max_attempts: int = 4,
+    ) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url
+        self.endpoint = endpoint
+        self.bucket = self.root.lstrip("/").split("/", 1)[0]
+        self.implementation = implementation_name(fs)
+        self.atomic_create = atomic_create
+        self.unsafe = unsafe and not atomic_create
+        self.refusal = None if atomic_create or unsafe else _refusal(url, self.implementation)
+        self.min_part_size = min_part_size or self.default_min_part_size
+        self._retrying = Retrying(
+            retry=retry_if_exception_type(TransientStorageError),
+            stop=stop_after_attempt(max_attempts),
+            wait=wait_exponential(multiplier=0.05, max=2.0) + wait_random(0, 0.1),
+            reraise=True,
+        )
+        capabilities = {Capability.STRONG_LIST_AFTER_WRITE}
+        if atomic_create or unsafe:
+            capabilities.add(Capability.CONDITIONAL_CREATE)
+        self.capabilities = frozenset(capabilities | self.extra_capabilities)
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _path(self, key: str, *, writing: bool = False) -> str:
+        """The implementation's path of ``key``. A key with a control character has no object:
+        adlfs (and Azure) store "a\\n.json" as "a.json", so a write would land on another key."""
+        if self.names_keep_control_characters or not _CONTROL.search(key):
+            return f"{self.root}/{key}"
+        if writing:
+            raise InvalidInputError(
+                f"{self.url}: {key!r}: {self.implementation} does not keep control characters "
+                f"in names"
+            )
+        raise ObjectNotFoundError(errno.ENOENT, f"{self.url}/{key!r}: no such name here")
+
+    def _relative(self, path: str) -> str:
+        stripped = self.root.lstrip("/")
+        body = path.lstrip("/")
+        return body[len(stripped) + 1 :] if body.startswith(stripped + "/") else body
+
+    def _once(self, what: str, call: Callable[[], T], *, create: bool = False) -> T:
+        with translate_fsspec_errors(f"{what} {self.url}", create=create):
+            return call()
+
+    def _retried(self, what: str, call: Callable[[], T]) -> T:
+        result: T = self._retrying(self._once, what, call)
+        return result
+
+    def _writable(self, what: str) -> None:
+        if self.refusal is not None:
+            raise CapabilityError(f"{what}: {self.refusal}")
+
+    def _info(self, key: str, details: Mapping[str, Any]) -> ObjectInfo:
+        etag = details.get("ETag") or details.get("etag") or details.get("generation")
+        if not etag:  # local, memory: no ETag; size and time identify a state well enough
+            etag = f"{details.get('size')}-{details.get('mtime') or details.get('created')}"
+        modified = next(
+            (details[k] for k in ("LastModified", "last_modified", "mtime", "updated", "created")
+             if details.get(k) is not None),
+            None,
+        )  # fmt: skip
+        return ObjectInfo(
+            key=key,
+            size=int(details.get("size") or details.get("Size") or 0),
+            etag=str(etag),
+            last_modified=object_time(modified),
+            metadata=details.get("metadata") or details.get("Metadata"),
+        )
+
+    # -- the driver interface ------------------------------------------------------------
+
+    def check_bucket(self) -> None:
+        if not self.bucket or self.root.startswith("/"):
+            return  # a local or memory root has no bucket: its directories come with writes
+        try:  # first: exists() answers False (gcsfs) or True with a warning (adlfs) on denial
+            self._retried(f"info {self.root}", lambda: self.fs.info(self.root))
+        except ObjectNotFoundError:
+            pass  # an empty store, or no bucket: exists() tells
+        self._bucket_found(self._retried(f"checking {self.bucket}",
+                                         lambda: bool(self.fs.exists(self.bucket))))  # fmt: skip
+
+    def _bucket_found(self, found: bool) -> None:
+        if not found:
+            raise StoreNotFoundError(
+                f"{self.url}: {self.bucket!r} does not exist (ckptstore never creates buckets, "
+                f"containers or root directories; create it, or check the name and endpoint)"
+            )
+
+    def put(
+        self,
+        key: str,
+        data: Buffer,
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
+        metadata: Mapping[str, str] | None = None,
+    ) -> ObjectInfo:
+        what = f"writing {key}"
+        self._writable(what)
+        if mode.kind == "update":
+            raise CapabilityError(
+                f"{self.url}: fsspec has no compare-and-swap (If-Match); {key} cannot be "
+                f"updated conditionally"
+            )
+        body = bytes(data)
+        kwargs = {self.metadata_argument: dict(metadata)} if metadata else {}
+        path = self._path(key, writing=True)
+        written: Any
+        if mode.kind == "create":
+            # One request, never retried here: the commit resolves a lost answer by reading
+            # back (I8). Never open(path, "xb"): s3fs writes a 0-byte "xb" file with a plain
+            # PutObject that overwrites.
+            written = self._once(
+                f"{what} (create)",
+                lambda: self.fs.pipe_file(path, body, mode="create", **kwargs),
+                create=True,
+            )
+        else:
+            written = self._retried(what, lambda: self.fs.pipe_file(path, body, **kwargs))
+        if isinstance(written, Mapping) and (written.get("ETag") or written.get("etag")):
+            return self._info(key, {**written, "size": len(body)})  # s3fs, adlfs: no HEAD
+        try:
+            return self.head(key)
+        except ObjectNotFoundError:  # deleted meanwhile: what we wrote is still what we know
+            return ObjectInfo(key, len(body), "", time.time())
+
+    def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
+        self._no_versions(version_id)
+        with self.open_read(key) as stream:
+            data = stream.read()
+            details = getattr(stream, "details", None)
+        if isinstance(details, Mapping):
+            return data, self._info(key, {**details, "size": len(data)})
+        return data, ObjectInfo(key, len(data), "", time.time())
+
+    def open_read(self, key: str, *, version_id: str | None = None) -> BinaryIO:
+        self._no_versions(version_id)
+        path = self._path(key)
+        what = f"reading {key}"
+        handle = self._retried(what, lambda: self.fs.open(path, "rb"))
+        details = getattr(handle, "details", None)
+        if isinstance(details, Mapping) and (
+            details.get("type") == "directory" or details.get("size") is None
+        ):  # adlfs opens a prefix (keys below it, no object) as a file of no size
+            handle.close()
+            raise ObjectNotFoundError(errno.ENOENT, f"{self.url}/{key}: a directory, no object")
+        return cast(BinaryIO, _TranslatingReader(handle, f"{what} {self.url}"))
+
+    def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
+        self._no_versions(version_id)
+        path = self._path(key)
+        details = self._retried(f"info {key}", lambda: self.fs.info(path))
+        if details.get("type") == "directory":
+            if key.endswith("/"):  # gcsfs and adlfs show a marker object "x/" as a directory
+                return ObjectInfo(key, 0, "", object_time(details.get("updated")))
+            raise ObjectNotFoundError(errno.ENOENT, f"{self.url}/{key}: a directory, no object")
+        return self._info(key, details)
+
+    def delete(self, key: str, *, version_id: str | None = None) -> None:
+        self._writable(f"deleting {key}")
+        self._no_versions(version_id)
+        path = self._path(key)
+        try:
+            self._retried(f"deleting {key}", lambda: self.fs.rm_file(path))
+        except ObjectNotFoundError:
+            return  # already gone: a delete is idempotent, as on S3
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """Every object under ``prefix`` in key order: one recursive ``find`` of the deepest
+        directory the prefix names, filtered (a listing, trusted only to say what to look at)."""
+        directory = prefix.rpartition("/")[0]
+        base = self._path(directory) if directory else self.root
+        found = self._retried(
+            f"listing {prefix or '/'}", lambda: self.fs.find(base, detail=True, withdirs=False)
+        )
+        infos = []
+        for path, details in found.items():
+            if details.get("type") == "directory":
+                continue
+            key = self._relative(path)
+            if not details.get("size") and not self._is_object(key):
+                key += "/"  # a marker "x/" listed as "x" (adlfs): never take it for "x"
+            if key.startswith(prefix) and (start_after is None or key > start_after):
+                infos.append(self._info(key, details))
+        yield from sorted(infos, key=lambda info: info.key)
+
+    def _is_object(self, key: str) -> bool:
+        try:
+            self.head(key)
+        except ObjectNotFoundError:
+            return False
+        return True
+
+    def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:
+        yield from self.list(prefix)  # no versions: each object is its only version
+
+    def bucket_versioning(self) -> str:
+        return ""
+
+    @staticmethod
+    def _no_versions(version_id: str | None) -> None:
+        if version_id is not None:
+            raise InvalidInputError("fsspec+ stores keep no object versions to read or delete")
+
+    # -- uploads: one stream through fs.open(key, "wb") per shard, held by this process -----
+
+    def create_multipart(self, key: str, *, metadata: Mapping[str, str] | None = None) -> str:
+        self._writable(f"uploading {key}")
+        path = self._path(key, writing=True)
+        kwargs = {self.metadata_argument: dict(metadata)} if metadata else {}
+        handle = self._once(f"opening {key} for writing", lambda: self.fs.open(path, "wb",
+                                                                             **kwargs))  # fmt: skip
+        if isinstance(handle, AbstractBufferedFile):
+            handle._unclosable = True  # noqa: SLF001  only complete_multipart commits it
+        stream = _Stream(self._where(path), handle, time.time())
+        with _STREAMS_LOCK:
+            _STREAMS[stream.upload_id] = stream
+        return stream.upload_id
+
+    def _where(self, path: str) -> str:
+        """A stream's place among this process's streams: implementation, endpoint, path."""
+        return f"{self.implementation}|{self.endpoint}|{path}"
+
+    def _stream(self, key: str, upload_id: str) -> _Stream:
+        with _STREAMS_LOCK:
+            stream = _STREAMS.get(upload_id)
+        if stream is None or stream.where != self._where(self._path(key)):
+            raise ObjectNotFoundError(
+                errno.ENOENT, f"{self.url}/{key}: no upload {upload_id} in this process"
+            )
+        return stream
+
+    def upload_part(self, key: str, upload_id: str, part_number: int, data: Buffer) -> PartInfo:
+        stream = self._stream(key, upload_id)
+        with stream.lock:
+            if part_number != stream.parts + 1:
+                raise InvalidInputError(
+                    f"{self.url}/{key}: part {part_number} out of order (a stream takes its "
+                    f"parts one after another; the next is {stream.parts + 1})"
+                )
+            self._once(f"writing {key} part {part_number}", lambda: stream.handle.write(data))
+            stream.parts += 1
+            stream.size += len(data)
+            stream.last_activity = time.time()
+        return PartInfo(part_number, f"stream-{part_number}", len(data))
+
+    def complete_multipart(
+        self,
+        key: str,
+        upload_id: str,
+        parts: Sequence[PartInfo],
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
+    ) -> ObjectInfo:
+        mode = multipart_mode(mode)
+        if mode.kind == "create":
+            raise CapabilityError(
+                f"{self.url}: a streamed write through fsspec cannot be completed "
+                f"conditionally (no conditional multipart completion)"
+            )
+        stream = self._stream(key, upload_id)
+        if [p.part_number for p in parts] != list(range(1, stream.parts + 1)):
+            raise InvalidInputError(f"{self.url}/{key}: the parts are not the ones written")
+        with _STREAMS_LOCK:
+            _STREAMS.pop(upload_id, None)
+        stream.handle._unclosable = False  # noqa: SLF001
+        self._once(f"closing {key}", stream.handle.close)
+        return self.head(key)
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        stream = self._stream(key, upload_id)
+        with _STREAMS_LOCK:
+            _STREAMS.pop(upload_id, None)
+        self._once(f"abandoning the write of {key}", lambda: _discard(self.fs, stream))
+
+    def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
+        start, root = self._where(self._path(prefix)), self._where(self._path(""))
+        with _STREAMS_LOCK:
+            mine = [stream for stream in _STREAMS.values() if stream.where.startswith(start)]
+        for stream in sorted(mine, key=lambda stream: stream.where):
+            yield UploadInfo(stream.where[len(root) :], stream.upload_id, stream.started)
+
+    def upload_progress(self, upload: UploadInfo) -> UploadProgress:
+        stream = self._stream(upload.key, upload.upload_id)
+        return UploadProgress(stream.last_activity, stream.size, stream.parts)
+
+
+class _Stream:
+    """One shard being streamed through ``fs.open(key, "wb")`` by this process: an "upload"
+    that every driver of the process over the same storage sees (GC after a writer failed)."""
+
+    _ids = iter(range(1, 1 << 62))
+
+    def __init__(self, where: str, handle: Any, started: float) -> None:
+        with _STREAMS_LOCK:
+            self.upload_id = f"stream-{next(self._ids)}-{id(handle):x}"
+        self.where = where
+        self.handle = handle
+        self.started = started
+        self.last_activity = started
+        self.parts = 0
+        self.size = 0
+        self.lock = threading.Lock()
+
+
+_STREAMS: dict[str, _Stream] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def _discard(fs: Any, stream: _Stream) -> None:
+    """Abandon a stream without publishing its bytes: a buffered file's ``discard`` (an aborted
+    upload, dropped blocks), never its close (which would commit them); a file written in place
+    (local) is closed and removed."""
+    handle = stream.handle
+    if isinstance(handle, AbstractBufferedFile):
+        handle._unclosable = False  # noqa: SLF001
+        handle.discard()
+        handle.closed = True  # never committed, not even by its __del__
+        return
+    handle.close()
+    path = getattr(handle, "path", None)
+    if path:
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+
+
+class _TranslatingReader(io.RawIOBase):
+    """An fsspec file opened for reading, whose errors are ckptstore's."""
+
+    def __init__(self, handle: Any, what: str) -> None:
+        super().__init__()
+        self._handle = handle
+        self._what = what
+        self.details = getattr(handle, "details", None)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return bool(self._handle.seekable())
+
+    def read(self, size: int | None = -1) -> bytes:
+        with translate_fsspec_errors(self._what):
+            return bytes(self._handle.read(-1 if size is None else size))
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        with translate_fsspec_errors(self._what):
+            data = self._handle.read(view.nbytes)
+        view[: len(data)] = data
+        return len(data)
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        with translate_fsspec_errors(self._what):
+            return int(self._handle.seek(position, whence))
+
+    def tell(self) -> int:
+        return int(self._handle.tell())
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._handle.close()
+            finally:
+                super().close()
+
+
+class FsspecReadOnlyCommit(ConditionalPutCommit):
+    """The conditional-put protocol on an fsspec implementation whose create is not atomic:
+    readers work; every write (a save's first step, a delete, GC) is refused with the reason."""
+
+    def check_capabilities(self) -> None:
+        return  # reading needs no conditional create; writing is refused by the driver
+
+    def ensure_conditional_create(self) -> None:
+        refusal = getattr(self.driver, "refusal", None)
+        if refusal is not None:
+            raise CapabilityError(refusal)
+        super().ensure_conditional_create()
+
+
+def _refusal(url: str, implementation: str) -> str:
+    return (
+        f"{url} is read-only: {implementation}'s pipe_file(mode='create') checks whether the "
+        f"key exists and then writes, which is not atomic, so two writers can both publish "
+        f"one step (invariant I5). ckptstore writes only where create-if-absent is one "
+        f"conditional request ({', '.join(sorted(ATOMIC_CREATE))}). To write anyway, "
+        f"knowing that concurrent writers can overwrite each other's checkpoints, pass "
+        f"{UNSAFE_OPTION}=true"
+    )
+
+
+# -- opening ---------------------------------------------------------------------------
+
+
+def protocol_of(url: StoreURL) -> str:
+    """The fsspec protocol of an ``fsspec+<protocol>://`` URL, known to fsspec."""
+    protocol = url.scheme[len(SCHEME_PREFIX) :] if url.scheme.startswith(SCHEME_PREFIX) else ""
+    if not protocol:
+        raise InvalidURLError(f"{url.raw}: expected fsspec+<protocol>://..., e.g. fsspec+s3://")
+    if protocol not in fsspec.available_protocols():
+        raise UnknownSchemeError(
+            f"{url.raw}: fsspec knows no protocol {protocol!r}; fsspec's protocols: "
+            f"{', '.join(sorted(fsspec.available_protocols()))}"
+        )
+    return protocol
+
+
+def _filesystem_class(protocol: str) -> type:
+    try:
+        klass: type = fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        spec = known_implementations.get(protocol, {})
+        package = str(spec.get("class", protocol)).split(".", 1)[0]
+        raise BackendUnavailableError(
+            f"fsspec+{protocol}:// needs {package}, which is not installed: "
+            f"{INSTALL_HINT} {package} ({exc})"
+        ) from exc
+    return klass
+
+
+def _storage_options(url: StoreURL, options: Mapping[str, object], protocol: str) -> dict[str, Any]:
+    """What goes to ``fsspec.filesystem``: every option but ckptstore's own; URL strings
+    ``true``/``false`` and integers become bool and int. Listing caches are off (a cached
+    listing would hide other writers' objects)."""
+    leaked = sorted(set(url.query) & SECRET_OPTIONS)
+    if leaked:
+        raise InvalidOptionError(
+            f"credentials ({', '.join(leaked)}) do not belong in a URL, where they end up in "
+            f"logs; pass them as keyword arguments or through the implementation's own chain"
+        )
+    storage: dict[str, Any] = {"use_listings_cache": False}
+    if protocol in ("file", "local"):
+        storage["auto_mkdir"] = True
+    if protocol in ("s3", "s3a") and "config_kwargs" not in options:
+        # botocore's own retries off (s3fs keeps its few): a conditional put resent blindly
+        # comes back as a refusal of our own write, and an unreachable endpoint fails fast.
+        storage["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"}}
+    for name, value in options.items():
+        if name in CKPTSTORE_OPTIONS:
+            continue
+        if name in url.query and isinstance(value, str):
+            lowered = value.lower()
+            if lowered in ("true", "false"):
+                value = lowered == "true"
+            elif value.isdigit():
+                value = int(value)
+        storage[name] = value
+    return storage
+
+
+def _endpoint(storage: Mapping[str, Any]) -> str:
+    for name in ("endpoint_url", "account_host", "account_name", "host"):
+        if storage.get(name):
+            return str(storage[name])
+    client_kwargs = storage.get("client_kwargs")
+    if isinstance(client_kwargs, Mapping) and client_kwargs.get("endpoint_url"):
+        return str(client_kwargs["endpoint_url"])
+    connection = str(storage.get("connection_string") or "")
+    for field in connection.split(";"):  # the endpoint only, never the key
+        if field.startswith("BlobEndpoint="):
+            return field.partition("=")[2]
+    return ""
+
+
+def make_driver(url: StoreURL, options: Mapping[str, object]) -> FsspecDriver:
+    """An FsspecDriver for an ``fsspec+<protocol>://`` URL and options."""
+    protocol = protocol_of(url)
+    _filesystem_class(protocol)  # a missing implementation package: its own clear error
+    storage = _storage_options(url, options, protocol)
+    try:
+        fs = fsspec.filesystem(protocol, **storage)
+    except (TypeError, ValueError) as exc:
+        raise InvalidOptionError(f"{url.raw}: storage options for {protocol}: {exc}") from exc
+    location = f"{url.netloc}{url.path}".rstrip("/")
+    root = str(fsspec.core.strip_protocol(f"{protocol}://{location}")).rstrip("/")
+    if not root.strip("/") and protocol not in ("file", "local", "memory"):
+        raise InvalidURLError(f"{url.raw}: no bucket or container in the URL")
+    implementation = implementation_name(fs)
+    unsafe = option_bool(options, UNSAFE_OPTION, False)
+    atomic = implementation in ATOMIC_CREATE
+    if unsafe and not atomic:
+        log.warning("%s: %s: writing although create-if-absent is not atomic there", url.raw,
+                    UNSAFE_OPTION)  # fmt: skip
+    min_part = options.get("min_part_size")
+    driver_class = FsspecDriver
+    if implementation == S3FS:
+        from ckptstore.backends.fsspec_s3 import S3fsDriver
+
+        driver_class = S3fsDriver
+    return driver_class(
+        fs,
+        root,
+        url=f"{url.scheme}://{location}",
+        endpoint=_endpoint(storage),
+        atomic_create=atomic,
+        unsafe=unsafe,
+        min_part_size=option_int(options, "min_part_size", 1, minimum=1) if min_part else None,
+        max_attempts=option_int(options, "max_attempts", 4, minimum=1),
+    )
+
+
+def open_fsspec(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:
+    """Open an ``fsspec+<protocol>://path`` store: FsspecDriver + ConditionalPutCommit.
+
+    Read-only (``FsspecReadOnlyCommit``) on an implementation whose create is not atomic,
+    unless ``unsafe_non_atomic_create=true``. Streamed shards (every implementation but s3fs)
+    are written one part after another: ``concurrency`` applies to s3fs's multipart only.
+    """
+    driver = make_driver(url, options)
+    part_size = option_int(
+        options, "part_size", max(DEFAULT_PART_SIZE, driver.min_part_size), minimum=1
+    )
+    concurrency = option_int(options, "concurrency", 8, minimum=1)
+    if Capability.MULTIPART not in driver.capabilities:
+        concurrency = 1  # a stream takes its parts in order
+    commit = FsspecReadOnlyCommit if driver.refusal is not None else ConditionalPutCommit
+    return commit(driver, part_size=part_size, concurrency=concurrency)
