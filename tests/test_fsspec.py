@@ -16,7 +16,7 @@ from typing import Any
 
 import fsspec
 import pytest
-from conftest import fsspec_s3_options, fsspec_s3_url
+from conftest import extended_conformance, fsspec_s3_options, fsspec_s3_url
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations
 
@@ -132,6 +132,7 @@ def test_fsspec_file_unsafe_run_reports_conditional_create_missing_and_i5(tmp_pa
 
 
 @pytest.mark.slow  # minutes: every crash point, over HTTP
+@extended_conformance
 def test_conformance_holds_on_fsspec_s3(moto_s3: EmbeddedS3) -> None:
     started = time.monotonic()
     part = max(moto_s3.min_part_size, 4096)
@@ -164,6 +165,7 @@ def test_conformance_holds_on_fsspec_gcs(fake_gcs: EmbeddedGCS) -> None:
 
 
 @pytest.mark.slow  # minutes: every crash point, over HTTP
+@extended_conformance
 def test_conformance_holds_on_fsspec_abfs(azurite: EmbeddedAzure) -> None:
     started = time.monotonic()
     url = f"fsspec+abfs://{azurite.container}/fsspec-conformance-{os.getpid()}?part_size=4096"

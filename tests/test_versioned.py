@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from conftest import extended_conformance
 
 import ckptstore
 from ckptstore import CapabilityError, KeepLast
@@ -174,7 +175,9 @@ def test_unversioned_bucket_is_refused_with_a_clear_message(moto_s3: EmbeddedS3)
 
 
 @pytest.mark.slow  # minutes: every crash point, over HTTP
-@pytest.mark.parametrize("server_name", ["moto_s3", "seaweedfs_s3"])
+@pytest.mark.parametrize(
+    "server_name", ["moto_s3", pytest.param("seaweedfs_s3", marks=extended_conformance)]
+)
 def test_conformance_holds_on_versioned_buckets(
     server_name: str, request: pytest.FixtureRequest
 ) -> None:

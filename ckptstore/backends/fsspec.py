@@ -167,14 +167,16 @@ class FsspecDriver(ObjectStoreDriver):
     # -- plumbing ------------------------------------------------------------------------
 
     def _path(self, key: str, *, writing: bool = False) -> str:
-        """The implementation's path of ``key``. A key with a control character has no object:
-        adlfs (and Azure) store "a\\n.json" as "a.json", so a write would land on another key."""
-        if self.names_keep_control_characters or not _CONTROL.search(key):
+        """The implementation's path of ``key``. A key with a control character, or ending in
+        '/', has no object: adlfs (and Azure) store "a\\n.json" as "a.json", and fsspec's paths
+        drop a final '/' (gcsfs writes "LATEST/" to "LATEST"), so a write would land on another
+        key."""
+        if self.names_keep_control_characters or not (_CONTROL.search(key) or key.endswith("/")):
             return f"{self.root}/{key}"
         if writing:
             raise InvalidInputError(
-                f"{self.url}: {key!r}: {self.implementation} does not keep control characters "
-                f"in names"
+                f"{self.url}: {key!r}: {self.implementation} does not keep control characters, "
+                f"or a final '/', in names"
             )
         raise ObjectNotFoundError(errno.ENOENT, f"{self.url}/{key!r}: no such name here")
 
@@ -418,7 +420,8 @@ class FsspecDriver(ObjectStoreDriver):
         self._once(f"abandoning the write of {key}", lambda: _discard(self.fs, stream))
 
     def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
-        start, root = self._where(self._path(prefix)), self._where(self._path(""))
+        # a prefix, not a key: it may end in '/' (which no key may)
+        start, root = self._where(f"{self.root}/{prefix}"), self._where(self._path(""))
         with _STREAMS_LOCK:
             mine = [stream for stream in _STREAMS.values() if stream.where.startswith(start)]
         for stream in sorted(mine, key=lambda stream: stream.where):

@@ -124,6 +124,8 @@ def embedded_moto(bucket: str = "ckptstore", min_part_size: int = 4096) -> Itera
     """moto's S3 server (``python -m moto.server``) as a child process on 127.0.0.1.
 
     A process of its own, so that it neither shares this interpreter's GIL nor its settings;
+    its requests are handled one at a time, so that conditional writes are atomic as on S3
+    (``ckptstore.tools.moto_atomic``);
     ``min_part_size`` is its smallest multipart part (S3's is 5 MiB). Any credentials work.
     """
     try:
@@ -134,7 +136,16 @@ def embedded_moto(bucket: str = "ckptstore", min_part_size: int = 4096) -> Itera
         ) from exc
     port = free_port()
     environment = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": str(min_part_size)}
-    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    # moto's own server checks a condition and then writes, in threads: not atomic (moto_atomic)
+    command = [
+        sys.executable,
+        "-m",
+        "ckptstore.tools.moto_atomic",
+        "-H",
+        "127.0.0.1",
+        "-p",
+        str(port),
+    ]
     process = subprocess.Popen(
         command,
         env=environment,

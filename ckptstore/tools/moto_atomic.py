@@ -1,0 +1,36 @@
+"""moto's S3 server handling one request at a time, so that its conditional writes are atomic.
+
+moto checks ``If-None-Match`` and ``If-Match`` and then writes, in two steps, and its server
+answers requests in threads: two racing conditional creates of one key can both pass the check
+(the conformance suite's races layer saw two writers told they published one step on
+``s3+versioned://``). S3 evaluates the condition atomically with the write, which is what
+ckptstore relies on (docs/protocol.md §2) and what the embedded server stands in for. Every
+request is therefore handled under one lock; moto is fast enough that tests do not notice.
+Run as ``python -m ckptstore.tools.moto_atomic -H 127.0.0.1 -p PORT`` (moto.server's options).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+
+def main(argv: list[str]) -> None:
+    """Start moto.server with its WSGI application wrapped in a lock."""
+    from moto import server
+    from moto.moto_server import werkzeug_app
+
+    handle = werkzeug_app.DomainDispatcherApplication.__call__
+    lock = threading.Lock()
+
+    def one_at_a_time(self: Any, environ: dict[str, Any], start_response: Any) -> Any:
+        with lock:
+            return handle(self, environ, start_response)
+
+    werkzeug_app.DomainDispatcherApplication.__call__ = one_at_a_time  # type: ignore[method-assign]
+    server.main(argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
