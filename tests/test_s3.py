@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from conftest import extended_conformance
 
 import ckptstore
 from ckptstore import TransientStorageError
@@ -44,7 +45,9 @@ def _uploads(server: EmbeddedS3, prefix: str) -> list[str]:
 
 
 @pytest.mark.slow  # minutes: every crash point, over HTTP
-@pytest.mark.parametrize("server_name", ["moto_s3", "seaweedfs_s3"])
+@pytest.mark.parametrize(
+    "server_name", ["moto_s3", pytest.param("seaweedfs_s3", marks=extended_conformance)]
+)
 def test_conformance_holds_on_real_s3_servers(
     server_name: str, request: pytest.FixtureRequest
 ) -> None:
