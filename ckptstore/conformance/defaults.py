@@ -108,6 +108,9 @@ def _gcs_targets(stack: contextlib.ExitStack, run: str, say: Skipped) -> list[Ta
         return []
     from ckptstore.tools.embedded_gcs import embedded_fake_gcs
 
+    # gcsfs asks a bucket's type over gRPC unless told not to, and waits 60 s for the emulator
+    # (which has no gRPC) on every store it opens; read when gcsfs opens a file system.
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     gcs = stack.enter_context(embedded_fake_gcs())
     targets = [Target(gcs.url(run, part_size=4096, concurrency=1), gcs.options)]
     versioned = gcs.versioned_bucket(f"{gcs.bucket}-versioned")
