@@ -213,7 +213,7 @@ def _listed_steps(store: Store) -> list[int]:
     Store.steps() counts only checkpoints whose manifest parses; ls and verify also show the
     entries it leaves out (strays, damaged manifests), each for what it is.
     """
-    return store.strategy.published_steps()
+    return store.named_steps()
 
 
 def _status_text(entry: dict[str, Any]) -> str:

@@ -23,10 +23,16 @@ and ``except ValueError`` keep working in code that does not know ckptstore::
     ├── CoverageError                             expected shards missing at publish
     ├── RefusedError                              an operation that would break I3 without force
     ├── NotEnoughSavesError                       too few saves with timings to measure from
+    ├── LineageError                              a write outside the writer's epoch (I9)
+    │   ├── SupersededError                       a newer epoch took the store over
+    │   ├── StepOutsideEpochError                 the step belongs to the history resumed from
+    │   ├── EpochNotFoundError (FileNotFoundError)   joining an epoch that was never taken
+    │   └── EpochExistsError (FileExistsError)    the epoch number is taken (take_over retries)
     ├── IntegrityError                            stored data is not what was committed (I6)
     │   ├── ManifestCorruptError
     │   ├── ShardCorruptError
-    │   └── ShardMissingError
+    │   ├── ShardMissingError
+    │   └── LineageCorruptError                   an epoch record does not parse
     └── StorageError (OSError)                    a driver call failed
         ├── StorageAccessDeniedError (PermissionError)
         ├── ObjectNotFoundError (FileNotFoundError)
@@ -50,6 +56,8 @@ __all__ = [
     "CheckpointStateError",
     "CkptStoreError",
     "CoverageError",
+    "EpochExistsError",
+    "EpochNotFoundError",
     "IndeterminateOutcomeError",
     "IntegrityError",
     "InvalidInputError",
@@ -58,6 +66,8 @@ __all__ = [
     "InvalidShardNameError",
     "InvalidStepError",
     "InvalidURLError",
+    "LineageCorruptError",
+    "LineageError",
     "ManifestCorruptError",
     "NotACheckpointError",
     "NotEnoughSavesError",
@@ -69,9 +79,11 @@ __all__ = [
     "ShardExistsError",
     "ShardMissingError",
     "ShardNotFoundError",
+    "StepOutsideEpochError",
     "StorageAccessDeniedError",
     "StorageError",
     "StoreNotFoundError",
+    "SupersededError",
     "TargetExistsError",
     "TransientStorageError",
     "UnknownSchemeError",
@@ -160,6 +172,27 @@ class NotEnoughSavesError(CkptStoreError):
     the trainer and how fast it steps (``ckptstore advise``); nothing is wrong with them."""
 
 
+class LineageError(CkptStoreError):
+    """A write the store's lineage forbids: nothing was published (docs/protocol.md §8)."""
+
+
+class SupersededError(LineageError):
+    """A newer epoch took the store over: this writer's checkpoints are no longer its history."""
+
+
+class StepOutsideEpochError(LineageError):
+    """The step is at or below the step this writer's epoch resumed from: it belongs to the
+    history before the takeover, not to this run."""
+
+
+class EpochNotFoundError(LineageError, FileNotFoundError):
+    """The epoch a writer was told to join was never taken in this store."""
+
+
+class EpochExistsError(LineageError, FileExistsError):
+    """An epoch record with that number exists already (records are created if absent)."""
+
+
 class IntegrityError(CkptStoreError):
     """Stored data differs from what was committed: never returned as data (I6)."""
 
@@ -170,6 +203,11 @@ class ManifestCorruptError(IntegrityError):
 
 class ShardCorruptError(IntegrityError):
     """A shard's bytes do not match the size or CRC32C recorded in the manifest."""
+
+
+class LineageCorruptError(IntegrityError):
+    """An epoch record is truncated, malformed or fails its checksum: the store's history
+    cannot be told, so readers refuse to guess it."""
 
 
 class ShardMissingError(IntegrityError, FileNotFoundError):

@@ -291,9 +291,9 @@ def _recent_manifests(store: Store, recent: int) -> list[Manifest]:
     those without timings newer than the oldest of them (counted in the error if too few)."""
     found: list[Manifest] = []
     timed = 0
-    for step in reversed(store.strategy.published_steps()):
+    for step in reversed(store.named_steps()):
         try:
-            manifest = store.strategy.read_manifest(step)
+            manifest = store.manifest(step)
         except (CheckpointNotFoundError, IntegrityError):
             continue  # a stray, a damaged manifest, or deleted since the listing
         found.append(manifest)

@@ -20,7 +20,7 @@ from typing import Any, TypeAlias
 
 from ckptstore.checksum import crc32c_hex
 from ckptstore.errors import InvalidMetadataError, ManifestCorruptError
-from ckptstore.names import check_attempt_id, check_shard_name, check_step
+from ckptstore.names import check_attempt_id, check_epoch, check_shard_name, check_step
 
 __all__ = [
     "FORMAT_NAME",
@@ -99,6 +99,9 @@ class Manifest:
     metadata: JSONObject = field(default_factory=dict)
     backend: str = ""
     format_version: int = FORMAT_VERSION
+    epoch: int = 0
+    """The lineage epoch the checkpoint was written in (docs/protocol.md §8); 0 before any
+    takeover, and in manifests written before lineages (the field is then absent)."""
 
     @property
     def total_size(self) -> int:
@@ -131,7 +134,7 @@ class Manifest:
             "timings": dict(self.timings),
             "metadata": dict(self.metadata),
             "shards": [_shard_document(s) for s in self.shards],
-        }
+        } | ({"epoch": self.epoch} if self.epoch else {})
 
     def encode(self) -> bytes:
         """Serialise to UTF-8 JSON with an embedded CRC32C of the canonical form."""
@@ -140,7 +143,14 @@ class Manifest:
         return json.dumps(document, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
 
     @classmethod
-    def decode(cls, data: bytes, *, where: str, expected_step: int | None = None) -> Manifest:
+    def decode(
+        cls,
+        data: bytes,
+        *,
+        where: str,
+        expected_step: int | None = None,
+        expected_epoch: int | None = None,
+    ) -> Manifest:
         """Parse and validate a stored manifest; raise ManifestCorruptError naming ``where``."""
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestCorruptError(f"{where}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
@@ -166,6 +176,10 @@ class Manifest:
         if expected_step is not None and manifest.step != expected_step:
             raise ManifestCorruptError(
                 f"{where}: manifest is for step {manifest.step}, stored as step {expected_step}"
+            )
+        if expected_epoch is not None and manifest.epoch != expected_epoch:
+            raise ManifestCorruptError(
+                f"{where}: manifest is of epoch {manifest.epoch}, stored as epoch {expected_epoch}"
             )
         return manifest
 
@@ -311,6 +325,7 @@ def _from_document(document: object, where: str) -> Manifest:
     try:
         step = check_step(_require(document, "step", int))
         attempt = check_attempt_id(document["attempt"])
+        epoch = check_epoch(_require(document, "epoch", int)) if "epoch" in document else 0
     except ValueError as exc:
         raise ManifestCorruptError(f"{where}: {exc}") from exc
     return Manifest(
@@ -329,6 +344,7 @@ def _from_document(document: object, where: str) -> Manifest:
         metadata=_require(document, "metadata", dict),
         backend=str(_require(document, "backend", str)),
         format_version=version,
+        epoch=epoch,
     )
 
 

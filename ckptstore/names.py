@@ -17,19 +17,26 @@ import unicodedata
 from ckptstore.errors import InvalidShardNameError, InvalidStepError
 
 __all__ = [
+    "MAX_EPOCH",
     "MAX_SEGMENT_BYTES",
     "MAX_SHARD_NAME_BYTES",
     "MAX_STEP",
     "check_attempt_id",
+    "check_epoch",
     "check_shard_name",
     "check_step",
+    "checkpoint_token",
+    "epoch_token",
     "new_attempt_id",
     "parse_attempt_name",
+    "parse_checkpoint_token",
+    "parse_epoch_token",
     "parse_step_token",
     "step_token",
 ]
 
 MAX_STEP = 10**20 - 1
+MAX_EPOCH = 10**20 - 1
 MAX_SHARD_NAME_BYTES = 1024
 MAX_SEGMENT_BYTES = 255
 # ASCII classes and fullmatch only: ``\d`` matches any Unicode digit (Arabic-Indic, ...) and
@@ -37,6 +44,8 @@ MAX_SEGMENT_BYTES = 255
 # would otherwise parse as one.
 _ATTEMPT_RE = re.compile(r"[0-9a-z]{8,64}", re.ASCII)
 _STEP_TOKEN_RE = re.compile(r"step-([0-9]{20})", re.ASCII)
+_CHECKPOINT_TOKEN_RE = re.compile(r"step-([0-9]{20})(?:\.epoch-([0-9]{20}))?", re.ASCII)
+_EPOCH_TOKEN_RE = re.compile(r"epoch-([0-9]{20})", re.ASCII)
 
 
 def check_step(step: object) -> int:
@@ -57,6 +66,48 @@ def parse_step_token(token: str) -> int | None:
     """Return the step of an exact ``step-<020d>`` token, or None for any other string."""
     match = _STEP_TOKEN_RE.fullmatch(token)
     return int(match.group(1)) if match else None
+
+
+def check_epoch(epoch: object) -> int:
+    """Return ``epoch`` if it is an int in [0, 10**20); raise InvalidStepError otherwise."""
+    if isinstance(epoch, bool) or not isinstance(epoch, int):
+        raise InvalidStepError(f"epoch must be an int, got {type(epoch).__name__} {epoch!r}")
+    if epoch < 0 or epoch > MAX_EPOCH:
+        raise InvalidStepError(f"epoch must be in [0, {MAX_EPOCH}], got {epoch}")
+    return epoch
+
+
+def epoch_token(epoch: int) -> str:
+    """Return the zero-padded name of an epoch record, ``epoch-<020d>``."""
+    return f"epoch-{check_epoch(epoch):020d}"
+
+
+def parse_epoch_token(token: str) -> int | None:
+    """Return the epoch of an exact ``epoch-<020d>`` token, or None for any other string."""
+    match = _EPOCH_TOKEN_RE.fullmatch(token)
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_token(step: int, epoch: int = 0) -> str:
+    """Return the name of the commit point of ``step`` in ``epoch`` (docs/protocol.md §8.1).
+
+    Epoch 0 keeps the name every store had before lineages, ``step-<020d>``; a later epoch's
+    name carries it, ``step-<020d>.epoch-<020d>``, so that two histories never clash.
+    """
+    if check_epoch(epoch) == 0:
+        return step_token(step)
+    return f"{step_token(step)}.{epoch_token(epoch)}"
+
+
+def parse_checkpoint_token(token: str) -> tuple[int, int] | None:
+    """Return (step, epoch) of an exact commit-point name (``checkpoint_token``), or None."""
+    match = _CHECKPOINT_TOKEN_RE.fullmatch(token)
+    if match is None:
+        return None
+    epoch = int(match.group(2)) if match.group(2) is not None else 0
+    if match.group(2) is not None and epoch == 0:
+        return None  # epoch 0 has only the plain name: another spelling is not the protocol's
+    return int(match.group(1)), epoch
 
 
 def parse_attempt_name(name: str, separator: str) -> tuple[int, str] | None:

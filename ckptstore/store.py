@@ -21,6 +21,7 @@ from typing import Any, BinaryIO, cast
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.commit.base import (
     CommitStrategy,
+    GcItem,
     GcReport,
     ShardRanges,
     ShardSink,
@@ -44,6 +45,8 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 from ckptstore.hint import ignore_hint
+from ckptstore.history import History, SupersededCheckpoint
+from ckptstore.lineage import Epoch, Lineage
 from ckptstore.manifest import Manifest, ShardRecord, WriterInfo, check_metadata
 from ckptstore.names import check_attempt_id, check_shard_name, check_step, new_attempt_id
 from ckptstore.pending import PendingCheckpoint, ShardData
@@ -51,7 +54,7 @@ from ckptstore.registry import resolve
 from ckptstore.retention import CheckpointAge, RetentionPolicy
 from ckptstore.urls import parse_url
 
-__all__ = ["DEFAULT_GRACE", "Store", "StrayEntry", "open_store"]
+__all__ = ["DEFAULT_GRACE", "Store", "StrayEntry", "SupersededCheckpoint", "open_store"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,8 @@ class Store:
         self.retention = retention
         self.clock = clock
         self._confirmed: dict[int, _Confirmed] = {}
+        self._history = History(strategy, clock)
+        self._epoch: int | None = None
 
     @property
     def url(self) -> str:
@@ -126,6 +131,47 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- lineages (docs/protocol.md §8) ---------------------------------------------------
+
+    def take_over(self, resumed_from: int | None, *, note: str = "") -> Epoch:
+        """Take the store over for this run: create the next epoch and write in it.
+
+        ``resumed_from``: the step of the checkpoint this run resumed from (None for a fresh
+        start). From then on no reader returns a checkpoint that a writer of an older epoch
+        (a zombie of the previous run) publishes above that step, and those writers' publishes
+        fail with SupersededError. Call it once per run, after choosing the checkpoint to
+        resume from; other processes of the same run join the epoch (``join_epoch``).
+        """
+        epoch = self._history.take(resumed_from, note=note)
+        self._epoch = epoch.number
+        return epoch
+
+    def join_epoch(self, epoch: int) -> None:
+        """Write in ``epoch``, taken by another process of this run (EpochNotFoundError if it
+        was never taken)."""
+        self._history.check_exists(epoch)
+        self._epoch = epoch
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch this store writes in; None until it takes, joins or first saves (then it
+        joins the newest)."""
+        return self._epoch
+
+    def lineage(self) -> Lineage:
+        """The store's epochs, as storage has them now (LineageCorruptError if one is
+        unreadable)."""
+        return self._history.lineage()
+
+    def superseded(self) -> list[SupersededCheckpoint]:
+        """Checkpoints that a takeover removed from the history (GC unpublishes them)."""
+        return self._history.superseded()
+
+    def _writer_epoch(self) -> int:
+        if self._epoch is None:
+            self._epoch = self._history.lineage().newest
+        return self._epoch
+
     # -- writing -------------------------------------------------------------------------
 
     def begin(
@@ -148,7 +194,11 @@ class Store:
         expected = None
         if expected_shards is not None:
             expected = frozenset(check_shard_name(name) for name in expected_shards)
-        if self.strategy.is_published(step):
+        lineage = self._history.lineage()
+        if self._epoch is None:
+            self._epoch = lineage.newest  # joined for the lifetime of this store
+        self._history.check_writable(step, self._epoch, lineage)
+        if self._history.is_published(step, lineage):
             raise CheckpointExistsError(f"{self.url}: step {step} is already published")
         attempt_id = new_attempt_id() if attempt is None else check_attempt_id(attempt)
         self.strategy.begin(step, attempt_id)
@@ -223,14 +273,18 @@ class Store:
             timings={"write_s": write_s, **pending.timings},
             metadata=pending.metadata,
             backend=self.strategy.name,
+            epoch=self._writer_epoch(),
         )
+        # Just before the commit point: a writer superseded since it began publishes nothing.
+        # A takeover after this check is the race the readers' rule covers (§8.2).
+        self._history.check_writable(manifest.step, manifest.epoch)
         self.strategy.publish(manifest)
         return Checkpoint(manifest, self._opener, self.url, ranges=self._ranges)
 
     def _after_publish(self, step: int) -> None:
         try:
             hint = self._latest_hint()
-            if hint is not None and hint > step and not self.strategy.is_published(hint):
+            if hint is not None and hint > step and not self._history.is_published(hint):
                 self.strategy.reset_latest_hint(step)  # a hint past every checkpoint: repaired
             else:
                 self.strategy.advance_latest_hint(step)
@@ -268,7 +322,17 @@ class Store:
         A step counts when its manifest is there and parses; an entry named like a step
         without one is a stray (see ``strays``), never counted, returned or deleted.
         """
-        return self._checkpoint_steps(self.strategy.published_steps())
+        return self._checkpoint_steps(self._history.steps())
+
+    def named_steps(self) -> list[int]:
+        """Every step an entry of the history is named after: checkpoints and strays alike
+        (``steps`` counts only checkpoints whose manifest parses), ascending."""
+        return self._history.steps()
+
+    def manifest(self, step: int) -> Manifest:
+        """The manifest of the history's checkpoint at ``step``, without checking its shards
+        (CheckpointNotFoundError, NotACheckpointError, ManifestCorruptError)."""
+        return self._history.read_manifest(check_step(step))
 
     def strays(self) -> list[StrayEntry]:
         """Entries named like a step that are not readable checkpoints, with the reason.
@@ -277,7 +341,7 @@ class Store:
         retention, rollback and GC; ``ls`` and ``verify`` report them.
         """
         found = []
-        for step in self.strategy.published_steps():
+        for step in self._history.steps():
             try:
                 self._confirm(step)
             except CheckpointNotFoundError as exc:
@@ -291,7 +355,7 @@ class Store:
         """Read ``step``'s manifest unless it was read before; cache what retention needs."""
         known = self._confirmed.get(step)
         if known is None:
-            manifest = self.strategy.read_manifest(step)
+            manifest = self._history.read_manifest(step)
             known = self._confirmed[step] = _Confirmed(manifest.attempt, manifest.committed_at)
         return known
 
@@ -322,7 +386,7 @@ class Store:
         while it is being checked: never an integrity error for that), NotACheckpointError for
         a stray entry named like a step, ManifestCorruptError or ShardMissingError.
         """
-        manifest = self.strategy.read_manifest(check_step(step))
+        manifest = self._history.read_manifest(check_step(step))
         problems = self.strategy.shard_problems(manifest)
         if problems:
             self._check_still_published(manifest)
@@ -341,7 +405,7 @@ class Store:
         a race with a deletion, not damage.
         """
         try:
-            current = self.strategy.read_manifest(manifest.step)
+            current = self._history.read_manifest_of(manifest.step, manifest.epoch)
         except IntegrityError:
             return
         if current.attempt != manifest.attempt:
@@ -397,7 +461,7 @@ class Store:
         hint = None if verified else self._latest_hint()
         for round_ in range(_LATEST_ROUNDS):
             from_hint = hint is not None and round_ == 0
-            candidates = self.strategy.published_steps(min_step=(hint or 0) if from_hint else 0)
+            candidates = self._history.steps(min_step=(hint or 0) if from_hint else 0)
             checkpoint, raced = self._newest_of(candidates, verified=verified)
             if checkpoint is not None:
                 return checkpoint
@@ -451,7 +515,7 @@ class Store:
     def checkpoints(self) -> list[Checkpoint]:
         """Every published checkpoint that is complete, ascending by step (damaged ones logged)."""
         result = []
-        for step in self.strategy.published_steps():
+        for step in self._history.steps():
             try:
                 result.append(self.get(step))
             except CheckpointNotFoundError:
@@ -473,14 +537,14 @@ class Store:
         while steps and not self._still_confirmed(steps[-1]):
             steps.pop()  # the cached newest no longer parses: the guard protects the next
         if step not in steps:
-            self.strategy.read_manifest(step)  # raises the precise error: stray, or not found
+            self._history.read_manifest(step)  # raises the precise error: stray, or not found
             raise CheckpointNotFoundError(f"{self.url}: no published checkpoint at step {step}")
         if step == steps[-1] and not force:
             raise RefusedError(
                 f"{self.url}: step {step} is the newest checkpoint; deleting it needs force=True "
                 f"(--force on the command line), or a rollback to an older step"
             )
-        self.strategy.unpublish(step)
+        self._history.unpublish(step)
         self._confirmed.pop(step, None)
         if step == steps[-1]:
             self._reset_hint(steps[-2] if len(steps) > 1 else None)
@@ -497,9 +561,7 @@ class Store:
             raise CheckpointNotFoundError(
                 f"{self.url}: cannot roll back to step {step}: it is not published ({exc})"
             ) from exc
-        newer = self._checkpoint_steps(
-            self.strategy.published_steps(min_step=step + 1), min_step=step + 1
-        )
+        newer = self._checkpoint_steps(self._history.steps(min_step=step + 1), min_step=step + 1)
         removed = []
         for doomed in reversed(newer):
             if self._unpublish_confirmed(doomed):
@@ -526,13 +588,13 @@ class Store:
         """
         known = self._confirmed.pop(step, None)
         try:
-            current = self.strategy.read_manifest(step)
+            current = self._history.read_manifest(step)
         except (CheckpointNotFoundError, IntegrityError):
             return False
         if known is not None and current.attempt != known.attempt:
             return False
         try:
-            self.strategy.unpublish(step)
+            self._history.unpublish(step, current.epoch)
         except CheckpointNotFoundError:
             return False  # deleted concurrently
         return True
@@ -568,7 +630,7 @@ class Store:
         """Read ``step``'s manifest afresh: True if it parses and is the attempt confirmed."""
         known = self._confirmed.get(step)
         try:
-            current = self.strategy.read_manifest(step)
+            current = self._history.read_manifest(step)
         except (CheckpointNotFoundError, IntegrityError):
             self._confirmed.pop(step, None)
             return False
@@ -585,11 +647,34 @@ class Store:
     def gc(self, *, grace: timedelta | float = DEFAULT_GRACE, dry_run: bool = False) -> GcReport:
         """Remove leftovers of dead attempts idle for longer than ``grace`` (I7).
 
-        Never touches published checkpoints, nor attempts with activity within ``grace``.
+        Never touches the checkpoints of the history, nor attempts with activity within
+        ``grace``. Checkpoints that a takeover superseded (never returned again) are
+        unpublished and reported as ``superseded``; with an unreadable epoch record, they are
+        left alone and the report says why.
         """
-        return self.strategy.collect_garbage(
+        report = self.strategy.collect_garbage(
             grace_s=_seconds(grace, "grace"), now=self.clock(), dry_run=dry_run
         )
+        try:
+            superseded = self._history.superseded()
+        except IntegrityError as exc:
+            report.warnings.append(f"superseded checkpoints were not collected: {exc}")
+            return report
+        for entry in superseded:
+            name = f"step {entry.step} of epoch {entry.epoch} (superseded by epoch {entry.owner})"
+            report.removed.append(GcItem("superseded", name, 0.0, self._size_of(entry)))
+            if not dry_run:
+                try:
+                    self._history.unpublish(entry.step, entry.epoch)
+                except CheckpointNotFoundError:
+                    continue  # unpublished by another GC meanwhile
+        return report
+
+    def _size_of(self, entry: SupersededCheckpoint) -> int:
+        try:
+            return self._history.read_manifest_of(entry.step, entry.epoch).total_size
+        except (CheckpointNotFoundError, IntegrityError):
+            return 0
 
     def is_empty(self) -> bool:
         """Tell whether the store holds nothing at all (no checkpoints, no leftovers)."""
@@ -701,15 +786,20 @@ def open_store(
     create: bool = True,
     retention: RetentionPolicy | None = None,
     clock: Clock | None = None,
+    epoch: int | None = None,
     **options: object,
 ) -> Store:
     """Open the store at ``url`` (``file:///path``, a bare path, ``memory://bucket/prefix``).
 
-    ``create=False`` refuses to create a missing store (for readers and tools). Other keyword
-    arguments are backend options and override the URL's query parameters.
+    ``create=False`` refuses to create a missing store (for readers and tools). ``epoch``:
+    write in that epoch, taken by another process of this run (``Store.join_epoch``). Other
+    keyword arguments are backend options and override the URL's query parameters.
     """
     parsed = parse_url(url)
     factory = resolve(parsed.scheme)
     strategy = factory(parsed, {**parsed.query, **options})
     strategy.open_root(create=create)
-    return Store(strategy, retention=retention, clock=clock or time.time)
+    store = Store(strategy, retention=retention, clock=clock or time.time)
+    if epoch is not None:
+        store.join_epoch(epoch)
+    return store

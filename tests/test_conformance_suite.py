@@ -402,13 +402,15 @@ def test_a_storage_that_keeps_failing_is_reported_as_a_storage_error(
 
 
 def test_a_case_the_storage_fails_is_run_again_and_then_judged(failing_lists: Any) -> None:
-    result = run_crash_points(LocationFactory(failing_lists(2)), limit=2)
+    result = run_crash_points(LocationFactory(failing_lists(2)), limit=3)
     assert result.retried >= 1  # the run without a crash met a 500, and was run again
     assert result.storage_errors == []
     assert result.failures == []
-    # the run without a crash, then a crash before each of 2 calls (unless the first only
-    # reads, and so shares its crash with the second) and after the second
-    assert result.cases == 1 + (1 if result.records[0].reads_only else 2) + 1
+    # A save reads (its epoch, whether the step exists) before its first write: the run
+    # without a crash, then a crash before the first write (the reads before it share that
+    # crash's state) and one after it.
+    assert [record.reads_only for record in result.records[:3]] == [True, True, False]
+    assert result.cases == 1 + 1 + 1
 
 
 def test_the_state_machine_stops_at_a_storage_failure_and_runs_again(

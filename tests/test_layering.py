@@ -21,11 +21,11 @@ TOOLING = "tooling"
 LAYERS: dict[str, tuple[str, ...]] = {
     FOUNDATION: (
         "errors", "names", "urls", "checksum", "driver", "manifest", "hint", "retention",
-        "progress",
+        "progress", "lineage",
     ),
     COMMIT: ("commit",),
     BACKENDS: ("backends",),
-    CORE: ("checkpoint", "pending", "store", "registry", "interval", ""),
+    CORE: ("checkpoint", "pending", "store", "history", "registry", "interval", ""),
     TORCH: ("torch",),
     TRAINERS: ("directory", "huggingface", "lightning"),
     TOOLING: ("conformance", "cli", "cli_directory", "tools"),

@@ -687,7 +687,7 @@ def test_gc_confirms_each_removal_by_reading_the_manifest(
     for step in (1, 2):
         store.save(step, _shards(2, step))
     strategy = store.strategy
-    monkeypatch.setattr(strategy, "published_steps", lambda min_step=0: [])  # a listing: empty
+    monkeypatch.setattr(strategy, "published_checkpoints", lambda min_step=0: [])  # empty
     if versioned:  # and a version listing that shows no manifest
         listing = strategy.driver.list_versions
         monkeypatch.setattr(

@@ -144,17 +144,17 @@ def test_latest_falls_back_when_hinted_candidates_vanish(
     for step in (1, 2, 3):
         _save(store, step)
     strategy = store.strategy
-    listed = strategy.published_steps
+    listed = strategy.published_checkpoints
 
-    def listing_then_rollback(min_step: int = 0) -> list[int]:
-        steps = listed(min_step)
+    def listing_then_rollback(min_step: int = 0) -> list[tuple[int, int]]:
+        entries = listed(min_step)
         if min_step > 0:
-            for step in steps:
+            for step, _ in entries:
                 if step > 1:
                     strategy.unpublish(step)  # raw unpublish: the hint still says 3
-        return steps
+        return entries
 
-    monkeypatch.setattr(strategy, "published_steps", listing_then_rollback)
+    monkeypatch.setattr(strategy, "published_checkpoints", listing_then_rollback)
     assert strategy.read_latest_hint() == 3
     latest = store.latest()
     assert latest is not None and latest.step == 2
@@ -190,15 +190,15 @@ def test_manifest_gone_between_listing_and_read_is_not_found(
     for step in (1, 2):
         _save(store, step)
     strategy = store.strategy
-    listed = strategy.published_steps
+    listed = strategy.published_checkpoints
 
-    def listing_then_retention(min_step: int = 0) -> list[int]:
-        steps = listed(min_step)
-        if 2 in steps and strategy.is_published(2):
+    def listing_then_retention(min_step: int = 0) -> list[tuple[int, int]]:
+        entries = listed(min_step)
+        if (2, 0) in entries and strategy.is_published(2):
             backend.open().delete(2, force=True)
-        return steps
+        return entries
 
-    monkeypatch.setattr(strategy, "published_steps", listing_then_retention)
+    monkeypatch.setattr(strategy, "published_checkpoints", listing_then_retention)
     latest = store.latest()
     assert latest is not None and latest.step == 1
 

@@ -155,6 +155,10 @@ class StorageAudit(abc.ABC):
     def stored_names(self, manifest: Manifest) -> set[str]:
         """Every raw name (as ``raw_names`` lists them) that belongs to a published checkpoint."""
 
+    def lineage_names(self) -> set[str]:
+        """The raw names of the store's epoch records (kept forever, like the hint)."""
+        return set()
+
     @abc.abstractmethod
     def raw_names(self) -> set[str]:
         """Every name in storage under the store: files and directories, or objects and uploads."""
@@ -251,15 +255,43 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
 
     @abc.abstractmethod
     def published_steps(self, min_step: int = 0) -> list[int]:
-        """Return the published steps >= ``min_step``, ascending, from storage."""
+        """Return the published steps >= ``min_step`` of epoch 0, ascending, from storage."""
+
+    def published_checkpoints(self, min_step: int = 0) -> list[tuple[int, int]]:
+        """Return (step, epoch) of every commit point named in storage from ``min_step`` on,
+        ascending, whatever its epoch (docs/protocol.md §8.1); only a listing: the Store
+        decides which are checkpoints and which are the history's. A strategy without
+        lineages has only epoch 0."""
+        return [(step, 0) for step in self.published_steps(min_step)]
 
     @abc.abstractmethod
-    def is_published(self, step: int) -> bool:
-        """Tell whether ``step`` is published."""
+    def is_published(self, step: int, epoch: int = 0) -> bool:
+        """Tell whether ``step`` is published in ``epoch``."""
 
     @abc.abstractmethod
-    def read_manifest(self, step: int) -> Manifest:
+    def read_manifest(self, step: int, epoch: int = 0) -> Manifest:
         """Read and validate a published manifest (CheckpointNotFoundError if not published)."""
+
+    # -- lineages (docs/protocol.md §8): optional; without them a store has only epoch 0 ----
+
+    def create_epoch(self, epoch: int, record: bytes) -> None:
+        """Create epoch ``epoch``'s record if absent, durably (EpochExistsError if present).
+
+        The record is complete or absent for every reader, like a manifest; an unknown
+        outcome is resolved by reading the record back.
+        """
+        raise CapabilityError(
+            f"{self.url}: the {self.name} commit protocol does not keep lineages, so this store "
+            f"cannot be taken over (docs/protocol.md §8)"
+        )
+
+    def read_epoch(self, epoch: int) -> bytes | None:
+        """Return epoch ``epoch``'s stored record, or None if it does not exist."""
+        return None
+
+    def listed_epochs(self) -> list[int]:
+        """The epoch records a listing shows (a hint only: readers probe past it)."""
+        return []
 
     @abc.abstractmethod
     def open_shard_reader(self, manifest: Manifest, record: ShardRecord) -> BinaryIO:
@@ -287,7 +319,7 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
         """Set (or remove) the LATEST pointer, backward if need be: rollback and delete only."""
 
     @abc.abstractmethod
-    def unpublish(self, step: int) -> None:
+    def unpublish(self, step: int, epoch: int = 0) -> None:
         """Make a checkpoint invisible atomically, then delete its data."""
 
     @abc.abstractmethod

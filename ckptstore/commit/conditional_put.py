@@ -50,6 +50,7 @@ from ckptstore.errors import (
     CapabilityError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    EpochExistsError,
     IntegrityError,
     InvalidOptionError,
     ManifestCorruptError,
@@ -64,13 +65,22 @@ from ckptstore.errors import (
 )
 from ckptstore.hint import MAX_HINT_BYTES, parse_hint
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord
-from ckptstore.names import new_attempt_id, parse_attempt_name, parse_step_token, step_token
+from ckptstore.names import (
+    checkpoint_token,
+    epoch_token,
+    new_attempt_id,
+    parse_attempt_name,
+    parse_checkpoint_token,
+    parse_epoch_token,
+    step_token,
+)
 
 __all__ = ["ConditionalPutCommit", "ObjectShardSink"]
 
 log = logging.getLogger(__name__)
 
 MANIFESTS = "manifests/"
+EPOCHS = "epochs/"
 PROBE_PREFIX = ".ckptstore-probe-"
 LATEST_KEY = "LATEST"
 _MiB = 1024 * 1024
@@ -488,9 +498,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         return f"{step_token(step)}.{attempt}/"
 
     @staticmethod
-    def manifest_key(step: int) -> str:
-        """The key of a step's manifest; its existence is the commit."""
-        return f"{MANIFESTS}{step_token(step)}.json"
+    def manifest_key(step: int, epoch: int = 0) -> str:
+        """The key of a step's manifest in ``epoch``; its existence is the commit."""
+        return f"{MANIFESTS}{checkpoint_token(step, epoch)}.json"
 
     def begin(self, step: int, attempt: str) -> None:
         # Attempt-unique keys need no preparation; a store that cannot publish safely refuses
@@ -508,18 +518,18 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
     def publish(self, manifest: Manifest) -> None:
         self.ensure_conditional_create()
         self._check_sealed(manifest)
-        key = self.manifest_key(manifest.step)
+        key = self.manifest_key(manifest.step, manifest.epoch)
         body = manifest.encode()
         for _ in range(PUBLISH_TRIES):
             try:
                 self.driver.put(key, body, mode=PutMode.CREATE)
                 return
             except PreconditionFailedError:
-                if self._published_attempt(manifest.step) == manifest.attempt:
+                if self._published_attempt(manifest.step, manifest.epoch) == manifest.attempt:
                     return  # an earlier try of ours took effect (I8)
                 raise self._exists(manifest.step) from None
             except TransientStorageError:
-                owner = self._published_attempt(manifest.step)
+                owner = self._published_attempt(manifest.step, manifest.epoch)
                 if owner == manifest.attempt:
                     return
                 if owner is not None:
@@ -582,7 +592,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         Unpublishing deletes the manifest before the data: shards missing under a checkpoint
         whose manifest is gone are a race with a deletion, not damage.
         """
-        owner = self._published_attempt(manifest.step)
+        owner = self._published_attempt(manifest.step, manifest.epoch)
         if owner is None:
             raise CheckpointNotFoundError(
                 f"{self.url}: step {manifest.step} was unpublished while it was being read"
@@ -598,13 +608,13 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             f"{self.url}: step {step} is already published; the existing checkpoint was left intact"
         )
 
-    def _published_attempt(self, step: int) -> str | None:
+    def _published_attempt(self, step: int, epoch: int = 0) -> str | None:
         try:
-            data, _ = self.driver.get(self.manifest_key(step))
+            data, _ = self.driver.get(self.manifest_key(step, epoch))
         except ObjectNotFoundError:
             return None
         try:
-            return Manifest.decode(data, where=self.manifest_key(step)).attempt
+            return Manifest.decode(data, where=self.manifest_key(step, epoch)).attempt
         except IntegrityError:
             return _UNREADABLE
 
@@ -638,27 +648,30 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
     # -- reading -------------------------------------------------------------------------
 
     def published_steps(self, min_step: int = 0) -> list[int]:
+        return [step for step, epoch in self.published_checkpoints(min_step) if epoch == 0]
+
+    def published_checkpoints(self, min_step: int = 0) -> list[tuple[int, int]]:
         start_after = None
-        if min_step > 0:
+        if min_step > 0:  # "step-<N>.epoch-..." sorts before "step-<N>.json": both skipped
             start_after = f"{MANIFESTS}{step_token(min_step - 1)}.json"
-        steps = []
+        found = []
         for info in self.driver.list(MANIFESTS, start_after=start_after):
             name = info.key[len(MANIFESTS) :]
             if name.endswith(".json"):
-                step = parse_step_token(name[: -len(".json")])
-                if step is not None and step >= min_step:
-                    steps.append(step)
-        return sorted(steps)
+                entry = parse_checkpoint_token(name[: -len(".json")])
+                if entry is not None and entry[0] >= min_step:
+                    found.append(entry)
+        return sorted(found)
 
-    def is_published(self, step: int) -> bool:
+    def is_published(self, step: int, epoch: int = 0) -> bool:
         try:
-            self.driver.head(self.manifest_key(step))
+            self.driver.head(self.manifest_key(step, epoch))
         except ObjectNotFoundError:
             return False
         return True
 
-    def read_manifest(self, step: int) -> Manifest:
-        key = self.manifest_key(step)
+    def read_manifest(self, step: int, epoch: int = 0) -> Manifest:
+        key = self.manifest_key(step, epoch)
         try:
             with self.driver.open_read(key) as stream:  # one request, bounded in memory
                 data = stream.read(MAX_MANIFEST_BYTES + 1)
@@ -666,7 +679,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             raise CheckpointNotFoundError(
                 f"{self.url}: no published checkpoint at step {step}"
             ) from exc
-        manifest = Manifest.decode(data, where=f"{self.url}/{key}", expected_step=step)
+        manifest = Manifest.decode(
+            data, where=f"{self.url}/{key}", expected_step=step, expected_epoch=epoch
+        )
         prefix = self.attempt_prefix(step, manifest.attempt)
         for record in manifest.shards:
             if record.locator.get("key") != f"{prefix}{record.name}":
@@ -839,12 +854,12 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
 
     # -- removal -------------------------------------------------------------------------
 
-    def unpublish(self, step: int) -> None:
+    def unpublish(self, step: int, epoch: int = 0) -> None:
         try:
-            attempt: str | None = self.read_manifest(step).attempt
+            attempt: str | None = self.read_manifest(step, epoch).attempt
         except IntegrityError:
             attempt = None  # its data is unreferenced once the manifest is gone: GC removes it
-        self.driver.delete(self.manifest_key(step))
+        self.driver.delete(self.manifest_key(step, epoch))
         if attempt is not None:
             for info in list(self.driver.list(self.attempt_prefix(step, attempt))):
                 self.driver.delete(info.key)
@@ -883,15 +898,17 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         uploads: dict[str, list[UploadInfo]] = {}
         for upload in self._uploads("", report):
             uploads.setdefault(upload.key.split("/", 1)[0] + "/", []).append(upload)
-        owners: dict[int, str | None] = {}
+        owners: dict[int, set[str | None]] = {}
+        epochs: list[int] | None = None
         for prefix in sorted(set(groups) | set(uploads)):
             parsed = parse_attempt_name(prefix.removesuffix("/"), ".")  # what an attempt made
             if parsed is None:
                 continue
             step, attempt = parsed
             if step not in owners:  # read directly: a listing of manifests may miss it
-                owners[step] = self._published_attempt(step)
-            if owners[step] in (attempt, _UNREADABLE):
+                epochs = self.epoch_numbers() if epochs is None else epochs
+                owners[step] = {self._published_attempt(step, epoch) for epoch in epochs}
+            if owners[step] & {attempt, _UNREADABLE}:
                 continue
             objects, pending = groups.get(prefix, []), uploads.get(prefix, [])
             item = self._attempt_item(prefix, objects, pending, storage_now)
@@ -905,6 +922,60 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                 for info in objects:
                     self.driver.delete(info.key)
         return report
+
+    # -- lineages (docs/protocol.md §8.1) ------------------------------------------------
+
+    @staticmethod
+    def epoch_key(epoch: int) -> str:
+        """The key of an epoch's record; created if absent, never changed."""
+        return f"{EPOCHS}{epoch_token(epoch)}.json"
+
+    def create_epoch(self, epoch: int, record: bytes) -> None:
+        self.ensure_conditional_create()
+        key = self.epoch_key(epoch)
+        for _ in range(PUBLISH_TRIES):
+            try:
+                self.driver.put(key, record, mode=PutMode.CREATE)
+                return
+            except PreconditionFailedError:
+                if self.read_epoch(epoch) == record:
+                    return  # an earlier try of ours took effect (I8)
+                raise EpochExistsError(f"{self.url}: epoch {epoch} exists already") from None
+            except TransientStorageError:
+                stored = self.read_epoch(epoch)
+                if stored == record:
+                    return
+                if stored is not None:
+                    raise EpochExistsError(f"{self.url}: epoch {epoch} exists already") from None
+                log.warning("creating %s: outcome unknown, not created; trying again", key)
+        raise TransientStorageError(
+            f"{self.url}: could not create epoch {epoch} after {PUBLISH_TRIES} tries"
+        )
+
+    def read_epoch(self, epoch: int) -> bytes | None:
+        try:
+            data, _ = self.driver.get(self.epoch_key(epoch))
+        except ObjectNotFoundError:
+            return None
+        return data
+
+    def listed_epochs(self) -> list[int]:
+        found = []
+        for info in self.driver.list(EPOCHS):
+            name = info.key[len(EPOCHS) :]
+            if name.endswith(".json"):
+                epoch = parse_epoch_token(name[: -len(".json")])
+                if epoch is not None:
+                    found.append(epoch)
+        return sorted(found)
+
+    def epoch_numbers(self) -> list[int]:
+        """Every epoch a manifest can name: 0, then each record a listing shows and each next
+        number read directly until one is missing (a listing may lag)."""
+        newest = max(self.listed_epochs(), default=0)
+        while self.read_epoch(newest + 1) is not None:
+            newest += 1
+        return list(range(newest + 1))
 
     def _storage_now(self, now: float, report: GcReport) -> float:
         """The storage's clock now: the LastModified of a marker object written for the purpose
@@ -961,9 +1032,12 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             return  # completed or aborted meanwhile
 
     def stored_names(self, manifest: Manifest) -> set[str]:
-        names = {self.manifest_key(manifest.step)}
+        names = {self.manifest_key(manifest.step, manifest.epoch)}
         names.update(record.locator["key"] for record in manifest.shards)
         return names
+
+    def lineage_names(self) -> set[str]:
+        return {self.epoch_key(epoch) for epoch in self.listed_epochs()}
 
     def raw_names(self) -> set[str]:
         return {info.key for info in self.driver.list("")} | self._upload_names()

@@ -43,6 +43,7 @@ from ckptstore.driver import Capability, FileSystemDriver
 from ckptstore.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    EpochExistsError,
     IntegrityError,
     InvalidShardNameError,
     ManifestCorruptError,
@@ -59,9 +60,12 @@ from ckptstore.hint import MAX_HINT_BYTES, encode_hint, ignore_hint, parse_hint
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord
 from ckptstore.names import (
     check_attempt_id,
+    checkpoint_token,
+    epoch_token,
     new_attempt_id,
     parse_attempt_name,
-    parse_step_token,
+    parse_checkpoint_token,
+    parse_epoch_token,
     step_token,
 )
 
@@ -76,6 +80,8 @@ PENDING_MARK = ".pending-"
 TRASH_PREFIX = ".trash-"
 LATEST_TMP_PREFIX = ".LATEST.tmp-"
 GC_CLOCK_PREFIX = ".gc-clock-"
+EPOCHS_DIR = "epochs"
+EPOCH_RECORD = "record.json"
 # A path component that is a file (ENOTDIR), a manifest that is a directory (EISDIR), a FIFO or
 # device planted as one (ENXIO, or EFTYPE/EINVAL from a regular-files-only open).
 _WRONG_KIND_ERRNOS = frozenset(
@@ -240,7 +246,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
         try:
             with self._attempt_errors(step, attempt):
                 try:
-                    self.driver.rename_noreplace(staging, step_token(step))
+                    self.driver.rename_noreplace(staging, checkpoint_token(step, manifest.epoch))
                 except TargetExistsError as exc:
                     raise CheckpointExistsError(
                         f"{self.url}: step {step} is already published; "
@@ -249,13 +255,13 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
         except ObjectNotFoundError:
             # A rename that took effect but answered an error (an NFS retransmit's ENOENT)
             # leaves no staging directory either: it published, GC did not remove it.
-            if self._published_attempt(step) != attempt:
+            if self._published_attempt(step, manifest.epoch) != attempt:
                 raise
         self.driver.fsync_dir("")
 
-    def _published_attempt(self, step: int) -> str | None:
+    def _published_attempt(self, step: int, epoch: int) -> str | None:
         try:
-            return self.read_manifest(step).attempt
+            return self.read_manifest(step, epoch).attempt
         except (CheckpointNotFoundError, IntegrityError, StorageError):
             return None
 
@@ -323,35 +329,38 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
     # -- reading -------------------------------------------------------------------------
 
     def published_steps(self, min_step: int = 0) -> list[int]:
+        return [step for step, epoch in self.published_checkpoints(min_step) if epoch == 0]
+
+    def published_checkpoints(self, min_step: int = 0) -> list[tuple[int, int]]:
         try:
             names = self.driver.listdir("")
         except ObjectNotFoundError:
             return []
-        steps = (parse_step_token(name) for name in names)
-        return sorted(s for s in steps if s is not None and s >= min_step)
+        found = (parse_checkpoint_token(name) for name in names)
+        return sorted(entry for entry in found if entry is not None and entry[0] >= min_step)
 
-    def is_published(self, step: int) -> bool:
+    def is_published(self, step: int, epoch: int = 0) -> bool:
         try:
-            return self.driver.stat(step_token(step)).is_dir
+            return self.driver.stat(checkpoint_token(step, epoch)).is_dir
         except ObjectNotFoundError:
             return False
 
-    def read_manifest(self, step: int) -> Manifest:
-        final = step_token(step)
+    def read_manifest(self, step: int, epoch: int = 0) -> Manifest:
+        final = checkpoint_token(step, epoch)
         where = f"{self.url}/{final}/{MANIFEST_NAME}"
         try:
             with self.driver.open_read(f"{final}/{MANIFEST_NAME}") as stream:
                 data = stream.read(MAX_MANIFEST_BYTES + 1)
         except ObjectNotFoundError as exc:
-            raise self._no_manifest(step) from exc
+            raise self._no_manifest(step, epoch) from exc
         except StorageError as exc:
             if exc.errno not in _WRONG_KIND_ERRNOS:
                 raise
             # `step-N` is a file (ENOTDIR), or its manifest is a directory or a FIFO.
-            if not self.is_published(step):
-                raise self._no_manifest(step) from exc
+            if not self.is_published(step, epoch):
+                raise self._no_manifest(step, epoch) from exc
             raise ManifestCorruptError(f"{where}: {exc.strerror}") from exc
-        manifest = Manifest.decode(data, where=where, expected_step=step)
+        manifest = Manifest.decode(data, where=where, expected_step=step, expected_epoch=epoch)
         for record in manifest.shards:
             if dict(record.locator) != {"path": f"{DATA_DIR}/{record.name}"}:
                 raise ManifestCorruptError(
@@ -366,7 +375,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
             return False
         return True
 
-    def _no_manifest(self, step: int) -> CheckpointNotFoundError:
+    def _no_manifest(self, step: int, epoch: int = 0) -> CheckpointNotFoundError:
         """The error for a step without a manifest: unpublished meanwhile, or never published.
 
         A published directory always holds its manifest (it is written before the publishing
@@ -374,15 +383,16 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
         not a damaged checkpoint; and one that has just gone was unpublished by a racing
         delete or retention, which is not damage either.
         """
-        if self._exists(step_token(step)):
+        final = checkpoint_token(step, epoch)
+        if self._exists(final):
             return NotACheckpointError(
-                f"{self.url}/{step_token(step)} is not a checkpoint: it has no manifest "
+                f"{self.url}/{final} is not a checkpoint: it has no manifest "
                 f"(a stray entry; ckptstore leaves it alone)"
             )
         return CheckpointNotFoundError(f"{self.url}: no published checkpoint at step {step}")
 
     def open_shard_reader(self, manifest: Manifest, record: ShardRecord) -> BinaryIO:
-        path = f"{step_token(manifest.step)}/{DATA_DIR}/{record.name}"
+        path = f"{checkpoint_token(manifest.step, manifest.epoch)}/{DATA_DIR}/{record.name}"
         try:
             return self.driver.open_read(path)
         except ObjectNotFoundError as exc:
@@ -399,7 +409,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
 
     def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
         problems: list[ShardProblem] = []
-        final = step_token(manifest.step)
+        final = checkpoint_token(manifest.step, manifest.epoch)
         for record in manifest.shards:
             try:
                 stat = self.driver.stat(f"{final}/{DATA_DIR}/{record.name}")
@@ -409,6 +419,70 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
             if stat.is_dir or stat.size != record.size:
                 problems.append(ShardProblem(record.name, False, stat.size, record.size))
         return problems
+
+    # -- lineages (docs/protocol.md §8.1) ------------------------------------------------
+
+    def create_epoch(self, epoch: int, record: bytes) -> None:
+        """Stage ``epochs/epoch-<E>.pending-<id>/record.json``, make it durable, then rename
+        it to ``epochs/epoch-<E>`` without replacing: the record exists whole or not at all,
+        and only once (a directory that holds a file is never replaced, even by a plain
+        rename where the kernel lacks RENAME_NOREPLACE)."""
+        final = f"{EPOCHS_DIR}/{epoch_token(epoch)}"
+        staging = f"{final}{PENDING_MARK}{new_attempt_id()}"
+        try:
+            self.driver.mkdir(EPOCHS_DIR)
+            self.driver.fsync_dir("")
+        except TargetExistsError:
+            pass
+        self.driver.mkdir(staging)
+        try:
+            handle = self.driver.create(f"{staging}/{EPOCH_RECORD}")
+            try:
+                self.driver.write(handle, memoryview(record))
+                self.driver.fsync(handle)
+            finally:
+                self.driver.close(handle)
+            self.driver.fsync_dir(staging)
+            try:
+                self.driver.rename_noreplace(staging, final)
+            except TargetExistsError as exc:
+                raise EpochExistsError(f"{self.url}: epoch {epoch} exists already") from exc
+        except BaseException:
+            self._remove_epoch_staging(staging)
+            raise
+        self.driver.fsync_dir(EPOCHS_DIR)
+
+    def _remove_epoch_staging(self, staging: str) -> None:
+        try:
+            self.remove_tree(staging)
+        except StorageError as exc:  # a later gc removes it once it is older than its grace
+            log.debug("%s: could not remove %s: %s", self.url, staging, exc)
+
+    def read_epoch(self, epoch: int) -> bytes | None:
+        path = f"{EPOCHS_DIR}/{epoch_token(epoch)}/{EPOCH_RECORD}"
+        try:
+            with self.driver.open_read(path) as stream:
+                return stream.read(MAX_MANIFEST_BYTES)
+        except ObjectNotFoundError:
+            if self._exists(f"{EPOCHS_DIR}/{epoch_token(epoch)}"):
+                return b""  # a record directory without its record: damage, not absence
+            return None
+        except StorageError as exc:
+            if exc.errno not in _WRONG_KIND_ERRNOS:
+                raise
+            return b""  # a directory or FIFO planted as the record: damage
+
+    def listed_epochs(self) -> list[int]:
+        try:
+            names = self.driver.listdir(EPOCHS_DIR)
+        except ObjectNotFoundError:
+            return []
+        except StorageError as exc:
+            if exc.errno not in _WRONG_KIND_ERRNOS:
+                raise
+            return []  # a file named "epochs": readers probe past the listing anyway
+        found = (parse_epoch_token(name) for name in names)
+        return sorted(epoch for epoch in found if epoch is not None)
 
     # -- LATEST hint ---------------------------------------------------------------------
 
@@ -457,8 +531,8 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
 
     # -- removal -------------------------------------------------------------------------
 
-    def unpublish(self, step: int) -> None:
-        final = step_token(step)
+    def unpublish(self, step: int, epoch: int = 0) -> None:
+        final = checkpoint_token(step, epoch)
         trash = f"{TRASH_PREFIX}{final}-{new_attempt_id()}"
         try:
             self.driver.rename_noreplace(final, trash)
@@ -492,6 +566,8 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
             for name in names:
                 if name != clock_file:
                     self._collect(name, fs_now + lead, report)
+            if EPOCHS_DIR in names:
+                self._collect_epoch_staging(fs_now + lead, report)
         except ObjectNotFoundError:
             return report
         finally:
@@ -520,6 +596,41 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
         if not report.dry_run:
             self._discard(name)
 
+    def _collect_epoch_staging(self, now: float, report: GcReport) -> None:
+        """Remove the staging of epoch records whose taker died (idle past the grace period),
+        renamed to a trash name first so that a taker only stalled cannot publish it half
+        removed; never a record."""
+        try:
+            names = self.driver.listdir(EPOCHS_DIR)
+        except StorageError:
+            return
+        for name in names:
+            path = f"{EPOCHS_DIR}/{name}"
+            token, found, attempt = name.partition(PENDING_MARK)
+            trash = name.startswith(TRASH_PREFIX) and check_attempt_name_tail(name)
+            staging = bool(found) and parse_epoch_token(token) is not None
+            if not trash and not (staging and check_attempt_name_tail(f"-{attempt}")):
+                continue
+            try:
+                newest, size = self._activity(path)
+            except ObjectNotFoundError:
+                continue
+            item = GcItem("epoch-staging", path, max(0.0, now - newest), size)
+            if not trash and now - newest < report.grace_s:
+                report.kept_young.append(item)
+                continue
+            report.removed.append(item)
+            if report.dry_run:
+                continue
+            if not trash:
+                doomed = f"{EPOCHS_DIR}/{TRASH_PREFIX}{name}-{new_attempt_id()}"
+                try:
+                    self.driver.rename_noreplace(path, doomed)
+                except ObjectNotFoundError:
+                    continue
+                path = doomed
+            self.remove_tree(path)
+
     def _file_system_now(self, now: float) -> tuple[str | None, float]:
         """Create a file to read the file system's clock: its name and its mtime.
 
@@ -546,12 +657,19 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
             log.debug("%s: could not remove %s: %s", self.url, name, exc)
 
     def stored_names(self, manifest: Manifest) -> set[str]:
-        final = step_token(manifest.step)
+        final = checkpoint_token(manifest.step, manifest.epoch)
         names = {final, f"{final}/{MANIFEST_NAME}", f"{final}/{DATA_DIR}"}
         for directory in _directories_of(manifest):
             names.add(f"{final}/{DATA_DIR}/{directory}")
         names.update(f"{final}/{DATA_DIR}/{record.name}" for record in manifest.shards)
         return names
+
+    def lineage_names(self) -> set[str]:
+        names = set()
+        for epoch in self.listed_epochs():
+            record = f"{EPOCHS_DIR}/{epoch_token(epoch)}"
+            names |= {record, f"{record}/{EPOCH_RECORD}"}
+        return names | ({EPOCHS_DIR} if names else set())
 
     def raw_names(self) -> set[str]:
         names: set[str] = set()

@@ -38,7 +38,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
 )
 from ckptstore.manifest import Manifest
-from ckptstore.names import parse_attempt_name, parse_step_token, step_token
+from ckptstore.names import parse_attempt_name, parse_checkpoint_token, step_token
 
 __all__ = ["VersionPinCommit"]
 
@@ -56,16 +56,17 @@ def _versioned_name(key: str, version_id: str | None) -> str:
     return f"{key}@{version_id}"
 
 
-def _current_manifest_steps(versions: Iterable[ObjectInfo]) -> set[int]:
-    """The steps whose manifest a version listing shows as current (a second listing API)."""
-    steps = set()
+def _current_manifests(versions: Iterable[ObjectInfo]) -> set[tuple[int, int]]:
+    """The (step, epoch) whose manifest a version listing shows as current (a second
+    listing API)."""
+    found = set()
     for version in versions:
         name = version.key[len(MANIFESTS) :] if version.key.startswith(MANIFESTS) else ""
         if version.is_latest and not version.is_delete_marker and name.endswith(".json"):
-            step = parse_step_token(name[: -len(".json")])
-            if step is not None:
-                steps.add(step)
-    return steps
+            entry = parse_checkpoint_token(name[: -len(".json")])
+            if entry is not None:
+                found.add(entry)
+    return found
 
 
 class VersionPinCommit(ConditionalPutCommit):
@@ -113,15 +114,17 @@ class VersionPinCommit(ConditionalPutCommit):
         # no manifest pins them, so GC deletes them once they are older than the grace period.
         return None
 
-    def read_manifest(self, step: int) -> Manifest:
-        key = self.manifest_key(step)
+    def read_manifest(self, step: int, epoch: int = 0) -> Manifest:
+        key = self.manifest_key(step, epoch)
         try:
             data, _ = self.driver.get(key)
         except ObjectNotFoundError as exc:
             raise CheckpointNotFoundError(
                 f"{self.url}: no published checkpoint at step {step}"
             ) from exc
-        manifest = Manifest.decode(data, where=f"{self.url}/{key}", expected_step=step)
+        manifest = Manifest.decode(
+            data, where=f"{self.url}/{key}", expected_step=step, expected_epoch=epoch
+        )
         for record in manifest.shards:
             if record.locator.get("key") != f"{SHARDS}{record.name}" or not record.locator.get(
                 "version_id"
@@ -158,11 +161,12 @@ class VersionPinCommit(ConditionalPutCommit):
                     problems.append(problem)
         return problems
 
-    def unpublish(self, step: int) -> None:
-        key = self.manifest_key(step)
+    def unpublish(self, step: int, epoch: int = 0) -> None:
+        key = self.manifest_key(step, epoch)
         try:
             pinned = [
-                (r.locator["key"], r.locator["version_id"]) for r in self.read_manifest(step).shards
+                (r.locator["key"], r.locator["version_id"])
+                for r in self.read_manifest(step, epoch).shards
             ]
         except IntegrityError:
             pinned = []  # unreadable: its versions are unpinned once it is gone; GC takes them
@@ -178,12 +182,13 @@ class VersionPinCommit(ConditionalPutCommit):
             except ObjectNotFoundError:
                 continue
 
-    def _pinned(self, steps: Iterable[int]) -> set[tuple[str, str]] | None:
-        """Every (key, version) the manifests of ``steps`` pin; None if one is unreadable."""
+    def _pinned(self, entries: Iterable[tuple[int, int]]) -> set[tuple[str, str]] | None:
+        """Every (key, version) the manifests of ``entries`` (step, epoch) pin; None if one is
+        unreadable."""
         pinned: set[tuple[str, str]] = set()
-        for step in steps:
+        for step, epoch in entries:
             try:
-                manifest = self.read_manifest(step)
+                manifest = self.read_manifest(step, epoch)
             except CheckpointNotFoundError:
                 continue
             except IntegrityError:
@@ -208,11 +213,11 @@ class VersionPinCommit(ConditionalPutCommit):
         report = GcReport(dry_run=dry_run, grace_s=grace_s)
         storage_now = self._storage_now(now, report)
         versions = list(self.driver.list_versions(""))
-        steps = set(self.published_steps()) | _current_manifest_steps(versions)
-        pinned = self._pinned(sorted(steps))
+        entries = set(self.published_checkpoints()) | _current_manifests(versions)
+        pinned = self._pinned(sorted(entries))
         if pinned is None:
             log.warning("%s: a manifest is unreadable; GC keeps every shard version", self.url)
-        manifests: dict[int, Manifest | None] = {}
+        manifests: dict[int, list[Manifest]] = {}
         markers: list[tuple[ObjectInfo, GcItem]] = []
         for version in versions:
             kind = self._garbage_kind(version, pinned)
@@ -278,7 +283,7 @@ class VersionPinCommit(ConditionalPutCommit):
         return None
 
     def _still_needed(
-        self, version: ObjectInfo, kind: str, manifests: dict[int, Manifest | None]
+        self, version: ObjectInfo, kind: str, manifests: dict[int, list[Manifest]]
     ) -> bool:
         """Ask storage directly whether a version the listings call garbage is needed after all.
 
@@ -302,20 +307,21 @@ class VersionPinCommit(ConditionalPutCommit):
             return False  # not written by an attempt that recorded itself: the listings decide
         step = parsed[0]
         if step not in manifests:
-            try:
-                manifests[step] = self.read_manifest(step)
-            except CheckpointNotFoundError:
-                manifests[step] = None
-            except IntegrityError:
-                log.warning(
-                    "%s: step %d's manifest is unreadable; its versions stay", self.url, step
-                )
-                return True
-        manifest = manifests[step]
-        if manifest is None:
-            return False
+            found = []
+            for epoch in self.epoch_numbers():  # the attempt's epoch is not recorded with it
+                try:
+                    found.append(self.read_manifest(step, epoch))
+                except CheckpointNotFoundError:
+                    continue
+                except IntegrityError:
+                    log.warning(
+                        "%s: step %d's manifest is unreadable; its versions stay", self.url, step
+                    )
+                    return True
+            manifests[step] = found
         needed = any(
             (r.locator["key"], r.locator["version_id"]) == (version.key, version.version_id)
+            for manifest in manifests[step]
             for r in manifest.shards
         )
         if needed:

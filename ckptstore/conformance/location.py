@@ -203,10 +203,10 @@ class Location:
     def leftovers(self) -> set[str]:
         """Raw names that belong to no published checkpoint (nor to the store itself), apart
         from the foreign entries the suite planted (``strays``)."""
-        owned: set[str] = set(self.audit.fixed_names)
-        for step in self.base.published_steps():
+        owned: set[str] = set(self.audit.fixed_names) | self.audit.lineage_names()
+        for step, epoch in self.base.published_checkpoints():
             try:
-                owned |= self.audit.stored_names(self.base.read_manifest(step))
+                owned |= self.audit.stored_names(self.base.read_manifest(step, epoch))
             except CheckpointNotFoundError:
                 continue  # a stray named like a step, or unpublished since the listing
             except IntegrityError:

@@ -1,0 +1,212 @@
+"""A store's history as its readers see it: only checkpoints whose epoch owns their step (I9).
+
+``History`` stands between the Store and its commit strategy: every question the Store asks
+by step (is it published, its manifest, unpublish it, which steps are there) is answered for
+the one checkpoint of that step that is part of the history (docs/protocol.md §8.2), after
+reading the epochs *after* what it answers from, so that nothing superseded before it was
+published is ever returned. A store that was never taken over has only epoch 0, and answers
+exactly as before lineages, for one extra read of a record that does not exist.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from ckptstore.commit.base import CommitStrategy
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    EpochExistsError,
+    EpochNotFoundError,
+    StepOutsideEpochError,
+    SupersededError,
+)
+from ckptstore.lineage import Epoch, Lineage
+from ckptstore.manifest import Manifest, WriterInfo
+from ckptstore.names import check_epoch, check_step
+
+__all__ = ["History", "SupersededCheckpoint"]
+
+_TAKE_TRIES = 64
+"""Epoch numbers a takeover tries past the newest it read (others taking over at once)."""
+
+
+@dataclass(frozen=True)
+class SupersededCheckpoint:
+    """A checkpoint no reader returns: a later epoch resumed from below its step."""
+
+    step: int
+    epoch: int
+    owner: int
+    """The epoch that owns the step now (its checkpoint of the step may or may not exist)."""
+
+
+class History:
+    """The checkpoints of one history, by step, over a strategy that names them by epoch."""
+
+    def __init__(self, strategy: CommitStrategy[Any], clock: Callable[[], float]) -> None:
+        self.strategy = strategy
+        self.clock = clock
+        self._epochs: list[Epoch] = []
+        self._listed = False
+        self._lock = threading.Lock()
+
+    # -- the epochs ----------------------------------------------------------------------
+
+    def lineage(self) -> Lineage:
+        """The epochs as storage has them now: cached records, then each next number read
+        directly until one is missing (no listing: a listing may lag, and epochs are few)."""
+        with self._lock:
+            self._listed = True
+            while True:
+                number = len(self._epochs) + 1
+                data = self.strategy.read_epoch(number)
+                if data is None:
+                    break
+                self._epochs.append(self._decode(number, data))
+            return Lineage(tuple(self._epochs))
+
+    def _decode(self, number: int, data: bytes) -> Epoch:
+        where = f"{self.strategy.url}/epochs/epoch-{number:020d}"
+        return Epoch.decode(data, where=where, expected=number)
+
+    def take(self, resumed_from: int | None, note: str = "") -> Epoch:
+        """Create the next epoch, resumed from step ``resumed_from`` (None: a fresh start)."""
+        parent = None if resumed_from is None else check_step(resumed_from)
+        number = self.lineage().newest + 1
+        for _ in range(_TAKE_TRIES):
+            epoch = Epoch(
+                number=number,
+                parent=parent,
+                started_at=datetime.fromtimestamp(self.clock(), timezone.utc),
+                writer=WriterInfo.current(),
+                note=note,
+            )
+            try:
+                self.strategy.create_epoch(number, epoch.encode())
+            except EpochExistsError:
+                number = max(number + 1, self.lineage().newest + 1)
+                continue
+            self.lineage()  # ours, and any taken before it, are now known
+            return epoch
+        raise EpochExistsError(
+            f"{self.strategy.url}: {_TAKE_TRIES} epoch numbers in a row were taken by others "
+            f"while this run tried to take the store over"
+        )
+
+    def check_exists(self, epoch: int) -> None:
+        """Raise EpochNotFoundError unless ``epoch`` was taken (0 always was)."""
+        if not self.lineage().knows(check_epoch(epoch)):
+            raise EpochNotFoundError(
+                f"{self.strategy.url}: epoch {epoch} was never taken (newest: "
+                f"{self.lineage().newest}); take it over with Store.take_over first"
+            )
+
+    def check_writable(self, step: int, epoch: int, lineage: Lineage | None = None) -> None:
+        """Raise unless a writer of ``epoch`` may publish ``step`` now: SupersededError when a
+        newer epoch exists, StepOutsideEpochError when its parent is at or above ``step``.
+        ``lineage``: the epochs, if just read."""
+        lineage = self.lineage() if lineage is None else lineage
+        newer = lineage.superseded_by(epoch)
+        if newer is not None:
+            raise SupersededError(
+                f"{self.strategy.url}: this writer's epoch {epoch} was superseded by epoch "
+                f"{newer.number}, taken at {newer.started_at.isoformat(timespec='seconds')} by "
+                f"{newer.writer.host} (pid {newer.writer.pid}), resumed from "
+                f"{_parent_text(newer)}; step {step} was not published. A restarted run owns "
+                f"this store now: stop this process"
+            )
+        mine = lineage.epoch(epoch)
+        if mine is not None and mine.floor >= step:
+            raise StepOutsideEpochError(
+                f"{self.strategy.url}: step {step} is not after step {mine.parent}, which "
+                f"epoch {epoch} resumed from: it belongs to the history before the takeover "
+                f"and cannot be saved again in this epoch"
+            )
+
+    # -- the history, by step ------------------------------------------------------------
+
+    def steps(self, min_step: int = 0) -> list[int]:
+        """The steps named by a commit point of the history, ascending (from a listing, then
+        the epochs read after it)."""
+        listed = self.strategy.published_checkpoints(min_step)
+        lineage = self.lineage()
+        return sorted({step for step, epoch in listed if lineage.in_history(step, epoch)})
+
+    def superseded(self) -> list[SupersededCheckpoint]:
+        """Commit points that left the history (never returned again), ascending."""
+        listed = self.strategy.published_checkpoints()
+        lineage = self.lineage()
+        return [
+            SupersededCheckpoint(step, epoch, lineage.owner(step))
+            for step, epoch in listed
+            if lineage.knows(epoch) and lineage.owner(step) != epoch
+        ]
+
+    def owner(self, step: int) -> int:
+        """The epoch whose checkpoint of ``step`` is the history's, as of the epochs known
+        (read first if none were)."""
+        if not self._listed:
+            return self.lineage().owner(step)
+        with self._lock:
+            known = Lineage(tuple(self._epochs))
+        return known.owner(step)
+
+    def is_published(self, step: int, lineage: Lineage | None = None) -> bool:
+        """Whether the history has a commit point at ``step`` (``lineage``: if just read)."""
+        lineage = self.lineage() if lineage is None else lineage
+        return _is_published(self.strategy, step, lineage.owner(step))
+
+    def read_manifest(self, step: int) -> Manifest:
+        """The manifest of the history's checkpoint at ``step``.
+
+        The epochs are read again after the manifest: if a takeover made another epoch the
+        step's owner meanwhile, that epoch's checkpoint is read instead (CheckpointNotFoundError
+        if it has none), so a checkpoint superseded before it was published is never returned.
+        """
+        epoch = self.owner(step)
+        while True:  # owners only move to newer epochs: this ends
+            try:
+                manifest = _read_manifest(self.strategy, step, epoch)
+            except CheckpointNotFoundError:
+                owner = self.lineage().owner(step)
+                if owner == epoch:
+                    raise
+                epoch = owner
+                continue
+            owner = self.lineage().owner(step)
+            if owner == epoch:
+                return manifest
+            epoch = owner
+
+    def read_manifest_of(self, step: int, epoch: int) -> Manifest:
+        """The manifest of checkpoint (``step``, ``epoch``), in the history or not."""
+        return _read_manifest(self.strategy, step, epoch)
+
+    def unpublish(self, step: int, epoch: int | None = None) -> None:
+        """Unpublish the history's checkpoint at ``step`` (or that of ``epoch``)."""
+        epoch = self.lineage().owner(step) if epoch is None else epoch
+        if epoch == 0:
+            self.strategy.unpublish(step)
+        else:
+            self.strategy.unpublish(step, epoch)
+
+
+def _read_manifest(strategy: CommitStrategy[Any], step: int, epoch: int) -> Manifest:
+    # Epoch 0 is asked for as before lineages: a strategy without them takes no epoch.
+    if epoch == 0:
+        return strategy.read_manifest(step)
+    return strategy.read_manifest(step, epoch)
+
+
+def _is_published(strategy: CommitStrategy[Any], step: int, epoch: int) -> bool:
+    if epoch == 0:
+        return strategy.is_published(step)
+    return strategy.is_published(step, epoch)
+
+
+def _parent_text(epoch: Epoch) -> str:
+    return "a fresh start" if epoch.parent is None else f"step {epoch.parent}"

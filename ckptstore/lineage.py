@@ -1,0 +1,142 @@
+"""A store's epochs decide its one history: every step has exactly one owner epoch (I9).
+
+The rule, and why it holds: docs/protocol.md §8. An epoch is taken by a run that takes the
+store over; it records the step the run resumed from (its parent). The owner of step s is the
+newest epoch whose parent is below s (a fresh start counting as -1, epoch 0 being the implicit
+epoch of every store before its first takeover), and a checkpoint is part of the history only
+if its epoch owns its step. Epochs are only ever added, so a checkpoint that leaves the history
+never returns to it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from ckptstore.checksum import crc32c_hex
+from ckptstore.errors import LineageCorruptError
+from ckptstore.manifest import WriterInfo
+from ckptstore.names import check_epoch, check_step
+
+__all__ = ["EPOCH_FORMAT", "MAX_EPOCH_RECORD_BYTES", "Epoch", "Lineage"]
+
+EPOCH_FORMAT = "ckptstore.epoch"
+MAX_EPOCH_RECORD_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One takeover of a store: its number, the step it resumed from, when and by whom."""
+
+    number: int
+    parent: int | None
+    """The step the run resumed from; None for a fresh start (it supersedes every step)."""
+    started_at: datetime
+    writer: WriterInfo
+    note: str = ""
+    """Free text from the taker (a job id, a launcher's name), shown by ``ckptstore ls``."""
+
+    @property
+    def floor(self) -> int:
+        """The parent as a number: the epoch owns steps above it (-1 for a fresh start)."""
+        return -1 if self.parent is None else self.parent
+
+    def encode(self) -> bytes:
+        """Serialise to UTF-8 JSON with an embedded CRC32C of the canonical form."""
+        document = self._document()
+        document["checksum"] = _checksum(document)
+        return json.dumps(document, indent=1, sort_keys=True).encode("utf-8")
+
+    def _document(self) -> dict[str, Any]:
+        return {
+            "format": EPOCH_FORMAT,
+            "epoch": self.number,
+            "parent": self.parent,
+            "started_at": self.started_at.astimezone(timezone.utc).isoformat(),
+            "writer": {"host": self.writer.host, "pid": self.writer.pid},
+            "note": self.note,
+        }
+
+    @classmethod
+    def decode(cls, data: bytes, *, where: str, expected: int) -> Epoch:
+        """Parse and check a stored record; LineageCorruptError naming ``where`` if it is not
+        the intact record of epoch ``expected``."""
+        try:
+            if len(data) > MAX_EPOCH_RECORD_BYTES:
+                raise ValueError(f"larger than {MAX_EPOCH_RECORD_BYTES} bytes")
+            document = json.loads(data.decode("utf-8"))
+            if not isinstance(document, dict) or document.get("format") != EPOCH_FORMAT:
+                raise ValueError("not a ckptstore epoch record")
+            if document.get("checksum") != _checksum(document):
+                raise ValueError("checksum mismatch (tampered or corrupted)")
+            parent = document["parent"]
+            writer = document["writer"]
+            epoch = cls(
+                number=check_epoch(document["epoch"]),
+                parent=None if parent is None else check_step(parent),
+                started_at=datetime.fromisoformat(document["started_at"]),
+                writer=WriterInfo(host=str(writer["host"]), pid=int(writer["pid"])),
+                note=str(document.get("note", "")),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise LineageCorruptError(f"{where}: epoch record is unreadable: {exc}") from exc
+        if epoch.number != expected or epoch.number == 0:
+            raise LineageCorruptError(
+                f"{where}: epoch record is for epoch {epoch.number}, stored as epoch {expected}"
+            )
+        return epoch
+
+
+def _checksum(document: Mapping[str, Any]) -> str:
+    body = {key: value for key, value in document.items() if key != "checksum"}
+    return crc32c_hex(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """The epochs a store had when they were read, in order, without gaps: 1 .. newest."""
+
+    epochs: tuple[Epoch, ...] = ()
+
+    @classmethod
+    def of(cls, epochs: Iterable[Epoch]) -> Lineage:
+        """The lineage of ``epochs``, which must be numbered 1, 2, ... without a gap."""
+        ordered = tuple(sorted(epochs, key=lambda epoch: epoch.number))
+        for index, epoch in enumerate(ordered, start=1):
+            if epoch.number != index:
+                raise LineageCorruptError(f"epoch {index} is missing below epoch {epoch.number}")
+        return cls(ordered)
+
+    @property
+    def newest(self) -> int:
+        """The newest epoch's number (0: the store was never taken over)."""
+        return len(self.epochs)
+
+    def epoch(self, number: int) -> Epoch | None:
+        """The record of epoch ``number``; None for epoch 0 (implicit) or one not read."""
+        if 1 <= number <= len(self.epochs):
+            return self.epochs[number - 1]
+        return None
+
+    def owner(self, step: int) -> int:
+        """The epoch whose checkpoint of ``step`` is part of the history: the newest whose
+        parent is below ``step`` (epoch 0 when none is)."""
+        for epoch in reversed(self.epochs):
+            if epoch.floor < step:
+                return epoch.number
+        return 0
+
+    def knows(self, epoch: int) -> bool:
+        """Whether ``epoch`` is one of the epochs read (0 always is)."""
+        return 0 <= epoch <= len(self.epochs)
+
+    def in_history(self, step: int, epoch: int) -> bool:
+        """Whether checkpoint (``step``, ``epoch``) is part of the store's history."""
+        return self.knows(epoch) and self.owner(step) == epoch
+
+    def superseded_by(self, epoch: int) -> Epoch | None:
+        """The first epoch newer than ``epoch``, if there is one: the writer's supersessor."""
+        return self.epoch(epoch + 1) if epoch < len(self.epochs) else None
