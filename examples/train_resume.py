@@ -132,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         counters = load_state(latest, components)["counters"]
         step = latest.step
         say(f"resumed from step {step}")
+    # This run owns the store from here: a zombie of an earlier run (still saving after a
+    # requeue) can no longer publish into the history this run continues.
+    epoch = store.take_over(resumed_from=None if latest is None else latest.step)
+    say(f"took over the store as epoch {epoch.number}")
     saver = AsyncSaver(store, max_in_flight=1) if args.use_async else None
 
     while step < args.steps:

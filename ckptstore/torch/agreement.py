@@ -17,7 +17,7 @@ from ckptstore.checkpoint import Checkpoint
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
 from ckptstore.store import Store
 
-__all__ = ["agreed_checkpoint", "in_multi_rank_job"]
+__all__ = ["agreed_checkpoint", "in_multi_rank_job", "take_over"]
 
 COORDINATOR = 0
 
@@ -25,6 +25,35 @@ COORDINATOR = 0
 def in_multi_rank_job(group: Any = None) -> bool:
     """True in an initialised torch.distributed job whose ``group`` has more than one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def take_over(store: Store, resumed_from: int | None, *, group: Any = None) -> int:
+    """Take the store over for this job once, on the coordinator, and have every rank of
+    ``group`` write in that epoch; a collective call in a multi-rank job. Returns the epoch.
+
+    ``resumed_from``: the step every rank loaded (``agreed_checkpoint``), None for a fresh
+    start. Outside a multi-rank job the process takes the store over itself.
+    """
+    if not in_multi_rank_job(group):
+        return store.take_over(resumed_from).number
+    coordinator = dist.get_global_rank(group, COORDINATOR) if group is not None else COORDINATOR
+    decision: list[Any] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank(group) == COORDINATOR:
+        try:
+            decision = [("ok", store.take_over(resumed_from).number)]
+        except Exception as exc:  # every rank must hear of it, or the others wait forever
+            failure = exc
+            decision = [("error", f"{type(exc).__name__}: {exc}")]
+    dist.broadcast_object_list(decision, src=coordinator, group=group)
+    if failure is not None:
+        raise failure
+    status, value = decision[0]
+    if status != "ok":
+        raise CkptStoreError(f"{store.url}: the coordinator could not take the store over: {value}")
+    if dist.get_rank(group) != COORDINATOR:
+        store.join_epoch(int(value))
+    return int(value)
 
 
 def agreed_checkpoint(store: Store, step: int | None = None, *, group: Any = None) -> Checkpoint:
