@@ -32,6 +32,7 @@ M comes from the option, until the store records when each run started
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import statistics
 from collections.abc import Iterable, Sequence
@@ -47,6 +48,8 @@ from ckptstore.errors import (
 )
 from ckptstore.manifest import Manifest
 from ckptstore.store import Store
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_RECENT",
@@ -261,14 +264,15 @@ def advise(
     mtbi: timedelta | float | None = None,
     recent: int = DEFAULT_RECENT,
     restart: timedelta | float = 0.0,
-    run_starts: Iterable[datetime] = (),
+    run_starts: Iterable[datetime] | None = None,
     now: datetime | None = None,
 ) -> IntervalAdvice:
     """Recommend a checkpoint interval from the newest ``recent`` checkpoints of ``store``.
 
     For trainers that adapt their interval as they run, and for ``ckptstore advise``.
     ``mtbi``: the mean time between interruptions (seconds or a timedelta), used unless
-    ``run_starts`` (when each run of the job started) holds at least MIN_RESTARTS restarts.
+    ``run_starts`` (when each run of the job started; default: when each epoch of the store
+    was taken, docs/protocol.md §8) holds at least MIN_RESTARTS restarts.
     ``restart``: the time from an interruption to training again (only the table uses it).
 
     Raises NotEnoughSavesError when fewer than MIN_SAVES of those checkpoints record timings,
@@ -276,6 +280,8 @@ def advise(
     """
     if isinstance(recent, bool) or not isinstance(recent, int) or recent < MIN_SAVES:
         raise InvalidOptionError(f"recent must be a whole number >= {MIN_SAVES}, got {recent!r}")
+    if run_starts is None:
+        run_starts = _epoch_starts(store)
     return advise_from_manifests(
         _recent_manifests(store, recent),
         mtbi=mtbi,
@@ -284,6 +290,15 @@ def advise(
         now=now,
         where=store.url,
     )
+
+
+def _epoch_starts(store: Store) -> list[datetime]:
+    """When each run that took the store over started (none if an epoch is unreadable)."""
+    try:
+        return [epoch.started_at for epoch in store.lineage().epochs]
+    except IntegrityError as exc:
+        log.warning("%s: restarts not counted: %s", store.url, exc)
+        return []
 
 
 def _recent_manifests(store: Store, recent: int) -> list[Manifest]:

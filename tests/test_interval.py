@@ -334,3 +334,27 @@ def test_a_store_whose_manifests_record_no_timings_says_so(
         NotEnoughSavesError, match=r"1 checkpoint\(s\) with recorded timings \(of 4\)"
     ):
         advise(store, mtbi=HOUR)
+
+
+def test_advise_measures_m_from_the_epochs_runs_took(tmp_path: Path) -> None:
+    """Each run that takes the store over records when it started (docs/protocol.md §8): with
+    enough restarts, M is the time observed over the restarts, not the option."""
+    now = [1_800_000_000.0]
+    url = f"file://{tmp_path}/run"
+    step = 0
+    for _run in range(MIN_RESTARTS + 1):  # the first start, then MIN_RESTARTS restarts
+        store = ckptstore.open(url, clock=lambda: now[0])
+        latest = store.latest()
+        store.take_over(resumed_from=None if latest is None else latest.step)
+        for _ in range(2):
+            step += 1
+            store.save(step, {"w": b"x"})
+        now[0] += 4 * HOUR
+    started = [epoch.started_at for epoch in store.lineage().epochs]
+    assert len(started) == MIN_RESTARTS + 1
+    advice = advise(store, mtbi=timedelta(hours=1), now=started[-1])
+    assert (advice.mtbi_s, advice.mtbi_source) == (4 * HOUR, "restarts")
+    assert advice.young_s == pytest.approx(math.sqrt(2 * advice.cost.median * 4 * HOUR))
+    status, text = run("advise", url, "--json")  # no --mtbi: the restarts suffice
+    assert status == 0, text
+    assert json.loads(text)["mtbi_source"] == "restarts"
