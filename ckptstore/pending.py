@@ -22,6 +22,7 @@ from ckptstore.errors import (
     CheckpointStateError,
     CoverageError,
     InvalidInputError,
+    LineageError,
     ShardExistsError,
     StorageError,
 )
@@ -406,7 +407,8 @@ class PendingCheckpoint:
 
         Seals every shard, then commits the manifest. Refused shard coverage or a storage
         error while sealing: aborted, nothing published. The step published meanwhile by
-        another attempt: CheckpointExistsError, this attempt's data removed. Any other failure
+        another attempt: CheckpointExistsError, and a writer superseded by a takeover:
+        SupersededError, this attempt's data removed in both cases. Any other failure
         of the commit leaves the outcome to read back: the state is FAILED and the staged data
         stays for GC (a late commit may reference it).
         """
@@ -426,7 +428,7 @@ class PendingCheckpoint:
         self._move(PendingState.PUBLISHING)
         try:
             checkpoint = self._owner.publish(self, shards)
-        except CheckpointExistsError:
+        except (CheckpointExistsError, LineageError):  # certain: nothing was published
             self._move(PendingState.FAILED)
             self._discard()
             raise
