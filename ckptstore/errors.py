@@ -23,6 +23,8 @@ and ``except ValueError`` keep working in code that does not know ckptstore::
     ├── CoverageError                             expected shards missing at publish
     ├── RefusedError                              an operation that would break I3 without force
     ├── NotEnoughSavesError                       too few saves with timings to measure from
+    ├── ReplicationError                          a checkpoint not (yet) copied to the durable tier
+    │   └── ReplicationTimeoutError (TimeoutError)
     ├── IntegrityError                            stored data is not what was committed (I6)
     │   ├── ManifestCorruptError
     │   ├── ShardCorruptError
@@ -65,6 +67,8 @@ __all__ = [
     "PreconditionFailedError",
     "PreconditionInferredError",
     "RefusedError",
+    "ReplicationError",
+    "ReplicationTimeoutError",
     "ShardCorruptError",
     "ShardExistsError",
     "ShardMissingError",
@@ -158,6 +162,17 @@ class RefusedError(CkptStoreError):
 class NotEnoughSavesError(CkptStoreError):
     """The store holds too few checkpoints with recorded timings to measure what a save costs
     the trainer and how fast it steps (``ckptstore advise``); nothing is wrong with them."""
+
+
+class ReplicationError(CkptStoreError):
+    """A tiered store could not copy checkpoints to its durable tier (it is unreachable, or a
+    copy did not match the first write's CRC32C). Nothing published is lost: the checkpoints
+    stay in the fast tier, and the next replication pass, in this process or a later one,
+    copies them."""
+
+
+class ReplicationTimeoutError(ReplicationError, TimeoutError):
+    """Waiting for the durable tier to catch up took longer than the timeout given."""
 
 
 class IntegrityError(CkptStoreError):

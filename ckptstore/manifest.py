@@ -29,6 +29,7 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "MAX_METADATA_DEPTH",
     "Manifest",
+    "ReplicaSource",
     "ShardRecord",
     "WriterInfo",
     "check_metadata",
@@ -86,6 +87,21 @@ class WriterInfo:
 
 
 @dataclass(frozen=True)
+class ReplicaSource:
+    """Where a replicated checkpoint was first published: the store (its URL without the
+    query), the step and the attempt there, and when that attempt committed.
+
+    Only a copy made by the tiered store's replicator has one (docs/protocol.md, "Tiers"); its
+    shards' sizes and CRC32Cs are those the first write recorded.
+    """
+
+    url: str
+    step: int
+    attempt: str
+    committed_at: datetime
+
+
+@dataclass(frozen=True)
 class Manifest:
     """A checkpoint's complete description; publishing it is the commit point."""
 
@@ -99,6 +115,8 @@ class Manifest:
     metadata: JSONObject = field(default_factory=dict)
     backend: str = ""
     format_version: int = FORMAT_VERSION
+    source: ReplicaSource | None = None
+    """Set on a replica only: where the checkpoint was first published."""
 
     @property
     def total_size(self) -> int:
@@ -131,6 +149,9 @@ class Manifest:
             "timings": dict(self.timings),
             "metadata": dict(self.metadata),
             "shards": [_shard_document(s) for s in self.shards],
+            # Written only when set: manifests without it keep the document (and checksum)
+            # they always had, and readers of either kind accept both.
+            **({} if self.source is None else {"source": _source_document(self.source)}),
         }
 
     def encode(self) -> bytes:
@@ -329,6 +350,27 @@ def _from_document(document: object, where: str) -> Manifest:
         metadata=_require(document, "metadata", dict),
         backend=str(_require(document, "backend", str)),
         format_version=version,
+        source=_source_from_document(document["source"]) if "source" in document else None,
+    )
+
+
+def _source_document(source: ReplicaSource) -> dict[str, Any]:
+    return {
+        "url": source.url,
+        "step": source.step,
+        "attempt": source.attempt,
+        "committed_at": _iso(source.committed_at),
+    }
+
+
+def _source_from_document(entry: object) -> ReplicaSource:
+    if not isinstance(entry, dict):
+        raise TypeError("source is not an object")
+    return ReplicaSource(
+        url=str(_require(entry, "url", str)),
+        step=check_step(_require(entry, "step", int)),
+        attempt=check_attempt_id(entry["attempt"]),
+        committed_at=_parse_time(entry["committed_at"], "source.committed_at"),
     )
 
 

@@ -101,6 +101,7 @@ class Store:
         self.retention = retention
         self.clock = clock
         self._confirmed: dict[int, _Confirmed] = {}
+        self._publish_listeners: list[Callable[[int], None]] = []
 
     @property
     def url(self) -> str:
@@ -223,6 +224,7 @@ class Store:
             timings={"write_s": write_s, **pending.timings},
             metadata=pending.metadata,
             backend=self.strategy.name,
+            source=pending.source,
         )
         self.strategy.publish(manifest)
         return Checkpoint(manifest, self._opener, self.url, ranges=self._ranges)
@@ -246,6 +248,14 @@ class Store:
                 self.apply_retention()
             except CkptStoreError as exc:
                 log.warning("%s: step %d published; retention failed: %s", self.url, step, exc)
+        for listener in list(self._publish_listeners):
+            listener(step)
+
+    def on_publish(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(step)`` after each publish through this Store (after the LATEST
+        hint and retention): how a tiered store wakes its replicator. It runs in the publishing
+        thread and must not raise; the checkpoint is published whatever it does."""
+        self._publish_listeners.append(listener)
 
     def _abort(self, step: int, attempt: str) -> None:
         """Remove what an attempt staged; a storage error is left to GC, with a warning."""
