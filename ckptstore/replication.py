@@ -124,9 +124,10 @@ def replication_policy(value: object) -> ReplicationPolicy:
         return ReplicateNewest()
     if isinstance(value, str) and value.startswith("every:"):
         try:
-            return ReplicateEvery(int(value.removeprefix("every:")))
+            steps = int(value.removeprefix("every:"))
         except ValueError as exc:
             raise InvalidOptionError(f"replication={value!r}: N must be an integer") from exc
+        return ReplicateEvery(steps)
     raise InvalidOptionError(
         f"unknown replication policy {value!r}: use 'all', 'newest', 'every:N' (steps) or a "
         f"ckptstore.replication.ReplicationPolicy"
