@@ -24,7 +24,8 @@ from ckptstore.errors import (
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.retention import KeepEvery, KeepLast, KeepNewerThan, RetentionPolicy
 from ckptstore.store import Store
-from ckptstore.store import open_store as open  # open(url, **options) -> Store
+from ckptstore.tiered import TieredStore
+from ckptstore.tiered import open_checkpoints as open  # open(url, **options) -> Store
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,7 @@ __all__ = [
     "RetentionPolicy",
     "StorageError",
     "Store",
+    "TieredStore",
     "TransientStorageError",
     "open",
 ]

@@ -499,7 +499,17 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
             budget_s=args.budget,
         )
 
-    if args.urls:
+    if args.replicate_to:
+        from ckptstore.conformance.runner import run_tiered
+
+        if len(args.urls) != 1:
+            raise InvalidOptionError(
+                "--replicate-to DURABLE_URL needs exactly one URL: the fast store's"
+            )
+        reports = [
+            run_tiered(args.urls[0], args.replicate_to, progress=progress, on_layer=lambda r: None)
+        ]
+    elif args.urls:
         reports = run([Target(url) for url in args.urls], args.jobs or 1)
     else:  # the embedded defaults share the machine well: all at once unless told otherwise
         with embedded_targets(
@@ -744,6 +754,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--junit", metavar="FILE", type=_output_file, help="also write the report as JUnit XML"
     )
     p.add_argument("--yes", action="store_true", help="run even where the URL is not empty")
+    p.add_argument(
+        "--replicate-to",
+        metavar="DURABLE_URL",
+        default=None,
+        help="crash a tiered pair (URL fast, DURABLE_URL durable) at every storage call of its "
+        "replication, instead of the suite on URL alone (docs/tiers.md)",
+    )
     p.add_argument(
         "--budget",
         metavar="SECONDS",

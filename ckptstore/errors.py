@@ -28,6 +28,8 @@ and ``except ValueError`` keep working in code that does not know ckptstore::
     │   ├── StepOutsideEpochError                 the step belongs to the history resumed from
     │   ├── EpochNotFoundError (FileNotFoundError)   joining an epoch that was never taken
     │   └── EpochExistsError (FileExistsError)    the epoch number is taken (take_over retries)
+    ├── ReplicationError                          a checkpoint not (yet) copied to the durable tier
+    │   └── ReplicationTimeoutError (TimeoutError)
     ├── IntegrityError                            stored data is not what was committed (I6)
     │   ├── ManifestCorruptError
     │   ├── ShardCorruptError
@@ -75,6 +77,8 @@ __all__ = [
     "PreconditionFailedError",
     "PreconditionInferredError",
     "RefusedError",
+    "ReplicationError",
+    "ReplicationTimeoutError",
     "ShardCorruptError",
     "ShardExistsError",
     "ShardMissingError",
@@ -191,6 +195,17 @@ class EpochNotFoundError(LineageError, FileNotFoundError):
 
 class EpochExistsError(LineageError, FileExistsError):
     """An epoch record with that number exists already (records are created if absent)."""
+
+
+class ReplicationError(CkptStoreError):
+    """A tiered store could not copy checkpoints to its durable tier (it is unreachable, or a
+    copy did not match the first write's CRC32C). Nothing published is lost: the checkpoints
+    stay in the fast tier, and the next replication pass, in this process or a later one,
+    copies them."""
+
+
+class ReplicationTimeoutError(ReplicationError, TimeoutError):
+    """Waiting for the durable tier to catch up took longer than the timeout given."""
 
 
 class IntegrityError(CkptStoreError):

@@ -29,6 +29,7 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "MAX_METADATA_DEPTH",
     "Manifest",
+    "ReplicaSource",
     "ShardRecord",
     "WriterInfo",
     "check_metadata",
@@ -86,6 +87,21 @@ class WriterInfo:
 
 
 @dataclass(frozen=True)
+class ReplicaSource:
+    """Where a replicated checkpoint was first published: the store (its URL without the
+    query), the step and the attempt there, and when that attempt committed.
+
+    Only a copy made by the tiered store's replicator has one (docs/protocol.md, "Tiers"); its
+    shards' sizes and CRC32Cs are those the first write recorded.
+    """
+
+    url: str
+    step: int
+    attempt: str
+    committed_at: datetime
+
+
+@dataclass(frozen=True)
 class Manifest:
     """A checkpoint's complete description; publishing it is the commit point."""
 
@@ -102,6 +118,8 @@ class Manifest:
     epoch: int = 0
     """The lineage epoch the checkpoint was written in (docs/protocol.md §8); 0 before any
     takeover, and in manifests written before lineages (the field is then absent)."""
+    source: ReplicaSource | None = None
+    """Set on a replica only: where the checkpoint was first published."""
 
     @property
     def total_size(self) -> int:
@@ -134,7 +152,11 @@ class Manifest:
             "timings": dict(self.timings),
             "metadata": dict(self.metadata),
             "shards": [_shard_document(s) for s in self.shards],
-        } | ({"epoch": self.epoch} if self.epoch else {})
+            # Written only when set: manifests without it keep the document (and checksum)
+            # they always had, and readers of either kind accept both.
+            **({} if self.source is None else {"source": _source_document(self.source)}),
+            **({"epoch": self.epoch} if self.epoch else {}),
+        }
 
     def encode(self) -> bytes:
         """Serialise to UTF-8 JSON with an embedded CRC32C of the canonical form."""
@@ -345,6 +367,27 @@ def _from_document(document: object, where: str) -> Manifest:
         backend=str(_require(document, "backend", str)),
         format_version=version,
         epoch=epoch,
+        source=_source_from_document(document["source"]) if "source" in document else None,
+    )
+
+
+def _source_document(source: ReplicaSource) -> dict[str, Any]:
+    return {
+        "url": source.url,
+        "step": source.step,
+        "attempt": source.attempt,
+        "committed_at": _iso(source.committed_at),
+    }
+
+
+def _source_from_document(entry: object) -> ReplicaSource:
+    if not isinstance(entry, dict):
+        raise TypeError("source is not an object")
+    return ReplicaSource(
+        url=str(_require(entry, "url", str)),
+        step=check_step(_require(entry, "step", int)),
+        attempt=check_attempt_id(entry["attempt"]),
+        committed_at=_parse_time(entry["committed_at"], "source.committed_at"),
     )
 
 

@@ -26,7 +26,7 @@ from ckptstore.errors import (
     ShardExistsError,
     StorageError,
 )
-from ckptstore.manifest import JSONValue, ShardRecord, WriterInfo
+from ckptstore.manifest import JSONValue, ReplicaSource, ShardRecord, WriterInfo
 from ckptstore.names import check_shard_name
 
 if TYPE_CHECKING:
@@ -236,6 +236,9 @@ class PendingCheckpoint:
         self.started = time.time()
         self.started_perf = time.perf_counter()
         self.timings: dict[str, float] = {}
+        self.source: ReplicaSource | None = None
+        """Set by a replicator (``ckptstore.replication``): the manifest records where the
+        checkpoint was first published."""
         self._owner = owner
         self._lock = threading.Lock()
         self._records: dict[str, ShardRecord] = {}

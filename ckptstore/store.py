@@ -106,6 +106,7 @@ class Store:
         self._confirmed: dict[int, _Confirmed] = {}
         self._history = History(strategy, clock)
         self._epoch: int | None = None
+        self._publish_listeners: list[Callable[[int], None]] = []
 
     @property
     def url(self) -> str:
@@ -274,6 +275,7 @@ class Store:
             metadata=pending.metadata,
             backend=self.strategy.name,
             epoch=self._writer_epoch(),
+            source=pending.source,
         )
         # Just before the commit point: a writer superseded since it began publishes nothing.
         # A takeover after this check is the race the readers' rule covers (§8.2).
@@ -300,6 +302,14 @@ class Store:
                 self.apply_retention()
             except CkptStoreError as exc:
                 log.warning("%s: step %d published; retention failed: %s", self.url, step, exc)
+        for listener in list(self._publish_listeners):
+            listener(step)
+
+    def on_publish(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(step)`` after each publish through this Store (after the LATEST
+        hint and retention): how a tiered store wakes its replicator. It runs in the publishing
+        thread and must not raise; the checkpoint is published whatever it does."""
+        self._publish_listeners.append(listener)
 
     def _abort(self, step: int, attempt: str) -> None:
         """Remove what an attempt staged; a storage error is left to GC, with a warning."""

@@ -25,7 +25,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     COMMIT: ("commit",),
     BACKENDS: ("backends",),
-    CORE: ("checkpoint", "pending", "store", "history", "registry", "interval", ""),
+    CORE: (
+        "checkpoint", "pending", "store", "history", "registry", "interval", "replication",
+        "tiered", "",
+    ),
     TORCH: ("torch",),
     TRAINERS: ("directory", "huggingface", "lightning"),
     TOOLING: ("conformance", "cli", "cli_directory", "tools"),

@@ -158,6 +158,9 @@ class FaultInjector:
         """Called before each call that may change what the storage holds, with the names it
         may change (None: not known)."""
         self._paths: dict[int, str] = {}
+        self.on_death: Callable[[SimulatedCrash], None] | None = None
+        """Called when the process dies at one of this driver's calls: a process that uses
+        two stores (a tiered store) dies for both (``FaultInjector.kill`` the other)."""
         self.plan = plan or FaultPlan()
         self.calls: list[CallRecord] = []
         self.crashed = False
@@ -284,6 +287,15 @@ class FaultInjector:
                 self._in_flight -= 1
 
     def _die(self, record: CallRecord, mode: CrashMode, previous: CallRecord | None = None) -> None:
+        death = SimulatedCrash(f"crash at call {record}", record, mode, previous)
+        self.kill(death)
+        raise death
+
+    def kill(self, death: SimulatedCrash) -> None:
+        """The process died of ``death`` (here, or at a call of another driver it used): every
+        later call fails, and the descriptors it held are closed. ``on_death`` hears of it."""
+        if self.crashed:
+            return
         self.crashed = True
         for handle in list(self._handles):  # the kernel closes a dead process's descriptors
             try:
@@ -291,8 +303,9 @@ class FaultInjector:
             except OSError:
                 pass
         self._handles.clear()
-        self.death = SimulatedCrash(f"crash at call {record}", record, mode, previous)
-        raise self.death
+        self.death = death
+        if self.on_death is not None:
+            self.on_death(death)
 
 
 class _Materialised(Iterator[Any]):

@@ -39,7 +39,7 @@ from ckptstore.driver import DriverFamily, driver_family
 from ckptstore.errors import InvalidOptionError, RefusedError
 from ckptstore.store import Store
 
-__all__ = ["Target", "run_backend"]
+__all__ = ["Target", "run_backend", "run_tiered"]
 
 log = logging.getLogger(__name__)
 
@@ -519,3 +519,64 @@ def _shrunk(message: str, error: BaseException, printed: list[str]) -> str:
     if not steps:
         return message
     return message + "\n  shrunk failing sequence:\n" + "\n".join("    " + s for s in steps)
+
+
+TIERED_NOT_COVERED = ("I5", "I6", "I8")
+
+
+def run_tiered(
+    url: str,
+    durable_url: str,
+    *,
+    options: dict[str, Any] | None = None,
+    durable_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+    on_layer: Callable[[BackendReport], None] | None = None,
+) -> BackendReport:
+    """Crash a tiered pair (``url`` fast, ``durable_url`` durable) at every storage call of
+    its replication (``tiers``); each store alone is proved by ``run_backend`` on its URL.
+
+    The report is the pair's: I1 to I4 and I7 of each tier, across tiers, and after a
+    restarted replicator; I5, I6 and I8 are not applicable here (each store's own run checks
+    them; a copy is an ordinary save of the durable store's protocol).
+    """
+    from ckptstore.conformance.tiers import (
+        TIERED_INVARIANTS,
+        TieredPairFactory,
+        run_tiered_crash_points,
+    )
+
+    say = progress or (lambda message: None)
+    started = time.monotonic()
+    report = BackendReport(url=f"{url} -> {durable_url}", strategy="tiered")
+    written = on_layer or (lambda report: None)
+    for key in TIERED_NOT_COVERED:
+        report.not_applicable(key, "checked by the suite on each store's own URL")
+    factory = TieredPairFactory(
+        LocationFactory(url, options), LocationFactory(durable_url, durable_options)
+    )
+
+    def crash_points() -> None:
+        result = run_tiered_crash_points(factory, workers=CRASH_WORKERS)
+        report.checked(*TIERED_INVARIANTS)
+        for failure in result.failures:
+            report.violated(failure.invariant, f"{failure.case}: {failure.message}")
+        _undecided(report, TIERED_INVARIANTS, result)
+        report.coverage["replication crash points"] = (
+            f"{result.calls} storage calls of both tiers: {max(result.cases - 1, 0)} crashes "
+            f"(before each call of either driver that leaves a distinct state, and after the "
+            f"last; the fast tier's calls from the first replication pass on), each recovered "
+            f"by a new replicator, GC'd and checked" + _retries(result)
+        )
+
+    with _quiet():
+        say("replication crash points")
+        _layer(
+            report,
+            "replication crash points",
+            TIERED_INVARIANTS,
+            crash_points,
+            started=started,
+            written=written,
+        )
+    return report

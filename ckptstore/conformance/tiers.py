@@ -1,0 +1,387 @@
+"""Crash points inside replication: a tiered pair, crashed at every storage call of both tiers.
+
+The tiered workload runs on a fresh location of each store (the fast one and the durable
+one), each driver wrapped in a fault injector, with the replicator run in the workload's
+thread (no background thread: its calls are numbered like the trainer's). It saves two
+checkpoints, replicates them, saves a third (the fast tier's retention then removes what is
+durable and keeps what is owed), replicates it (the durable tier's retention removes the
+oldest copy), reads the newest across tiers and collects garbage in both. It is run once to
+count the calls of each driver; then, for every call of either, again with the process dying
+before it, and after it took effect (as ``workload.crash_cases`` chooses them). The process
+dies for both stores at once: a death at a durable call stops the fast driver too.
+
+After each crash a restarted trainer (a new TieredStore, so a new replicator) is checked:
+each tier against a model of its own (I1 to I4: the durable tier's model learns of a copy
+when the replicator begins it, and holds it committed once the durable publish returned, with
+exactly the shards and metadata the trainer saved); the newest checkpoint across tiers is what
+``latest()`` answers (I4); the new replicator copies what was published in the fast tier and
+not yet in the durable one (else I2: it would never be durable); every durable copy names its
+source step; GC in both tiers leaves nothing a crash left (I7); and a save after recovery
+reaches both tiers.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from ckptstore.conformance.faults import (
+    CallRecord,
+    CrashMode,
+    FaultInjector,
+    FaultPlan,
+    SimulatedCrash,
+)
+from ckptstore.conformance.location import Location, LocationFactory
+from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
+from ckptstore.conformance.workload import (
+    _AGE,
+    GRACE,
+    LONG_AGE,
+    CrashPointResult,
+    _retried,
+    _run_case,
+    _undecided,
+    crash_cases,
+    pattern,
+    save,
+)
+from ckptstore.driver import Capability
+from ckptstore.errors import CkptStoreError
+from ckptstore.manifest import Manifest
+from ckptstore.replication import ReplicateAll, ReplicationPolicy, Replicator
+from ckptstore.retention import KeepLast
+from ckptstore.tiered import TieredStore
+
+__all__ = ["TIERED_INVARIANTS", "TieredPair", "TieredPairFactory", "run_tiered_crash_points"]
+
+TIERED_INVARIANTS = ("I1", "I2", "I3", "I4", "I7")
+TIERS = ("fast", "durable")
+
+
+class TieredPair:
+    """A fresh location in each of two stores, and a model of each."""
+
+    def __init__(
+        self,
+        fast: Location,
+        durable: Location,
+        policy: Callable[[], ReplicationPolicy] = ReplicateAll,
+    ) -> None:
+        self.fast = fast
+        self.durable = durable
+        self.policy = policy
+        self.models = {"fast": Model(), "durable": Model()}
+
+    def observe(self) -> object:
+        """What a crash before the next call would leave besides storage (see ``FaultPlan``)."""
+        return (
+            self.models["fast"].events,
+            self.models["durable"].events,
+            self.fast.clock.offset,
+            self.durable.clock.offset,
+        )
+
+    def open(self, plans: dict[str, FaultPlan] | None = None) -> TieredStore:
+        """A TieredStore over the pair (the trainer's and the replicator's Stores are the same,
+        one thread), each driver in a fault injector; a death at either is a death for both.
+        The durable tier's model is told of each copy the replicator makes."""
+        plans = plans or {}
+        fast, fast_faults = self.fast.open(plans.get("fast"), retention=KeepLast(1))
+        durable, durable_faults = self.durable.open(plans.get("durable"), retention=KeepLast(2))
+        fast_faults.on_death = durable_faults.kill
+        durable_faults.on_death = fast_faults.kill
+        replicator = Replicator(fast, durable, self.policy())
+        _tell_model(replicator, self.models["durable"])
+        return TieredStore(fast, durable, replicator, background=False)
+
+    def injectors(self, store: TieredStore) -> dict[str, FaultInjector]:
+        """The fault injectors under ``store``'s two tiers."""
+        found = {}
+        for tier, tier_store in (("fast", store.fast), ("durable", store.durable)):
+            injector = tier_store.strategy.driver
+            assert isinstance(injector, FaultInjector)  # Location.open puts one under each
+            found[tier] = injector
+        return found
+
+    def destroy(self) -> None:
+        """Remove both locations (best effort)."""
+        self.fast.destroy()
+        self.durable.destroy()
+
+
+def _tell_model(replicator: Replicator, model: Model) -> None:
+    """Tell ``model`` of each copy: in doubt from its start, committed once the durable
+    publish returned (before the hint and retention), as ``workload.save`` does for saves."""
+    replicate = replicator.replicate
+    strategy = replicator.durable.strategy
+    publish = strategy.publish
+    copying: dict[int, Saved] = {}
+
+    def replicate_and_tell(step: int) -> bool:
+        try:
+            source = replicator.fast.get(step)
+        except CkptStoreError:
+            return replicate(step)  # gone (or unreadable): the replicator decides
+        saved = Saved(step, {n: source.read(n) for n in source.names}, dict(source.metadata))
+        model.save_started(saved)
+        copying[step] = saved
+        try:
+            return replicate(step)
+        finally:
+            copying.pop(step, None)
+
+    def publish_and_tell(manifest: Manifest) -> None:
+        publish(manifest)
+        saved = copying.get(manifest.step)
+        if saved is not None:
+            model.save_committed(saved)
+
+    replicator.replicate = replicate_and_tell  # type: ignore[method-assign]
+    strategy.publish = publish_and_tell  # type: ignore[method-assign]
+
+
+@dataclass
+class TieredPairFactory:
+    """Fresh pairs: a location under each of two URLs."""
+
+    fast: LocationFactory
+    durable: LocationFactory
+    policy: Callable[[], ReplicationPolicy] = ReplicateAll
+    """Makes each replicator's policy (the suite's own tests put a broken one here)."""
+
+    def __call__(self) -> TieredPair:
+        return TieredPair(self.fast(), self.durable(), self.policy)
+
+
+def _shards(step: int, big: int) -> dict[str, bytes]:
+    shards = {"model/rank00000.bin": pattern(3000, step), "trainer.json": b'{"step": %d}' % step}
+    if big:
+        shards["optimizer/big.bin"] = pattern(big, step + 2)
+    return shards
+
+
+def _big(location: Location) -> int:
+    """A shard of two parts where the durable storage has multipart uploads."""
+    strategy = location.base
+    part = int(getattr(strategy, "part_size", 0) or 0)
+    return part + 123 if part and Capability.MULTIPART in strategy.capabilities else 0
+
+
+def tiered_workload(
+    pair: TieredPair,
+    plans: dict[str, FaultPlan],
+    *,
+    on_first_pass: Callable[[], object] = lambda: None,
+) -> TieredStore:
+    """Two saves, replicated; a third (fast retention), replicated (durable retention); the
+    newest read across tiers; GC of both tiers, past the grace period."""
+    store = pair.open(plans)
+    fast_model, durable_model = pair.models["fast"], pair.models["durable"]
+    big = _big(pair.durable)
+    for step in (1, 2):
+        save(store.fast, fast_model, Saved(step, _shards(step, big), {"step": step}))
+    on_first_pass()
+    store.replicator.run_pass()
+    fast_model.removal_started({1, 2}, explicit=False)  # replicated: no longer owed
+    save(store.fast, fast_model, Saved(3, _shards(3, big), {"step": 3}))
+    durable_model.removal_started({1}, explicit=False)  # KeepLast(2) after step 3's copy
+    store.replicator.run_pass()
+    latest = store.latest()
+    if latest is not None:
+        for name in latest.names:
+            latest.read(name)
+    for location, model in ((pair.fast, fast_model), (pair.durable, durable_model)):
+        location.clock.advance(_AGE)
+        model.gc_started()
+    store.gc(grace=GRACE)
+    return store
+
+
+def recover_and_check(pair: TieredPair) -> None:
+    """A restarted trainer and replicator: check both tiers, replicate what is owed, check
+    across tiers, GC, audit, save once more."""
+    store = pair.open()
+    fast_model, durable_model = pair.models["fast"], pair.models["durable"]
+    check_invariants(store.fast, fast_model)
+    check_invariants(store.durable, durable_model)
+    _check_across(store)
+    durable_model.removal_started(set(store.durable.steps()), explicit=False)  # KeepLast(2)
+    store.replicator.run_pass()  # the new replicator: what the dead one left owed
+    check_invariants(store.durable, durable_model)
+    fast_steps, durable_steps = store.fast.steps(), store.durable.steps()
+    if fast_steps and (not durable_steps or durable_steps[-1] < fast_steps[-1]):
+        raise InvariantViolation(
+            "I2",
+            f"a restarted replicator left step {fast_steps[-1]} in the fast tier only (the "
+            f"durable tier's newest is {durable_steps[-1] if durable_steps else None}): what "
+            f"was published in the fast tier must become durable",
+        )
+    _check_sources(store)
+    fast_model.removal_started(set(store.fast.steps()), explicit=False)  # KeepLast(1) below
+    durable_model.removal_started(set(store.durable.steps()), explicit=False)  # KeepLast(2)
+    for location, model in ((pair.fast, fast_model), (pair.durable, durable_model)):
+        location.clock.advance(_AGE)
+        model.gc_started()
+    store.gc(grace=GRACE)
+    check_invariants(store.fast, fast_model)
+    check_invariants(store.durable, durable_model)
+    _audit(pair, store)
+    following = (max(store.steps(), default=0)) + 10
+    save(store.fast, fast_model, Saved(following, {"after": pattern(100, following)}, {}))
+    store.replicator.run_pass()
+    latest = store.latest()
+    if latest is None or latest.step != following or following not in store.durable.steps():
+        raise InvariantViolation("I4", f"a save after recovery is not the latest: {latest}")
+
+
+def _check_across(store: TieredStore) -> None:
+    """``latest()`` is the newest of what either tier publishes, the fast copy where both do."""
+    fast, durable = store.fast.steps(), store.durable.steps()
+    newest = max([*fast, *durable], default=None)
+    latest = store.latest()
+    got = None if latest is None else latest.step
+    if got != newest:
+        raise InvariantViolation(
+            "I4", f"latest() across tiers is {got}; the tiers publish {fast} and {durable}"
+        )
+    if latest is not None and newest in fast and latest.url != store.url:
+        raise InvariantViolation("I4", f"step {newest} read from the durable tier, not the fast")
+
+
+def _check_sources(store: TieredStore) -> None:
+    """Every durable checkpoint is a copy that names the step it was published at first."""
+    for checkpoint in store.durable.checkpoints():
+        source = checkpoint.manifest.source
+        if source is None or source.step != checkpoint.step:
+            raise InvariantViolation(
+                "I1", f"durable step {checkpoint.step} does not record its source: {source}"
+            )
+
+
+def _audit(pair: TieredPair, store: TieredStore) -> None:
+    """After GC past the grace period, neither tier holds what a crash left (I7); a storage
+    whose clock is ahead may need longer (``workload.LONG_AGE``)."""
+    for tier, location, model in (
+        ("fast", pair.fast, pair.models["fast"]),
+        ("durable", pair.durable, pair.models["durable"]),
+    ):
+        if not location.leftovers():
+            continue
+        location.clock.advance(LONG_AGE)
+        model.gc_started()
+        (store.fast if tier == "fast" else store.durable).gc(grace=GRACE)
+        leftovers = location.leftovers()
+        capabilities = location.base.driver.capabilities
+        if Capability.VERSIONING in capabilities and Capability.VERSION_DELETE not in capabilities:
+            leftovers = set()
+        if leftovers:
+            raise InvariantViolation(
+                "I7", f"GC of the {tier} tier never collected: {sorted(leftovers)[:5]}"
+            )
+
+
+PairMaker = Callable[[], TieredPair]
+
+
+def run_tiered_crash_points(
+    new_pair: PairMaker, *, workers: int = 4, limit: int | None = None
+) -> CrashPointResult:
+    """Crash the tiered workload at every storage call of either tier, before and after it
+    (``limit``: only the first cases, for a cheap test)."""
+    result = CrashPointResult()
+    baseline, found = _baseline(new_pair)
+    result.add(baseline)
+    if baseline.storage_errors or found is None:
+        return result
+    records, order, first_pass = found
+    result.calls = sum(len(calls) for calls in records.values())
+    result.call_names = [f"{tier} {r.name}" for tier in TIERS for r in records[tier]]
+    result.records = [r for tier in TIERS for r in records[tier]]
+    cases = _cases(records, order, first_pass)[:limit]
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="tiered-case") as pool:
+        for outcome in pool.map(
+            lambda case: _retried(functools.partial(_crash_case, new_pair, *case)), cases
+        ):
+            result.add(outcome)
+    return result
+
+
+def _cases(
+    records: dict[str, list[CallRecord]], order: list[tuple[str, int]], first_pass: int
+) -> list[tuple[str, int, CrashMode]]:
+    """The crashes that leave distinct states, as ``workload.crash_cases`` chooses them over
+    both drivers' calls in the order they were made (one at a time: dying after a call leaves
+    what dying before the next one, of either driver, does). The fast tier's calls before the
+    first replication pass are the trainer's own saves, which the suite's run on the fast
+    store alone crashes at; they are left out (``first_pass``: the fast call it began at)."""
+    merged = [
+        replace(records[tier][index], index=position)
+        for position, (tier, index) in enumerate(order)
+    ]
+    return [
+        (*order[position], mode)
+        for position, mode in crash_cases(merged, overlapped=False)
+        if order[position][0] == "durable" or order[position][1] >= first_pass
+    ]
+
+
+Baseline = tuple[dict[str, list[CallRecord]], list[tuple[str, int]], int]
+
+
+def _baseline(new_pair: PairMaker) -> tuple[CrashPointResult, Baseline | None]:
+    result = CrashPointResult()
+    try:
+        pair = new_pair()
+    except CkptStoreError as exc:
+        return _undecided(result, "no crash", exc), None
+    try:
+        order: list[tuple[str, int]] = []
+        counts = dict.fromkeys(TIERS, 0)
+        first_pass: list[int] = []
+
+        def observer(tier: str) -> Callable[[], object]:
+            def observe() -> object:
+                order.append((tier, counts[tier]))
+                counts[tier] += 1
+                return pair.observe()
+
+            return observe
+
+        plans = {tier: FaultPlan(observe=observer(tier)) for tier in TIERS}
+        try:
+            store = tiered_workload(
+                pair, plans, on_first_pass=lambda: first_pass.append(counts["fast"])
+            )
+        except CkptStoreError as exc:
+            return _undecided(result, "no crash", exc), None
+        records = {tier: list(i.calls) for tier, i in pair.injectors(store).items()}
+        _run_case(result, "no crash", lambda: recover_and_check(pair))
+    finally:
+        pair.destroy()
+    return result, (records, order, first_pass[0])
+
+
+def _crash_case(new_pair: PairMaker, tier: str, index: int, mode: CrashMode) -> CrashPointResult:
+    result = CrashPointResult()
+    name = f"crash {mode.value} {tier} call {index}"
+    try:
+        pair = new_pair()
+    except CkptStoreError as exc:
+        return _undecided(result, name, exc)
+    try:
+        plan = FaultPlan(crash_at=index, crash_mode=mode, observe=pair.observe)
+        try:
+            tiered_workload(pair, {tier: plan})
+            name += " (not reached)"
+        except SimulatedCrash as crash:
+            died = f"crash at {tier} call {crash.record}" if crash.record is not None else ""
+            name = f"{name}: {died or crash}"
+        except CkptStoreError as exc:
+            return _undecided(result, name, exc)
+        _run_case(result, name, lambda: recover_and_check(pair))
+    finally:
+        pair.destroy()
+    return result
