@@ -33,6 +33,7 @@ from ckptstore.errors import (
     ReplicationError,
     ReplicationTimeoutError,
     ShardCorruptError,
+    SupersededError,
 )
 from ckptstore.manifest import Manifest, ReplicaSource, ShardRecord
 from ckptstore.pending import PendingCheckpoint
@@ -297,7 +298,7 @@ class Replicator:
     def _already_there(self, manifest: Manifest) -> None:
         """The durable store publishes ``manifest.step``: a copy of this attempt, or not."""
         try:
-            there = self.durable.strategy.read_manifest(manifest.step)
+            there = self.durable.manifest(manifest.step)
         except (CheckpointNotFoundError, IntegrityError) as exc:
             log.warning(
                 "%s: step %d: cannot tell what is there: %s", self.durable.url, manifest.step, exc
@@ -375,8 +376,9 @@ class Replicator:
                 failure = self._failure
                 if failure is not None and failure.generation >= target:
                     raise _replication_error(self, failure.error) from failure.error
-                if not self._thread.is_alive():
-                    raise ReplicationError(f"{self}: the replicator has stopped")
+                if self._stopping or not self._thread.is_alive():
+                    why = f": {failure.error}" if failure is not None else ""
+                    raise ReplicationError(f"{self}: the replicator has stopped{why}")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     last = f"; last error: {failure.error}" if failure is not None else ""
@@ -408,6 +410,13 @@ class Replicator:
             try:
                 self.run_pass(newest=newest)
             except _Stopped:
+                return
+            except SupersededError as exc:  # a restarted run owns the durable tier: for good
+                log.error("%s: replication stopped: %s", self, exc)
+                with self._cond:
+                    self._failure = _Failure(generation, exc)
+                    self._stopping = True
+                    self._cond.notify_all()
                 return
             except CkptStoreError as exc:
                 log.warning(

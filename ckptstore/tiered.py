@@ -32,6 +32,7 @@ from ckptstore.errors import (
     InvalidOptionError,
     ReplicationError,
 )
+from ckptstore.lineage import Epoch
 from ckptstore.pending import PendingCheckpoint, ShardData
 from ckptstore.replication import KeepOwed, ReplicationPolicy, Replicator, replication_policy
 from ckptstore.retention import RetentionPolicy
@@ -132,13 +133,21 @@ class TieredStore:
             fast, damaged = None, exc
         durable = self.durable.latest(verified=verified)
         if damaged is not None:
-            listed = self.fast.strategy.published_steps()  # the damaged one among them
+            listed = self.fast.named_steps()  # the damaged one among them
             if durable is None or (listed and durable.step < listed[-1]):
                 raise damaged
             return durable
         if fast is None or (durable is not None and durable.step > fast.step):
             return durable
         return fast
+
+    def take_over(self, resumed_from: int | None, *, note: str = "") -> tuple[Epoch, Epoch]:
+        """Take both tiers over for this run (``Store.take_over``), resumed from the same
+        step: a zombie of an earlier run can then no longer publish into either history, nor
+        its replicator into the durable one. Returns the fast and the durable epoch."""
+        fast = self.fast.take_over(resumed_from, note=note)
+        durable = self.replicator.durable.take_over(resumed_from, note=note)
+        return fast, durable
 
     def get(self, step: int) -> Checkpoint:
         """The checkpoint at ``step``: the fast copy, else the durable one (``Store.get``)."""

@@ -361,3 +361,28 @@ def test_sigkill_during_replication_loses_nothing_and_resumes_from_the_right_tie
         latest = new_node.latest()
         assert latest is not None and latest.step == 3 and latest.url == new_node.durable_url
         assert latest.read("big.bin") == bytes([3]) * (4 * part)
+
+
+def test_a_tiered_run_takes_both_tiers_over(tmp_path: Path) -> None:
+    """A restarted tiered run fences its zombie in both tiers: neither the zombie's saves nor
+    its replicator's copies publish into either history (docs/protocol.md §8)."""
+    durable_url = f"file://{tmp_path}/durable"
+    zombie = ckptstore.open(f"file://{tmp_path}/fast-old", replicate_to=durable_url)
+    for step in (1, 2):
+        zombie.save(step, {"w": bytes([step]) * 64})
+    zombie.wait_replicated(timeout=60)
+    restarted = ckptstore.open(f"file://{tmp_path}/fast-new", replicate_to=durable_url)
+    latest = restarted.latest()
+    assert latest is not None and latest.step == 2  # from the durable tier: a new node
+    fast_epoch, durable_epoch = restarted.take_over(resumed_from=latest.step)
+    assert (fast_epoch.parent, durable_epoch.parent) == (2, 2)
+    zombie.fast.save(3, {"w": b"old" * 20})  # its own fast tier is another directory...
+    with pytest.raises(ReplicationError, match="superseded by epoch"):
+        zombie.wait_replicated(timeout=60)  # ...but its copy into the durable tier is refused
+    restarted.save(3, {"w": b"new" * 20})
+    restarted.wait_replicated(timeout=60)
+    durable = ckptstore.open(durable_url)
+    assert durable.steps() == [1, 2, 3]
+    assert durable.get(3).read("w") == b"new" * 20
+    zombie.close(wait=False)
+    restarted.close()
