@@ -141,12 +141,14 @@ class Model:
                 self.removable.discard(step)
                 self.gc_since.pop(step, None)
                 self.read_at.pop(step, None)
-                self.corrupted.pop(step, None)  # damage to a checkpoint no reader returns
             doubtful = [s for s in left if s is not self.committed.get(step)]
             if doubtful:
                 self.in_doubt[step] = doubtful
             else:
                 self.in_doubt.pop(step, None)
+        floor = self.parents[-1]
+        for step in [s for s in self.corrupted if s > floor]:
+            del self.corrupted[step]  # damage to checkpoints no reader returns any more
         self.latest_floor = None
 
     # -- events --------------------------------------------------------------------------
