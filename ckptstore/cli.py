@@ -28,6 +28,14 @@ from typing import Any, NoReturn, TextIO
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.cli_directory import add_directory_commands
+from ckptstore.cli_lineage import (
+    ancestry,
+    ancestry_text,
+    epoch_document,
+    epoch_rows,
+    superseded_document,
+    superseded_rows,
+)
 from ckptstore.errors import (
     BackendUnavailableError,
     CheckpointNotFoundError,
@@ -181,6 +189,7 @@ def _summary(checkpoint: Checkpoint) -> dict[str, Any]:
         "committed_at": checkpoint.committed_at.isoformat(),
         "size": checkpoint.size,
         "shards": len(checkpoint.shards),
+        "epoch": checkpoint.manifest.epoch,
         "status": "ok",
     }
 
@@ -226,32 +235,49 @@ def _status_text(entry: dict[str, Any]) -> str:
 
 
 def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
-    """List every entry; exit 0 when the listing itself succeeded, whatever an entry is."""
+    """List every entry, the epochs and the superseded checkpoints; exit 0 when the listing
+    itself succeeded, whatever an entry is."""
     store = _open(args.url)
     entries = [_entry(store, step)[0] for step in _listed_steps(store)]
+    lineage = store.lineage()
+    superseded = store.superseded() if lineage.newest else []
+    for entry in entries:
+        entry.setdefault("epoch", lineage.owner(entry["step"]))
     if args.json:
-        json.dump({"url": store.url, "checkpoints": entries}, out, indent=2)
+        document = {
+            "url": store.url,
+            "checkpoints": entries,
+            "epochs": [epoch_document(epoch) for epoch in lineage.epochs],
+            "superseded": superseded_document(superseded),
+        }
+        json.dump(document, out, indent=2)
         out.write("\n")
         return EXIT_OK
     if not entries:
         out.write(f"no checkpoints in {printable(store.url)}\n")
-        return EXIT_OK
-    rows = [["STEP", "COMMITTED (UTC)", "SIZE", "SHARDS", "STATUS"]]
-    for entry in entries:
-        if entry["status"] == "ok":
-            rows.append(
-                [
-                    str(entry["step"]),
-                    entry["committed_at"][:19].replace("T", " "),
-                    human_size(entry["size"]),
-                    str(entry["shards"]),
-                    "ok",
-                ]
-            )
-        else:
-            rows.append([str(entry["step"]), "-", "-", "-", _status_text(entry)])
-    _print_table(rows, out)
+    else:
+        _print_table(_ls_rows(entries, with_epoch=lineage.newest > 0), out)
+    if lineage.newest:  # a store never taken over shows what it always showed
+        out.write("\n")
+        _print_table(epoch_rows(lineage), out)
+    if superseded:
+        out.write("\nsuperseded (part of no history; no reader returns them):\n")
+        _print_table(superseded_rows(superseded), out)
     return EXIT_OK
+
+
+def _ls_rows(entries: list[dict[str, Any]], *, with_epoch: bool) -> list[list[str]]:
+    rows = [["STEP", *(["EPOCH"] if with_epoch else []), "COMMITTED (UTC)", "SIZE", "SHARDS"]]
+    rows[0].append("STATUS")
+    for entry in entries:
+        epoch = [str(entry["epoch"])] if with_epoch else []
+        if entry["status"] == "ok":
+            committed = entry["committed_at"][:19].replace("T", " ")
+            size, shards = human_size(entry["size"]), str(entry["shards"])
+            rows.append([str(entry["step"]), *epoch, committed, size, shards, "ok"])
+        else:
+            rows.append([str(entry["step"]), *epoch, "-", "-", "-", _status_text(entry)])
+    return rows
 
 
 def _pick(store: Store, step: int | None) -> Checkpoint:
@@ -267,8 +293,11 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     store = _open(args.url)
     checkpoint = _pick(store, args.step)
     manifest = checkpoint.manifest
+    lineage = store.lineage()
+    chain = ancestry(lineage, manifest.step, manifest.epoch)
     if args.json:
-        json.dump(manifest.to_document(), out, indent=2, sort_keys=True)
+        document = {**manifest.to_document(), "epoch": manifest.epoch, "lineage": chain}
+        json.dump(document, out, indent=2, sort_keys=True)
         out.write("\n")
         return EXIT_OK
     writer = manifest.writer
@@ -280,6 +309,11 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
         f"committed   {manifest.committed_at.isoformat()}",
         f"size        {human_size(manifest.total_size)} in {len(manifest.shards)} shard(s)",
     ]
+    if lineage.newest:  # a store never taken over shows what it always showed
+        lines[1:1] = [
+            f"epoch       {_epoch_text(chain[0])}",
+            f"lineage     {ancestry_text(chain, manifest.step)}",
+        ]
     if manifest.timings:
         timing = ", ".join(f"{k} {v:.3f}" for k, v in sorted(manifest.timings.items()))
         lines.append(f"timings     {timing}")
@@ -293,6 +327,15 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     if len(shown) < len(manifest.shards):
         out.write(f"... and {len(manifest.shards) - len(shown)} more (--all-shards)\n")
     return EXIT_OK
+
+
+def _epoch_text(link: dict[str, Any]) -> str:
+    if link["epoch"] == 0:
+        return "0 (the store's first, never taken over)"
+    parent = "a fresh start" if link["parent"] is None else f"step {link['parent']}"
+    taken = link["started_at"][:19].replace("T", " ")
+    by = f"{link['writer']['host']} pid {link['writer']['pid']}"
+    return f"{link['epoch']}, resumed from {parent}, taken {taken} by {by}"
 
 
 _STATUSES = ("ok", "broken", "unreadable", "vanished", "stray")

@@ -671,20 +671,18 @@ class Store:
             report.warnings.append(f"superseded checkpoints were not collected: {exc}")
             return report
         for entry in superseded:
+            try:
+                manifest = self._history.read_manifest_of(entry.step, entry.epoch)
+            except (CheckpointNotFoundError, IntegrityError):
+                continue  # a stray named like a step, or damage: never deleted (§5.2)
             name = f"step {entry.step} of epoch {entry.epoch} (superseded by epoch {entry.owner})"
-            report.removed.append(GcItem("superseded", name, 0.0, self._size_of(entry)))
+            report.removed.append(GcItem("superseded", name, 0.0, manifest.total_size))
             if not dry_run:
                 try:
                     self._history.unpublish(entry.step, entry.epoch)
                 except CheckpointNotFoundError:
                     continue  # unpublished by another GC meanwhile
         return report
-
-    def _size_of(self, entry: SupersededCheckpoint) -> int:
-        try:
-            return self._history.read_manifest_of(entry.step, entry.epoch).total_size
-        except (CheckpointNotFoundError, IntegrityError):
-            return 0
 
     def is_empty(self) -> bool:
         """Tell whether the store holds nothing at all (no checkpoints, no leftovers)."""

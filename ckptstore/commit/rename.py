@@ -669,7 +669,16 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
         for epoch in self.listed_epochs():
             record = f"{EPOCHS_DIR}/{epoch_token(epoch)}"
             names |= {record, f"{record}/{EPOCH_RECORD}"}
-        return names | ({EPOCHS_DIR} if names else set())
+        # The directory is the store's once made, even empty: a taker that died before its
+        # rename leaves it so after GC took the staging (removing it would fail the mkdir of a
+        # taker staging in it at that moment).
+        return names | ({EPOCHS_DIR} if names or self._is_dir(EPOCHS_DIR) else set())
+
+    def _is_dir(self, path: str) -> bool:
+        try:
+            return self.driver.stat(path).is_dir
+        except ObjectNotFoundError:
+            return False
 
     def raw_names(self) -> set[str]:
         names: set[str] = set()

@@ -1,4 +1,4 @@
-"""The conformance suite: proves the protocol's invariants I1 to I8 on a storage system.
+"""The conformance suite: proves the protocol's invariants I1 to I9 on a storage system.
 
 Three ways to run it (see README, "Conformance"):
 

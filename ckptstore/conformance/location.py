@@ -26,7 +26,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     StorageError,
 )
-from ckptstore.names import step_token
+from ckptstore.names import checkpoint_token, step_token
 from ckptstore.registry import resolve
 from ckptstore.retention import RetentionPolicy
 from ckptstore.store import Store
@@ -217,13 +217,14 @@ class Location:
             if not any(stray.owns(name) for stray in self.strays)
         }
 
-    def corrupt(self, step: int, name: str, how: str) -> str | None:
-        """Damage one published shard behind the store's back; return the damage done.
+    def corrupt(self, step: int, name: str, how: str, epoch: int = 0) -> str | None:
+        """Damage one shard of checkpoint (``step``, ``epoch``) behind the store's back;
+        return the damage done.
 
         ``how`` is ``bitflip`` or ``truncate``. A version-pinned object cannot be changed, so
         there the pinned version is deleted instead (``missing``). None: nothing was done.
         """
-        manifest = self.base.read_manifest(step)
+        manifest = self.base.read_manifest(step, epoch) if epoch else self.base.read_manifest(step)
         record = manifest.shard(name)
         if record is None:
             return None
@@ -238,7 +239,7 @@ class Location:
             data = stream.read()
         altered = _flip_a_bit(data) if how == "bitflip" else data[:-1]
         if "path" in record.locator:
-            path = f"{step_token(step)}/{record.locator['path']}"
+            path = f"{checkpoint_token(step, epoch)}/{record.locator['path']}"
             driver.unlink(path)
             handle = driver.create(path)
             try:

@@ -6,9 +6,11 @@ implementations. Rules save (random shard counts and sizes, optionally crashing 
 storage call, before or after it took effect), read, verify, apply retention, collect garbage
 (with and without aging the leftovers, and while a save is still live), restart the store,
 race a second writer at the same step, corrupt a shard behind the store's back, and inject
-transient faults; the rules of ``foreign.ForeignEntryRules`` plant strays and corrupt
+transient faults, and take the store over (a restarted run, resumed from an older step or
+fresh) while the old writer, its zombie, keeps saving: before, across and racing the
+takeover; the rules of ``foreign.ForeignEntryRules`` plant strays and corrupt
 pointers and run an operator's delete, rollback and retention under a resuming reader. After
-every step the model checks I1 to I7; a failure is shrunk by
+every step the model checks I1 to I7 and I9; a failure is shrunk by
 hypothesis to a short sequence of rules. Where the storage itself fails a step (after its
 driver's retries), the example stops at once with ``StorageFailure``: undecided, not shrunk.
 """
@@ -43,9 +45,16 @@ from ckptstore.conformance.outcomes import (
     storage_failure,
 )
 from ckptstore.conformance.workload import GRACE, MULTIPART_COMPLETION, pattern, save
-from ckptstore.errors import CheckpointExistsError, CkptStoreError, StorageError
+from ckptstore.errors import (
+    CheckpointExistsError,
+    CkptStoreError,
+    StorageError,
+    SupersededError,
+)
+from ckptstore.manifest import Manifest
 from ckptstore.names import step_token
 from ckptstore.retention import KeepLast
+from ckptstore.store import Store
 
 __all__ = ["PROFILES", "make_state_machine", "run_state_machine"]
 
@@ -70,6 +79,9 @@ PROFILES = {
 }
 
 _modes = st.sampled_from([CrashMode.BEFORE, CrashMode.AFTER])
+_ZOMBIE_SAVES = st.sampled_from(["idle", "across", "racing"])
+"""What the old writer does when the store is taken over: nothing; a save begun before the
+takeover and published after it; a save whose publish the takeover races past the check."""
 _STEP_TOKENS = re.compile(r"step-([0-9]{20})", re.ASCII)
 """A step's token in a raw name (``names.step_token``)."""
 
@@ -98,15 +110,30 @@ def make_state_machine(
             self.store, _ = self.location.open()
             self.next_step = 1
             self.checked: object = None
+            self.zombie: Store | None = None
+            """A writer joined to an epoch that a takeover superseded, still saving."""
+            self.zombie_step = 0
 
         def _new_save(self, shard_sizes: list[int]) -> Saved:
             step = self.next_step
-            self.next_step += 1
+            while step in self.model.strays:  # a run resumed from below reaches them
+                step += 1
+            self.next_step = step + 1
             shards = {
                 f"rank{i:02d}/part.bin": pattern(size, step * 10 + i)
                 for i, size in enumerate(shard_sizes)
             }
-            return Saved(step, shards, {"step": step, "tokens": step * 1000})
+            # self.store, and a store opened afresh, write in the newest epoch
+            epoch = self.model.newest_epoch
+            return Saved(step, shards, {"step": step, "tokens": step * 1000}, epoch)
+
+        def _zombie_save(self, zombie: Store) -> Saved:
+            """The old writer's next save: its own step counter, other bytes than the new
+            run's save of the same step."""
+            self.zombie_step = step = max(self.zombie_step + 1, self.next_step)
+            shards = {"rank00/part.bin": pattern(100, 7919 * step + 1)}
+            epoch = zombie.epoch if zombie.epoch is not None else self.model.newest_epoch
+            return Saved(step, shards, {"step": step, "writer": "zombie"}, epoch)
 
         @rule(
             shard_sizes=st.lists(sizes, min_size=1, max_size=4),
@@ -179,6 +206,13 @@ def make_state_machine(
             if steps:
                 self.model.removal_started(set(steps[:-keep]), explicit=False)
             self.store.apply_retention(KeepLast(keep))
+            kept = set(self.store.steps())
+            if self.model.superseded and not set(steps[-keep:]) <= kept:
+                raise InvariantViolation(
+                    "I9",
+                    f"retention kept {sorted(kept)} of the history's {steps}, not the newest "
+                    f"{keep}: it counted superseded checkpoints",
+                )
 
         @rule(age=st.booleans())
         @abort_on_storage_failure
@@ -187,6 +221,11 @@ def make_state_machine(
                 self.location.clock.advance(2 * GRACE.total_seconds())
             self.model.gc_started()
             self.store.gc(grace=GRACE)
+            left = [e for e in self.store.superseded() if e.step not in self.model.strays]
+            if left:
+                raise InvariantViolation(
+                    "I9", f"GC left superseded checkpoints published: {left[:3]}"
+                )
 
         @rule()
         @abort_on_storage_failure
@@ -311,6 +350,87 @@ def make_state_machine(
                 "I1", f"the upload of step {step} never held {parts} parts ({PART_WAIT_S:.0f} s)"
             )
 
+        @rule(data=st.data(), fresh=st.booleans(), zombie=_ZOMBIE_SAVES)
+        @abort_on_storage_failure
+        def take_over(self, data: Any, fresh: bool, zombie: str) -> None:
+            """A restarted run takes the store over, resumed from a published step (or
+            fresh), while the old writer still saves: its save across the takeover fails
+            with SupersededError; one whose publish races past its check publishes, never
+            to be returned (I9). The new run then saves the steps after its parent, names
+            the old writer may have taken already."""
+            steps = self.store.steps()
+            parent = None if fresh or not steps else data.draw(st.sampled_from(steps))
+            old = self.store
+            if old.epoch is None:
+                old.join_epoch(self.model.newest_epoch)
+            self.zombie_step = max(self.zombie_step, self.next_step - 1)
+            if zombie == "racing":
+                self._race_a_takeover(old, parent)
+            elif zombie == "across":
+                saved = self._zombie_save(old)
+                self.model.save_started(saved)
+                pending = old.begin(saved.step, saved.metadata)
+                for name, blob in saved.shards.items():
+                    pending.write(name, blob)
+                self._take_over(parent)
+                try:
+                    pending.publish()
+                except SupersededError as exc:
+                    _names_its_supersessor(exc, saved.epoch + 1)
+                else:
+                    raise InvariantViolation(
+                        "I9", f"a writer superseded before its publish published step {saved.step}"
+                    )
+            else:
+                self._take_over(parent)
+            self.zombie = old
+            self.next_step = 1 if parent is None else parent + 1
+
+        def _take_over(self, parent: int | None) -> None:
+            store, _ = self.location.open()
+            epoch = store.take_over(parent)
+            expected = self.model.newest_epoch + 1
+            if epoch.number != expected or store.lineage().newest != expected:
+                raise InvariantViolation(
+                    "I9", f"a takeover took epoch {epoch.number}; the next epoch is {expected}"
+                )
+            self.model.epoch_taken(parent)
+            self.store = store
+
+        def _race_a_takeover(self, zombie: Store, parent: int | None) -> None:
+            """The zombie passes its check, then the store is taken over, then its commit
+            point: published, but superseded before it was (§8.2, point 4)."""
+            saved = self._zombie_save(zombie)
+            strategy = zombie.strategy
+            publish = strategy.publish
+
+            def taken_over_first(manifest: Manifest) -> None:
+                self._take_over(parent)
+                publish(manifest)
+
+            strategy.publish = taken_over_first  # type: ignore[method-assign]
+            try:
+                save(zombie, self.model, saved)  # restores the strategy's own publish
+            except CheckpointExistsError:
+                pass  # the step was taken in the old epoch: the zombie lost its race
+
+        @precondition(lambda self: self.zombie is not None)
+        @rule()
+        @abort_on_storage_failure
+        def zombie_saves(self) -> None:
+            """The superseded writer saves again: SupersededError naming the newest epoch,
+            and nothing of it is ever returned."""
+            assert self.zombie is not None
+            saved = self._zombie_save(self.zombie)
+            try:
+                save(self.zombie, self.model, saved)
+            except SupersededError as exc:
+                _names_its_supersessor(exc, saved.epoch + 1)
+                return
+            raise InvariantViolation(
+                "I9", f"a superseded writer (epoch {saved.epoch}) published step {saved.step}"
+            )
+
         @rule()
         @abort_on_storage_failure
         def restart(self) -> None:
@@ -353,7 +473,7 @@ def make_state_machine(
             if not names or self.model.corrupted.get(step):
                 return
             name = data.draw(st.sampled_from(names))
-            done = self.location.corrupt(step, name, how)
+            done = self.location.corrupt(step, name, how, checkpoint.manifest.epoch)
             if done is not None:
                 self.model.shard_corrupted(step, name, done)
 
@@ -398,6 +518,15 @@ def make_state_machine(
             self.location.destroy()
 
     return CheckpointStoreMachine
+
+
+def _names_its_supersessor(error: SupersededError, epoch: int) -> None:
+    """A superseded writer is told which epoch superseded it: ``epoch``, the first newer one."""
+    named = re.search(r"superseded by epoch ([0-9]+)", str(error))
+    if named is None or int(named.group(1)) != epoch:
+        raise InvariantViolation(
+            "I9", f"SupersededError does not name the epoch that superseded it: {error}"
+        )
 
 
 def _around_completion(crash: SimulatedCrash) -> list[str]:

@@ -38,6 +38,7 @@ from ckptstore.conformance.workload import (
     big_shard_size,
     run_crash_points,
     run_indeterminate_outcomes,
+    run_takeover_crash_points,
 )
 from ckptstore.driver import DriverFamily, driver_family
 
@@ -131,6 +132,14 @@ class CrashPointTests(ConformanceFixtures):
         _fail_on_result(result)
         assert result.calls > 0
 
+    def test_every_takeover_crash_point_recovers(self, ckpt_locations: LocationFactory) -> None:
+        """A takeover crashed at each of its storage calls, the old writer alive: the epoch
+        exists whole or not at all, GC takes the staging, one history (I9)."""
+        result = run_takeover_crash_points(ckpt_locations)
+        _fail_on_result(result)
+        assert result.calls > 0
+        assert "I9" in result.invariants_checked
+
 
 class UnknownOutcomeTests(ConformanceFixtures):
     """A 503 before, or a timeout after, a commit point is retried or read back (I8)."""
@@ -182,7 +191,8 @@ class PowerLossTests(ConformanceFixtures):
 
 
 class StateMachineTests(ConformanceFixtures):
-    """Property-based crash injection: random saves, crashes, GC, corruption, races."""
+    """Property-based crash injection: random saves, crashes, GC, corruption, races, and
+    takeovers with the old writer still saving (I9)."""
 
     def test_state_machine(self, ckpt_locations: LocationFactory, ckpt_profile: str) -> None:
         location = ckpt_locations()

@@ -1,4 +1,4 @@
-"""The model of what was committed, and the checks of invariants I1 to I8 against a real store.
+"""The model of what was committed, and the checks of invariants I1 to I9 against a real store.
 
 The model knows what every save wrote, which saves returned from commit (committed), which
 may or may not have published (in doubt: a crash or an error during the save), and which
@@ -6,6 +6,11 @@ checkpoints may have been removed (a retention pass, a delete or a rollback in p
 check reads the store through its public API and either resolves each doubt to one outcome,
 which every later check then holds the store to, or raises ``InvariantViolation`` naming the
 protocol invariant (docs/protocol.md §0) that broke.
+
+Lineages (I9): the model knows the parent of every epoch taken, so the epoch that owns each
+step (docs/protocol.md §8.2). A takeover moves every save above its parent out of the
+history, into ``superseded``: a reader that returns one of them, or a checkpoint of any epoch
+but the step's owner, violates I9.
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ INVARIANTS = {
     "I6": "integrity",
     "I7": "safe cleanup",
     "I8": "indeterminate outcomes resolved",
+    "I9": "one history",
 }
 
 
 class InvariantViolation(AssertionError):
-    """A protocol invariant does not hold; ``invariant`` is its id (``I1`` ... ``I8``).
+    """A protocol invariant does not hold; ``invariant`` is its id (``I1`` ... ``I9``).
 
     The invariants: docs/protocol.md §0.
     """
@@ -51,6 +57,8 @@ class Saved:
     step: int
     shards: dict[str, bytes]
     metadata: dict[str, Any]
+    epoch: int = 0
+    """The epoch its writer writes in (0: the store's implicit first epoch)."""
 
     def matches(self, checkpoint: Any) -> bool:
         """Whether a checkpoint's manifest records exactly these shards and metadata."""
@@ -90,17 +98,83 @@ class Model:
     place): damage by design, so ``latest()`` may raise for it while it is the newest."""
     planted_hints: set[int] = field(default_factory=set)
     """Steps that a LATEST pointer planted by the suite named (the protocol never wrote them)."""
+    parents: list[int] = field(default_factory=list)
+    """The floor of each epoch taken, 1 .. newest (its parent step; -1 for a fresh start)."""
+    superseded: dict[int, list[Saved]] = field(default_factory=dict)
+    """Saves that a takeover moved out of the history (or that published after one, racing
+    past the writer's check): no reader may ever return them again (I9)."""
+
+    # -- lineages ------------------------------------------------------------------------
+
+    @property
+    def newest_epoch(self) -> int:
+        """The newest epoch taken (0: none)."""
+        return len(self.parents)
+
+    def owner(self, step: int) -> int:
+        """The epoch whose checkpoint of ``step`` is the history's: the newest whose parent
+        is below it (docs/protocol.md §8.2)."""
+        for number in range(len(self.parents), 0, -1):
+            if self.parents[number - 1] < step:
+                return number
+        return 0
+
+    def in_history(self, saved: Saved) -> bool:
+        """Whether ``saved`` belongs to the history as the epochs now stand."""
+        return saved.epoch == self.owner(saved.step)
+
+    def epoch_taken(self, parent: int | None) -> None:
+        """A run took the store over from ``parent`` (None: a fresh start): every save above
+        it leaves the history for good, and latest() may go back (as after a rollback)."""
+        self.events += 1
+        self.epoch += 1
+        self.parents.append(-1 if parent is None else parent)
+        for step in sorted(set(self.committed) | set(self.in_doubt)):
+            gone = [s for s in [self.committed.get(step), *self.in_doubt.get(step, [])] if s]
+            left = [s for s in gone if self.in_history(s)]
+            gone = [s for s in gone if not self.in_history(s)]
+            if not gone:
+                continue
+            self.superseded.setdefault(step, []).extend(gone)
+            if step in self.committed and not self.in_history(self.committed[step]):
+                del self.committed[step]
+                self.removable.discard(step)
+                self.gc_since.pop(step, None)
+                self.read_at.pop(step, None)
+            doubtful = [s for s in left if s is not self.committed.get(step)]
+            if doubtful:
+                self.in_doubt[step] = doubtful
+            else:
+                self.in_doubt.pop(step, None)
+        floor = self.parents[-1]
+        for step in [s for s in self.corrupted if s > floor]:
+            del self.corrupted[step]  # damage to checkpoints no reader returns any more
+        self.latest_floor = None
 
     # -- events --------------------------------------------------------------------------
 
     def save_started(self, saved: Saved) -> None:
-        """A save began: until its commit returns, it may or may not publish."""
+        """A save began: until its commit returns, it may or may not publish (a save of an
+        epoch that does not own its step must never be visible: superseded at once)."""
         self.events += 1
+        if not self.in_history(saved):
+            self.superseded.setdefault(saved.step, []).append(saved)
+            return
         self.in_doubt.setdefault(saved.step, []).append(saved)
 
     def save_committed(self, saved: Saved) -> None:
-        """commit() returned: the checkpoint must now be visible, exactly as saved."""
+        """commit() returned: the checkpoint must now be visible, exactly as saved (unless a
+        takeover superseded it before it published: then it must never be visible)."""
         self.events += 1
+        if not self.in_history(saved):
+            self.superseded.setdefault(saved.step, []).append(saved)
+            self.ever_published.add(saved.step)  # its LATEST update may name it
+            doubtful = [c for c in self.in_doubt.get(saved.step, []) if c is not saved]
+            if doubtful:
+                self.in_doubt[saved.step] = doubtful
+            else:
+                self.in_doubt.pop(saved.step, None)
+            return
         candidates = self.in_doubt.get(saved.step, [])
         if any(c is saved for c in candidates):
             candidates[:] = [c for c in candidates if c is not saved]
@@ -160,7 +234,8 @@ def check_invariants(
     lost_blame: str | None = None,
     unchanged: Collection[int] = (),
 ) -> None:
-    """Check I1 to I7 on ``store`` against ``model``, resolving doubts; raise InvariantViolation.
+    """Check I1 to I7 and I9 on ``store`` against ``model``, resolving doubts; raise
+    InvariantViolation.
 
     ``writers_alive``: some attempt may still publish later, so a step in doubt that is not
     visible yet stays in doubt. ``lost_blame``: the invariant to blame for a committed step that
@@ -199,6 +274,10 @@ def _check_visible(store: Store, model: Model, step: int) -> None:
         )
     candidates = _candidates(model, step)
     if not candidates:
+        if step in model.superseded:
+            raise InvariantViolation(
+                "I9", f"step {step} is visible, but only superseded writers ever saved it"
+            )
         raise InvariantViolation("I1", f"step {step} is visible but no save of it ever began")
     damaged = model.corrupted.get(step, {})
     try:
@@ -210,6 +289,7 @@ def _check_visible(store: Store, model: Model, step: int) -> None:
             return
         blame = _raced(model, step) or ("I7" if model.gc_since.get(step) else "I1")
         raise InvariantViolation(blame, f"published step {step} is incomplete: {exc}") from exc
+    _check_history(model, checkpoint, "get()")
     match = next((c for c in candidates if c.matches(checkpoint)), None)
     if match is None:
         blame = _raced(model, step) or "I1"
@@ -221,6 +301,19 @@ def _check_visible(store: Store, model: Model, step: int) -> None:
             _check_shard(checkpoint, match, name, damaged.get(name), _raced(model, step))
         model.read_at[step] = model.epoch
     model.save_committed(match)
+
+
+def _check_history(model: Model, checkpoint: Any, reader: str) -> None:
+    """I9: ``checkpoint``, returned by ``reader``, is of the epoch that owns its step (so
+    never what a superseded writer saved)."""
+    step, epoch = checkpoint.step, checkpoint.manifest.epoch
+    owner = model.owner(step)
+    if epoch != owner:
+        raise InvariantViolation(
+            "I9",
+            f"{reader} returned step {step} of epoch {epoch}; the history's checkpoint of it "
+            f"is epoch {owner}'s (the epochs' parents: {model.parents})",
+        )
 
 
 def _raced(model: Model, step: int) -> str | None:
@@ -307,6 +400,8 @@ def _check_latest(store: Store, model: Model, visible: list[int]) -> None:
             )
         if got != newest:
             raise InvariantViolation("I4", f"latest() returned {got}, newest published is {newest}")
+        if latest is not None:
+            _check_history(model, latest, "latest()")
     if latest is not None:
         if model.latest_floor is not None and latest.step < model.latest_floor:
             raise InvariantViolation(

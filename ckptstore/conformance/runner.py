@@ -1,6 +1,7 @@
 """Run every layer of the suite on a backend and gather one report.
 
-Layers: capability probes; exhaustive crash points; unknown outcomes of conditional writes
+Layers: capability probes; exhaustive crash points; crash points of a takeover (I9); unknown
+outcomes of conditional writes
 (object stores); power loss (file systems); parallel races; the property-based state machine.
 Each layer marks the invariants it checks as held unless it found a violation, or unless the
 storage failed one of its cases on every run (a storage error: undecided, see ``outcomes``).
@@ -34,6 +35,7 @@ from ckptstore.conformance.workload import (
     big_shard_size,
     run_crash_points,
     run_indeterminate_outcomes,
+    run_takeover_crash_points,
 )
 from ckptstore.driver import DriverFamily, driver_family
 from ckptstore.errors import InvalidOptionError, RefusedError
@@ -117,6 +119,12 @@ def run_backend(
             "crash points",
             CRASH_POINT_INVARIANTS,
             lambda: sizes.update(per_case=_crash_points(report, factory)),
+        )
+        say("takeover crash points")
+        layer(
+            "takeover crash points",
+            TAKEOVER_INVARIANTS,
+            lambda: _takeover_crash_points(report, factory),
         )
         if file_system:
             report.not_applicable("I8", "file-system calls have no unknown outcomes")
@@ -242,8 +250,9 @@ EXAMPLE_COST_IN_CRASH_CASES = 8.0
 cases; used to fit the examples into the budget on slow (networked) storage."""
 CRASH_POINT_INVARIANTS = ("I1", "I2", "I3", "I4", "I7")
 POWER_LOSS_INVARIANTS = ("I1", "I2", "I3", "I4")
-MACHINE_INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7")
-ALL_INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8")
+MACHINE_INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I9")
+TAKEOVER_INVARIANTS = ("I9", "I1", "I4", "I7")
+ALL_INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "I9")
 
 
 def _crash_points(report: BackendReport, factory: LocationFactory) -> float:
@@ -264,6 +273,22 @@ def _crash_points(report: BackendReport, factory: LocationFactory) -> float:
         + _slow_cleanup(result)
     )
     return per_case
+
+
+def _takeover_crash_points(report: BackendReport, factory: LocationFactory) -> None:
+    """Crash a takeover at each of its storage calls, the old writer alive (I9)."""
+    result = run_takeover_crash_points(factory)
+    if "I9" in result.invariants_checked:
+        report.checked(*TAKEOVER_INVARIANTS)
+    for failure in result.failures:
+        report.violated(failure.invariant, f"{failure.case}: {failure.message}")
+    _undecided(report, TAKEOVER_INVARIANTS, result)
+    report.coverage["takeover crash points"] = (
+        f"{result.calls} storage calls of a takeover (the old writer alive), "
+        f"{_crash_states(result)}: {max(result.cases - 1, 0)} crashes, each checked: the "
+        f"epoch whole or absent, the staging GC'd, the old writer refused, the step saved "
+        f"anew" + _retries(result)
+    )
 
 
 def _completions_note(result: CrashPointResult) -> str:

@@ -12,6 +12,10 @@ Unknown outcomes (object stores): two saves, with one storage call failed per ca
 before it reached storage or a timeout after it took effect, at every commit point; the save
 must retry or fail cleanly, and what it reports must match what it published (I8).
 
+Takeovers (I9): a run taking the store over from an older step, crashed before and after each
+storage call of the epoch record's creation, with the old writer still alive
+(``run_takeover_crash_points``).
+
 A case that the storage itself fails (see ``outcomes``) is run again from a fresh location; if
 the storage keeps failing it, the case is reported as a storage error, never as a failure.
 """
@@ -42,7 +46,7 @@ from ckptstore.conformance.outcomes import (
     storage_failure,
 )
 from ckptstore.driver import Capability
-from ckptstore.errors import CheckpointExistsError, CkptStoreError
+from ckptstore.errors import CheckpointExistsError, CkptStoreError, SupersededError
 from ckptstore.manifest import Manifest
 from ckptstore.retention import KeepLast
 from ckptstore.store import Store
@@ -56,6 +60,7 @@ __all__ = [
     "crash_cases",
     "run_crash_points",
     "run_indeterminate_outcomes",
+    "run_takeover_crash_points",
     "standard_workload",
 ]
 
@@ -571,3 +576,102 @@ def _holds_own(store: Store, model: Model, step: int) -> bool:
 
 def _faulted(injector: FaultInjector) -> str:
     return str(injector.transient_injected[0]) if injector.transient_injected else ""
+
+
+def run_takeover_crash_points(new_location: LocationMaker) -> CrashPointResult:
+    """Crash a takeover (the creation of an epoch record) before and after each of its
+    storage calls, with the old writer alive; check the store after each (I9, I1, I4, I7).
+
+    Each case saves steps 1 and 2, then a new run takes the store over from step 1 and dies at
+    one call. Afterwards the epoch exists whole (parent 1) or not at all, ``latest()`` answers
+    from the one history, GC collects what the dead taker staged once older than the grace
+    period, the old writer's next save fails with SupersededError if the epoch exists, and a
+    run that takes over again (or the first, if it got through) saves step 2 anew: the name
+    the old history holds.
+    """
+    result = CrashPointResult()
+    baseline = _retried(functools.partial(_takeover_case, new_location, None, CrashMode.BEFORE))
+    result.add(baseline)
+    if baseline.storage_errors:
+        return result
+    result.calls, result.call_names = baseline.calls, baseline.call_names
+    result.records = baseline.records
+    result.reads = sum(record.reads_only for record in baseline.records)
+    for index, mode in crash_cases(baseline.records, overlapped=baseline.overlapped):
+        result.add(_retried(functools.partial(_takeover_case, new_location, index, mode)))
+    return result
+
+
+def _takeover_case(
+    new_location: LocationMaker, index: int | None, mode: CrashMode
+) -> CrashPointResult:
+    result = CrashPointResult()
+    name = "takeover, no crash" if index is None else f"takeover, crash {mode.value} call {index}"
+    try:
+        location = new_location()
+    except CkptStoreError as exc:
+        return _undecided(result, name, exc)
+    try:
+        model = Model()
+        try:
+            old, _ = location.open()
+            for step in (1, 2):
+                save(old, model, Saved(step, {"model.bin": pattern(100, step)}, {"step": step}))
+            taker, injector = location.open(FaultPlan(crash_at=index, crash_mode=mode))
+            try:
+                taker.take_over(1)
+            except SimulatedCrash as crash:
+                death = f"crash at call {crash.record}" if crash.record is not None else str(crash)
+                name = f"{name}: {death}"
+            if index is None:
+                result.calls = injector.count
+                result.call_names = [call.name for call in injector.calls]
+                result.records = list(injector.calls)
+                result.overlapped = injector.overlapped
+        except CkptStoreError as exc:
+            return _undecided(result, name, exc)
+        _run_case(result, name, lambda: _recover_takeover(location, model, old, crashed=index))
+        result.invariants_checked.add("I9")
+    finally:
+        location.destroy()
+    return result
+
+
+def _recover_takeover(location: Location, model: Model, old: Store, crashed: int | None) -> None:
+    """Judge what a takeover that died (``crashed``: at that call; None: it did not) left."""
+    store, _ = location.open()
+    epochs = store.lineage().epochs  # LineageCorruptError for a half-made record: I9
+    if len(epochs) > 1 or (epochs and epochs[0].parent != 1):
+        raise InvariantViolation("I9", f"the takeover from step 1 left the epochs {epochs}")
+    if not epochs and crashed is None:
+        raise InvariantViolation("I9", "a takeover that returned left no epoch")
+    if epochs:
+        model.epoch_taken(1)
+    check_invariants(store, model)
+    location.clock.advance(_AGE)
+    model.gc_started()
+    store.gc(grace=GRACE)
+    check_invariants(store, model)
+    leftovers = location.leftovers()
+    if leftovers:
+        raise InvariantViolation(
+            "I7", f"GC left what the dead taker staged, past the grace period: {sorted(leftovers)}"
+        )
+    zombie = Saved(3, {"zombie.bin": pattern(100, 33)}, {"step": 3, "writer": "zombie"})
+    try:
+        save(old, model, zombie)
+    except SupersededError:
+        if not epochs:
+            raise
+    else:
+        if epochs:
+            raise InvariantViolation("I9", "the old writer published after the takeover")
+    if not epochs:
+        store.take_over(1)
+        model.epoch_taken(1)
+    clash = Saved(2, {"after-takeover": pattern(100, 22)}, {"step": 2}, epoch=1)
+    save(store, model, clash)
+    check_invariants(store, model)
+    latest = store.latest()
+    if latest is None or (latest.step, latest.manifest.epoch) != (2, 1):
+        raise InvariantViolation("I9", f"after the takeover latest() is {latest}, not step 2 of 1")
