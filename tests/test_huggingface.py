@@ -104,15 +104,20 @@ def test_nothing_published_leaves_the_output_dir_alone_but_unpublished_saves(
     )
 
 
-def _machine(rank: int, port: int, store_url: str, dirs: list[str], local: list[int],
+def _machine(rank: int, rendezvous: str, store_url: str, dirs: list[str], local: list[int],
              bad_rank: int, outcome: object) -> None:  # fmt: skip
-    """One process of a 2-process job: ``dirs[rank]`` is its machine's output_dir."""
+    """One process of a 2-process job: ``dirs[rank]`` is its machine's output_dir. The ranks
+    meet through a file of the job's own (no TCP port to pick ahead and lose to another
+    process: a port found free and bound seconds later by rank 0 could meanwhile be taken, or
+    handed to a concurrent job too, whose rank 1 then joined this one and left: "Connection
+    reset by peer" at rank 0's first barrier); gloo listens on loopback ports the kernel hands
+    it."""
     import types
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:
         args = types.SimpleNamespace(
             output_dir=dirs[rank], process_index=rank, local_process_index=local[rank],
@@ -131,16 +136,13 @@ def _machine(rank: int, port: int, store_url: str, dirs: list[str], local: list[
 
 
 def _run_machines(tmp_path: Path, dirs: list[Path], local: list[int], bad_rank: int = -1):  # type: ignore[no-untyped-def]
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    rendezvous = str(tmp_path / "rendezvous")  # new for each job: a FileStore's file
     outcome = mp.Manager().dict()
     url = f"file://{tmp_path}/store"
-    mp.spawn(_machine, args=(port, url, [str(d) for d in dirs], local, bad_rank, outcome),
+    mp.spawn(_machine, args=(rendezvous, url, [str(d) for d in dirs], local, bad_rank, outcome),
              nprocs=2)  # fmt: skip
     return ckptstore.open(url), dict(outcome)
 
