@@ -222,14 +222,14 @@ def retention_counting_unfinished(self: Store, policy: Any = None) -> list[int]:
     keep = policy.keep([CheckpointAge(step, None) for step in sorted(everything)], now)
     doomed = [step for step in self.steps() if step not in keep]
     for step in doomed:
-        self.strategy.unpublish(step)
+        self._history.unpublish(step)
     return doomed
 
 
 def _steps_by_name(self: Store) -> list[int]:
     """Resume by file name: NeMo's ``exp_manager`` takes the first ``*last.ckpt`` that
     ``rglob`` finds, and name-sorted listings put ``step=9`` after ``step=12``."""
-    return sorted(self._checkpoint_steps(self.strategy.published_steps()), key=str)
+    return sorted(self._checkpoint_steps(self._history.steps()), key=str)
 
 
 def latest_by_name(self: Store, *, verified: bool = False) -> Checkpoint | None:

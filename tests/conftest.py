@@ -13,6 +13,7 @@ import pytest
 import ckptstore
 from ckptstore.backends.lustre import LustreStripingWarning
 from ckptstore.backends.memory import MemoryDriver, drop_bucket
+from ckptstore.conformance.reproducible import same_examples
 from ckptstore.store import Store
 from ckptstore.tools.embedded import EmbeddedS3, embedded_moto, embedded_seaweedfs
 from ckptstore.tools.embedded_azure import EmbeddedAzure, embedded_azurite
@@ -214,6 +215,15 @@ class S3Backend(BackendUnderTest):
         self.client.delete_object(
             Bucket=self.server.bucket, Key=f"{self.prefix}/{record.locator['key']}"
         )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _same_examples() -> Iterator[None]:
+    """Every derandomized hypothesis run explores the same examples whichever tests ran before
+    it in this worker (hypothesis would otherwise draw constants from whatever local modules
+    are imported by then): see ckptstore.conformance.reproducible."""
+    with same_examples():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     StorageError,
 )
-from ckptstore.names import step_token
+from ckptstore.names import parse_step_token, step_token
 from ckptstore.retention import CheckpointAge
 from ckptstore.store import Store
 
@@ -111,7 +111,7 @@ def memory_url() -> Iterator[str]:
 
 def old_steps(self: Store) -> list[int]:
     """Every name that parses as a step counts, manifest or not."""
-    return self.strategy.published_steps()
+    return self._history.steps()
 
 
 def old_parse_step_token(token: str) -> int | None:
@@ -120,10 +120,16 @@ def old_parse_step_token(token: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def old_parse_checkpoint_token(token: str) -> tuple[int, int] | None:
+    """The old lenient step parser, in the shape the listing of commit points asks for."""
+    step = old_parse_step_token(token)
+    return None if step is None else (step, 0)
+
+
 def old_apply_retention(self: Store, policy: Any = None) -> list[int]:
     """Retention counts every name that parses as a step, strays included."""
     policy = policy or self.retention
-    steps = self.strategy.published_steps()
+    steps = self._history.steps()
     if policy is None or len(steps) <= 1:
         return []
     now = datetime.fromtimestamp(self.clock(), timezone.utc)
@@ -131,7 +137,7 @@ def old_apply_retention(self: Store, policy: Any = None) -> list[int]:
     doomed = [s for s in steps if s not in keep]
     for step in doomed:
         try:
-            self.strategy.unpublish(step)
+            self._history.unpublish(step)
         except CheckpointNotFoundError:
             continue
     return doomed
@@ -139,11 +145,11 @@ def old_apply_retention(self: Store, policy: Any = None) -> list[int]:
 
 def old_rollback(self: Store, step: int) -> list[int]:
     """Rollback unpublishes every name above the step, strays included."""
-    if not self.strategy.is_published(step):
+    if not self._history.is_published(step):
         raise CheckpointNotFoundError(f"cannot roll back to step {step}: it is not published")
-    newer = self.strategy.published_steps(min_step=step + 1)
+    newer = self._history.steps(min_step=step + 1)
     for doomed in reversed(newer):
-        self.strategy.unpublish(doomed)
+        self._history.unpublish(doomed)
     self._reset_hint(step)  # (today's: a LATEST directory does not fail the rollback)
     return newer
 
@@ -154,9 +160,9 @@ def old_latest(self: Store, *, verified: bool = False) -> Any:
     if not verified:
         hint = self.strategy.read_latest_hint()
         if hint is not None:
-            candidates = self.strategy.published_steps(min_step=hint)
+            candidates = self._history.steps(min_step=hint)
     if not candidates:
-        candidates = self.strategy.published_steps()
+        candidates = self._history.steps()
     for step in reversed(candidates):
         try:
             checkpoint = self.get(step)
@@ -189,7 +195,7 @@ def old_garbage_kind(name: str) -> tuple[str, bool] | None:
     """GC takes whatever starts like its own names for its own."""
     if name.startswith(TRASH_PREFIX):
         return "trash", True
-    if PENDING_MARK in name and rename.parse_step_token(name.split(PENDING_MARK)[0]) is not None:
+    if PENDING_MARK in name and parse_step_token(name.split(PENDING_MARK)[0]) is not None:
         return "staging", False
     return None
 
@@ -217,7 +223,7 @@ def test_a_stray_counted_as_a_checkpoint_is_i1(
     assert _rules(steps)[-1] == "plant_a_stray", steps
     # On object stores only a lenient parser makes a step of a foreign key (Arabic-Indic
     # digits, a trailing newline): the old one, with the old count.
-    monkeypatch.setattr(conditional_put, "parse_step_token", old_parse_step_token)
+    monkeypatch.setattr(conditional_put, "parse_checkpoint_token", old_parse_checkpoint_token)
     violation, steps = _caught(memory_url)
     assert violation.invariant == "I1", violation
     assert re.search(r"but it is an entry named like step \d+ (in Arabic-Indic digits|with a "

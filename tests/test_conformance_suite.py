@@ -299,9 +299,9 @@ def test_retention_deleting_the_newest_is_caught_as_i3(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def careless_retention(self: Store, policy: Any = None) -> list[int]:
-        steps = self.strategy.published_steps()
+        steps = self._history.steps()
         for step in steps[1:]:  # keeps the oldest instead of the newest
-            self.strategy.unpublish(step)
+            self._history.unpublish(step)
         return steps[1:]
 
     monkeypatch.setattr(Store, "apply_retention", careless_retention)

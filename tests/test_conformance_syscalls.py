@@ -179,7 +179,7 @@ def test_a_fsync_that_does_nothing_is_caught_as_i2(tmp_path: Path, broken: Any) 
     report, text = _report(f"{broken('no-fsync', NoFsyncDriver)}://{tmp_path}/store")
     assert report.invariants["I2"].status == "violated"
     assert "no fsync or fdatasync system call reached the kernel" in text
-    assert "syscall trace: driver call #18 fsync(4): fsync of step-00000000000000000001." in text
+    assert re.search(r"syscall trace: driver call #\d+ fsync\(4\): fsync of step-0{19}1\.", text)
     assert "/data/model/rank00000.bin: no fsync or fdatasync system call reached the kernel" in text
     assert "may be lost at a power loss after the strategy counted it durable" in text
     # ... and the power-loss states of the recorded trace lose the unsynced data

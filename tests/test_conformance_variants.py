@@ -527,7 +527,7 @@ def test_gc_removing_unfinished_looking_checkpoints_is_caught_as_i7(
     tmp_path: Any, scheme: Any
 ) -> None:
     scheme("unfinished-gc", posix(bv.UnfinishedRemovingGcCommit))
-    text, steps = machine(f"unfinished-gc://{tmp_path}", 20)
+    text, steps = machine(f"unfinished-gc://{tmp_path}", 60)
     assert verdicts(text)["I7"] == "VIOLATED"
     assert "state.gc" in steps
 
