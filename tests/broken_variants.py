@@ -17,7 +17,7 @@ from typing import Any
 from ckptstore.backends.memory import MemoryDriver, _Version
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.checkpoint import Checkpoint, VerifyReport
-from ckptstore.commit.base import GcItem, GcReport
+from ckptstore.commit.base import CommitStrategy, GcItem, GcReport
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import (
     DATA_DIR,
@@ -36,7 +36,7 @@ from ckptstore.errors import (
 )
 from ckptstore.hint import encode_hint
 from ckptstore.manifest import Manifest
-from ckptstore.names import parse_step_token, step_token
+from ckptstore.names import checkpoint_token, parse_step_token, step_token
 from ckptstore.retention import CheckpointAge
 from ckptstore.store import Store
 
@@ -48,6 +48,8 @@ class DcpInPlaceCommit(RenameCommit):
     checkpoint directory; ``finish`` writes ``.metadata.tmp``, removes an existing
     ``.metadata`` ("in case other checkpoints were present") and renames over it. Two saves of
     one checkpoint id both "succeed", the second overwriting the first's files."""
+
+    create_epoch = CommitStrategy.create_epoch  # writes in place: no room for an epoch's name
 
     @staticmethod
     def staging_dir(step: int, attempt: str) -> str:
@@ -67,7 +69,7 @@ class DcpInPlaceCommit(RenameCommit):
             pass
         return self.driver.create(path)
 
-    def is_published(self, step: int) -> bool:
+    def is_published(self, step: int, epoch: int = 0) -> bool:
         try:
             self.driver.stat(f"{step_token(step)}/{MANIFEST_NAME}")
         except ObjectNotFoundError:
@@ -188,8 +190,8 @@ class RmtreeUnpublishCommit(RenameCommit):
     checkpoints, ``rm -rf`` in an operator's cron job): the data goes before the metadata that
     makes the directory a checkpoint, so a crash leaves a "checkpoint" with shards missing."""
 
-    def unpublish(self, step: int) -> None:
-        self.remove_tree(step_token(step))
+    def unpublish(self, step: int, epoch: int = 0) -> None:
+        self.remove_tree(checkpoint_token(step, epoch))
         self.driver.fsync_dir("")
 
 

@@ -178,11 +178,11 @@ def old_latest(self: Store, *, verified: bool = False) -> Any:
     return None
 
 
-def old_read_manifest(self: RenameCommit, step: int) -> Any:
+def old_read_manifest(self: RenameCommit, step: int, epoch: int = 0) -> Any:
     """Looks before it reads: a step unpublished in between is reported as corrupt."""
-    present = self.is_published(step)
+    present = self.is_published(step, epoch)
     try:
-        return NEW_READ_MANIFEST(self, step)
+        return NEW_READ_MANIFEST(self, step, epoch)
     except CheckpointNotFoundError as exc:
         if present and not isinstance(exc, NotACheckpointError):
             raise ManifestCorruptError(

@@ -274,6 +274,11 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
 
     # -- lineages (docs/protocol.md §8): optional; without them a store has only epoch 0 ----
 
+    @property
+    def keeps_lineages(self) -> bool:
+        """Whether this strategy keeps epochs (it implements ``create_epoch``)."""
+        return type(self).create_epoch is not CommitStrategy.create_epoch
+
     def create_epoch(self, epoch: int, record: bytes) -> None:
         """Create epoch ``epoch``'s record if absent, durably (EpochExistsError if present).
 

@@ -350,6 +350,7 @@ def make_state_machine(
                 "I1", f"the upload of step {step} never held {parts} parts ({PART_WAIT_S:.0f} s)"
             )
 
+        @precondition(lambda self: self.location.base.keeps_lineages)
         @rule(data=st.data(), fresh=st.booleans(), zombie=_ZOMBIE_SAVES)
         @abort_on_storage_failure
         def take_over(self, data: Any, fresh: bool, zombie: str) -> None:

@@ -136,6 +136,8 @@ class CrashPointTests(ConformanceFixtures):
         """A takeover crashed at each of its storage calls, the old writer alive: the epoch
         exists whole or not at all, GC takes the staging, one history (I9)."""
         result = run_takeover_crash_points(ckpt_locations)
+        if result.not_applicable:
+            pytest.skip(result.not_applicable)
         _fail_on_result(result)
         assert result.calls > 0
         assert "I9" in result.invariants_checked

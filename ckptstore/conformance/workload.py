@@ -180,6 +180,8 @@ class CrashPointResult:
     """Commit points failed on purpose, by mode and label (``before If-Match put LATEST``)."""
     completions: int = 0
     """Multipart completions the workload made (without a crash)."""
+    not_applicable: str = ""
+    """Why the layer did not run (a strategy that keeps no lineages has no takeover)."""
     completions_before: set[int] = field(default_factory=set)
     completions_after: set[int] = field(default_factory=set)
     """The multipart completions (by call number) that a case died before, and just after,
@@ -590,6 +592,14 @@ def run_takeover_crash_points(new_location: LocationMaker) -> CrashPointResult:
     the old history holds.
     """
     result = CrashPointResult()
+    probe = new_location()
+    try:
+        keeps = probe.base.keeps_lineages
+    finally:
+        probe.destroy()
+    if not keeps:
+        result.not_applicable = "the strategy keeps no lineages: take_over is refused"
+        return result
     baseline = _retried(functools.partial(_takeover_case, new_location, None, CrashMode.BEFORE))
     result.add(baseline)
     if baseline.storage_errors:
