@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 from ckptstore.commit.base import GcItem, GcReport, ShardProblem, ShardSink
 from ckptstore.commit.conditional_put import (
+    EPOCHS,
     LATEST_KEY,
     MANIFESTS,
     PROBE_PREFIX,
@@ -361,7 +362,8 @@ class VersionPinCommit(ConditionalPutCommit):
         names = set()
         for version in self.driver.list_versions(""):
             current = version.is_latest and not version.is_delete_marker
-            if current and (version.key == LATEST_KEY or version.key.startswith(MANIFESTS)):
+            fixed = version.key == LATEST_KEY or version.key.startswith((MANIFESTS, EPOCHS))
+            if current and fixed:
                 names.add(version.key)
             else:
                 names.add(_versioned_name(version.key, version.version_id))
