@@ -581,3 +581,18 @@ def test_every_variant_is_in_the_docs_table() -> None:
         if getattr(value, "__module__", "") == bv.__name__ and not name.startswith("_")
     }
     assert variants <= listed, sorted(variants - listed)
+
+
+def test_readers_that_ignore_epochs_are_caught_as_i9(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that keeps epochs but whose readers and writers never read them back (the
+    lineage a store had before any takeover, always): the zombie is never refused, and what
+    it saves after the takeover is returned (docs/protocol.md §8)."""
+    from ckptstore.history import History
+    from ckptstore.lineage import Lineage
+
+    monkeypatch.setattr(History, "lineage", lambda self: Lineage())
+    text, steps = machine(f"file://{tmp_path}", 100)
+    assert verdicts(text)["I9"] == "VIOLATED", text
+    assert "state.take_over(" in steps, steps
