@@ -99,7 +99,13 @@ def _run(url: str, tmp_path: Path, env: dict[str, str], seconds: float) -> None:
         assert not _check_reader(saw, rollbacks)
     assert len(published) >= WRITERS, f"only {len(published)} checkpoints published"
     final = store.latest(verified=True)
-    assert final is not None
+    if final is None:
+        # Only the documented race explains an empty store (docs/protocol.md §10): a rollback
+        # still running after the last publish, whose target retention removed meanwhile.
+        last_publish = max(e["t"] for e in published)
+        assert any(r["t"] >= last_publish for r in rollbacks), (
+            "the store ended empty, and no rollback racing the last publishes explains it"
+        )
     assert not store.strays()
 
 
