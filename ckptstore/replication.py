@@ -291,14 +291,18 @@ class Replicator:
         if outside is None:
             return True
         self.outside[manifest.step] = outside
-        self._report(outside)
+        self.report(outside)
         return False
 
-    def _report(self, outside: OutsideCheckpoint) -> None:
+    def report(self, outside: OutsideCheckpoint) -> None:
+        """Warn of a fast checkpoint outside the durable history, once per attempt (for the
+        replicator and the tiered store's readers alike)."""
         key = (outside.step, outside.attempt)
-        if key not in self._reported:
+        with self._cond:
+            if key in self._reported:
+                return
             self._reported.add(key)
-            log.warning("%s", outside.describe(self.fast.url))
+        log.warning("%s", outside.describe(self.fast.url))
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

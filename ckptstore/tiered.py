@@ -83,7 +83,6 @@ class TieredStore:
         self.fast = fast
         self.durable = durable
         self.replicator = replicator
-        self._reported: set[tuple[int, str]] = set()
         if fast.retention is not None:
             fast.retention = KeepOwed(fast.retention, replicator, self._not_counted)
         fast.on_publish(replicator.notify)
@@ -225,10 +224,7 @@ class TieredStore:
         outside = outside_history(checkpoint.manifest, lineage)
         if outside is None:
             return True
-        key = (outside.step, outside.attempt)
-        if key not in self._reported:
-            self._reported.add(key)
-            log.warning("%s", outside.describe(self.fast.url))
+        self.replicator.report(outside)
         return False
 
     def outside_history(self) -> list[OutsideCheckpoint]:
