@@ -126,7 +126,8 @@ class OutsideCheckpoint:
             f"{fast_url}: step {self.step} (attempt {self.attempt}) of the fast tier is not in "
             f"the durable history: written in {written}, while the durable lineage gives "
             f"step {self.step} to epoch {self.owner}; it is never returned, replicated or "
-            f"counted, and leaves the fast tier at the pair's next takeover and GC"
+            f"counted, and the pair's gc removes it once the takeover that put it out is older "
+            f"than the grace period"
         )
 
 

@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import Any, overload
 
 from ckptstore.checkpoint import Checkpoint
-from ckptstore.commit.base import GcReport
+from ckptstore.commit.base import GcItem, GcReport
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptStoreError,
@@ -349,8 +349,11 @@ class TieredStore:
 
     def apply_retention(self, policy: RetentionPolicy | None = None) -> list[int]:
         """Apply ``policy`` to both tiers (default: each tier's own); return the steps removed
-        from either, ascending. In the fast tier, what the durable tier is still owed is kept."""
-        fast_policy = None if policy is None else KeepOwed(policy, self.replicator)
+        from either, ascending. In the fast tier, what the durable tier is still owed is kept,
+        and checkpoints outside the durable history are neither counted nor removed."""
+        fast_policy = (
+            None if policy is None else KeepOwed(policy, self.replicator, self._not_counted)
+        )
         removed = set(self.fast.apply_retention(fast_policy))
         durable_policy = policy or self.replicator.durable.retention
         if durable_policy is not None:
@@ -361,11 +364,45 @@ class TieredStore:
         self, *, grace: timedelta | float = DEFAULT_GRACE, dry_run: bool = False
     ) -> TieredGcReport:
         """Collect dead attempts' leftovers in both tiers (``Store.gc``), copies the
-        replicator abandoned included."""
-        return TieredGcReport(
-            fast=self.fast.gc(grace=grace, dry_run=dry_run),
-            durable=self.durable.gc(grace=grace, dry_run=dry_run),
+        replicator abandoned included, and the fast checkpoints outside the durable history
+        for good (T5: their durable epoch is known and owns not their step, so they never
+        return to it) once the epoch that put them out is older than ``grace``."""
+        fast = self.fast.gc(grace=grace, dry_run=dry_run)
+        durable = self.durable.gc(grace=grace, dry_run=dry_run)
+        self._collect_outside(
+            fast, grace.total_seconds() if isinstance(grace, timedelta) else grace
         )
+        return TieredGcReport(fast=fast, durable=durable)
+
+    def _collect_outside(self, report: GcReport, grace_s: float) -> None:
+        lineage = self.durable.lineage()
+        now = self.fast.clock()
+        for entry in self.outside_history():
+            if entry.durable_epoch is None or not lineage.knows(entry.durable_epoch):
+                continue  # not judged for good: an unreadable record, an epoch not read
+            since = lineage.epoch(max(entry.owner, entry.durable_epoch))
+            age = now - since.started_at.timestamp() if since is not None else 0.0
+            name = (
+                f"step {entry.step} of the fast tier (durable epoch {entry.durable_epoch}; the "
+                f"durable history gives the step to epoch {entry.owner})"
+            )
+            if since is None or age < grace_s:
+                report.kept_young.append(GcItem("outside the durable history", name, age))
+                continue
+            try:
+                manifest = self.fast.manifest(entry.step)
+            except (CheckpointNotFoundError, IntegrityError):
+                continue
+            if manifest.attempt != entry.attempt:
+                continue  # published again since it was judged
+            report.removed.append(
+                GcItem("outside the durable history", name, age, manifest.total_size)
+            )
+            if not report.dry_run:
+                try:
+                    self.fast.delete(entry.step, force=True)
+                except CheckpointNotFoundError:
+                    continue
 
     # -- lifetime ------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import pytest
 
 import ckptstore
 from ckptstore.cli import main
-from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.errors import CheckpointNotFoundError, InvalidMetadataError
 from ckptstore.replication import TIER_KEY
 from ckptstore.tiered import TieredStore
 from ckptstore.tools.embedded import EmbeddedS3
@@ -134,6 +134,12 @@ def test_a_partitioned_nodes_branch_never_enters_the_pairs_history(
         record = a.fast.get(7).metadata[TIER_KEY]
         assert isinstance(record, dict) and record["durable_epoch"] == 2
         assert "?" not in str(record["durable"]) and "secret" not in str(record["durable"])
+        # GC: A's old 7 left the fast history at the takeover; its old 6 (the step resumed
+        # from, so still the fast tier's) is outside the durable history for good.
+        report = a.gc(grace=0)
+        removed = [item.name for item in report.fast.removed]
+        assert any(n.startswith("step 6 of the fast tier (durable epoch 0") for n in removed)
+        assert a.fast.steps() == [4, 5, 7] and a.outside_history() == []
     latest = nodes.pair("A", background=False).latest()
     assert latest is not None and latest.read("model.bin") == weights("A2", 7)["model.bin"]
     assert nodes.durable().get(7).read("model.bin") == weights("A2", 7)["model.bin"]
@@ -210,6 +216,21 @@ def test_ckptstore_rollback_of_the_pair_is_not_undone(six: Nodes) -> None:
     )
     assert status == 0 and json.loads(text)["left_history"] == [3], text
     assert _after_restart(nodes) == (2, [1, 2], [1, 2])
+
+
+def test_a_pair_rolls_back_only_to_a_durable_step_and_keeps_its_tier_record(
+    tmp_path: Path,
+) -> None:
+    nodes = Nodes(tmp_path, (f"file://{tmp_path}/durable", {}))
+    with nodes.pair("A", background=False) as pair:
+        pair.save(1, weights("A", 1))
+        pair.wait_replicated(timeout=60)
+        pair.save(2, weights("A", 2))
+        with pytest.raises(CheckpointNotFoundError, match="the durable tier does not hold it"):
+            pair.rollback(2)
+        with pytest.raises(InvalidMetadataError, match="reserved"):
+            pair.save(3, weights("A", 3), {TIER_KEY: {"durable_epoch": 7}})
+    assert nodes.durable().steps() == [1, 2]
 
 
 def test_rolling_back_the_fast_tier_alone_is_refused(
