@@ -251,3 +251,24 @@ def test_a_takeover_of_the_durable_tier_alone_is_obeyed_by_the_fast_one(six: Nod
     nodes = six
     nodes.durable().take_over(resumed_from=3, note="rollback to step 3")
     assert _after_restart(nodes) == (3, [1, 2, 3], [1, 2, 3])
+
+
+def _rollback_is_a_takeover(tmp_path: Path) -> bool:
+    """Whether ``Store.rollback`` is a takeover from the step (issue 24 item 4, made on
+    another branch): only then can the durable tier's own rollback fence the fast tier."""
+    store = ckptstore.open(f"file://{tmp_path}/probe")
+    store.save(1, {"m": b"1"})
+    store.save(2, {"m": b"2"})
+    store.rollback(1)
+    return store.lineage().newest > 0
+
+
+def test_ckptstore_rollback_of_the_durable_tier_alone_is_not_undone(
+    six: Nodes, tmp_path: Path
+) -> None:
+    if not _rollback_is_a_takeover(tmp_path):
+        pytest.skip("Store.rollback is not a takeover yet (issue 24 item 4)")
+    nodes = six
+    status, text = run("rollback", nodes.durable_url, "3")
+    assert status == 0, text
+    assert _after_restart(nodes) == (3, [1, 2, 3], [1, 2, 3])
