@@ -36,6 +36,12 @@ from ckptstore.cli_lineage import (
     superseded_document,
     superseded_rows,
 )
+from ckptstore.cli_tiers import (
+    open_pair,
+    outside_rows,
+    pair_document,
+    refuse_a_fast_tier_alone,
+)
 from ckptstore.errors import (
     BackendUnavailableError,
     CheckpointNotFoundError,
@@ -237,6 +243,8 @@ def _status_text(entry: dict[str, Any]) -> str:
 def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
     """List every entry, the epochs and the superseded checkpoints; exit 0 when the listing
     itself succeeded, whatever an entry is."""
+    if args.replicate_to:
+        return _ls_pair(args, out)
     store = _open(args.url)
     entries = [_entry(store, step)[0] for step in _listed_steps(store)]
     lineage = store.lineage()
@@ -263,6 +271,36 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
     if superseded:
         out.write("\nsuperseded (part of no history; no reader returns them):\n")
         _print_table(superseded_rows(superseded), out)
+    return EXIT_OK
+
+
+def _ls_pair(args: argparse.Namespace, out: TextIO) -> int:
+    """The pair's history across tiers, and the fast checkpoints outside it (§9.3, T5)."""
+    pair = open_pair(args.url, args.replicate_to)
+    try:
+        document = pair_document(pair, _summary)
+    finally:
+        pair.close(wait=False)
+    if args.json:
+        json.dump(document, out, indent=2)
+        out.write("\n")
+        return EXIT_OK
+    where = f"{printable(document['url'])} -> {printable(document['durable_url'])}"
+    entries = document["checkpoints"]
+    if not entries:
+        out.write(f"no checkpoints in the pair {where}\n")
+    else:
+        rows = _ls_rows(entries, with_epoch=True)
+        rows[0].insert(2, "TIER")
+        for row, entry in zip(rows[1:], entries, strict=True):
+            row.insert(2, entry["tier"])
+        _print_table(rows, out)
+    if document["not_in_history"]:
+        out.write(
+            "\nnot in the history (fast tier only; the durable lineage does not hold them: "
+            "never returned, replicated or counted):\n"
+        )
+        _print_table(outside_rows(document["not_in_history"]), out)
     return EXIT_OK
 
 
@@ -496,7 +534,10 @@ def cmd_delete(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_rollback(args: argparse.Namespace, out: TextIO) -> int:
+    if args.replicate_to:
+        return _rollback_pair(args, out)
     store = _open(args.url)
+    refuse_a_fast_tier_alone(store, args.step)
     deleted = store.rollback(args.step)
     if args.json:
         json.dump({"url": store.url, "latest": args.step, "deleted": deleted}, out)
@@ -504,6 +545,35 @@ def cmd_rollback(args: argparse.Namespace, out: TextIO) -> int:
     else:
         listed = ", ".join(map(str, deleted)) or "nothing"
         out.write(f"rolled back {printable(store.url)} to step {args.step}; deleted {listed}\n")
+    return EXIT_OK
+
+
+def _rollback_pair(args: argparse.Namespace, out: TextIO) -> int:
+    """One rollback for both tiers of a pair: a takeover of both from the step (§9.3, T6)."""
+    pair = open_pair(args.url, args.replicate_to)
+    try:
+        left = pair.rollback(args.step)
+        document = pair_document(pair, _summary)
+    finally:
+        pair.close(wait=False)
+    if args.json:
+        json.dump(
+            {
+                "url": document["url"],
+                "durable_url": document["durable_url"],
+                "latest": args.step,
+                "left_history": left,
+            },
+            out,
+        )
+        out.write("\n")
+    else:
+        where = f"{printable(document['url'])} -> {printable(document['durable_url'])}"
+        listed = ", ".join(map(str, left)) or "nothing"
+        out.write(
+            f"rolled back the pair {where} to step {args.step}; left the history: {listed} "
+            f"(each tier's gc collects them)\n"
+        )
     return EXIT_OK
 
 
@@ -715,7 +785,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true", help="print JSON")
         return p
 
-    command("ls", "list published checkpoints").set_defaults(func=cmd_ls)
+    p = command("ls", "list published checkpoints")
+    p.add_argument(
+        "--replicate-to",
+        metavar="DURABLE_URL",
+        default=None,
+        help="URL is the fast tier of a pair with this durable store: list the pair's history",
+    )
+    p.set_defaults(func=cmd_ls)
     p = command("show", "show a checkpoint's manifest (default: the latest)")
     p.add_argument("step", nargs="?", type=parse_step)
     p.add_argument("--all-shards", action="store_true", help="list every shard")
@@ -739,6 +816,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_delete)
     p = command("rollback", "delete every checkpoint newer than STEP")
     p.add_argument("step", type=parse_step)
+    p.add_argument(
+        "--replicate-to",
+        metavar="DURABLE_URL",
+        default=None,
+        help="URL is the fast tier of a pair with this durable store: roll back the pair "
+        "(docs/tiers.md)",
+    )
     p.set_defaults(func=cmd_rollback)
     p = command("bench", "save and load through ckptstore against the storage's raw baseline")
     p.add_argument(

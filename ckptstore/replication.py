@@ -10,18 +10,24 @@ checkpoint was first published (``Manifest.source``). The bytes are streamed fro
 store unverified and hashed as they go to the durable store: each shard's size, CRC32C and
 block CRC32Cs must equal what the first write recorded, else the copy is aborted and nothing
 is published. That check covers the whole way, from the trainer's bytes to the durable copy.
+The pair has one history, the durable store's lineage: every checkpoint the tiered store
+saves in the fast store records the durable epoch its writer was in (``TIER_KEY`` in its
+metadata), and a fast checkpoint whose (step, durable epoch) the durable lineage does not
+hold (a partitioned node's branch, a tier rolled back) is never copied.
 The protocol: docs/protocol.md, "Tiers".
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from urllib.parse import urlsplit, urlunsplit
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.errors import (
@@ -33,8 +39,10 @@ from ckptstore.errors import (
     ReplicationError,
     ReplicationTimeoutError,
     ShardCorruptError,
+    StepOutsideEpochError,
     SupersededError,
 )
+from ckptstore.lineage import Lineage
 from ckptstore.manifest import Manifest, ReplicaSource, ShardRecord
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.retention import CheckpointAge, RetentionPolicy
@@ -42,13 +50,18 @@ from ckptstore.store import Store
 
 __all__ = [
     "COPY_CHUNK",
+    "TIER_KEY",
     "KeepOwed",
+    "OutsideCheckpoint",
     "ReplicateAll",
     "ReplicateEvery",
     "ReplicateNewest",
     "ReplicationPolicy",
     "Replicator",
+    "durable_epoch_of",
     "replication_policy",
+    "shown_url",
+    "tier_record",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,6 +70,74 @@ COPY_CHUNK = 8 * 1024 * 1024
 """Bytes read from the fast store and written to the durable one at a time."""
 _BACKOFF_S = (0.5, 30.0)
 """A failed pass is tried again after the first delay, doubled at each failure up to the second."""
+TIER_KEY = "ckptstore.tier"
+"""The metadata key of a fast-tier checkpoint saved by a tiered store: ``{"durable": URL,
+"durable_epoch": E}``, the durable store (shown without credentials or query) and the epoch
+of its lineage the writer was in (docs/protocol.md §9.3, T5). Reserved: a trainer's metadata
+may not use it; durable copies do not carry it."""
+
+
+def shown_url(url: str) -> str:
+    """``url`` as the tier record shows it: without userinfo, query or fragment."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def tier_record(manifest: Manifest) -> Mapping[str, object] | None:
+    """The tier record of a fast-tier checkpoint (``TIER_KEY``), or None if it has none."""
+    record = manifest.metadata.get(TIER_KEY)
+    return record if isinstance(record, Mapping) else None
+
+
+def durable_epoch_of(manifest: Manifest) -> int | None:
+    """The durable epoch a fast-tier checkpoint's writer was in: its tier record's, 0 for a
+    checkpoint without one (saved before tiers kept lineages, or not through a tiered store),
+    None for a record that does not parse (never in the history)."""
+    if TIER_KEY not in manifest.metadata:
+        return 0
+    record = tier_record(manifest)
+    epoch = None if record is None else record.get("durable_epoch")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        return None
+    return epoch
+
+
+@dataclass(frozen=True)
+class OutsideCheckpoint:
+    """A fast-tier checkpoint the durable lineage does not hold: never returned, copied or
+    counted (a partitioned node's branch, or what a rollback of the pair left behind)."""
+
+    step: int
+    attempt: str
+    durable_epoch: int | None
+    """The durable epoch its writer was in (None: an unreadable tier record)."""
+    owner: int
+    """The durable epoch that owns the step."""
+
+    def describe(self, fast_url: str) -> str:
+        """One line for the log and ``ckptstore ls``."""
+        written = (
+            "an unreadable tier record"
+            if self.durable_epoch is None
+            else f"durable epoch {self.durable_epoch}"
+        )
+        return (
+            f"{fast_url}: step {self.step} (attempt {self.attempt}) of the fast tier is not in "
+            f"the durable history: written in {written}, while the durable lineage gives "
+            f"step {self.step} to epoch {self.owner}; it is never returned, replicated or "
+            f"counted, and the pair's gc removes it once the takeover that put it out is older "
+            f"than the grace period"
+        )
+
+
+def outside_history(manifest: Manifest, lineage: Lineage) -> OutsideCheckpoint | None:
+    """None if the fast checkpoint of ``manifest`` is in the durable history of ``lineage``,
+    else what it is."""
+    epoch = durable_epoch_of(manifest)
+    if epoch is not None and lineage.in_history(manifest.step, epoch):
+        return None
+    return OutsideCheckpoint(manifest.step, manifest.attempt, epoch, lineage.owner(manifest.step))
 
 
 class ReplicationPolicy(abc.ABC):
@@ -176,8 +257,15 @@ class Replicator:
         self._newest_wanted = 0  # the request from which the newest is copied whatever policy
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._copy_lock = threading.Lock()  # held through each copy; ``paused`` takes it
+        self.lineage: Lineage | None = None
+        """The durable store's epochs as the last pass (or ``refresh``) read them."""
+        self.outside: dict[int, OutsideCheckpoint] = {}
+        """Fast-tier checkpoints the last pass found outside the durable history (not copied)."""
+        self._reported: set[tuple[int, str]] = set()
         self.skipped: dict[int, str] = {}
-        """Steps whose copy did not match the first write (never retried by this replicator)."""
+        """Steps whose copy did not match the first write, or that the durable writer's epoch
+        cannot hold (never retried by this replicator)."""
         self.copied: list[int] = []
         """Steps this replicator published in the durable store, in order."""
 
@@ -187,12 +275,42 @@ class Replicator:
     # -- what is owed --------------------------------------------------------------------
 
     def refresh(self) -> int | None:
-        """Read the durable store's newest step from storage; remember and return it."""
+        """Read the durable store's newest step and its epochs from storage; remember both
+        and return the step."""
         steps = self.durable.steps()
         newest = steps[-1] if steps else None
+        lineage = self.durable.lineage()
         with self._cond:
             self._durable_newest = newest
+            self.lineage = lineage
         return newest
+
+    def holds(self, manifest: Manifest, lineage: Lineage) -> bool:
+        """Whether the fast checkpoint of ``manifest`` is in the durable history of
+        ``lineage`` (docs/protocol.md §9.3, T5): only those are ever copied."""
+        outside = outside_history(manifest, lineage)
+        if outside is None:
+            return True
+        self.outside[manifest.step] = outside
+        self.report(outside)
+        return False
+
+    def report(self, outside: OutsideCheckpoint) -> None:
+        """Warn of a fast checkpoint outside the durable history, once per attempt (for the
+        replicator and the tiered store's readers alike)."""
+        key = (outside.step, outside.attempt)
+        with self._cond:
+            if key in self._reported:
+                return
+            self._reported.add(key)
+        log.warning("%s", outside.describe(self.fast.url))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No copy runs inside the block (one in progress is waited for): for a takeover or
+        a rollback of the pair, after which each copy reads the epochs afresh."""
+        with self._copy_lock:
+            yield
 
     @property
     def durable_newest(self) -> int | None:
@@ -219,8 +337,9 @@ class Replicator:
         Raises the first error that stopped the pass (a StorageError, ReplicationError): what
         was not copied is owed to the next pass.
         """
-        fast_steps = self.fast.steps()
-        durable_newest = self.refresh()
+        fast_steps = self._held_steps(self.fast.steps(), self.refresh())
+        self._check_not_superseded()
+        durable_newest = self._durable_newest
         todo = self.policy.select(fast_steps, durable_newest)
         if newest and fast_steps and (durable_newest is None or fast_steps[-1] > durable_newest):
             todo = sorted({*todo, fast_steps[-1]})
@@ -234,6 +353,46 @@ class Replicator:
                 done.append(step)
         return done
 
+    def _held_steps(self, fast_steps: Sequence[int], durable_newest: int | None) -> list[int]:
+        """Of ``fast_steps``, those the policy may choose: at or below the durable newest as
+        listed (never chosen), and above it those in the durable history."""
+        lineage = self.lineage
+        self.outside = {}
+        if lineage is None:
+            return list(fast_steps)
+        held = []
+        for step in fast_steps:
+            if durable_newest is not None and step <= durable_newest:
+                held.append(step)
+                continue
+            try:
+                manifest = self.fast.manifest(step)
+            except (CheckpointNotFoundError, IntegrityError):
+                continue  # gone since the listing, or damaged: nothing to copy
+            if self.holds(manifest, lineage):
+                held.append(step)
+        return held
+
+    def _check_not_superseded(self) -> None:
+        """SupersededError if this pair's writer saved, in a durable epoch a takeover has
+        superseded since, a checkpoint the durable history therefore does not hold: the
+        replicator of a zombie stops, and its trainer learns it (``wait_replicated``)."""
+        mine, lineage = self.durable.epoch, self.lineage
+        if mine is None or lineage is None:
+            return
+        newer = lineage.superseded_by(mine)
+        left = sorted(s for s, o in self.outside.items() if o.durable_epoch == mine)
+        if newer is None or not left:
+            return
+        parent = "a fresh start" if newer.parent is None else f"step {newer.parent}"
+        raise SupersededError(
+            f"{self.durable.url}: this writer's epoch {mine} was superseded by epoch "
+            f"{newer.number}, taken at {newer.started_at.isoformat(timespec='seconds')} by "
+            f"{newer.writer.host} (pid {newer.writer.pid}), resumed from {parent}; step(s) "
+            f"{', '.join(map(str, left))} of the fast tier were not replicated. A restarted "
+            f"run owns the pair now: stop this process"
+        )
+
     def replicate(self, step: int) -> bool:
         """Copy the fast store's checkpoint at ``step`` and publish it in the durable store;
         True if this call published it.
@@ -241,33 +400,42 @@ class Replicator:
         False when there is nothing to do: the fast store no longer has it, or the durable
         store already publishes a copy of that same attempt (a replicator that died after the
         durable publish). A durable checkpoint at ``step`` that is not a copy of it is left
-        alone, with a warning. A shard whose copy does not hash to the first write's CRC32C
-        aborts the copy (nothing is published) and the step is skipped from then on
-        (``skipped``): ReplicationError.
+        alone, with a warning. A fast checkpoint outside the durable history, as the epochs
+        read just before say, is not copied (False, and reported once). A shard whose copy
+        does not hash to the first write's CRC32C aborts the copy (nothing is published) and
+        the step is skipped from then on (``skipped``): ReplicationError.
         """
-        try:
-            source = self.fast.get(step)
-        except CheckpointNotFoundError:
-            return False  # deleted since it was listed (a retention pass, an operator)
-        with self._cond:
-            self._in_flight = step
-        try:
-            return self._copy(source)
-        finally:
+        with self._copy_lock:
+            try:
+                source = self.fast.get(step)
+            except CheckpointNotFoundError:
+                return False  # deleted since it was listed (a retention pass, an operator)
+            if not self.holds(source.manifest, self.durable.lineage()):
+                return False
             with self._cond:
-                self._in_flight = None
+                self._in_flight = step
+            try:
+                return self._copy(source)
+            finally:
+                with self._cond:
+                    self._in_flight = None
 
     def _copy(self, source: Checkpoint) -> bool:
         manifest = source.manifest
+        metadata = {k: v for k, v in manifest.metadata.items() if k != TIER_KEY}
         try:
             pending = self.durable.begin(
                 manifest.step,
-                manifest.metadata,
+                metadata,
                 expected_shards=source.names,
                 world_size=manifest.writer.world_size,
             )
         except CheckpointExistsError:
             self._already_there(manifest)
+            return False
+        except StepOutsideEpochError as exc:  # older than the step the durable run resumed from
+            self.skipped[manifest.step] = str(exc)
+            log.warning("%s: step %d not replicated: %s", self, manifest.step, exc)
             return False
         pending.source = ReplicaSource(
             url=self.fast.url.partition("?")[0],
@@ -443,16 +611,28 @@ class Replicator:
 
 class KeepOwed(RetentionPolicy):
     """The fast tier's retention: what ``inner`` keeps, plus every checkpoint the replicator
-    still owes the durable tier (and the one it is copying)."""
+    still owes the durable tier (and the one it is copying).
 
-    def __init__(self, inner: RetentionPolicy, replicator: Replicator) -> None:
+    ``outside``, if given, names the checkpoints of a list of steps that are outside the
+    durable history: they are not counted (``inner`` and the replication policy never see
+    them) and not removed here (a takeover of the pair supersedes them; GC collects them)."""
+
+    def __init__(
+        self,
+        inner: RetentionPolicy,
+        replicator: Replicator,
+        outside: Callable[[Sequence[int]], set[int]] | None = None,
+    ) -> None:
         self.inner = inner
         self.replicator = replicator
+        self.outside = outside
         self.needs_times = inner.needs_times
 
     def keep(self, checkpoints: Sequence[CheckpointAge], now: datetime) -> set[int]:
-        owed = self.replicator.owed([c.step for c in checkpoints])
-        return self.inner.keep(checkpoints, now) | owed
+        outside = set() if self.outside is None else self.outside([c.step for c in checkpoints])
+        counted = [c for c in checkpoints if c.step not in outside]
+        owed = self.replicator.owed([c.step for c in counted])
+        return self.inner.keep(counted, now) | owed | outside
 
     def __repr__(self) -> str:
         return f"KeepOwed({self.inner!r})"

@@ -6,8 +6,13 @@ waits only for it; a ``Replicator`` thread copies published checkpoints to the d
 (S3, GCS, a parallel file system) as its policy says, and publishes each there with the
 durable store's protocol. Readers answer across both: ``latest()`` is the newest checkpoint
 published and complete in either, read from the fast copy where both hold it, so a job
-restarted on a new node (an empty fast store) resumes from the durable one. Each tier has its
-own retention; the fast tier's never removes a checkpoint still owed to the durable tier.
+restarted on a new node (an empty fast store) resumes from the durable one. The pair has one
+history, the durable store's lineage: each fast checkpoint records the durable epoch its
+writer was in, and one the durable lineage does not hold (a node cut off from the durable
+store while another took over; a rollback of the pair) is never returned, copied or counted,
+and is reported. A takeover and a rollback are the pair's: the durable tier decides, the
+fast one follows. Each tier has its own retention; the fast tier's never removes a checkpoint
+still owed to the durable tier.
 The protocol and its guarantees: docs/protocol.md, "Tiers"; the user's page: docs/tiers.md.
 """
 
@@ -16,25 +21,36 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, overload
 
 from ckptstore.checkpoint import Checkpoint
-from ckptstore.commit.base import GcReport
+from ckptstore.commit.base import GcItem, GcReport
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptStoreError,
     IntegrityError,
     InvalidInputError,
+    InvalidMetadataError,
     InvalidOptionError,
     ReplicationError,
 )
-from ckptstore.lineage import Epoch
+from ckptstore.lineage import Epoch, Lineage
+from ckptstore.names import check_step
 from ckptstore.pending import PendingCheckpoint, ShardData
-from ckptstore.replication import KeepOwed, ReplicationPolicy, Replicator, replication_policy
+from ckptstore.replication import (
+    TIER_KEY,
+    KeepOwed,
+    OutsideCheckpoint,
+    ReplicationPolicy,
+    Replicator,
+    outside_history,
+    replication_policy,
+    shown_url,
+)
 from ckptstore.retention import RetentionPolicy
 from ckptstore.store import DEFAULT_GRACE, Clock, Store, open_store
 from ckptstore.urls import parse_url
@@ -68,7 +84,7 @@ class TieredStore:
         self.durable = durable
         self.replicator = replicator
         if fast.retention is not None:
-            fast.retention = KeepOwed(fast.retention, replicator)
+            fast.retention = KeepOwed(fast.retention, replicator, self._not_counted)
         fast.on_publish(replicator.notify)
         self._closed = False
         if background:
@@ -99,10 +115,37 @@ class TieredStore:
         attempt: str | None = None,
     ) -> PendingCheckpoint:
         """Start saving ``step`` in the fast store (``Store.begin``); once it publishes there,
-        the replicator is told."""
+        the replicator is told. The manifest's metadata records the durable store and the
+        durable epoch this writer is in (``TIER_KEY``, docs/protocol.md §9.3, T5)."""
         return self.fast.begin(
-            step, metadata, expected_shards=expected_shards, world_size=world_size, attempt=attempt
+            step,
+            self._recorded(metadata),
+            expected_shards=expected_shards,
+            world_size=world_size,
+            attempt=attempt,
         )
+
+    def _recorded(self, metadata: Mapping[str, object] | None) -> Mapping[str, object] | None:
+        if metadata is not None and not isinstance(metadata, Mapping):
+            return metadata  # Store.begin says what is wrong with it
+        if metadata is not None and TIER_KEY in metadata:
+            raise InvalidMetadataError(
+                f"metadata key {TIER_KEY!r} is reserved: a tiered store records the durable "
+                f"epoch there"
+            )
+        record = {"durable": shown_url(self.durable_url), "durable_epoch": self.durable_epoch}
+        return {**(metadata or {}), TIER_KEY: record}
+
+    @property
+    def durable_epoch(self) -> int:
+        """The durable epoch this pair's writer is in (the replicator writes its copies in
+        it): the one its takeover took, else the newest when the pair was opened or first
+        saved to."""
+        writer = self.replicator.durable
+        if writer.epoch is None:
+            writer.join_epoch(self.durable.lineage().newest)
+        assert writer.epoch is not None
+        return writer.epoch
 
     def join(self, step: int, attempt: str) -> PendingCheckpoint:
         """Write shards into a coordinator's attempt in the fast store (``Store.join``)."""
@@ -115,14 +158,20 @@ class TieredStore:
         metadata: Mapping[str, object] | None = None,
     ) -> Checkpoint:
         """Write every shard and publish in the fast store; the durable copy follows."""
-        return self.fast.save(step, shards, metadata)
+        with self.begin(step, metadata) as pending:
+            for name, data in shards.items():
+                pending.write(name, data)
+        assert pending.checkpoint is not None
+        return pending.checkpoint
 
     # -- reading: either tier ------------------------------------------------------------
 
     def latest(self, *, verified: bool = False) -> Checkpoint | None:
-        """The newest checkpoint published and complete in either tier, or None.
+        """The newest checkpoint of the pair's history published and complete in either
+        tier, or None.
 
-        Where both hold it, the fast copy is returned. A damaged newest checkpoint in the
+        Where both hold it, the fast copy is returned. A fast checkpoint outside the durable
+        history (T5) is passed over, and reported once. A damaged newest checkpoint in the
         fast tier (an IntegrityError without ``verified``) is answered by the durable copy of
         that step or a newer one; without one, the error is raised, as ``Store.latest`` does.
         """
@@ -132,43 +181,157 @@ class TieredStore:
         except IntegrityError as exc:
             fast, damaged = None, exc
         durable = self.durable.latest(verified=verified)
+        lineage = self.durable.lineage()  # after what it judges (docs/protocol.md §8.2)
         if damaged is not None:
             listed = self.fast.named_steps()  # the damaged one among them
             if durable is None or (listed and durable.step < listed[-1]):
                 raise damaged
             return durable
+        if fast is not None and not self._holds(fast, lineage):
+            floor = -1 if durable is None else durable.step
+            fast = self._newest_held(fast.step, floor, lineage, verified=verified)
         if fast is None or (durable is not None and durable.step > fast.step):
             return durable
         return fast
 
+    def _newest_held(
+        self, below: int, floor: int, lineage: Lineage, *, verified: bool
+    ) -> Checkpoint | None:
+        """The newest fast checkpoint below ``below`` and at or above ``floor`` in the durable
+        history, or None."""
+        for step in reversed(self.fast.steps()):
+            if step >= below:
+                continue
+            if step < floor:
+                return None
+            try:
+                checkpoint = self.fast.get(step)
+            except CheckpointNotFoundError:
+                continue
+            except IntegrityError:
+                if verified:
+                    continue
+                raise
+            if not self._holds(checkpoint, lineage):
+                continue
+            if verified and not checkpoint.verify().ok:
+                continue
+            return checkpoint
+        return None
+
+    def _holds(self, checkpoint: Checkpoint, lineage: Lineage) -> bool:
+        """Whether a fast checkpoint is in the durable history; if not, say so once."""
+        outside = outside_history(checkpoint.manifest, lineage)
+        if outside is None:
+            return True
+        self.replicator.report(outside)
+        return False
+
+    def outside_history(self) -> list[OutsideCheckpoint]:
+        """The fast tier's checkpoints that the durable lineage does not hold, ascending: a
+        partitioned node's branch, or what a rollback of the pair left in the fast tier.
+        ``ckptstore ls FAST --replicate-to DURABLE`` lists them."""
+        found = []
+        steps = self.fast.steps()
+        lineage = self.durable.lineage()
+        for step in steps:
+            try:
+                manifest = self.fast.manifest(step)
+            except (CheckpointNotFoundError, IntegrityError):
+                continue
+            outside = outside_history(manifest, lineage)
+            if outside is not None:
+                found.append(outside)
+        return found
+
+    def _not_counted(self, steps: Sequence[int]) -> set[int]:
+        """For the fast tier's retention: which of ``steps`` are outside the durable history
+        as the replicator last read its epochs (a node cut off from the durable store goes by
+        what it knew; nothing is removed on the strength of it)."""
+        lineage = self.replicator.lineage
+        if lineage is None:
+            return set()
+        found = set()
+        for step in steps:
+            try:
+                manifest = self.fast.manifest(step)
+            except (CheckpointNotFoundError, IntegrityError):
+                continue
+            if outside_history(manifest, lineage) is not None:
+                found.add(step)
+        return found
+
     def take_over(self, resumed_from: int | None, *, note: str = "") -> tuple[Epoch, Epoch]:
         """Take both tiers over for this run (``Store.take_over``), resumed from the same
-        step: a zombie of an earlier run can then no longer publish into either history, nor
-        its replicator into the durable one. Returns the fast and the durable epoch."""
-        fast = self.fast.take_over(resumed_from, note=note)
-        durable = self.replicator.durable.take_over(resumed_from, note=note)
+        step: the durable tier first (it decides the pair's history), then the fast one. A
+        zombie of an earlier run can then no longer publish into either history, nor its
+        replicator into the durable one, and the fast tier's checkpoints above the step leave
+        the pair's history. Returns the fast and the durable epoch."""
+        with self.replicator.paused():
+            durable = self.replicator.durable.take_over(resumed_from, note=note)
+            fast = self.fast.take_over(resumed_from, note=note)
         return fast, durable
 
-    def get(self, step: int) -> Checkpoint:
-        """The checkpoint at ``step``: the fast copy, else the durable one (``Store.get``)."""
+    def rollback(self, step: int) -> list[int]:
+        """Roll the pair back to ``step``: a takeover of both tiers from it (durable first),
+        so that every checkpoint newer than ``step`` leaves the history of both at once, is
+        never returned, copied back or counted again, and is collected by each tier's GC.
+        Returns the steps that left the pair's history.
+
+        ``step`` must be durable (CheckpointNotFoundError otherwise: wait for its copy, or
+        roll back to a durable step). A rollback of one tier alone is not the pair's: the
+        durable tier's alone is obeyed by the fast one (its newer checkpoints fall outside the
+        durable history); ``ckptstore rollback`` refuses the fast tier's alone.
+        """
+        check_step(step)
         try:
-            return self.fast.get(step)
+            self.durable.get(step)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{self.durable_url}: cannot roll the pair back to step {step}: the durable "
+                f"tier does not hold it ({exc}); wait for its copy (wait_replicated) or roll "
+                f"back to a durable step: {self.durable.steps()[-5:]}"
+            ) from exc
+        newer = [s for s in self.steps() if s > step]
+        self.take_over(step, note=f"rollback to step {step}")
+        return newer
+
+    def get(self, step: int) -> Checkpoint:
+        """The checkpoint of the pair's history at ``step``: the fast copy, else the durable
+        one (``Store.get``). A fast checkpoint outside the durable history is not returned."""
+        try:
+            checkpoint = self.fast.get(step)
         except (CheckpointNotFoundError, IntegrityError) as fast_error:
             try:
                 return self.durable.get(step)
             except CheckpointNotFoundError:
                 raise fast_error from None
+        if self._holds(checkpoint, self.durable.lineage()):
+            return checkpoint
+        try:
+            return self.durable.get(step)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{self.url}: step {step} of the fast tier is not in the pair's history (the "
+                f"durable lineage of {self.durable_url} does not hold it), and the durable "
+                f"tier has no checkpoint at step {step}"
+            ) from None
 
     def steps(self) -> list[int]:
-        """Every step published in either tier, ascending."""
-        return sorted(set(self.fast.steps()) | set(self.durable.steps()))
+        """Every step of the pair's history published in either tier, ascending."""
+        return sorted({c.step for c in self._fast_held()} | set(self.durable.steps()))
 
     def checkpoints(self) -> list[Checkpoint]:
-        """Every complete checkpoint of either tier, ascending, the fast copy where both hold
-        one."""
+        """Every complete checkpoint of the pair's history in either tier, ascending, the
+        fast copy where both hold one."""
         found = {checkpoint.step: checkpoint for checkpoint in self.durable.checkpoints()}
-        found.update((checkpoint.step, checkpoint) for checkpoint in self.fast.checkpoints())
+        found.update((checkpoint.step, checkpoint) for checkpoint in self._fast_held())
         return [found[step] for step in sorted(found)]
+
+    def _fast_held(self) -> list[Checkpoint]:
+        checkpoints = self.fast.checkpoints()
+        lineage = self.durable.lineage()
+        return [checkpoint for checkpoint in checkpoints if self._holds(checkpoint, lineage)]
 
     # -- replication ---------------------------------------------------------------------
 
@@ -186,8 +349,11 @@ class TieredStore:
 
     def apply_retention(self, policy: RetentionPolicy | None = None) -> list[int]:
         """Apply ``policy`` to both tiers (default: each tier's own); return the steps removed
-        from either, ascending. In the fast tier, what the durable tier is still owed is kept."""
-        fast_policy = None if policy is None else KeepOwed(policy, self.replicator)
+        from either, ascending. In the fast tier, what the durable tier is still owed is kept,
+        and checkpoints outside the durable history are neither counted nor removed."""
+        fast_policy = (
+            None if policy is None else KeepOwed(policy, self.replicator, self._not_counted)
+        )
         removed = set(self.fast.apply_retention(fast_policy))
         durable_policy = policy or self.replicator.durable.retention
         if durable_policy is not None:
@@ -198,11 +364,45 @@ class TieredStore:
         self, *, grace: timedelta | float = DEFAULT_GRACE, dry_run: bool = False
     ) -> TieredGcReport:
         """Collect dead attempts' leftovers in both tiers (``Store.gc``), copies the
-        replicator abandoned included."""
-        return TieredGcReport(
-            fast=self.fast.gc(grace=grace, dry_run=dry_run),
-            durable=self.durable.gc(grace=grace, dry_run=dry_run),
+        replicator abandoned included, and the fast checkpoints outside the durable history
+        for good (T5: their durable epoch is known and owns not their step, so they never
+        return to it) once the epoch that put them out is older than ``grace``."""
+        fast = self.fast.gc(grace=grace, dry_run=dry_run)
+        durable = self.durable.gc(grace=grace, dry_run=dry_run)
+        self._collect_outside(
+            fast, grace.total_seconds() if isinstance(grace, timedelta) else grace
         )
+        return TieredGcReport(fast=fast, durable=durable)
+
+    def _collect_outside(self, report: GcReport, grace_s: float) -> None:
+        lineage = self.durable.lineage()
+        now = self.fast.clock()
+        for entry in self.outside_history():
+            if entry.durable_epoch is None or not lineage.knows(entry.durable_epoch):
+                continue  # not judged for good: an unreadable record, an epoch not read
+            since = lineage.epoch(max(entry.owner, entry.durable_epoch))
+            age = now - since.started_at.timestamp() if since is not None else 0.0
+            name = (
+                f"step {entry.step} of the fast tier (durable epoch {entry.durable_epoch}; the "
+                f"durable history gives the step to epoch {entry.owner})"
+            )
+            if since is None or age < grace_s:
+                report.kept_young.append(GcItem("outside the durable history", name, age))
+                continue
+            try:
+                manifest = self.fast.manifest(entry.step)
+            except (CheckpointNotFoundError, IntegrityError):
+                continue
+            if manifest.attempt != entry.attempt:
+                continue  # published again since it was judged
+            report.removed.append(
+                GcItem("outside the durable history", name, age, manifest.total_size)
+            )
+            if not report.dry_run:
+                try:
+                    self.fast.delete(entry.step, force=True)
+                except CheckpointNotFoundError:
+                    continue
 
     # -- lifetime ------------------------------------------------------------------------
 
@@ -350,6 +550,8 @@ def open_tiered(
         replicator = Replicator(replicator_fast, writer, policy)
         try:
             replicator.refresh()  # reachable, and readable: said now, not in a thread later
+            if writer.epoch is None:  # the pair's writer is in the durable epoch of now
+                writer.join_epoch(writer.lineage().newest)
         except InvalidInputError:
             raise
         except CkptStoreError as exc:

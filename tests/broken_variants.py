@@ -35,8 +35,10 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 from ckptstore.hint import encode_hint
+from ckptstore.lineage import Lineage
 from ckptstore.manifest import Manifest
 from ckptstore.names import checkpoint_token, parse_step_token, step_token
+from ckptstore.replication import Replicator
 from ckptstore.retention import CheckpointAge
 from ckptstore.store import Store
 
@@ -520,3 +522,16 @@ class StepPrefixAbortCommit(ConditionalPutCommit):
     def abort(self, step: int, attempt: str) -> None:
         for info in list(self.driver.list(step_token(step))):
             self.driver.delete(info.key)
+
+
+# -- tiered pairs: a replicator blind to the durable lineage --------------------------------
+
+
+class HistoryBlindReplicator(Replicator):
+    """A replicator that copies whatever the fast tier publishes above the durable newest, as
+    tiered stores did before the pair kept one history: a node that was cut off from the
+    durable store while another took the pair over copies its own branch into the new run's
+    history when the job restarts on it (issue 24 item 5)."""
+
+    def holds(self, manifest: Manifest, lineage: Lineage) -> bool:
+        return True

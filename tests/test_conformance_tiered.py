@@ -1,6 +1,8 @@
 """The conformance suite on tiered pairs: crash points inside replication hold every
 invariant on file:// + memory:// (and file:// + s3:// on moto, an extended run), and a
-replicator that forgets what an earlier process left owed is caught (I2)."""
+replicator that forgets what an earlier process left owed is caught (I2); the pair keeps one
+history with a partitioned fast tier, and a replicator that copies a fast-tier branch the
+durable lineage does not hold is caught (I9)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,16 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from broken_variants import HistoryBlindReplicator
 from conftest import extended_conformance
 
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.runner import run_tiered
-from ckptstore.conformance.tiers import TieredPairFactory, run_tiered_crash_points
+from ckptstore.conformance.tiers import (
+    TieredPairFactory,
+    run_partitioned,
+    run_tiered_crash_points,
+)
 from ckptstore.replication import ReplicateAll, ReplicationPolicy
 from ckptstore.tools.embedded import EmbeddedS3
 
@@ -27,6 +34,29 @@ def test_replication_crash_points_hold_on_file_and_memory(tmp_path: Path) -> Non
     coverage = report.coverage["replication crash points"]
     crashes = int(coverage.split(": ")[1].split(" crashes")[0])
     assert crashes > 50, coverage
+    assert report.invariants["I9"].status == "held", report.invariants["I9"]
+    assert "partitioned fast tier" in report.coverage
+
+
+def _pair(tmp_path: Path, name: str, **options: object) -> TieredPairFactory:
+    return TieredPairFactory(
+        LocationFactory(f"file://{tmp_path}"), LocationFactory(_memory(name)), **options
+    )
+
+
+def test_the_pair_keeps_one_history_with_a_partitioned_fast_tier(tmp_path: Path) -> None:
+    result = run_partitioned(_pair(tmp_path, "tiered-partitioned"))
+    assert (result.cases, result.failures, result.storage_errors) == (1, [], [])
+    assert result.invariants_checked == {"I9"}
+
+
+def test_a_replicator_copying_a_branch_the_durable_lineage_does_not_hold_is_caught(
+    tmp_path: Path,
+) -> None:
+    factory = _pair(tmp_path, "tiered-history-blind", replicator=HistoryBlindReplicator)
+    result = run_partitioned(factory)
+    assert [failure.invariant for failure in result.failures] == ["I9"], result.failures
+    assert "copied from the partitioned node's fast tier" in result.failures[0].message
 
 
 class ForgetfulPolicy(ReplicationPolicy):

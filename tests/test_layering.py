@@ -31,7 +31,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     TORCH: ("torch",),
     TRAINERS: ("directory", "huggingface", "lightning"),
-    TOOLING: ("conformance", "cli", "cli_directory", "cli_lineage", "tools"),
+    TOOLING: ("conformance", "cli", "cli_directory", "cli_lineage", "cli_tiers", "tools"),
 }  # fmt: skip
 """Each module of the package, by its first dotted component under ``ckptstore`` ("" is the
 package's ``__init__``)."""

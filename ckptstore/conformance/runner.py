@@ -565,12 +565,15 @@ def run_tiered(
     its replication (``tiers``); each store alone is proved by ``run_backend`` on its URL.
 
     The report is the pair's: I1 to I4 and I7 of each tier, across tiers, and after a
-    restarted replicator; I5, I6 and I8 are not applicable here (each store's own run checks
+    restarted replicator; I9 across the pair with a partitioned node; I5, I6 and I8 are not
+    applicable here (each store's own run checks
     them; a copy is an ordinary save of the durable store's protocol).
     """
     from ckptstore.conformance.tiers import (
+        PARTITION_INVARIANTS,
         TIERED_INVARIANTS,
         TieredPairFactory,
+        run_partitioned,
         run_tiered_crash_points,
     )
 
@@ -597,6 +600,18 @@ def run_tiered(
             f"by a new replicator, GC'd and checked" + _retries(result)
         )
 
+    def partitioned() -> None:
+        result = run_partitioned(factory)
+        report.checked(*PARTITION_INVARIANTS)
+        for failure in result.failures:
+            report.violated(failure.invariant, f"{failure.case}: {failure.message}")
+        _undecided(report, PARTITION_INVARIANTS, result)
+        report.coverage["partitioned fast tier"] = (
+            "a node cut off from the durable tier saves on in its fast tier while another "
+            "takes the pair over; the first node's restarted readers and replicator keep to "
+            "the durable history"
+        )
+
     with _quiet():
         say("replication crash points")
         _layer(
@@ -604,6 +619,15 @@ def run_tiered(
             "replication crash points",
             TIERED_INVARIANTS,
             crash_points,
+            started=started,
+            written=written,
+        )
+        say("partitioned fast tier")
+        _layer(
+            report,
+            "partitioned fast tier",
+            PARTITION_INVARIANTS,
+            partitioned,
             started=started,
             written=written,
         )

@@ -18,6 +18,11 @@ exactly the shards and metadata the trainer saved); the newest checkpoint across
 not yet in the durable one (else I2: it would never be durable); every durable copy names its
 source step; GC in both tiers leaves nothing a crash left (I7); and a save after recovery
 reaches both tiers.
+
+The partitioned case (``run_partitioned``) checks I9 across the pair: a node cut off from
+the durable tier keeps saving to its fast tier while another node resumes from the durable
+tier, takes the pair over and saves the same steps; when the job restarts on the first node,
+neither its readers nor its replicator may take the branch the durable lineage does not hold.
 """
 
 from __future__ import annotations
@@ -55,9 +60,17 @@ from ckptstore.replication import ReplicateAll, ReplicationPolicy, Replicator
 from ckptstore.retention import KeepLast
 from ckptstore.tiered import TieredStore
 
-__all__ = ["TIERED_INVARIANTS", "TieredPair", "TieredPairFactory", "run_tiered_crash_points"]
+__all__ = [
+    "PARTITION_INVARIANTS",
+    "TIERED_INVARIANTS",
+    "TieredPair",
+    "TieredPairFactory",
+    "run_partitioned",
+    "run_tiered_crash_points",
+]
 
 TIERED_INVARIANTS = ("I1", "I2", "I3", "I4", "I7")
+PARTITION_INVARIANTS = ("I9",)
 TIERS = ("fast", "durable")
 
 
@@ -69,10 +82,12 @@ class TieredPair:
         fast: Location,
         durable: Location,
         policy: Callable[[], ReplicationPolicy] = ReplicateAll,
+        replicator: type[Replicator] = Replicator,
     ) -> None:
         self.fast = fast
         self.durable = durable
         self.policy = policy
+        self.replicator = replicator
         self.models = {"fast": Model(), "durable": Model()}
 
     def observe(self) -> object:
@@ -93,7 +108,7 @@ class TieredPair:
         durable, durable_faults = self.durable.open(plans.get("durable"), retention=KeepLast(2))
         fast_faults.on_death = durable_faults.kill
         durable_faults.on_death = fast_faults.kill
-        replicator = Replicator(fast, durable, self.policy())
+        replicator = self.replicator(fast, durable, self.policy())
         _tell_model(replicator, self.models["durable"])
         return TieredStore(fast, durable, replicator, background=False)
 
@@ -151,9 +166,11 @@ class TieredPairFactory:
     durable: LocationFactory
     policy: Callable[[], ReplicationPolicy] = ReplicateAll
     """Makes each replicator's policy (the suite's own tests put a broken one here)."""
+    replicator: type[Replicator] = Replicator
+    """The replicator (the suite's own tests put a broken one here)."""
 
     def __call__(self) -> TieredPair:
-        return TieredPair(self.fast(), self.durable(), self.policy)
+        return TieredPair(self.fast(), self.durable(), self.policy, self.replicator)
 
 
 def _shards(step: int, big: int) -> dict[str, bytes]:
@@ -284,6 +301,103 @@ def _audit(pair: TieredPair, store: TieredStore) -> None:
 
 
 PairMaker = Callable[[], TieredPair]
+
+
+def run_partitioned(factory: TieredPairFactory) -> CrashPointResult:
+    """I9 across the pair, with a partitioned node (``_partitioned``): one case, no crash."""
+    result = CrashPointResult()
+    name = "partitioned fast tier"
+    try:
+        pair = factory()
+    except CkptStoreError as exc:
+        return _undecided(result, name, exc)
+    try:
+        other = factory.fast()
+    except CkptStoreError as exc:
+        pair.destroy()
+        return _undecided(result, name, exc)
+    try:
+        _run_case(result, name, lambda: _partitioned(pair, other))
+        result.invariants_checked.update(PARTITION_INVARIANTS)
+    finally:
+        pair.destroy()
+        other.destroy()
+    return result
+
+
+def _open_node(pair: TieredPair, fast: Location) -> TieredStore:
+    """A trainer's pair on a node whose fast tier is ``fast`` (no retention, no thread)."""
+    fast_store, _ = fast.open()
+    durable_store, _ = pair.durable.open()
+    replicator = pair.replicator(fast_store, durable_store, pair.policy())
+    return TieredStore(fast_store, durable_store, replicator, background=False)
+
+
+def _partitioned(pair: TieredPair, other: Location) -> None:
+    """Node A saves 1-3 (replicated), then, cut off from the durable tier, 4 and 5 to its
+    fast tier; node B (fast tier ``other``) resumes from the durable 3, takes the pair over
+    and saves its own 4, replicated. The job restarts on A: ``latest()``, ``steps()`` and
+    ``get`` answer from the durable history (B's 4), and A's replicator copies nothing of its
+    branch; after A takes the pair over from B's 4, its next save is the history's."""
+    a = _open_node(pair, pair.fast)
+    for step in (1, 2, 3):
+        a.save(step, {"w": pattern(200, step)}, {"node": "A"})
+    a.replicator.run_pass()
+    for step in (4, 5):  # the durable tier is out of reach from node A
+        a.save(step, {"w": pattern(200, step + 100)}, {"node": "A"})
+    b = _open_node(pair, other)
+    resumed = b.latest()
+    if resumed is None or resumed.step != 3:
+        raise InvariantViolation("I4", f"node B resumed from {resumed}, not the durable step 3")
+    b.take_over(resumed_from=3, note="node B")
+    b.save(4, {"w": pattern(200, 4 + 200)}, {"node": "B"})
+    b.replicator.run_pass()
+    b_attempt = b.fast.get(4).manifest.attempt
+    restarted = _open_node(pair, pair.fast)  # the job restarts on node A
+    _check_pair_history(restarted, {4: b_attempt}, "before its replicator ran")
+    restarted.replicator.run_pass()
+    _check_pair_history(restarted, {4: b_attempt}, "after its replicator ran")
+    restarted.take_over(resumed_from=4, note="node A again")
+    restarted.save(5, {"w": pattern(200, 5 + 300)}, {"node": "A"})
+    restarted.replicator.run_pass()
+    latest = restarted.latest()
+    if latest is None or latest.step != 5 or latest.read("w") != pattern(200, 5 + 300):
+        raise InvariantViolation("I4", f"a save after the takeover is not the latest: {latest}")
+
+
+def _check_pair_history(store: TieredStore, branch: dict[int, str], when: str) -> None:
+    """The restarted node's pair returns only the durable history: above step 3, exactly the
+    steps of ``branch`` (B's: step -> its fast attempt), and the durable tier holds exactly
+    those, as copies of B's attempts."""
+    newest = max(branch)
+    latest = store.latest()
+    got = None if latest is None else (latest.step, latest.read("w"))
+    durable_copies = {c.step: c.manifest.source for c in store.durable.checkpoints()}
+    foreign = {
+        step: source.attempt if source is not None else None
+        for step, source in durable_copies.items()
+        if step > 3 and (source is None or branch.get(step) != source.attempt)
+    }
+    if foreign:
+        raise InvariantViolation(
+            "I9",
+            f"{when}: the durable history holds step(s) {sorted(foreign)} copied from the "
+            f"partitioned node's fast tier, a branch the durable lineage does not hold "
+            f"(another node took the pair over from step 3)",
+        )
+    if got is None or got[0] != newest or got[1] != pattern(200, newest + 200):
+        raise InvariantViolation(
+            "I9",
+            f"{when}: latest() across the pair is step {None if got is None else got[0]} "
+            f"of another branch; the durable history's newest is node B's step {newest}",
+        )
+    steps = [step for step in store.steps() if step > 3]
+    if steps != sorted(branch):
+        raise InvariantViolation(
+            "I9",
+            f"{when}: steps() across the pair lists {steps} above step 3; the durable history "
+            f"holds {sorted(branch)}",
+        )
 
 
 def run_tiered_crash_points(
