@@ -7,8 +7,9 @@ Beside a target ``NAME`` ckptstore makes only these, all named ``.NAME.ckptstore
   removes it when done (still holding it: a waiter that then gets the lock on the removed
   file sees that the name no longer leads to it, and takes the new one).
 - ``.NAME.ckptstore-pulled``: the marker. It names the directories a pull made at ``NAME``
-  (device, inode and a digest of every entry's name, kind and size); ``replace`` swaps out only
-  a directory the marker names and that still holds what the pull wrote. Anything else (the
+  (inode, and a digest of every entry's name, kind and size; not the device number, which a
+  network file system may change when it is mounted again); ``replace`` swaps out only a
+  directory the marker names and that still holds what the pull wrote. Anything else (the
   user's own directory, the working directory, one an older ckptstore pulled, a symbolic
   link) is refused, and nothing is moved.
 - ``.NAME.ckptstore-<12 hex>``: a directory being written, renamed to ``NAME`` when complete.
@@ -59,7 +60,6 @@ _HOW = (
 class Made:
     """A directory as a pull left it: where it is on the file system, and what it holds."""
 
-    device: int
     inode: int
     tree: str
 
@@ -191,7 +191,7 @@ def made(directory: Path) -> Made | None:
             else:
                 return None  # a link, a socket, ...: a pull makes none
     tree = hashlib.sha256(json.dumps(sorted(entries)).encode()).hexdigest()
-    return Made(info.st_dev, info.st_ino, tree)
+    return Made(info.st_ino, tree)
 
 
 def _raise(error: OSError) -> None:
@@ -215,10 +215,10 @@ def _marked(target: Path) -> list[Made]:
             raise ValueError("not a marker")
         found = []
         for entry in record["directories"]:
-            device, inode, tree = entry["device"], entry["inode"], entry["tree"]
-            if type(device) is not int or type(inode) is not int or not isinstance(tree, str):
+            inode, tree = entry["inode"], entry["tree"]
+            if type(inode) is not int or not isinstance(tree, str):
                 raise ValueError("not a directory")
-            found.append(Made(device, inode, tree))
+            found.append(Made(inode, tree))
     except (ValueError, RecursionError, KeyError, TypeError):
         log.warning("%s: not a ckptstore marker; it names no pulled directory", path)
         return []
@@ -265,7 +265,7 @@ def replaceable(target: Path) -> Made:
     marked = _marked(target)
     if now is not None and now in marked:
         return now
-    if any((m.device, m.inode) == (info.st_dev, info.st_ino) for m in marked):
+    if any(m.inode == info.st_ino for m in marked):
         raise InvalidInputError(
             f"{target} was made by ckptstore pull but has changed since (entries added, "
             f"removed or resized): {_HOW} as it left it; move it away or remove it yourself, "
@@ -294,7 +294,7 @@ def swap_in(staging: Path, target: Path, old: Made | None) -> None:
         aside = _sibling(target, f"old-{secrets.token_hex(6)}")
         os.rename(target, aside)
         moved = os.lstat(aside)
-        if (moved.st_dev, moved.st_ino) != (old.device, old.inode):
+        if moved.st_ino != old.inode:
             os.rename(aside, target)  # replaced since it was checked: put it back, untouched
             raise InvalidInputError(f"{target} changed while it was being replaced: retry")
     try:
@@ -353,9 +353,7 @@ def recover(target: Path) -> None:
 
 def _renamed_from(path: Path, marked: list[Made]) -> bool:
     info = os.lstat(path)
-    return stat.S_ISDIR(info.st_mode) and any(
-        (m.device, m.inode) == (info.st_dev, info.st_ino) for m in marked
-    )
+    return stat.S_ISDIR(info.st_mode) and any(m.inode == info.st_ino for m in marked)
 
 
 def _exists(path: Path) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import ckptstore
+import ckptstore.localdir
 from ckptstore import InvalidInputError
 from ckptstore.cli import main as cli
 from ckptstore.directory import materialize, publish_directory
@@ -180,6 +181,27 @@ def test_a_users_directory_made_where_a_pulled_one_was_is_refused(
     with pytest.raises(InvalidInputError, match=r"(not made by|changed since)"):
         materialize(file_remote.store.get(2), target, replace=True)
     assert _tree(target) == {"thesis.tex": b"mine"}
+
+
+def test_a_kill_after_the_swap_leaves_the_old_directory_to_the_next_pull(
+    file_remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "out"
+    materialize(file_remote.store.get(1), target)
+
+    def killed(path: Path) -> None:
+        raise KeyboardInterrupt  # the process dies right after the new directory went in
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ckptstore.localdir, "_remove", killed)
+        with pytest.raises(KeyboardInterrupt):
+            materialize(file_remote.store.get(2), target, replace=True)
+    assert _tree(target) == _files(2)
+    (aside,) = [p for p in tmp_path.iterdir() if ".ckptstore-old-" in p.name]
+    assert _tree(aside) == _files(1)
+    materialize(file_remote.store.get(1), target, replace=True)  # still a pull's: replaced
+    assert _tree(target) == _files(1)
+    assert _listing(tmp_path) == [".out.ckptstore-pulled", "out"]  # the old one removed
 
 
 def test_a_damaged_marker_names_nothing(file_remote: Remote, tmp_path: Path) -> None:
