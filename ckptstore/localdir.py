@@ -291,6 +291,11 @@ def swap_in(staging: Path, target: Path, old: Made | None) -> None:
     _mark(target, [d for d in (old, new) if d is not None])
     aside = None
     if old is not None:
+        if made(target) != old:  # written to while the checkpoint was: theirs now
+            raise InvalidInputError(
+                f"{target} changed while the checkpoint was being written (entries added, "
+                f"removed or resized): nothing was replaced; {_HOW} as it left it"
+            )
         aside = _sibling(target, f"old-{secrets.token_hex(6)}")
         os.rename(target, aside)
         moved = os.lstat(aside)

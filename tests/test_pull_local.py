@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import ckptstore
+import ckptstore.directory
 import ckptstore.localdir
 from ckptstore import InvalidInputError
 from ckptstore.cli import main as cli
@@ -146,6 +147,24 @@ def test_a_pulled_directory_changed_since_is_not_replaced(
         materialize(file_remote.store.get(2), target, replace=True)
     assert _tree(target) == before
     assert _listing(tmp_path) == [".resume.ckptstore-pulled", "resume"]
+
+
+def test_files_written_into_the_target_during_the_pull_are_kept(
+    file_remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "out"
+    materialize(file_remote.store.get(1), target)
+    real = ckptstore.directory._materialize_file
+
+    def user_writes_meanwhile(*args: object) -> None:
+        (target / "notes.txt").write_bytes(b"written while the checkpoint downloaded")
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ckptstore.directory, "_materialize_file", user_writes_meanwhile)
+    with pytest.raises(InvalidInputError, match="changed while the checkpoint was being written"):
+        materialize(file_remote.store.get(2), target, replace=True, parallel=1)
+    assert _tree(target) == {**_files(1), "notes.txt": b"written while the checkpoint downloaded"}
+    assert _listing(tmp_path) == [".out.ckptstore-pulled", "out"]
 
 
 def test_a_directory_without_a_marker_is_refused_with_the_way_out(
