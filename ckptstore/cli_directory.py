@@ -75,7 +75,8 @@ def add_directory_commands(
     p.add_argument("url", metavar="URL", help="store URL")
     p.add_argument("step", metavar="STEP", nargs="?", type=parse_step)
     p.add_argument("directory", metavar="DIR")
-    p.add_argument("--replace", action="store_true", help="swap out DIR if it exists")
+    p.add_argument("--replace", action="store_true",
+                   help="swap out DIR if a pull made it (anything else is refused)")  # fmt: skip
     p.add_argument("--parallel", type=parse_count, default=DEFAULT_PARALLEL,
                    help=f"files written at once (default {DEFAULT_PARALLEL})")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON")

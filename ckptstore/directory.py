@@ -18,10 +18,8 @@ file it points to; any other entry (a link to a directory, a socket, a device) i
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import os
-import secrets
 import shutil
 import stat
 from collections.abc import Callable, Iterator, Mapping
@@ -36,6 +34,7 @@ from ckptstore.errors import (
     StorageAccessDeniedError,
     StorageError,
 )
+from ckptstore.localdir import check_target, locked, recover, replaceable, staging_path, swap_in
 from ckptstore.names import check_shard_name
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.store import Store
@@ -174,22 +173,32 @@ def materialize(
 
     The files go into a temporary sibling first; each is verified against its CRC32C while it
     is written and fsynced; then the sibling is renamed to ``directory``. A directory already
-    there is refused unless ``replace``, which swaps it out (renamed aside, then removed).
-    Materializations of one target take turns (a lock file beside it). A crash leaves the old
-    directory or the new one, and ``.<name>.ckptstore-*`` siblings that the next materialize
-    of the same target clears up: had the crash come between the two renames of a swap, the
-    old directory is put back first.
+    there is refused unless ``replace``, and ``replace`` swaps out (renames aside, then removes)
+    only a directory that an earlier materialize made and that still holds what it wrote, as
+    the marker ``.<name>.ckptstore-pulled`` beside it records: anything else (the user's own
+    directory, a symbolic link, one an older ckptstore pulled) is refused before anything is
+    moved. Materializations of one target take turns (a lock file beside it, removed when
+    done). A crash leaves the old directory or the new one, and ``.<name>.ckptstore-*``
+    siblings that the next materialize of the same target clears up: had the crash come
+    between the two renames of a swap, the old directory is put back first. See
+    ``ckptstore.localdir`` for every file made beside the target.
     """
     if parallel < 1:
         raise InvalidInputError(f"parallel must be at least 1, got {parallel}")
     target = Path(directory).absolute()
+    check_target(target)
     with _local("create", target.parent):
         target.parent.mkdir(parents=True, exist_ok=True)
-    with _local("lock", target), _locked(target):
-        _recover(target)
-        if _exists(target) and not replace:
-            raise InvalidInputError(f"{target} already exists (replace=True swaps it out)")
-        staging = target.parent / f".{target.name}.ckptstore-{secrets.token_hex(6)}"
+    with _local("lock", target), locked(target):
+        recover(target)
+        old = None
+        if _exists(target):
+            if not replace:
+                raise InvalidInputError(
+                    f"{target} already exists (replace=True swaps it out if a pull made it)"
+                )
+            old = replaceable(target)  # refused before anything is moved
+        staging = staging_path(target)
         try:
             with _local("create", staging):
                 staging.mkdir()
@@ -205,7 +214,7 @@ def materialize(
                 for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
                     _fsync_directory(folder)
             with _local("replace", target):
-                _swap_in(staging, target)
+                swap_in(staging, target, old)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -214,18 +223,6 @@ def materialize(
 
 def _exists(path: Path) -> bool:
     return path.is_symlink() or path.exists()
-
-
-@contextlib.contextmanager
-def _locked(target: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``target``'s lock file (a sibling) for one materialize at a
-    time: another process's temporary directories are never taken for leftovers."""
-    fd = os.open(target.parent / f".{target.name}.ckptstore-lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def _make_folders(staging: Path, names: list[str]) -> set[Path]:
@@ -253,42 +250,6 @@ def _materialize_file(checkpoint: Checkpoint, name: str, path: Path) -> None:
             target.write(view[:count])
         target.flush()
         os.fsync(target.fileno())
-
-
-def _swap_in(staging: Path, target: Path) -> None:
-    aside = None
-    if target.exists() or target.is_symlink():
-        aside = target.parent / f".{target.name}.ckptstore-old-{secrets.token_hex(6)}"
-        os.rename(target, aside)
-    try:
-        os.rename(staging, target)
-    except OSError:
-        if aside is not None:
-            os.rename(aside, target)  # put it back
-        raise
-    _fsync_directory(target.parent)
-    if aside is not None:
-        _remove(aside)
-
-
-def _recover(target: Path) -> None:
-    """Finish what an interrupted materialize of ``target`` left (under the lock): a directory
-    it had renamed aside goes back if nothing took its place, and its temporaries go."""
-    prefix = f".{target.name}.ckptstore-"
-    aside = sorted(target.parent.glob(f"{prefix}old-*"), key=lambda p: p.stat().st_mtime)
-    if aside and not _exists(target):
-        os.rename(aside.pop(), target)  # the crash came between the two renames
-    for leftover in target.parent.glob(f"{prefix}*"):
-        if leftover.name != f"{prefix}lock":
-            _remove(leftover)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
 
 
 def _fsync_directory(path: Path) -> None:

@@ -59,7 +59,7 @@ def test_a_directory_round_trips_through_any_store(
     target = materialize(store.get(20), tmp_path / "restored" / "checkpoint-20")
     assert _read_tree(target) == files
     left = sorted(p.name for p in target.parent.iterdir())
-    assert left == [".checkpoint-20.ckptstore-lock", "checkpoint-20"]  # no staging left
+    assert left == [".checkpoint-20.ckptstore-pulled", "checkpoint-20"]  # no staging, no lock
 
 
 def test_a_failed_publish_publishes_nothing(
@@ -118,15 +118,23 @@ def test_materialize_refuses_an_existing_directory_unless_told_to_replace(tmp_pa
     source = tmp_path / "src"
     files = _trainer_directory(source, seed=3)
     publish_directory(store, 3, source)
+    publish_directory(store, 4, source)
     target = tmp_path / "out"
     target.mkdir()
     (target / "partial.bin").write_bytes(b"what a crashed trainer left")
     with pytest.raises(InvalidInputError, match="already exists"):
         materialize(store.get(3), target)
     assert (target / "partial.bin").exists()
-    materialize(store.get(3), target, replace=True)
+    # not made by a pull: replace refuses it too (issue 24, item 1: it used to be swapped out)
+    with pytest.raises(InvalidInputError, match="not made by ckptstore pull"):
+        materialize(store.get(3), target, replace=True)
+    assert _read_tree(target) == {"partial.bin": b"what a crashed trainer left"}
+    (target / "partial.bin").unlink()
+    target.rmdir()
+    materialize(store.get(3), target)
+    materialize(store.get(4), target, replace=True)  # a pull's own directory: replaced
     assert _read_tree(target) == files
-    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "out", "src", "store"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, "out", "src", "store"]
 
 
 def test_a_damaged_shard_leaves_the_target_untouched(tmp_path: Path) -> None:
@@ -142,7 +150,7 @@ def test_a_damaged_shard_leaves_the_target_untouched(tmp_path: Path) -> None:
     with pytest.raises(IntegrityError):
         materialize(store.get(1), target)
     assert not target.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "src", "store"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "store"]  # no lock left
 
 
 def test_leftovers_of_an_interrupted_materialize_are_removed(tmp_path: Path) -> None:
@@ -153,7 +161,7 @@ def test_leftovers_of_an_interrupted_materialize_are_removed(tmp_path: Path) -> 
     (tmp_path / ".out.ckptstore-0123456789ab").mkdir()
     (tmp_path / ".out.ckptstore-0123456789ab" / "half").write_bytes(b"x")
     materialize(store.get(1), tmp_path / "out")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "out", "src", "store"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, "out", "src", "store"]
 
 
 def test_a_crash_between_the_renames_of_a_swap_puts_the_old_directory_back(
@@ -163,12 +171,14 @@ def test_a_crash_between_the_renames_of_a_swap_puts_the_old_directory_back(
     source = tmp_path / "src"
     _trainer_directory(source)
     publish_directory(store, 1, source)
+    materialize(store.get(1), tmp_path / "out")  # a pull's directory, named by the marker
+    (tmp_path / "out" / "config.json").write_bytes(b"what the pull wrote, edited in place")
     aside = tmp_path / ".out.ckptstore-old-0123456789ab"  # renamed aside, then the crash
-    aside.mkdir()
-    (aside / "mine.bin").write_bytes(b"the user's")
+    os.rename(tmp_path / "out", aside)
     with pytest.raises(InvalidInputError, match="already exists"):
         materialize(store.get(1), tmp_path / "out")  # put back first: then it exists
-    assert (tmp_path / "out" / "mine.bin").read_bytes() == b"the user's"
+    edited = b"what the pull wrote, edited in place"
+    assert (tmp_path / "out" / "config.json").read_bytes() == edited
     assert not aside.exists()
 
 
@@ -183,7 +193,7 @@ def test_a_dangling_symlink_is_not_replaced_unasked(tmp_path: Path) -> None:
     assert (tmp_path / "out").is_symlink()
 
 
-LOCK = ".out.ckptstore-lock"
+MARKER = ".out.ckptstore-pulled"
 
 
 def test_bad_arguments(tmp_path: Path) -> None:

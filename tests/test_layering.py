@@ -30,7 +30,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "tiered", "",
     ),
     TORCH: ("torch",),
-    TRAINERS: ("directory", "huggingface", "lightning"),
+    TRAINERS: ("directory", "huggingface", "lightning", "localdir"),
     TOOLING: ("conformance", "cli", "cli_directory", "cli_lineage", "cli_tiers", "tools"),
 }  # fmt: skip
 """Each module of the package, by its first dotted component under ``ckptstore`` ("" is the
