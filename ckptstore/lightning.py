@@ -244,9 +244,9 @@ def _open_regular(path: Path) -> BinaryIO:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else (
-                "a device or socket"
-            )
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+            if stat.S_ISDIR(mode):
+                kind = "a directory"
             raise InvalidInputError(
                 f"{path}: {kind}, not a checkpoint file; left as it is: move it away, or "
                 f"pass another checkpoint"

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import BackendUnderTest, FileBackend, S3Backend
 
 BOUND_S = 30.0

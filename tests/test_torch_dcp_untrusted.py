@@ -15,9 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
-
 from conftest import BackendUnderTest, FileBackend, S3Backend  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 from ckptstore.checksum import crc32c_hex  # noqa: E402
 from ckptstore.errors import UnsafePickleError  # noqa: E402
