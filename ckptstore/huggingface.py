@@ -190,14 +190,27 @@ def _move_aside(path: Path) -> Path | None:
                     os.rmdir(aside)
                     raise
             else:  # a file or a link named like a checkpoint: linked, never renamed over
-                os.link(path, aside, follow_symlinks=False)
-                os.unlink(path)
+                _link_then_unlink(path, aside)
         except FileExistsError:
             continue  # that name is taken: the next one
         except FileNotFoundError:
             return None
         return aside
     raise CkptStoreError(f"{path}: could not move it aside: 1000 names beside it are taken")
+
+
+def _link_then_unlink(path: Path, aside: Path) -> None:
+    """Move a file or link ``path`` to ``aside`` unless ``aside`` exists (FileExistsError)."""
+    try:
+        os.link(path, aside, follow_symlinks=False)
+    except (FileExistsError, FileNotFoundError):
+        raise
+    except OSError:  # no hard links on this file system: checked, then renamed
+        if _exists(aside):
+            raise FileExistsError(aside) from None
+        os.rename(path, aside)
+        return
+    os.unlink(path)
 
 
 def _identical(directory: Path, checkpoint: Checkpoint) -> bool:
