@@ -276,7 +276,8 @@ class CkptStoreReader(StorageReader):
     Anything else raises ``UnsafePickleError`` and nothing in it runs; the planner is handed a
     fresh ``torch.save`` of the value loaded, never the stored bytes. ``weights_only=False``
     hands the stored bytes over as they are: only for a store whose every writer you trust
-    (anyone who can write to the store can recompute its CRC32Cs and manifest checksum).
+    (anyone who can write to the store can recompute its CRC32Cs and manifest checksum), or
+    for a custom planner that stores ``BYTE_IO`` items in a format of its own.
     """
 
     def __init__(
