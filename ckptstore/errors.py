@@ -23,6 +23,7 @@ and ``except ValueError`` keep working in code that does not know ckptstore::
     ├── CoverageError                             expected shards missing at publish
     ├── RefusedError                              an operation that would break I3 without force
     ├── NotEnoughSavesError                       too few saves with timings to measure from
+    ├── UnsafePickleError (pickle.UnpicklingError)   stored bytes that would run code if unpickled
     ├── LineageError                              a write outside the writer's epoch (I9)
     │   ├── SupersededError                       a newer epoch took the store over
     │   ├── StepOutsideEpochError                 the step belongs to the history resumed from
@@ -49,6 +50,8 @@ place each, chained with ``raise ... from exc``.
 """
 
 from __future__ import annotations
+
+import pickle
 
 __all__ = [
     "BackendUnavailableError",
@@ -91,6 +94,7 @@ __all__ = [
     "TargetExistsError",
     "TransientStorageError",
     "UnknownSchemeError",
+    "UnsafePickleError",
 ]
 
 
@@ -174,6 +178,12 @@ class RefusedError(CkptStoreError):
 class NotEnoughSavesError(CkptStoreError):
     """The store holds too few checkpoints with recorded timings to measure what a save costs
     the trainer and how fast it steps (``ckptstore advise``); nothing is wrong with them."""
+
+
+class UnsafePickleError(CkptStoreError, pickle.UnpicklingError):
+    """Stored bytes that a loader would unpickle name code to run (or are no pickle at all):
+    refused before anything in them ran. A CRC32C proves bytes are those committed, not that
+    whoever committed them is trusted."""
 
 
 class LineageError(CkptStoreError):

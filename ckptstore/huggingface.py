@@ -14,7 +14,10 @@ highest N it finds. When the Trainer is built, the callback therefore (on the ma
 each machine, the others wait) moves aside every ``checkpoint-N`` in ``output_dir`` newer than
 the newest published checkpoint (renamed ``checkpoint-N.unpublished-<time>``, never deleted),
 and materialises the newest published checkpoint there unless an identical copy is already
-present (same files, sizes and CRC32C). A run on a new machine, with an empty ``output_dir``,
+present (same files, sizes and CRC32C). A ``checkpoint-N`` of the newest published step that
+differs from it (another run's, a damaged copy, an ``output_dir`` reused with a store of
+another run) is moved aside the same way first, and a warning says where: the callback never
+deletes a file it did not write. A run on a new machine, with an empty ``output_dir``,
 resumes the same way.
 
 In a job of several machines without a shared file system, each machine's ``output_dir``
@@ -25,14 +28,14 @@ states): every machine then contributes its files to the one commit
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import re
+import stat
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from transformers import TrainerCallback
 
@@ -125,9 +128,8 @@ class CkptStoreCallback(TrainerCallback):
         moved = []
         for step, path in sorted(_local_checkpoints(output_dir).items()):
             if step > newest_published:
-                aside = path.with_name(f"{path.name}.unpublished-{time.strftime('%Y%m%dT%H%M%S')}")
-                with contextlib.suppress(FileNotFoundError):  # another machine's main was first
-                    os.rename(path, aside)
+                aside = _move_aside(path)
+                if aside is not None:
                     moved.append(aside.name)
         if moved:
             log.warning(
@@ -140,8 +142,21 @@ class CkptStoreCallback(TrainerCallback):
         if latest is None:
             return None
         target = output_dir / f"checkpoint-{latest.step}"
-        if not (target.is_dir() and _identical(target, latest)):
-            materialize(latest, target, replace=True, parallel=self.parallel)
+        if _exists(target) and not (target.is_dir() and _identical(target, latest)):
+            aside = _move_aside(target)  # never replaced in place: it may be the user's only copy
+            if aside is not None:
+                log.warning(
+                    "%s differs from step %d of %s (another run's checkpoint, or a damaged "
+                    "copy): moved aside to %s, and the published step %d put in its place; "
+                    "delete it once you know it is not needed, or check the store's URL",
+                    target, latest.step, self.store.url, aside, latest.step,
+                )  # fmt: skip
+        if not target.is_dir():
+            try:
+                materialize(latest, target, parallel=self.parallel)
+            except InvalidInputError:
+                if not target.is_dir():  # not "another machine's main made it first"
+                    raise
         return latest
 
 
@@ -156,9 +171,55 @@ def _local_checkpoints(output_dir: Path) -> dict[int, Path]:
     return found
 
 
+def _exists(path: Path) -> bool:
+    return path.is_symlink() or path.exists()
+
+
+def _move_aside(path: Path) -> Path | None:
+    """Rename ``path`` to ``<name>.unpublished-<time>[-<n>]`` beside it, never over anything
+    there; return the new path (None: ``path`` was gone, another machine's main was first)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for attempt in range(1000):
+        aside = path.with_name(f"{path.name}.unpublished-{stamp}{f'-{attempt}' if attempt else ''}")
+        try:
+            if path.is_dir() and not path.is_symlink():
+                os.mkdir(aside)  # the name, taken atomically: rename(2) then replaces only it
+                try:
+                    os.rename(path, aside)
+                except BaseException:
+                    os.rmdir(aside)
+                    raise
+            else:  # a file or a link named like a checkpoint: linked, never renamed over
+                _link_then_unlink(path, aside)
+        except FileExistsError:
+            continue  # that name is taken: the next one
+        except FileNotFoundError:
+            return None
+        return aside
+    raise CkptStoreError(f"{path}: could not move it aside: 1000 names beside it are taken")
+
+
+def _link_then_unlink(path: Path, aside: Path) -> None:
+    """Move a file or link ``path`` to ``aside`` unless ``aside`` exists (FileExistsError)."""
+    try:
+        os.link(path, aside, follow_symlinks=False)
+    except (FileExistsError, FileNotFoundError):
+        raise
+    except OSError:  # no hard links on this file system: checked, then renamed
+        if _exists(aside):
+            raise FileExistsError(aside) from None
+        os.rename(path, aside)
+        return
+    os.unlink(path)
+
+
 def _identical(directory: Path, checkpoint: Checkpoint) -> bool:
-    """True if ``directory`` holds exactly the checkpoint's files, byte for byte (CRC32C)."""
-    files = directory_files(directory)
+    """True if ``directory`` holds exactly the checkpoint's files, byte for byte (CRC32C);
+    False if it holds anything else, or anything that cannot be read as a file (a FIFO)."""
+    try:
+        files = directory_files(directory)
+    except InvalidInputError:
+        return False  # something no checkpoint holds (a FIFO, a dangling link)
     if sorted(f.name for f in files) != sorted(checkpoint.names):
         return False
     for file in files:
@@ -166,12 +227,29 @@ def _identical(directory: Path, checkpoint: Checkpoint) -> bool:
         if file.size != record.size:
             return False
         crc = Crc32c()
-        with open(file.path, "rb") as stream:
-            while chunk := stream.read(8 * 1024 * 1024):
-                crc.update(chunk)
+        try:
+            with _open_regular(file.path) as stream:
+                while chunk := stream.read(8 * 1024 * 1024):
+                    crc.update(chunk)
+        except (InvalidInputError, OSError):
+            return False  # swapped for a FIFO, or unreadable: not the checkpoint
         if crc.hexdigest() != record.crc32c:
             return False
     return True
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file (a link to one included): never
+    blocks on a FIFO or a device (``O_NONBLOCK`` and ``fstat``), else InvalidInputError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidInputError(f"{path}: not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _distributed(args: Any) -> bool:

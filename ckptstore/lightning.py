@@ -29,12 +29,14 @@ import logging
 import os
 import re
 import secrets
+import stat
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning_fabric.utilities.cloud_io import _load as pl_load
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.errors import (
@@ -94,10 +96,11 @@ class CkptStoreIO(CheckpointIO):
     ) -> dict[str, Any]:
         """The checkpoint a pointer file names (``last*.ckpt``: the newest published one)."""
         pointer = _read_pointer(Path(path))
-        if pointer is None:  # a checkpoint Lightning wrote itself
-            loaded: dict[str, Any] = TorchCheckpointIO().load_checkpoint(
-                path, map_location=map_location, weights_only=weights_only
-            )
+        if pointer is None:  # a checkpoint Lightning wrote itself: loaded as Lightning does,
+            with _open_regular(Path(path)) as stream:  # from a file checked to be one
+                loaded: dict[str, Any] = pl_load(
+                    stream, map_location=map_location, weights_only=weights_only
+                )
             return loaded
         checkpoint = self._pointed(Path(path), pointer)
         restored = load_state(
@@ -120,7 +123,7 @@ class CkptStoreIO(CheckpointIO):
         if latest is None:
             return None
         path = Path(directory) / "last.ckpt"
-        if not path.exists():
+        if not (path.exists() or path.is_symlink()):  # a dangling link is not replaced either
             _write_pointer(path, {"format": POINTER_FORMAT, "url": self.store.url,
                                   "step": latest.step})  # fmt: skip
             with self._lock:
@@ -143,6 +146,9 @@ class CkptStoreIO(CheckpointIO):
             pointer = _read_pointer(target)
         except NotACheckpointError:
             target.unlink(missing_ok=True)
+            return
+        except InvalidInputError as exc:  # not a file (a FIFO): nothing this plugin wrote
+            log.warning("left %s alone: %s", target, exc)
             return
         if pointer is None:
             TorchCheckpointIO().remove_checkpoint(path)
@@ -207,7 +213,7 @@ def _read_pointer(path: Path) -> dict[str, Any] | None:
     some other JSON file) raises NotACheckpointError saying so: handed to ``torch.load`` it
     would fail with a message about pickles."""
     try:
-        with open(path, "rb") as stream:
+        with _open_regular(path) as stream:
             head = stream.read(_POINTER_LIMIT + 1)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{path}: no such checkpoint file") from exc
@@ -230,12 +236,35 @@ def _read_pointer(path: Path) -> dict[str, Any] | None:
     return pointer
 
 
+def _open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file (a link to one included, as
+    ``save_last="link"`` makes): a FIFO or a device never blocks the open (``O_NONBLOCK``) and
+    is refused (InvalidInputError), left as it is."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+            if stat.S_ISDIR(mode):
+                kind = "a directory"
+            raise InvalidInputError(
+                f"{path}: {kind}, not a checkpoint file; left as it is: move it away, or "
+                f"pass another checkpoint"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _steps_named_in(directory: Path) -> set[int]:
     """Steps that the (not ``last``) pointers in ``directory`` name."""
     steps = set()
     for path in directory.glob("*.ckpt"):
         if not _LAST.match(path.stem) and path.is_file():
-            with contextlib.suppress(CheckpointNotFoundError):  # removed meanwhile, damaged
+            with contextlib.suppress(CheckpointNotFoundError, InvalidInputError):  # removed
+                # meanwhile, damaged, swapped for a FIFO
                 pointer = _read_pointer(path)
                 if pointer is not None:
                     steps.add(pointer["step"])

@@ -71,7 +71,7 @@ def test_unpublished_local_checkpoints_are_moved_aside_not_deleted(tmp_path: Pat
     )
 
 
-def test_a_damaged_local_copy_is_replaced_and_a_good_one_kept(tmp_path: Path) -> None:
+def test_a_damaged_local_copy_is_moved_aside_and_a_good_one_kept(tmp_path: Path) -> None:
     store = ckptstore.open(f"file://{tmp_path}/store")
     out = tmp_path / "out"
     good = _checkpoint_dir(out, 5)
@@ -85,6 +85,10 @@ def test_a_damaged_local_copy_is_replaced_and_a_good_one_kept(tmp_path: Path) ->
     callback.prepare_output_dir(out)
     assert (good / "model.safetensors").read_bytes() == b"weights\x05"
     assert not (good / "stray.tmp").exists()
+    # issue 24: the differing copy was the user's to delete, not the callback's: moved aside
+    (aside,) = [p for p in out.iterdir() if p.name.startswith("checkpoint-5.unpublished-")]
+    assert (aside / "model.safetensors").read_bytes() == b"weightZ\x05"
+    assert (aside / "stray.tmp").exists()
 
 
 def test_nothing_published_leaves_the_output_dir_alone_but_unpublished_saves(

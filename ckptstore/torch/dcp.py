@@ -8,8 +8,15 @@ as given); the coordinator's ``finish`` gathers every rank's receipts from the w
 checks coverage, stores DCP's metadata as JSON (``dcp-metadata.json``) and publishes. Loading
 reads the manifest's shards, checksummed, through their locators.
 
-Nothing here unpickles: DCP's planner serialises non-tensor values itself (``BYTE_IO`` items)
-and deserialises them on load; tensors and the metadata are stored as bytes and JSON.
+Tensors and the metadata are stored as bytes and JSON. DCP's planner serialises non-tensor
+values itself (``BYTE_IO`` items, ``torch.save``) and deserialises them on load with
+``torch.load(weights_only=False)``, which runs whatever code a pickle names: so the reader
+first loads each such item with ``weights_only=True`` (plain data, tensors, and the types
+``torch.serialization.add_safe_globals`` allows), refuses anything else with
+``UnsafePickleError`` before any of it runs, and hands the planner a fresh ``torch.save`` of
+what it loaded, never the stored bytes. ``CkptStoreReader(..., weights_only=False)`` opts out,
+for a store whose every writer is trusted: a CRC32C proves that bytes are the ones committed,
+not who committed them.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import io
 import json
 import math
 import os
+import pickle
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -46,7 +54,12 @@ from torch.futures import Future
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.driver import BytesLike
-from ckptstore.errors import CheckpointStateError, InvalidInputError, ManifestCorruptError
+from ckptstore.errors import (
+    CheckpointStateError,
+    InvalidInputError,
+    ManifestCorruptError,
+    UnsafePickleError,
+)
 from ckptstore.manifest import ShardRecord
 from ckptstore.names import check_step
 from ckptstore.pending import PendingCheckpoint
@@ -256,13 +269,30 @@ class CkptStoreReader(StorageReader):
     reader is then a collective over ``group`` (the process group given to ``dcp.load``; in a
     ``no_dist`` load in a multi-rank job, name the step). ``loaded`` is the checkpoint the
     last load read.
+
+    Non-tensor values (DCP's ``BYTE_IO`` items, which DCP's planner unpickles with
+    ``torch.load(weights_only=False)``) are first loaded as ``torch.load(weights_only=True)``
+    does: plain data, tensors and the types ``torch.serialization.add_safe_globals`` allows.
+    Anything else raises ``UnsafePickleError`` and nothing in it runs; the planner is handed a
+    fresh ``torch.save`` of the value loaded, never the stored bytes. ``weights_only=False``
+    hands the stored bytes over as they are: only for a store whose every writer you trust
+    (anyone who can write to the store can recompute its CRC32Cs and manifest checksum), or
+    for a custom planner that stores ``BYTE_IO`` items in a format of its own.
     """
 
-    def __init__(self, store: Store, step: int | None = None, *, group: Any = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        step: int | None = None,
+        *,
+        group: Any = None,
+        weights_only: bool = True,
+    ) -> None:
         super().__init__()
         self.store = store
         self.default_step = None if step is None else check_step(step)
         self.group = group
+        self.weights_only = weights_only
         self.loaded: Checkpoint | None = None
         self.bytes_read = 0
         """Bytes read from storage by this reader's loads (whole blocks: what a load cost)."""
@@ -320,7 +350,11 @@ class CkptStoreReader(StorageReader):
             shard, offset, length = info["shard"], info["offset"], info["length"]
             if item.type == LoadItemType.BYTE_IO:
                 blob = self._read(checkpoint, shard, offset, length)
-                planner.load_bytes(item, io.BytesIO(blob))
+                if self.weights_only:
+                    where = f"{self.store.url} step {checkpoint.step}: {item.storage_index.fqn}"
+                    planner.load_bytes(item, _plain_data(blob, where))
+                else:
+                    planner.load_bytes(item, io.BytesIO(blob))
                 continue
             target = planner.resolve_tensor(item).detach()
             wanted = torch.Size(item.lengths)
@@ -351,7 +385,7 @@ class CkptStoreReader(StorageReader):
     def _read_tensor(
         self, checkpoint: Checkpoint, info: dict[str, Any], item: Any, target: torch.Tensor
     ) -> None:
-        dtype = getattr(torch, info["dtype"])
+        dtype = _dtype(info["dtype"], f"{info['shard']}: {item.storage_index.fqn}")
         shape = [int(d) for d in info["shape"]]
         itemsize = torch.empty(0, dtype=dtype).element_size()
         if math.prod(shape) * itemsize != info["length"]:
@@ -382,6 +416,41 @@ class CkptStoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+def _plain_data(blob: BytesLike, where: str) -> io.BytesIO:
+    """``blob`` (a ``torch.save`` of a value) as a fresh ``torch.save`` of what
+    ``torch.load(weights_only=True)`` makes of it: whatever unpickles it next (DCP's planner,
+    with ``weights_only=False``) meets only types that loader allows, never stored code."""
+    try:
+        value = torch.load(io.BytesIO(blob), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = " ".join(
+            line.strip()
+            for line in str(exc).splitlines()
+            if line.strip()
+            and not line.startswith(("Weights only load failed", "Check the doc", "Please file"))
+        )
+        raise UnsafePickleError(
+            f"{where}: refused to unpickle this non-tensor value: it is not plain data "
+            f"({reason[:300] or 'torch.load(weights_only=True) refuses it'}); nothing in it "
+            f"ran. If every writer of this store is trusted, load with "
+            f"CkptStoreReader(..., weights_only=False); to allow a type of your own, "
+            f"torch.serialization.add_safe_globals([YourType])"
+        ) from None
+    fresh = io.BytesIO()
+    torch.save(value, fresh)
+    fresh.seek(0)
+    return fresh
+
+
+def _dtype(name: object, where: str) -> torch.dtype:
+    """The torch dtype a stored name names (a stored name is data: never any other attribute
+    of ``torch``)."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise ManifestCorruptError(f"{where}: {name!r} is not a torch dtype")
+    return dtype
 
 
 def checkpoint_id_of(store: Store, step: int) -> str:
@@ -454,7 +523,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def _tensor_from_bytes(blob: BytesLike, dtype: str, shape: list[int]) -> torch.Tensor:
-    target_dtype = getattr(torch, dtype)
+    target_dtype = _dtype(dtype, "a stored tensor")
     if not blob:
         return torch.empty(shape, dtype=target_dtype)
     raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
@@ -532,7 +601,8 @@ def _decode_metadata(document: dict[str, Any]) -> Metadata:
             continue
         entries[fqn] = TensorStorageMetadata(
             properties=TensorProperties(
-                dtype=getattr(torch, entry["dtype"]), requires_grad=entry["requires_grad"]
+                dtype=_dtype(entry["dtype"], f"DCP metadata of {fqn}"),
+                requires_grad=entry["requires_grad"],
             ),
             size=torch.Size(entry["size"]),
             chunks=[
