@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ckptstore.directory import DEFAULT_PARALLEL, materialize, publish_directory
+from ckptstore.directory import DEFAULT_PARALLEL, materialize, publish_directory, refuse_nested
 from ckptstore.errors import CheckpointNotFoundError, InvalidInputError
 from ckptstore.store import open_store
 
@@ -19,6 +19,7 @@ EXIT_OK = 0
 
 
 def cmd_push(args: argparse.Namespace, out: TextIO) -> int:
+    refuse_nested(args.url, args.directory)  # before the store's root is created in it
     store = open_store(args.url, epoch=args.epoch)
     checkpoint = publish_directory(
         store,

@@ -190,7 +190,7 @@ def publish_directory(
                 f"{store.url}: this store writes in epoch {store.epoch}, not epoch {epoch}: "
                 f"open another to publish in epoch {epoch}"
             )
-    _refuse_nested(store, directory)
+    refuse_nested(store.url, directory)
     files = directory_files(directory, follow_symlinks=follow_symlinks)
     with store.begin(step, metadata) as pending:
         write_files(pending, files, parallel=parallel)
@@ -201,24 +201,24 @@ def publish_directory(
 _LOCAL_SCHEMES = frozenset({"file", "lustre", "fsspec+file", "fsspec+local"})
 
 
-def _refuse_nested(store: Store, directory: str | os.PathLike[str]) -> None:
-    """InvalidInputError if ``store`` lies on this machine inside ``directory``, or the
-    directory inside the store: each publish would copy the earlier checkpoints into the new
-    one (or a store's own files into itself)."""
-    parsed = parse_url(store.url)
+def refuse_nested(url: str, directory: str | os.PathLike[str]) -> None:
+    """InvalidInputError if the store at ``url`` lies on this machine inside ``directory``, or
+    the directory inside the store: each publish would copy the earlier checkpoints into the
+    new one (or a store's own files into itself). Real paths are compared."""
+    parsed = parse_url(url)
     if parsed.scheme not in _LOCAL_SCHEMES:
         return
     where = Path(os.path.realpath(directory))
     root = Path(os.path.realpath(parsed.path or "/"))
     if root == where or where in root.parents:
         raise InvalidInputError(
-            f"{directory}: the store {store.url} is inside the directory being published, so "
+            f"{directory}: the store at {root} is inside the directory being published, so "
             f"every push would copy the store's earlier checkpoints into the new one; keep "
             f"the store outside it"
         )
     if root in where.parents:
         raise InvalidInputError(
-            f"{directory}: inside the store {store.url}; publish a directory from outside the "
+            f"{directory}: inside the store at {root}; publish a directory from outside the "
             f"store (ckptstore pull writes a checkpoint out as a directory)"
         )
 
