@@ -84,16 +84,23 @@ def directory_files(
     if not root.is_dir():
         raise InvalidInputError(f"{root}: not a directory")
     found: list[DirectoryFile] = []
-    for folder, subfolders, names in os.walk(root, onerror=_raise_walk_error):
-        here = Path(folder)
+    top = os.path.realpath(root)
+    # Walked by directory descriptors: a directory swapped for a link while it is listed is
+    # not walked into (the read then checks each file is the one listed).
+    for folder, subfolders, names, fd in os.fwalk(top, onerror=_raise_walk_error):
+        within = os.path.relpath(folder, top)
+        here = root if within == "." else root / within
         for name in [*names, *subfolders]:
             path = here / name
-            info = path.lstat()
+            try:
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError as exc:
+                raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
             if stat.S_ISDIR(info.st_mode):
                 continue  # walked into next
             follow = stat.S_ISLNK(info.st_mode)
             if follow:
-                info = _linked_file(path, follow_symlinks)
+                info = _linked_file(path, name, fd, follow_symlinks)
             elif not stat.S_ISREG(info.st_mode):
                 raise InvalidInputError(
                     f"{path}: not a regular file ({_kind(info.st_mode)}; only files are published)"
@@ -109,15 +116,16 @@ def directory_files(
     return sorted(found, key=lambda f: f.name)
 
 
-def _linked_file(path: Path, follow_symlinks: bool) -> os.stat_result:
-    """What the symbolic link ``path`` points to, if it may be published: a regular file,
-    and ``follow_symlinks``; else InvalidInputError, one line that says which case it is."""
+def _linked_file(path: Path, name: str, fd: int, follow_symlinks: bool) -> os.stat_result:
+    """What the symbolic link ``path`` (``name`` in directory ``fd``) points to, if it may be
+    published: a regular file, and ``follow_symlinks``; else InvalidInputError, one line that
+    says which case it is."""
     try:
-        target = os.readlink(path)
+        target = os.readlink(name, dir_fd=fd)
     except OSError:
         target = "?"
     try:
-        info = path.stat()
+        info = os.stat(name, dir_fd=fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise InvalidInputError(

@@ -325,3 +325,17 @@ def test_push_refuses_a_store_inside_the_pushed_directory(
     assert "inside the store" in one_error_line(capsys)
     assert ckptstore.open(outside).steps() == [1]
     assert sorted(ckptstore.open(outside).get(1).names) == ["model.bin", "trainer_state.json"]
+
+
+def test_a_directory_named_through_a_link_is_listed_whole(tmp_path: Path) -> None:
+    """The directory itself may be a link (the caller named it); the files under it are
+    listed by directory descriptors, and published by their names under it."""
+    source = checkpoint_dir(tmp_path / "real" / "checkpoint-1", "r")
+    (source / "sub").mkdir()
+    (source / "sub" / "deep.bin").write_bytes(b"d")
+    os.symlink(source, tmp_path / "alias")
+    listed = directory_files(tmp_path / "alias")
+    assert [f.name for f in listed] == ["model.bin", "sub/deep.bin", "trainer_state.json"]
+    assert listed[1].path == tmp_path / "alias" / "sub" / "deep.bin"
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    assert publish_directory(store, 1, tmp_path / "alias").read("sub/deep.bin") == b"d"
