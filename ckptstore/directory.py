@@ -129,7 +129,8 @@ def _linked_file(path: Path, name: str, fd: int, follow_symlinks: bool) -> os.st
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise InvalidInputError(
-                f"{path}: a symbolic link loop (-> {target}): it resolves to itself; remove it"
+                f"{path}: a symbolic link loop (-> {target}): following it never reaches a "
+                f"file; remove it"
             ) from None
         if exc.errno == errno.ENOENT:
             raise InvalidInputError(
