@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ckptstore.directory import DEFAULT_PARALLEL, materialize, publish_directory
+from ckptstore.directory import DEFAULT_PARALLEL, materialize, publish_directory, refuse_nested
 from ckptstore.errors import CheckpointNotFoundError, InvalidInputError
 from ckptstore.store import open_store
 
@@ -19,8 +19,15 @@ EXIT_OK = 0
 
 
 def cmd_push(args: argparse.Namespace, out: TextIO) -> int:
-    store = open_store(args.url)
-    checkpoint = publish_directory(store, args.step, args.directory, parallel=args.parallel)
+    refuse_nested(args.url, args.directory)  # before the store's root is created in it
+    store = open_store(args.url, epoch=args.epoch)
+    checkpoint = publish_directory(
+        store,
+        args.step,
+        args.directory,
+        parallel=args.parallel,
+        follow_symlinks=args.follow_symlinks,
+    )
     if args.json:
         json.dump({"url": store.url, "step": checkpoint.step, "files": len(checkpoint.names),
                    "bytes": checkpoint.size}, out)  # fmt: skip
@@ -65,6 +72,18 @@ def add_directory_commands(
     p.add_argument("--step", type=parse_step, required=True)
     p.add_argument("--parallel", type=parse_count, default=DEFAULT_PARALLEL,
                    help=f"files streamed at once (default {DEFAULT_PARALLEL})")  # fmt: skip
+    p.add_argument(
+        "--epoch",
+        type=parse_step,
+        default=None,
+        help="the epoch to publish in (the run's, once the store was taken over; also "
+        "?epoch=N in the URL)",
+    )
+    p.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help="publish what symbolic links to files point to (default: refuse links)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_push)
     text = (

@@ -11,14 +11,21 @@ directory, streamed, several at once, and one atomic commit publishes them toget
 every byte against the manifest's CRC32C, fsyncs it and renames it into place, so the target
 directory is either the whole checkpoint or untouched.
 
-Empty directories are not kept (a shard is a file); a symbolic link to a file is stored as the
-file it points to; any other entry (a link to a directory, a socket, a device) is refused.
+Empty directories are not kept (a shard is a file). A symbolic link is refused unless the
+caller opts in (``follow_symlinks=True``, ``push --follow-symlinks``): then a link to a file is
+stored as the file it points to. Any other entry (a link to a directory, a socket, a FIFO, a
+device) is refused. Every file is opened without following a link and without blocking, and
+must still be the file that was listed (same device, inode and type), so a file swapped for a
+link or a FIFO after the listing is refused, never read. A store on the local file system
+inside the directory (or the directory inside the store) is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import io
 import os
 import shutil
 import stat
@@ -38,6 +45,7 @@ from ckptstore.localdir import check_target, locked, recover, replaceable, stagi
 from ckptstore.names import check_shard_name
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.store import Store
+from ckptstore.urls import parse_url
 
 __all__ = ["DirectoryFile", "directory_files", "materialize", "publish_directory", "write_files"]
 
@@ -48,49 +56,112 @@ _COPY_CHUNK = 8 * 1024 * 1024
 
 @dataclass(frozen=True)
 class DirectoryFile:
-    """A file to publish: its shard name (relative path, '/'-separated) and where it is."""
+    """A file to publish: its shard name (relative path, '/'-separated) and where it is.
+
+    ``device`` and ``inode`` identify the file that was listed (for a followed link: the file
+    it pointed to); ``follow`` says it was reached through a symbolic link. The read opens the
+    path again and refuses anything but that same regular file."""
 
     name: str
     path: Path
     size: int
+    device: int | None = None
+    inode: int | None = None
+    follow: bool = False
 
 
-def directory_files(directory: str | os.PathLike[str]) -> list[DirectoryFile]:
+def directory_files(
+    directory: str | os.PathLike[str], *, follow_symlinks: bool = False
+) -> list[DirectoryFile]:
     """Every file under ``directory`` as it will be published, sorted by name.
 
-    Raises InvalidInputError for a missing directory, an entry that is neither a file nor a
-    directory (nor a link to a file), or a file name that is not a valid shard name.
+    Raises InvalidInputError for a missing directory, a symbolic link (unless
+    ``follow_symlinks``: then a link to a file is published as that file), an entry that is
+    neither a file nor a directory, or a file name that is not a valid shard name.
     """
     root = Path(directory)
     if not root.is_dir():
         raise InvalidInputError(f"{root}: not a directory")
     found: list[DirectoryFile] = []
-    for folder, subfolders, names in os.walk(root, onerror=_raise_walk_error):
-        here = Path(folder)
+    top = os.path.realpath(root)
+    # Walked by directory descriptors: a directory swapped for a link while it is listed is
+    # not walked into (the read then checks each file is the one listed).
+    for folder, subfolders, names, fd in os.fwalk(top, onerror=_raise_walk_error):
+        within = os.path.relpath(folder, top)
+        here = root if within == "." else root / within
         for name in [*names, *subfolders]:
             path = here / name
-            info = path.lstat()
+            try:
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError as exc:
+                raise InvalidInputError(f"cannot read {path}: {exc.strerror or exc}") from None
             if stat.S_ISDIR(info.st_mode):
                 continue  # walked into next
-            if stat.S_ISLNK(info.st_mode):
-                try:
-                    info = path.stat()
-                except OSError as exc:
-                    raise InvalidInputError(f"{path}: a dangling symbolic link ({exc})") from exc
-                if not stat.S_ISREG(info.st_mode):
-                    raise InvalidInputError(
-                        f"{path}: a symbolic link to something other than a file (only files "
-                        f"are published)"
-                    )
+            follow = stat.S_ISLNK(info.st_mode)
+            if follow:
+                info = _linked_file(path, name, fd, follow_symlinks)
             elif not stat.S_ISREG(info.st_mode):
-                raise InvalidInputError(f"{path}: not a regular file (only files are published)")
+                raise InvalidInputError(
+                    f"{path}: not a regular file ({_kind(info.st_mode)}; only files are published)"
+                )
             relative = path.relative_to(root).as_posix()
             try:
                 check_shard_name(relative)
             except InvalidInputError as exc:
                 raise InvalidInputError(f"{path}: cannot be published: {exc}") from exc
-            found.append(DirectoryFile(relative, path, info.st_size))
+            found.append(
+                DirectoryFile(relative, path, info.st_size, info.st_dev, info.st_ino, follow)
+            )
     return sorted(found, key=lambda f: f.name)
+
+
+def _linked_file(path: Path, name: str, fd: int, follow_symlinks: bool) -> os.stat_result:
+    """What the symbolic link ``path`` (``name`` in directory ``fd``) points to, if it may be
+    published: a regular file, and ``follow_symlinks``; else InvalidInputError, one line that
+    says which case it is."""
+    try:
+        target = os.readlink(name, dir_fd=fd)
+    except OSError:
+        target = "?"
+    try:
+        info = os.stat(name, dir_fd=fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InvalidInputError(
+                f"{path}: a symbolic link loop (-> {target}): following it never reaches a "
+                f"file; remove it"
+            ) from None
+        if exc.errno == errno.ENOENT:
+            raise InvalidInputError(
+                f"{path}: a dangling symbolic link (-> {target}): nothing is there"
+            ) from None
+        raise InvalidInputError(
+            f"{path}: a symbolic link (-> {target}) that cannot be followed: {exc.strerror or exc}"
+        ) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise InvalidInputError(
+            f"{path}: a symbolic link to something other than a file (-> {target}, "
+            f"{_kind(info.st_mode)}; only files are published)"
+        )
+    if not follow_symlinks:
+        raise InvalidInputError(
+            f"{path}: a symbolic link (-> {target}); only regular files are published: "
+            f"copy the file in, or opt in to publish what links point to "
+            f"(push --follow-symlinks, follow_symlinks=True)"
+        )
+    return info
+
+
+def _kind(mode: int) -> str:
+    kinds = [
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ]
+    return next((text for test, text in kinds if test(mode)), "not a regular file")
 
 
 def _raise_walk_error(error: OSError) -> None:
@@ -104,20 +175,60 @@ def publish_directory(
     *,
     metadata: Mapping[str, object] | None = None,
     parallel: int = DEFAULT_PARALLEL,
+    epoch: int | None = None,
+    follow_symlinks: bool = False,
 ) -> Checkpoint:
     """Publish every file under ``directory`` as checkpoint ``step``, in one commit.
 
     Files are streamed ``parallel`` at a time. On any error nothing is published and what was
     written is removed. The directory must not change while it is published: a file that
-    shrinks or grows under the read is refused.
+    shrinks or grows under the read, or is replaced by another, is refused. ``epoch``: write
+    in that epoch (``Store.join_epoch``; SupersededError if a newer one took the store over);
+    by default the store's own (docs/protocol.md §8.3: once the store has been taken over, a
+    store that neither took it over nor joined an epoch is refused). ``follow_symlinks``:
+    publish what symbolic links to files point to, instead of refusing them.
     """
     if parallel < 1:
         raise InvalidInputError(f"parallel must be at least 1, got {parallel}")
-    files = directory_files(directory)
+    if epoch is not None:
+        if store.epoch is None:
+            store.join_epoch(epoch)
+        elif store.epoch != epoch:
+            raise InvalidInputError(
+                f"{store.url}: this store writes in epoch {store.epoch}, not epoch {epoch}: "
+                f"open another to publish in epoch {epoch}"
+            )
+    refuse_nested(store.url, directory)
+    files = directory_files(directory, follow_symlinks=follow_symlinks)
     with store.begin(step, metadata) as pending:
         write_files(pending, files, parallel=parallel)
     assert pending.checkpoint is not None
     return pending.checkpoint
+
+
+_LOCAL_SCHEMES = frozenset({"file", "lustre", "fsspec+file", "fsspec+local"})
+
+
+def refuse_nested(url: str, directory: str | os.PathLike[str]) -> None:
+    """InvalidInputError if the store at ``url`` lies on this machine inside ``directory``, or
+    the directory inside the store: each publish would copy the earlier checkpoints into the
+    new one (or a store's own files into itself). Real paths are compared."""
+    parsed = parse_url(url)
+    if parsed.scheme not in _LOCAL_SCHEMES:
+        return
+    where = Path(os.path.realpath(directory))
+    root = Path(os.path.realpath(parsed.path or "/"))
+    if root == where or where in root.parents:
+        raise InvalidInputError(
+            f"{directory}: the store at {root} is inside the directory being published, so "
+            f"every push would copy the store's earlier checkpoints into the new one; keep "
+            f"the store outside it"
+        )
+    if root in where.parents:
+        raise InvalidInputError(
+            f"{directory}: inside the store at {root}; publish a directory from outside the "
+            f"store (ckptstore pull writes a checkpoint out as a directory)"
+        )
 
 
 def write_files(
@@ -148,7 +259,7 @@ def _publish_file(pending: PendingCheckpoint, file: DirectoryFile) -> None:
     copied = 0
     with (
         _local("read", file.path),
-        open(file.path, "rb") as source,
+        _opened(file) as source,
         pending.open_shard(file.name, file.size) as shard,
     ):
         view = memoryview(bytearray(min(_COPY_CHUNK, max(file.size, 1))))
@@ -160,6 +271,43 @@ def _publish_file(pending: PendingCheckpoint, file: DirectoryFile) -> None:
             f"{file.path} changed while it was published ({file.size} bytes when listed, "
             f"{copied} read): publish a directory only once its writer is done"
         )
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+@contextlib.contextmanager
+def _opened(file: DirectoryFile) -> Iterator[io.BufferedReader]:
+    """``file`` opened for reading: never through a link it was not listed as (O_NOFOLLOW),
+    never blocking (O_NONBLOCK: a FIFO swapped in opens at once), and only if it is still the
+    regular file that was listed (device and inode), else InvalidInputError."""
+    flags = _READ_FLAGS if file.follow else _READ_FLAGS | os.O_NOFOLLOW
+    try:
+        fd = os.open(file.path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link, or a followed link now loops
+            raise _swapped(file, "a symbolic link") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _swapped(file, _kind(info.st_mode))
+        if file.inode is not None and (info.st_dev, info.st_ino) != (file.device, file.inode):
+            raise _swapped(file, "another file")
+        os.set_blocking(fd, True)
+        source = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with source:
+        yield source
+
+
+def _swapped(file: DirectoryFile, now: str) -> InvalidInputError:
+    return InvalidInputError(
+        f"{file.path} was replaced after it was listed (now {now}): nothing was published; "
+        f"publish a directory only once its writer is done, and where no one else writes"
+    )
 
 
 def materialize(

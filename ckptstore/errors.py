@@ -26,6 +26,7 @@ and ``except ValueError`` keep working in code that does not know ckptstore::
     ├── UnsafePickleError (pickle.UnpicklingError)   stored bytes that would run code if unpickled
     ├── LineageError                              a write outside the writer's epoch (I9)
     │   ├── SupersededError                       a newer epoch took the store over
+    │   │   └── EpochRequiredError                taken over, and the writer named no epoch
     │   ├── StepOutsideEpochError                 the step belongs to the history resumed from
     │   ├── EpochNotFoundError (FileNotFoundError)   joining an epoch that was never taken
     │   └── EpochExistsError (FileExistsError)    the epoch number is taken (take_over retries)
@@ -63,6 +64,7 @@ __all__ = [
     "CoverageError",
     "EpochExistsError",
     "EpochNotFoundError",
+    "EpochRequiredError",
     "IndeterminateOutcomeError",
     "IntegrityError",
     "InvalidInputError",
@@ -192,6 +194,12 @@ class LineageError(CkptStoreError):
 
 class SupersededError(LineageError):
     """A newer epoch took the store over: this writer's checkpoints are no longer its history."""
+
+
+class EpochRequiredError(SupersededError):
+    """The store was taken over, and this writer neither took it over nor joined an epoch: it
+    may be the superseded run (a zombie opening a new handle per save), so it publishes
+    nothing until told its epoch (``epoch=``, ``--epoch``, ``?epoch=``) or it takes over."""
 
 
 class StepOutsideEpochError(LineageError):

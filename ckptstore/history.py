@@ -21,6 +21,7 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     EpochExistsError,
     EpochNotFoundError,
+    EpochRequiredError,
     StepOutsideEpochError,
     SupersededError,
 )
@@ -126,6 +127,26 @@ class History:
                 f"epoch {epoch} resumed from: it belongs to the history before the takeover "
                 f"and cannot be saved again in this epoch"
             )
+
+    def default_epoch(self, step: int, lineage: Lineage) -> int:
+        """The epoch of a writer that neither took the store over nor joined an epoch: 0 while
+        the store was never taken over; after a takeover, EpochRequiredError (§8.3), since
+        such a writer cannot be told from the superseded run's (a zombie that opens a new
+        handle for every save, ``ckptstore push`` among them)."""
+        if lineage.newest == 0:
+            return 0
+        newest = lineage.epoch(lineage.newest)
+        assert newest is not None
+        number = newest.number
+        raise EpochRequiredError(
+            f"{self.strategy.url}: the store was taken over (epoch {number}, taken at "
+            f"{newest.started_at.isoformat(timespec='seconds')} by {newest.writer.host} (pid "
+            f"{newest.writer.pid}), resumed from {_parent_text(newest)}) and this writer named "
+            f"no epoch, so it may be the run that was superseded; step {step} was not "
+            f"published. Stop it if it is the old run; else take the store over, or join the "
+            f"run's epoch (ckptstore.open(url, epoch={number}), push --epoch {number}, or "
+            f"?epoch={number} in the URL)"
+        )
 
     # -- the history, by step ------------------------------------------------------------
 

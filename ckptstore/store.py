@@ -52,7 +52,7 @@ from ckptstore.names import check_attempt_id, check_shard_name, check_step, new_
 from ckptstore.pending import PendingCheckpoint, ShardData
 from ckptstore.registry import resolve
 from ckptstore.retention import CheckpointAge, RetentionPolicy
-from ckptstore.urls import parse_url
+from ckptstore.urls import parse_url, split_epoch
 
 __all__ = ["DEFAULT_GRACE", "Store", "StrayEntry", "SupersededCheckpoint", "open_store"]
 
@@ -155,8 +155,8 @@ class Store:
 
     @property
     def epoch(self) -> int | None:
-        """The epoch this store writes in; None until it takes, joins or first saves (then it
-        joins the newest)."""
+        """The epoch this store writes in; None until it takes, joins or first saves (then
+        epoch 0, or EpochRequiredError if the store was taken over: §8.3)."""
         return self._epoch
 
     def lineage(self) -> Lineage:
@@ -169,8 +169,7 @@ class Store:
         return self._history.superseded()
 
     def _writer_epoch(self) -> int:
-        if self._epoch is None:
-            self._epoch = self._history.lineage().newest
+        assert self._epoch is not None  # chosen by begin
         return self._epoch
 
     # -- writing -------------------------------------------------------------------------
@@ -196,8 +195,8 @@ class Store:
         if expected_shards is not None:
             expected = frozenset(check_shard_name(name) for name in expected_shards)
         lineage = self._history.lineage()
-        if self._epoch is None:
-            self._epoch = lineage.newest  # joined for the lifetime of this store
+        if self._epoch is None:  # epoch 0, kept for the lifetime of this store (§8.3)
+            self._epoch = self._history.default_epoch(step, lineage)
         self._history.check_writable(step, self._epoch, lineage)
         if self._history.is_published(step, lineage):
             raise CheckpointExistsError(f"{self.url}: step {step} is already published")
@@ -799,11 +798,17 @@ def open_store(
 ) -> Store:
     """Open the store at ``url`` (``file:///path``, a bare path, ``memory://bucket/prefix``).
 
-    ``create=False`` refuses to create a missing store (for readers and tools). ``epoch``:
-    write in that epoch, taken by another process of this run (``Store.join_epoch``). Other
-    keyword arguments are backend options and override the URL's query parameters.
+    ``create=False`` refuses to create a missing store (for readers and tools). ``epoch`` (or
+    ``?epoch=N`` in the URL): write in that epoch, taken by another process of this run
+    (``Store.join_epoch``). Other keyword arguments are backend options and override the
+    URL's query parameters.
     """
-    parsed = parse_url(url)
+    parsed, url_epoch = split_epoch(parse_url(url))
+    if url_epoch is not None and epoch is not None and url_epoch != epoch:
+        raise InvalidOptionError(
+            f"{parsed.scheme}:// URL says epoch {url_epoch}, the epoch option {epoch}: give one"
+        )
+    epoch = url_epoch if epoch is None else epoch
     factory = resolve(parsed.scheme)
     strategy = factory(parsed, {**parsed.query, **options})
     strategy.open_root(create=create)

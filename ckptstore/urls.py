@@ -6,6 +6,7 @@ Query parameters are backend options, merged with (and overridden by) keyword ar
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -14,7 +15,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ckptstore.errors import InvalidOptionError, InvalidURLError
 
-__all__ = ["StoreURL", "option_bool", "option_int", "parse_url"]
+__all__ = ["StoreURL", "option_bool", "option_int", "parse_url", "split_epoch"]
 
 _SCHEME_RE = re.compile(r"^[a-z][a-z0-9+.-]*$")
 
@@ -92,3 +93,14 @@ def option_bool(options: Mapping[str, object], name: str, default: bool) -> bool
     if text in ("0", "false", "no", "off"):
         return False
     raise InvalidOptionError(f"option {name} must be a boolean, got {value!r}")
+
+
+def split_epoch(url: StoreURL) -> tuple[StoreURL, int | None]:
+    """``url`` without its ``epoch`` option (the epoch a writer joins, docs/protocol.md §8.3:
+    no backend's option), and that epoch (None if not given)."""
+    if "epoch" not in url.query:
+        return url, None
+    query = dict(url.query)
+    epoch = option_int(query, "epoch", 0)
+    del query["epoch"]
+    return dataclasses.replace(url, query=query), epoch

@@ -70,7 +70,7 @@ def test_a_failed_publish_publishes_nothing(
     _trainer_directory(source)
     listed = directory_files(source)
     (source / "optimizer.pt").unlink()  # removed between the listing and its read
-    monkeypatch.setattr(ckptstore.directory, "directory_files", lambda directory: listed)
+    monkeypatch.setattr(ckptstore.directory, "directory_files", lambda directory, **_: listed)
     with pytest.raises(StorageError, match=r"optimizer\.pt") as caught:
         publish_directory(store, 1, source, parallel=2)
     assert caught.value.errno == errno.ENOENT
@@ -96,14 +96,21 @@ def test_entries_that_are_not_files(tmp_path: Path) -> None:
     source.mkdir()
     (source / "real.bin").write_bytes(b"x")
     os.symlink("real.bin", source / "link.bin")
-    assert [(f.name, f.size) for f in directory_files(source)] == [("link.bin", 1), ("real.bin", 1)]
-    os.symlink("missing", source / "dangling")
-    with pytest.raises(InvalidInputError, match="dangling"):
+    # A link is refused unless the caller opts in (it was published as its target unasked).
+    with pytest.raises(InvalidInputError, match=r"link\.bin: a symbolic link \(-> real\.bin\)"):
         directory_files(source)
+    listed = directory_files(source, follow_symlinks=True)
+    assert [(f.name, f.size) for f in listed] == [("link.bin", 1), ("real.bin", 1)]
+    (source / "link.bin").unlink()
+    os.symlink("missing", source / "dangling")
+    for follow in (False, True):
+        with pytest.raises(InvalidInputError, match="dangling"):
+            directory_files(source, follow_symlinks=follow)
     (source / "dangling").unlink()
     os.symlink(str(tmp_path), source / "loop")
-    with pytest.raises(InvalidInputError, match="other than a file"):
-        directory_files(source)
+    for follow in (False, True):
+        with pytest.raises(InvalidInputError, match="other than a file"):
+            directory_files(source, follow_symlinks=follow)
     (source / "loop").unlink()
     with socket.socket(socket.AF_UNIX) as server:
         server.bind(str(source / "sock"))

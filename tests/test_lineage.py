@@ -17,6 +17,7 @@ from ckptstore.errors import (
     CapabilityError,
     CheckpointExistsError,
     EpochNotFoundError,
+    EpochRequiredError,
     LineageCorruptError,
     ManifestCorruptError,
     StepOutsideEpochError,
@@ -172,9 +173,13 @@ def test_processes_of_one_run_share_its_epoch(backend: BackendUnderTest) -> None
     rank0 = backend.open()
     epoch = rank0.take_over(resumed_from=None).number
     rank1 = backend.open(epoch=epoch)  # handed the number by its launcher
-    late_joiner = backend.open()  # joins the newest epoch at its first save
+    late_joiner = backend.open()  # told no epoch: it cannot be told from a zombie (§8.3)
     _save(rank0, 1)
     _save(rank1, 2)
+    with pytest.raises(EpochRequiredError, match=f"join the run's epoch .*epoch={epoch}"):
+        _save(late_joiner, 3)
+    assert late_joiner.epoch is None  # refused, not joined to anything
+    late_joiner.join_epoch(epoch)
     _save(late_joiner, 3)
     assert {rank1.epoch, late_joiner.epoch} == {epoch}
     assert backend.open().steps() == [1, 2, 3]

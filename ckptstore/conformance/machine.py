@@ -123,9 +123,17 @@ def make_state_machine(
                 f"rank{i:02d}/part.bin": pattern(size, step * 10 + i)
                 for i, size in enumerate(shard_sizes)
             }
-            # self.store, and a store opened afresh, write in the newest epoch
+            # self.store, and a store opened afresh (told the run's epoch), write in the newest
             epoch = self.model.newest_epoch
             return Saved(step, shards, {"step": step, "tokens": step * 1000}, epoch)
+
+        def _writer(self, plan: FaultPlan | None = None) -> Store:
+            """A store opened afresh by the run: told the run's epoch once the store was taken
+            over, as every writer then must be (a writer that names none is refused, §8.3)."""
+            store, _ = self.location.open(plan)
+            if self.model.newest_epoch > 0:
+                store.join_epoch(self.model.newest_epoch)
+            return store
 
         def _zombie_save(self, zombie: Store) -> Saved:
             """The old writer's next save: its own step counter, other bytes than the new
@@ -149,8 +157,8 @@ def make_state_machine(
             if crash is None:
                 save(self.store, self.model, saved)
                 return
-            store, _ = self.location.open(FaultPlan(crash_at=crash[0], crash_mode=crash[1]))
             try:
+                store = self._writer(FaultPlan(crash_at=crash[0], crash_mode=crash[1]))
                 save(store, self.model, saved)
             except SimulatedCrash as died:
                 self.completion_crashes.update(_around_completion(died))
@@ -162,8 +170,8 @@ def make_state_machine(
         def save_crashing_at_a_multipart_completion(self, mode: CrashMode) -> None:
             saved = self._new_save([100, multipart_size])
             plan = FaultPlan(crash_mode=mode, crash_on=MULTIPART_COMPLETION)
-            store, _ = self.location.open(plan)
             try:
+                store = self._writer(plan)
                 save(store, self.model, saved)
             except SimulatedCrash as died:
                 self.completion_crashes.update(_around_completion(died))
@@ -173,8 +181,8 @@ def make_state_machine(
         @abort_on_storage_failure
         def save_with_transient_fault(self, index: int, mode: CrashMode) -> None:
             saved = self._new_save([100, 4096])
-            store, _ = self.location.open(FaultPlan(transient={index: mode}))
             try:
+                store = self._writer(FaultPlan(transient={index: mode}))
                 save(store, self.model, saved)
             except CkptStoreError:
                 pass  # the save may fail; whatever it left must still satisfy the model
@@ -435,7 +443,7 @@ def make_state_machine(
         @rule()
         @abort_on_storage_failure
         def restart(self) -> None:
-            self.store, _ = self.location.open()
+            self.store = self._writer()
 
         @rule(first_wins=st.booleans())
         @abort_on_storage_failure

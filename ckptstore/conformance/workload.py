@@ -682,6 +682,8 @@ def _recover_takeover(location: Location, model: Model, old: Store, crashed: int
     if not epochs:
         store.take_over(1)
         model.epoch_taken(1)
+    else:
+        store.join_epoch(1)  # the run's epoch, told: a writer that names none is refused
     clash = Saved(2, {"after-takeover": pattern(100, 22)}, {"step": 2}, epoch=1)
     save(store, model, clash)
     check_invariants(store, model)
