@@ -329,6 +329,7 @@ def _open_node(pair: TieredPair, fast: Location) -> TieredStore:
     """A trainer's pair on a node whose fast tier is ``fast`` (no retention, no thread)."""
     fast_store, _ = fast.open()
     durable_store, _ = pair.durable.open()
+    durable_store.join_epoch(durable_store.lineage().newest)  # as open_tiered: the epoch of now
     replicator = pair.replicator(fast_store, durable_store, pair.policy())
     return TieredStore(fast_store, durable_store, replicator, background=False)
 
