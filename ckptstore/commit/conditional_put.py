@@ -54,6 +54,7 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     EpochExistsError,
     IntegrityError,
+    InvalidInputError,
     InvalidOptionError,
     ManifestCorruptError,
     ObjectNotFoundError,
@@ -65,7 +66,7 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
-from ckptstore.hint import MAX_HINT_BYTES, parse_hint
+from ckptstore.hint import MAX_HINT_BYTES, parse_hint, report_lagging_listing
 from ckptstore.lineage import Epoch
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord
 from ckptstore.names import (
@@ -205,6 +206,13 @@ def _intact_epoch(epoch: int) -> Callable[[bytes], bool]:
         return True
 
     return intact
+
+
+def _manifest_entry(key: str) -> list[tuple[int, int]]:
+    """The (step, epoch) a manifest key names, if it names one."""
+    name = key[len(MANIFESTS) :]
+    entry = parse_checkpoint_token(name[: -len(".json")]) if name.endswith(".json") else None
+    return [] if entry is None else [entry]
 
 
 def _storage_identity(driver: ObjectStoreDriver) -> tuple[str, str, str]:
@@ -1047,9 +1055,14 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         """
         report = GcReport(dry_run=dry_run, grace_s=grace_s)
         storage_now = self._storage_now(now, report)
+        hint = self._hint_before_listing()
         groups: dict[str, list[ObjectInfo]] = {}
+        manifests: set[tuple[int, int]] = set()
         for info in self.driver.list(""):
-            if info.key.startswith(MANIFESTS) or info.key == LATEST_KEY:
+            if info.key.startswith(MANIFESTS):
+                manifests.update(_manifest_entry(info.key))
+                continue
+            if info.key == LATEST_KEY:
                 continue
             if info.key.startswith(PROBE_PREFIX):  # left by a writer that died while probing
                 self._collect_probe(report, info, storage_now)
@@ -1059,6 +1072,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         uploads: dict[str, list[UploadInfo]] = {}
         for upload in self._uploads("", report):
             uploads.setdefault(upload.key.split("/", 1)[0] + "/", []).append(upload)
+        self._check_listing(hint, manifests, report)
         owners: dict[int, set[str | None]] = {}
         epochs: list[int] | None = None
         for prefix in sorted(set(groups) | set(uploads)):
@@ -1083,6 +1097,33 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                 for info in objects:
                     self.driver.delete(info.key)
         return report
+
+    def _hint_before_listing(self) -> int | None:
+        """The LATEST hint, read before a listing it is to cross-check (None if unreadable)."""
+        try:
+            return self.read_latest_hint()
+        except (StorageError, InvalidInputError):
+            return None
+
+    def _check_listing(
+        self, hint: int | None, listed: set[tuple[int, int]], report: GcReport
+    ) -> bool:
+        """Cross-check a listing of manifests (``listed``, (step, epoch)) against the LATEST
+        hint read before it: False, with a warning in ``report``, if the hinted step's
+        manifest is there when read directly but the listing did not show it (it lags or was
+        cut short: nothing may be deleted on its word)."""
+        if hint is None or any(step == hint for step, _ in listed):
+            return True
+        if not any(self.is_published(hint, epoch) for epoch in self.epoch_numbers()):
+            return True  # deleted since the hint was read: the listing may be right
+        report_lagging_listing(self.url, hint, "the LATEST hint")
+        report.warnings.append(
+            f"the listing of manifests did not show step {hint}, which the LATEST hint names "
+            f"and whose manifest a direct read found: this storage's listings lag or end "
+            f"early. Nothing was deleted on such a listing's word: every removal was first "
+            f"confirmed by reading manifests directly"
+        )
+        return False
 
     # -- lineages (docs/protocol.md §8.1) ------------------------------------------------
 
