@@ -167,16 +167,21 @@ class History:
         self, listed: set[tuple[int, int]], min_step: int, lineage: Lineage
     ) -> set[int]:
         """The history's steps that listings from where ``listed`` ended show, listed again
-        until nothing new comes (a page cut short and presented as complete hides the rest)."""
+        until nothing new comes (a page cut short and presented as complete hides the rest):
+        from the last step listed (its other entries may follow the cut), then past it."""
         found: set[int] = set()
         start = max((step for step, _ in listed), default=min_step)
+        past = False
         for _ in range(_RELISTS):
-            more = set(self.strategy.published_checkpoints(start)) - listed
+            more = set(self.strategy.published_checkpoints(start + 1 if past else start)) - listed
             if not more:
-                break
+                if past:
+                    break
+                past = True
+                continue
             listed |= more
             found.update(step for step, epoch in more if lineage.in_history(step, epoch))
-            start = max(step for step, _ in more)
+            start, past = max(step for step, _ in more), False
         return found
 
     def _read_hint(self) -> int | None:

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from s3_proxy import (
@@ -136,7 +136,10 @@ def test_racing_writers_through_a_non_atomic_create_are_not_both_told_they_won(
         data = [_blob(1000, 1), _blob(1000, 2)]
         with caplog.at_level(logging.WARNING, logger="ckptstore"):
             results = _in_threads(
-                *(lambda w=w, d=d: w.save(5, {"model.bin": d}) for w, d in zip(writers, data))
+                *(
+                    lambda w=w, d=d: w.save(5, {"model.bin": d})
+                    for w, d in zip(writers, data, strict=True)
+                )
             )
         won = [i for i, result in enumerate(results) if not isinstance(result, Exception)]
         lost = [i for i, result in enumerate(results) if isinstance(result, CheckpointExistsError)]
@@ -197,7 +200,7 @@ class HidingPosixDriver(PosixDriver):
     """A file system whose directory listings of the root lag: ``hidden`` names are left
     out, though they can be opened and stat'ed (an NFS client's stale directory cache)."""
 
-    hidden: set[str] = set()
+    hidden: ClassVar[set[str]] = set()
 
     def listdir(self, path: str) -> list[str]:
         names = super().listdir(path)
@@ -293,13 +296,13 @@ def test_a_bit_flipped_in_the_probes_read_back_is_read_again(moto_s3: EmbeddedS3
 class IgnoresIfNoneMatchOnce(MemoryDriver):
     """A server that lets one second create of a probe key through (a glitch), then never."""
 
-    glitches = [1]
+    glitches: ClassVar[list[int]] = [1]
 
     def put(self, key: str, data: Any, **kwargs: Any) -> Any:
-        if kwargs.get("mode") == PutMode.CREATE and key.startswith(PROBE_PREFIX):
-            if self.glitches[0] and any(True for _ in self.list(key)):
-                self.glitches[0] -= 1
-                kwargs["mode"] = PutMode.OVERWRITE
+        create = kwargs.get("mode") == PutMode.CREATE and key.startswith(PROBE_PREFIX)
+        if create and self.glitches[0] and any(True for _ in self.list(key)):
+            self.glitches[0] -= 1
+            kwargs["mode"] = PutMode.OVERWRITE
         return super().put(key, data, **kwargs)
 
 
