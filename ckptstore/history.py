@@ -149,6 +149,8 @@ class History:
         """
         if hint is _READ_HINT:
             hint = self._read_hint()
+        if not self._listed:
+            self.lineage()  # once per History: the epochs known before its first listing
         expected = {"the LATEST hint": hint, "the newest epoch's parent": self._known_parent()}
         listed = set(self.strategy.published_checkpoints(min_step))
         lineage = self.lineage()

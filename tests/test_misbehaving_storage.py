@@ -347,3 +347,60 @@ def test_a_part_whose_every_try_is_reset_is_uploaded_again(moto_s3: EmbeddedS3) 
         store.save(1, {"model.bin": data})
         assert len(resets) == 2
         assert store.latest().read("model.bin") == data
+
+
+class FlipsOneManifestRead(MemoryDriver):
+    """A network that flips a bit in the first GET of each manifest (the writer's read-back)."""
+
+    flipped: ClassVar[list[str]] = []
+
+    def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, Any]:
+        data, info = super().get(key, version_id=version_id)
+        if key.startswith("manifests/") and key not in self.flipped:
+            self.flipped.append(key)
+            return flip_a_bit(data), info
+        return data, info
+
+
+def test_a_bit_flipped_in_a_publishs_read_back_is_read_again(bucket_name: str) -> None:
+    get_bucket(bucket_name)
+    FlipsOneManifestRead.flipped = []
+    strategy = ConditionalPutCommit(FlipsOneManifestRead(get_bucket(bucket_name), "run"))
+    strategy.open_root(create=True)
+    store = Store(strategy)
+    assert store.save(1, {"model.bin": b"weights"}).step == 1  # not taken for another's
+    assert FlipsOneManifestRead.flipped == ["manifests/step-00000000000000000001.json"]
+    assert store.latest().read("model.bin") == b"weights"
+
+
+class HidesManifests(MemoryDriver):
+    """A listing that leaves out the manifests of ``hidden`` steps (reads still find them)."""
+
+    hidden: ClassVar[set[int]] = set()
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[Any]:
+        hidden = [f"step-{step:020d}" for step in self.hidden]
+        listed = super().list(prefix, start_after=start_after)
+        return iter([info for info in listed if not any(h in info.key for h in hidden)])
+
+
+def test_a_listing_is_cross_checked_with_the_newest_epochs_parent(bucket_name: str) -> None:
+    """No LATEST hint to go by: the step the newest takeover resumed from was published, so a
+    listing that does not show it is incomplete."""
+    get_bucket(bucket_name)
+    HidesManifests.hidden = set()
+
+    def open_store() -> Store:
+        strategy = ConditionalPutCommit(HidesManifests(get_bucket(bucket_name), "run"))
+        strategy.open_root(create=True)
+        return Store(strategy)
+
+    writer = open_store()
+    for step in (1, 2, 3):
+        writer.save(step, {"model.bin": _blob(100, step)})
+    writer.take_over(3)
+    writer.strategy.reset_latest_hint(None)
+    HidesManifests.hidden = {3}
+    reader = open_store()
+    assert reader.steps() == [1, 2, 3]
+    assert reader.latest().step == 3
