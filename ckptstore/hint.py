@@ -14,7 +14,7 @@ import threading
 
 from ckptstore.names import MAX_STEP
 
-__all__ = ["MAX_HINT_BYTES", "encode_hint", "ignore_hint", "parse_hint"]
+__all__ = ["MAX_HINT_BYTES", "encode_hint", "ignore_hint", "parse_hint", "report_lagging_listing"]
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +22,7 @@ MAX_HINT_BYTES = 64
 # ASCII digits only: int() also accepts '1_000', ' ١٢ ' (Arabic-Indic) and '+5'.
 _HINT_RE = re.compile(rb"[0-9]{1,20}\n?", re.ASCII)
 _warned: set[tuple[str, str]] = set()
+_lagging: set[str] = set()
 _warned_lock = threading.Lock()
 
 
@@ -49,5 +50,24 @@ def ignore_hint(where: str, why: str) -> None:
     log.warning(
         "%s: ignoring the LATEST hint: %s; readers list every step until a publish rewrites it",
         where,
+        why,
+    )
+
+
+def report_lagging_listing(url: str, step: int, why: str) -> None:
+    """Warn, once per store, that a listing did not show ``step``, which ``why`` (the LATEST
+    hint, an epoch's parent) named before the listing began and a direct read found."""
+    with _warned_lock:
+        if url in _lagging:
+            return
+        _lagging.add(url)
+    log.warning(
+        "%s: lagging listing: a listing of checkpoints did not show step %d, which %s named "
+        "before the listing began and which a direct read found published. This storage's "
+        "listings lag behind writes or end early; ckptstore reads such steps directly, lists "
+        "again past where the listing ended, and deletes nothing on such a listing's word "
+        "(reported once)",
+        url,
+        step,
         why,
     )

@@ -22,15 +22,22 @@ from ckptstore.errors import (
     EpochExistsError,
     EpochNotFoundError,
     EpochRequiredError,
+    InvalidInputError,
     StepOutsideEpochError,
+    StorageError,
     SupersededError,
 )
+from ckptstore.hint import ignore_hint, report_lagging_listing
 from ckptstore.lineage import Epoch, Lineage
 from ckptstore.manifest import Manifest, WriterInfo
 from ckptstore.names import check_epoch, check_step
 
 __all__ = ["History", "SupersededCheckpoint"]
 
+_READ_HINT = object()
+"""``History.steps``'s default: read the LATEST hint to cross-check the listing with."""
+_RELISTS = 64
+"""Listings a cross-check makes past where a listing ended, at most."""
 _TAKE_TRIES = 64
 """Epoch numbers a takeover tries past the newest it read (others taking over at once)."""
 
@@ -150,12 +157,67 @@ class History:
 
     # -- the history, by step ------------------------------------------------------------
 
-    def steps(self, min_step: int = 0) -> list[int]:
+    def steps(self, min_step: int = 0, *, hint: int | object | None = _READ_HINT) -> list[int]:
         """The steps named by a commit point of the history, ascending (from a listing, then
-        the epochs read after it)."""
-        listed = self.strategy.published_checkpoints(min_step)
+        the epochs read after it).
+
+        The listing is cross-checked (docs/protocol.md §4.2): the LATEST hint (``hint`` if
+        the caller just read it, else read here) and the parent of the newest epoch known,
+        both read before the listing, name steps published before it began. One the listing
+        does not show, found by a direct read, makes it a lagging or cut-short listing: the
+        step is counted, the listing is continued past where it ended, and a warning says so
+        once per store.
+        """
+        if hint is _READ_HINT:
+            hint = self._read_hint()
+        if not self._listed:
+            self.lineage()  # once per History: the epochs known before its first listing
+        expected = {"the LATEST hint": hint, "the newest epoch's parent": self._known_parent()}
+        listed = set(self.strategy.published_checkpoints(min_step))
         lineage = self.lineage()
-        return sorted({step for step, epoch in listed if lineage.in_history(step, epoch)})
+        steps = {step for step, epoch in listed if lineage.in_history(step, epoch)}
+        for why, step in expected.items():
+            if not isinstance(step, int) or step < min_step or step in steps:
+                continue
+            if not _is_published(self.strategy, step, lineage.owner(step)):
+                continue  # deleted or superseded since: the listing may be right
+            report_lagging_listing(self.strategy.url, step, why)
+            steps.add(step)
+            steps.update(self._listed_past(listed, min_step, lineage))
+        return sorted(steps)
+
+    def _listed_past(
+        self, listed: set[tuple[int, int]], min_step: int, lineage: Lineage
+    ) -> set[int]:
+        """The history's steps that listings from where ``listed`` ended show, listed again
+        until nothing new comes (a page cut short and presented as complete hides the rest):
+        from the last step listed (its other entries may follow the cut), then past it."""
+        found: set[int] = set()
+        start = max((step for step, _ in listed), default=min_step)
+        past = False
+        for _ in range(_RELISTS):
+            more = set(self.strategy.published_checkpoints(start + 1 if past else start)) - listed
+            if not more:
+                if past:
+                    break
+                past = True
+                continue
+            listed |= more
+            found.update(step for step, epoch in more if lineage.in_history(step, epoch))
+            start, past = max(step for step, _ in more), False
+        return found
+
+    def _read_hint(self) -> int | None:
+        try:
+            return self.strategy.read_latest_hint()
+        except (StorageError, InvalidInputError) as exc:  # the hint only saves a listing
+            ignore_hint(f"{self.strategy.url}/LATEST", str(exc))
+            return None
+
+    def _known_parent(self) -> int | None:
+        """The parent of the newest epoch this History has read (no storage read)."""
+        with self._lock:
+            return self._epochs[-1].parent if self._epochs else None
 
     def superseded(self) -> list[SupersededCheckpoint]:
         """Commit points that left the history (never returned again), ascending."""

@@ -467,10 +467,10 @@ class Store:
         while it is being read is passed over, and when the LATEST hint's candidates run out the
         reader lists every step: None means that no checkpoint exists.
         """
-        hint = None if verified else self._latest_hint()
+        hint = self._latest_hint()  # before any listing: it cross-checks them (§4.2)
         for round_ in range(_LATEST_ROUNDS):
-            from_hint = hint is not None and round_ == 0
-            candidates = self._history.steps(min_step=(hint or 0) if from_hint else 0)
+            from_hint = hint is not None and round_ == 0 and not verified
+            candidates = self._history.steps((hint or 0) if from_hint else 0, hint=hint)
             checkpoint, raced = self._newest_of(candidates, verified=verified)
             if checkpoint is not None:
                 return checkpoint

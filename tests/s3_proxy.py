@@ -29,13 +29,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ckptstore.tools.embedded import EmbeddedS3
 
 __all__ = [
-    "Action", "Delay", "Forward", "Request", "Reset", "Respond", "Rewrite", "Rule", "S3Proxy",
-    "Truncate", "blank_etag", "drop_listed_keys", "not_implemented", "once", "slow_down",
+    "Action", "CheckThenWrite", "Delay", "Forward", "LaggingListings", "Request", "Reset",
+    "Respond", "Rewrite", "Rule", "S3Proxy", "Truncate", "blank_etag", "cut_listing",
+    "drop_listed_keys", "flip_a_bit", "not_implemented", "once", "slow_down",
 ]  # fmt: skip
 
 
@@ -119,6 +120,17 @@ class Rewrite:
 
 
 @dataclass(frozen=True)
+class CheckThenWrite:
+    """A conditional create (``If-None-Match: *``) done the way a multi-node gateway without
+    atomic conditional writes does it: a HEAD of the key upstream (412 if it is there), then
+    ``between()``, then the put without its condition, then ``after()`` before the answer.
+    Racing creators that all pass the check all write, the last one's bytes staying."""
+
+    between: Callable[[], None] = lambda: None
+    after: Callable[[], None] = lambda: None
+
+
+@dataclass(frozen=True)
 class Delay:
     """Wait ``seconds``, then do ``then``."""
 
@@ -126,7 +138,7 @@ class Delay:
     then: Action = Forward()
 
 
-Action = Forward | Respond | Reset | Truncate | Rewrite | Delay
+Action = Forward | Respond | Reset | Truncate | Rewrite | CheckThenWrite | Delay
 Rule = Callable[[Request], Action]
 
 
@@ -166,6 +178,70 @@ def drop_listed_keys(drop: Callable[[str], bool]) -> Callable[[bytes], bytes]:
         body = re.sub(rb"<Contents>.*?</Contents>", entry, body, flags=re.S)
         return re.sub(rb"<IsTruncated>true</IsTruncated>", b"<IsTruncated>false</IsTruncated>",
                       body)  # fmt: skip
+
+    return edit
+
+
+def cut_listing(keep: int) -> Callable[[bytes], bytes]:
+    """An edit keeping the first ``keep`` ``<Contents>`` of a ListObjectsV2 page and presenting
+    the page as complete (an incomplete page presented as complete)."""
+
+    def edit(body: bytes) -> bytes:
+        kept = [0]
+
+        def entry(match: re.Match[bytes]) -> bytes:
+            kept[0] += 1
+            return match.group(0) if kept[0] <= keep else b""
+
+        body = re.sub(rb"<Contents>.*?</Contents>", entry, body, flags=re.S)
+        body = re.sub(rb"<NextContinuationToken>[^<]*</NextContinuationToken>", b"", body)
+        return re.sub(rb"<IsTruncated>true</IsTruncated>", b"<IsTruncated>false</IsTruncated>",
+                      body)  # fmt: skip
+
+    return edit
+
+
+def flip_a_bit(body: bytes) -> bytes:
+    """An edit flipping the lowest bit of the body's first byte (damage in transit)."""
+    return bytes([body[0] ^ 1]) + body[1:] if body else body
+
+
+class LaggingListings:
+    """A listing that lags behind writes: while ``lagging``, the objects written through the
+    proxy (PutObject, CompleteMultipartUpload) are left out of every ListObjectsV2 answer,
+    though a GET or HEAD of them succeeds; ``catch_up()`` shows them again. Use ``rule`` as
+    the proxy's rule, or call it from one."""
+
+    def __init__(self) -> None:
+        self.lagging = False
+        self.hidden: set[str] = set()
+        self._lock = threading.Lock()
+
+    def catch_up(self) -> None:
+        with self._lock:
+            self.lagging = False
+            self.hidden.clear()
+
+    def rule(self, request: Request) -> Action:
+        if request.operation in ("PutObject", "CompleteMultipartUpload"):
+            with self._lock:
+                if self.lagging:  # the path is /bucket/key
+                    self.hidden.add(unquote(request.path.lstrip("/").partition("/")[2]))
+            return Forward()
+        if request.operation == "ListObjectsV2":
+            with self._lock:
+                hidden = set(self.hidden)
+            return Rewrite(_without_keys(hidden))
+        return Forward()
+
+
+def _without_keys(hidden: set[str]) -> Callable[[bytes], bytes]:
+    def edit(body: bytes) -> bytes:
+        def entry(match: re.Match[bytes]) -> bytes:
+            key = re.search(rb"<Key>([^<]*)</Key>", match.group(0))
+            return b"" if key and key.group(1).decode() in hidden else match.group(0)
+
+        return re.sub(rb"<Contents>.*?</Contents>", entry, body, flags=re.S)
 
     return edit
 
@@ -285,7 +361,9 @@ class _Handler(BaseHTTPRequestHandler):
         while isinstance(action, Delay):
             time.sleep(action.seconds)
             action = action.then
-        if isinstance(action, Respond):
+        if isinstance(action, CheckThenWrite):
+            self._check_then_write(action, body)
+        elif isinstance(action, Respond):
             self._answer(action.status, dict(action.headers), action.body)
         elif isinstance(action, Reset) and not action.after_upstream:
             self._reset()
@@ -319,17 +397,33 @@ class _Handler(BaseHTTPRequestHandler):
             return b"".join(chunks)
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-    def _forward(self, body: bytes) -> tuple[int, dict[str, str], bytes]:
-        # The client's Host header is kept: it is part of the SigV4 signature the server checks.
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+    def _check_then_write(self, action: CheckThenWrite, body: bytes) -> None:
+        status, _, _ = self._forward(b"", method="HEAD", drop={"if-none-match"})
+        if status == 200:
+            error = _s3_error(412, "PreconditionFailed", "At least one of the pre-conditions "
+                              "you specified did not hold")  # fmt: skip
+            self._answer(error.status, dict(error.headers), error.body)
+            return
+        action.between()
+        status, headers, answer = self._forward(body, drop={"if-none-match"})
+        action.after()
+        self._answer(status, headers, answer)
+
+    def _forward(
+        self, body: bytes, method: str | None = None, drop: frozenset[str] | set[str] = frozenset()
+    ) -> tuple[int, dict[str, str], bytes]:
+        # The client's Host header is kept: it is part of the SigV4 signature the server checks
+        # (moto does not check it: a header dropped, or another method, goes through).
+        headers = {k: v for k, v in self.headers.items()
+                   if k.lower() not in _HOP_BY_HOP and k.lower() not in drop}  # fmt: skip
         headers["Content-Length"] = str(len(body))
         upstream = http.client.HTTPConnection(*self.owner._upstream, timeout=60)
         try:
-            upstream.request(self.command, self.path, body, headers)
+            upstream.request(method or self.command, self.path, body, headers)
             response = upstream.getresponse()
             answer = response.read()
             kept = {k: v for k, v in response.getheaders() if k.lower() not in _HOP_BY_HOP}
-            if self.command == "HEAD":  # no body, but the object's length
+            if (method or self.command) == "HEAD":  # no body, but the object's length
                 kept["Content-Length"] = response.getheader("Content-Length") or "0"
             return response.status, kept, answer
         finally:

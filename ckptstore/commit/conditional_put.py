@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timezone
 from typing import Any, BinaryIO, TypeVar
 
+from ckptstore.checksum import crc32c_hex
 from ckptstore.commit.base import (
     CommitStrategy,
     GcItem,
@@ -38,6 +39,7 @@ from ckptstore.commit.base import (
     clock_lead,
 )
 from ckptstore.driver import (
+    Buffer,
     Capability,
     ObjectInfo,
     ObjectStoreDriver,
@@ -52,6 +54,7 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     EpochExistsError,
     IntegrityError,
+    InvalidInputError,
     InvalidOptionError,
     ManifestCorruptError,
     ObjectNotFoundError,
@@ -63,7 +66,8 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
-from ckptstore.hint import MAX_HINT_BYTES, parse_hint
+from ckptstore.hint import MAX_HINT_BYTES, parse_hint, report_lagging_listing
+from ckptstore.lineage import Epoch
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord
 from ckptstore.names import (
     checkpoint_token,
@@ -94,6 +98,10 @@ PUBLISH_TRIES = 5
 CAS_TRIES = 16
 PROBE_TRIES = 4
 """Tries of each request of the conditional-create probe (its key is fresh: safe to retry)."""
+PART_TRIES = 4
+"""Tries of one multipart part, each a driver call with its own retries: a part is idempotent
+(the same part number and bytes, under the attempt's own key), so a transient failure that
+outlasted the driver's retries is tried again rather than failing the save."""
 GC_WAS_HERE = (
     "Only garbage collection deletes an unpublished attempt's data: GC took it as dead because "
     "it wrote nothing for longer than GC's grace period (default 1 h; `ckptstore gc --grace`, "
@@ -119,7 +127,9 @@ class _ConditionalCreateChecks:
     """Which storage (driver type, endpoint, bucket) this process has probed, and the outcome.
 
     A writer verifies conditional create before its first publish, once per process and
-    bucket; a refusal is remembered too, so that every later save fails as fast.
+    bucket. A refusal is remembered (every later save then fails as fast) only when two
+    probes, each on a fresh key, both saw the storage ignore the condition: a verdict from one
+    observation (a damaged answer, a race) is never cached for the process.
     """
 
     def __init__(self) -> None:
@@ -136,13 +146,73 @@ class _ConditionalCreateChecks:
             if identity not in self.outcomes:
                 try:
                     probe()
-                except CapabilityError as exc:
+                except _IgnoredCondition as first:
+                    try:
+                        probe()  # a second observation, on a fresh key
+                    except _IgnoredCondition as second:
+                        self.outcomes[identity] = second
+                    else:
+                        raise CapabilityError(
+                            f"{first} (a second probe saw the condition honoured: this save is "
+                            f"refused, and the next one probes again)"
+                        ) from first
+                except CapabilityError as exc:  # the server answered 501: it says so itself
                     self.outcomes[identity] = exc
                 else:
                     self.outcomes[identity] = None
             refusal = self.outcomes[identity]
         if refusal is not None:
             raise CapabilityError(str(refusal))
+
+
+class _IgnoredCondition(CapabilityError):
+    """One probe saw the storage let a second conditional create through."""
+
+
+def _probe_body(number: int) -> bytes:
+    """The body of the probe's ``number``-th create, with its own CRC32C: a read-back that
+    was damaged in transit is told from another body."""
+    text = f"ckptstore-probe {number}"
+    return f"{text} crc32c={crc32c_hex(text.encode())}".encode()
+
+
+def _probe_intact(data: bytes) -> bool:
+    """Whether ``data`` is a probe body whose checksum matches."""
+    text, _, crc = data.decode("ascii", "replace").rpartition(" crc32c=")
+    return bool(text) and crc == crc32c_hex(text.encode())
+
+
+def _intact_manifest(step: int, epoch: int) -> Callable[[bytes], bool]:
+    """Whether bytes read back are an intact manifest of (``step``, ``epoch``)."""
+
+    def intact(data: bytes) -> bool:
+        try:
+            Manifest.decode(data, where="read back", expected_step=step, expected_epoch=epoch)
+        except IntegrityError:
+            return False
+        return True
+
+    return intact
+
+
+def _intact_epoch(epoch: int) -> Callable[[bytes], bool]:
+    """Whether bytes read back are an intact record of ``epoch``."""
+
+    def intact(data: bytes) -> bool:
+        try:
+            Epoch.decode(data, where="read back", expected=epoch)
+        except IntegrityError:
+            return False
+        return True
+
+    return intact
+
+
+def _manifest_entry(key: str) -> list[tuple[int, int]]:
+    """The (step, epoch) a manifest key names, if it names one."""
+    name = key[len(MANIFESTS) :]
+    entry = parse_checkpoint_token(name[: -len(".json")]) if name.endswith(".json") else None
+    return [] if entry is None else [entry]
 
 
 def _storage_identity(driver: ObjectStoreDriver) -> tuple[str, str, str]:
@@ -239,15 +309,30 @@ class ObjectShardSink(ShardSink):
         upload_id = self._upload_id
         if self._executor is None:
             with self._gone_means_collected():
-                self._parts.append(self._driver.upload_part(self._key, upload_id, number, part))
+                self._parts.append(self._upload_part(upload_id, number, part))
             return
         while len(self._pending) >= self._in_flight:
             with self._gone_means_collected():
                 self._parts.append(self._pending.popleft().result())
         body = bytes(part)  # the caller may reuse its buffer once write() returns
-        self._pending.append(
-            self._executor.submit(self._driver.upload_part, self._key, upload_id, number, body)
-        )
+        self._pending.append(self._executor.submit(self._upload_part, upload_id, number, body))
+
+    def _upload_part(self, upload_id: str, number: int, part: Buffer) -> PartInfo:
+        """Upload one part, tried again after a transient failure (a reset, a timeout, a 503)
+        that outlasted the driver's own retries: sending the same part number with the same
+        bytes again replaces the part, whether or not the broken call took effect. Only where
+        parts are separate objects (``Capability.MULTIPART``): an fsspec stream appends, and
+        a retried write could repeat bytes."""
+        tries = PART_TRIES if Capability.MULTIPART in self._driver.capabilities else 1
+        for attempt in range(tries):
+            try:
+                return self._driver.upload_part(self._key, upload_id, number, part)
+            except TransientStorageError as exc:
+                if attempt == tries - 1:
+                    raise
+                log.info("%s part %d: %s; uploading the part again", self._key, number, exc)
+                _backoff(attempt)
+        raise AssertionError("unreachable")  # tries >= 1
 
     def _drain(self) -> None:
         while self._pending:
@@ -402,7 +487,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         try:
             self._probe_create(key, versions)
             if self._probe_second_create(key, versions):
-                raise CapabilityError(
+                raise _IgnoredCondition(
                     f"{self.url}: the storage ignored If-None-Match: * on PutObject (conditional "
                     f"create). ckptstore publishes a checkpoint by creating its manifest only if "
                     f"absent; without it two writers could overwrite each other's checkpoints. "
@@ -413,13 +498,14 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
 
     def _probe_create(self, key: str, versions: set[str]) -> None:
         """Create the probe object, whose key is fresh: a try whose answer was lost is found."""
+        body = _probe_body(1)
         for attempt in range(PROBE_TRIES):
             try:
-                info = self._probe_put(key, b"1")
+                info = self._probe_put(key, body)
             except PreconditionFailedError:
-                data, info = self.driver.get(key)  # fresh key: only an earlier try of ours
-                if data != b"1":
+                if self._read_probe(key, versions) != body:  # fresh key: only a try of ours
                     raise
+                return
             except TransientStorageError:
                 if attempt == PROBE_TRIES - 1:
                     raise
@@ -439,7 +525,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         """
         for attempt in range(PROBE_TRIES):
             try:
-                info = self._probe_put(key, b"2")
+                info = self._probe_put(key, _probe_body(2))
             except PreconditionInferredError as exc:
                 if attempt == PROBE_TRIES - 1:
                     raise TransientStorageError(
@@ -459,10 +545,36 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             if info.version_id:
                 versions.add(info.version_id)
             return True
-        data, info = self.driver.get(key)  # a lost answer may hide an overwrite
-        if info.version_id:
-            versions.add(info.version_id)
-        return data != b"1"
+        # A lost answer may hide an overwrite: what the key holds decides, once it is read
+        # intact (each body carries its own checksum).
+        return self._read_probe(key, versions) != _probe_body(1)
+
+    def _read_probe(self, key: str, versions: set[str]) -> bytes:
+        """The probe object's body, read until it passes its own checksum: a bit flipped in
+        transit is read again, never taken for another body (TransientStorageError, and no
+        verdict, if no read is intact)."""
+        for attempt in range(PROBE_TRIES):
+            try:
+                data, info = self.driver.get(key)
+            except TransientStorageError:
+                if attempt == PROBE_TRIES - 1:
+                    raise
+                _backoff(attempt)
+                continue
+            if info.version_id:
+                versions.add(info.version_id)
+            if _probe_intact(data):
+                return data
+            log.info("%s: the probe %s read back damaged (%r); reading it again",
+                     self.url, key, data[:64])  # fmt: skip
+            if attempt < PROBE_TRIES - 1:
+                _backoff(attempt)
+        raise TransientStorageError(
+            errno.EIO,
+            f"{self.url}: the conditional-create probe read back damaged {PROBE_TRIES} times "
+            f"(its checksum did not match): the storage or the network alters what it returns; "
+            f"nothing was decided, try again",
+        )
 
     def _probe_put(self, key: str, body: bytes) -> ObjectInfo:
         try:
@@ -523,7 +635,6 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         for _ in range(PUBLISH_TRIES):
             try:
                 self.driver.put(key, body, mode=PutMode.CREATE)
-                return
             except PreconditionFailedError:
                 if self._published_attempt(manifest.step, manifest.epoch) == manifest.attempt:
                     return  # an earlier try of ours took effect (I8)
@@ -535,6 +646,14 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                 if owner is not None:
                     raise self._exists(manifest.step) from None
                 log.warning("publishing %s: outcome unknown, not published; trying again", key)
+            else:
+                self._confirm_created(
+                    key,
+                    body,
+                    _intact_manifest(manifest.step, manifest.epoch),
+                    self._exists(manifest.step),
+                )
+                return
         raise TransientStorageError(
             f"{self.url}: could not publish step {manifest.step} after {PUBLISH_TRIES} tries; "
             f"nothing was published"
@@ -602,6 +721,56 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                 f"{self.url}: step {manifest.step} was deleted and published again (attempt "
                 f"{owner}) while it was being read"
             )
+
+    def _confirm_created(
+        self, key: str, body: bytes, intact: Callable[[bytes], bool], lost: Exception
+    ) -> None:
+        """Read back what a conditional create answered with success just made: it must hold
+        ``body``, or this writer did not win (``lost`` is raised, after a warning that names
+        the storage's non-atomic create). A gateway that checks, then writes (If-None-Match
+        not atomic across its nodes) lets two creators both succeed, the later one
+        overwriting. One GET per manifest or epoch record; it cannot catch a rival whose
+        overwrite lands after it (such storage is unsafe, docs/protocol.md §2).
+
+        Other bytes decide only once read ``intact`` (their own checksum): a bit flipped in
+        transit is read again. A key found gone was deleted since (a delete, a rollback), not
+        lost; where no read can be made at all, the create stands as the storage answered it.
+        """
+        damaged = 0
+        for attempt in range(PUBLISH_TRIES):
+            try:
+                stored, _ = self.driver.get(key)
+            except ObjectNotFoundError:
+                log.debug("%s: %s was deleted right after it was created", self.url, key)
+                return
+            except TransientStorageError as exc:
+                if attempt == PUBLISH_TRIES - 1 and not damaged:
+                    log.warning("%s: %s was created, and could not be read back to confirm "
+                                "it: %s", self.url, key, exc)  # fmt: skip
+                    return
+                _backoff(attempt)
+                continue
+            if stored == body:
+                return
+            if intact(stored):
+                held = "another writer's bytes"
+                break
+            damaged += 1
+            log.info("%s: %s read back damaged; reading it again", self.url, key)
+            _backoff(attempt)
+        else:
+            held = f"bytes that are not this writer's ({damaged} damaged reads)"
+        message = (
+            f"{self.url}: the storage answered this writer's conditional create of {key} "
+            f"(If-None-Match: *) with success, but the object holds {held}: the storage's "
+            f"conditional create is not atomic (a gateway that checks, then writes), and this "
+            f"writer did not win. {lost}"
+        )
+        log.warning("%s", message)
+        raise type(lost)(message) from None
+
+    def _epoch_exists(self, epoch: int) -> EpochExistsError:
+        return EpochExistsError(f"{self.url}: epoch {epoch} exists already")
 
     def _exists(self, step: int) -> CheckpointExistsError:
         return CheckpointExistsError(
@@ -886,9 +1055,14 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         """
         report = GcReport(dry_run=dry_run, grace_s=grace_s)
         storage_now = self._storage_now(now, report)
+        hint = self._hint_before_listing()
         groups: dict[str, list[ObjectInfo]] = {}
+        manifests: set[tuple[int, int]] = set()
         for info in self.driver.list(""):
-            if info.key.startswith(MANIFESTS) or info.key == LATEST_KEY:
+            if info.key.startswith(MANIFESTS):
+                manifests.update(_manifest_entry(info.key))
+                continue
+            if info.key == LATEST_KEY:
                 continue
             if info.key.startswith(PROBE_PREFIX):  # left by a writer that died while probing
                 self._collect_probe(report, info, storage_now)
@@ -898,6 +1072,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         uploads: dict[str, list[UploadInfo]] = {}
         for upload in self._uploads("", report):
             uploads.setdefault(upload.key.split("/", 1)[0] + "/", []).append(upload)
+        self._check_listing(hint, manifests, report)
         owners: dict[int, set[str | None]] = {}
         epochs: list[int] | None = None
         for prefix in sorted(set(groups) | set(uploads)):
@@ -923,6 +1098,33 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                     self.driver.delete(info.key)
         return report
 
+    def _hint_before_listing(self) -> int | None:
+        """The LATEST hint, read before a listing it is to cross-check (None if unreadable)."""
+        try:
+            return self.read_latest_hint()
+        except (StorageError, InvalidInputError):
+            return None
+
+    def _check_listing(
+        self, hint: int | None, listed: set[tuple[int, int]], report: GcReport
+    ) -> bool:
+        """Cross-check a listing of manifests (``listed``, (step, epoch)) against the LATEST
+        hint read before it: False, with a warning in ``report``, if the hinted step's
+        manifest is there when read directly but the listing did not show it (it lags or was
+        cut short: nothing may be deleted on its word)."""
+        if hint is None or any(step == hint for step, _ in listed):
+            return True
+        if not any(self.is_published(hint, epoch) for epoch in self.epoch_numbers()):
+            return True  # deleted since the hint was read: the listing may be right
+        report_lagging_listing(self.url, hint, "the LATEST hint")
+        report.warnings.append(
+            f"the listing of manifests did not show step {hint}, which the LATEST hint names "
+            f"and whose manifest a direct read found: this storage's listings lag or end "
+            f"early. Nothing was deleted on such a listing's word: every removal was first "
+            f"confirmed by reading manifests directly"
+        )
+        return False
+
     # -- lineages (docs/protocol.md §8.1) ------------------------------------------------
 
     @staticmethod
@@ -936,7 +1138,6 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         for _ in range(PUBLISH_TRIES):
             try:
                 self.driver.put(key, record, mode=PutMode.CREATE)
-                return
             except PreconditionFailedError:
                 if self.read_epoch(epoch) == record:
                     return  # an earlier try of ours took effect (I8)
@@ -948,6 +1149,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                 if stored is not None:
                     raise EpochExistsError(f"{self.url}: epoch {epoch} exists already") from None
                 log.warning("creating %s: outcome unknown, not created; trying again", key)
+            else:
+                self._confirm_created(key, record, _intact_epoch(epoch), self._epoch_exists(epoch))
+                return
         raise TransientStorageError(
             f"{self.url}: could not create epoch {epoch} after {PUBLISH_TRIES} tries"
         )

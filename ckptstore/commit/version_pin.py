@@ -209,15 +209,19 @@ class VersionPinCommit(ConditionalPutCommit):
         a current delete marker while a version it hides remains (an unpublished checkpoint
         would be published again): its versions go first, the marker in a later check. A
         listing that lags or ends early can leave garbage, never remove published data (for
-        versions written before their attempt was recorded with them, the listings decide).
+        versions written before their attempt was recorded with them, the listings decide,
+        unless they contradict the LATEST hint: then every shard version is kept).
         """
         report = GcReport(dry_run=dry_run, grace_s=grace_s)
         storage_now = self._storage_now(now, report)
+        hint = self._hint_before_listing()
         versions = list(self.driver.list_versions(""))
         entries = set(self.published_checkpoints()) | _current_manifests(versions)
         pinned = self._pinned(sorted(entries))
         if pinned is None:
             log.warning("%s: a manifest is unreadable; GC keeps every shard version", self.url)
+        elif not self._check_listing(hint, entries, report):
+            pinned = None  # versions written without their attempt would be judged by it
         manifests: dict[int, list[Manifest]] = {}
         markers: list[tuple[ObjectInfo, GcItem]] = []
         for version in versions:
