@@ -21,7 +21,7 @@ TOOLING = "tooling"
 LAYERS: dict[str, tuple[str, ...]] = {
     FOUNDATION: (
         "errors", "names", "urls", "checksum", "driver", "manifest", "hint", "retention",
-        "progress", "lineage",
+        "progress", "lineage", "jsonload",
     ),
     COMMIT: ("commit",),
     BACKENDS: ("backends",),
