@@ -33,6 +33,7 @@ from ckptstore.errors import (
     ReplicationError,
     ReplicationTimeoutError,
     ShardCorruptError,
+    StrayEntryError,
     SupersededError,
 )
 from ckptstore.manifest import Manifest, ReplicaSource, ShardRecord
@@ -281,7 +282,7 @@ class Replicator:
             with pending:
                 for record in manifest.shards:
                     self._copy_shard(manifest, record, pending)
-        except IntegrityError as exc:
+        except (IntegrityError, StrayEntryError) as exc:  # a stray in the durable tier: named
             self.skipped[manifest.step] = str(exc)
             raise ReplicationError(
                 f"{self.durable.url}: step {manifest.step} not replicated, nothing published: {exc}"

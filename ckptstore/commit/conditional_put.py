@@ -61,6 +61,7 @@ from ckptstore.errors import (
     ShardMissingError,
     StorageAccessDeniedError,
     StorageError,
+    StrayEntryError,
     TransientStorageError,
 )
 from ckptstore.hint import MAX_HINT_BYTES, parse_hint
@@ -525,15 +526,16 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                 self.driver.put(key, body, mode=PutMode.CREATE)
                 return
             except PreconditionFailedError:
-                if self._published_attempt(manifest.step, manifest.epoch) == manifest.attempt:
+                owner = self._published_attempt(manifest.step, manifest.epoch)
+                if owner == manifest.attempt:
                     return  # an earlier try of ours took effect (I8)
-                raise self._exists(manifest.step) from None
+                raise self._exists(manifest, owner) from None
             except TransientStorageError:
                 owner = self._published_attempt(manifest.step, manifest.epoch)
                 if owner == manifest.attempt:
                     return
                 if owner is not None:
-                    raise self._exists(manifest.step) from None
+                    raise self._exists(manifest, owner) from None
                 log.warning("publishing %s: outcome unknown, not published; trying again", key)
         raise TransientStorageError(
             f"{self.url}: could not publish step {manifest.step} after {PUBLISH_TRIES} tries; "
@@ -603,9 +605,28 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                 f"{owner}) while it was being read"
             )
 
-    def _exists(self, step: int) -> CheckpointExistsError:
+    def _exists(
+        self, manifest: Manifest, owner: str | None
+    ) -> CheckpointExistsError | StrayEntryError:
+        """The error for a manifest key found taken by ``owner`` (``_published_attempt``)."""
+        if owner == _UNREADABLE:
+            return self.name_taken(manifest.step, manifest.epoch)
         return CheckpointExistsError(
-            f"{self.url}: step {step} is already published; the existing checkpoint was left intact"
+            f"{self.url}: step {manifest.step} is already published; the existing checkpoint "
+            f"was left intact"
+        )
+
+    def name_taken(self, step: int, epoch: int = 0) -> CheckpointExistsError | StrayEntryError:
+        """An object at the manifest's key that is not a manifest, read twice (a GET may be
+        damaged in transit), is a stray no save could publish beside: named for removal."""
+        key = self.manifest_key(step, epoch)
+        if all(self._published_attempt(step, epoch) == _UNREADABLE for _ in range(2)):
+            return StrayEntryError.in_the_way(
+                f"{self.url}/{key}", step, "the object there is not a manifest"
+            )
+        return CheckpointExistsError(
+            f"{self.url}: step {step} is already published; the existing checkpoint was left "
+            f"intact"
         )
 
     def _published_attempt(self, step: int, epoch: int = 0) -> str | None:
