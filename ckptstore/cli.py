@@ -82,6 +82,16 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def parse_positive_duration(text: str) -> timedelta:
+    """Like ``parse_duration``, but longer than zero (a mean time between interruptions)."""
+    duration = parse_duration(text)
+    if duration <= timedelta(0):
+        raise argparse.ArgumentTypeError(
+            f"duration {_shown(text)} is zero: it must be longer than 0 s (30s, 15m, 6h, 2d...)"
+        )
+    return duration
+
+
 def parse_step(text: str) -> int:
     """Parse a step: ASCII decimal digits, in [0, 10**20)."""
     significant = text.lstrip("0") or "0"
@@ -626,7 +636,7 @@ def cmd_advise(args: argparse.Namespace, out: TextIO) -> int:
         if not advice.asynchronous
         else f"{advice.asynchronous} asynchronous (blocked time), the rest synchronous"
     )
-    source = "--mtbi" if advice.mtbi_source == "option" else "the store's restarts"
+    source = "--mtbi" if advice.mtbi_source == "option" else "the store's restarts, up to now"
     lines = [
         f"checkpoint interval for {store.url}",
         f"  save cost C   median {_duration(cost.median)} (min {_duration(cost.low)}, "
@@ -639,6 +649,7 @@ def cmd_advise(args: argparse.Namespace, out: TextIO) -> int:
         f"  recommended   {_interval(advice.recommended_s, steps)} (Daly; Young's "
         f"sqrt(2CM) = {_duration(advice.young_s)})",
     ]
+    lines += [f"  left out      {note}" for note in advice.notes]
     out.write("\n".join(map(printable, lines)) + "\n\n")
     rows = [["INTERVAL", "STEPS", "SAVING C/T", "LOST (T/2+R)/M", "TOTAL", ""]]
     for row in advice.table:
@@ -749,7 +760,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("advise", "the checkpoint interval that loses the least work, from the timings")
     p.add_argument(
         "--mtbi",
-        type=parse_duration,
+        type=parse_positive_duration,
         default=None,
         help="mean time between interruptions (6h, 2d...)",
     )
