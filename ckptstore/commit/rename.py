@@ -323,6 +323,13 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
         except StorageError as exc:
             if self._staging_exists(step, attempt):
                 raise
+            if not self._exists(""):  # GC never removes the root: someone else did
+                raise ObjectNotFoundError(
+                    errno.ENOENT,
+                    f"{self.url}: the store's root directory is gone (removed, renamed or "
+                    f"unmounted) while attempt {attempt} of step {step} was being saved; nothing "
+                    f"was published. Check the path, then save again ({exc})",
+                ) from exc
             raise ObjectNotFoundError(
                 errno.ENOENT,
                 f"{self.url}: attempt {attempt} of step {step} was removed by garbage "
