@@ -1,5 +1,5 @@
 """The ``ckptstore`` command: ls, show, verify, gc, delete, rollback, push, pull, bench,
-advise, lifecycle, conformance and demo.
+advise, lifecycle, repair-epoch, conformance and demo.
 
 Every command but ``demo`` takes store URLs (or bare paths), and ``--json`` prints its result
 as JSON on stdout (``conformance`` also writes report files: ``--json-file``, ``--junit``).
@@ -36,6 +36,7 @@ from ckptstore.cli_lineage import (
     superseded_document,
     superseded_rows,
 )
+from ckptstore.cli_repair import add_repair_command
 from ckptstore.errors import (
     BackendUnavailableError,
     CheckpointNotFoundError,
@@ -840,6 +841,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_conformance)
     add_directory_commands(sub, parse_step, counted(1, 1024))
+    add_repair_command(sub, parse_step, counted(1, 10**12))
     p = command("demo", "save, crash and resume on an embedded default store (no setup)")
     p.add_argument("--dir", help="directory for the file:// store (default: a temporary one)")
     p.set_defaults(func=cmd_demo)

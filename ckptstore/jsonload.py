@@ -79,9 +79,7 @@ def load_json(data: bytes | bytearray | memoryview | str, *, max_bytes: int, max
     if nesting_exceeds(text, max_depth):
         raise JSONDocumentError(f"nests arrays or objects deeper than {max_depth} levels")
     try:
-        return json.loads(
-            text, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys
-        )
+        return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
     except JSONDocumentError:
         raise
     except RecursionError as exc:  # a caller already deep in its stack: still no crash

@@ -9,12 +9,13 @@ import contextlib
 import io
 import json
 import os
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import BackendUnderTest
+from conftest import BackendUnderTest, S3Backend
 
 import ckptstore
 from ckptstore.cli import main
@@ -53,7 +54,7 @@ def test_the_parser_bounds_size_and_depth_before_parsing() -> None:
     with pytest.raises(JSONDocumentError, match="deeper than 1 levels"):
         load_json(b"[[1]]", max_bytes=10, max_depth=1)
     # Brackets inside strings (escaped quotes included) are not nesting.
-    text = json.dumps({"k": "[[[[{{{{\\\"[[[[", "l": ["]]]]"]})
+    text = json.dumps({"k": '[[[[{{{{\\"[[[[', "l": ["]]]]"]})
     assert not nesting_exceeds(text, 2)
     assert load_json(text, max_bytes=1000, max_depth=2)["l"] == ["]]]]"]
 
@@ -119,8 +120,12 @@ def _plant_deep_record(backend: BackendUnderTest, store: Store) -> str:
         with open(path, "wb") as handle:
             handle.write(DEEP)
         return path
-    backend._rewrite(f"epochs/{EPOCH_1}.json", lambda _: DEEP)  # type: ignore[attr-defined]
-    return f"epochs/{EPOCH_1}.json"
+    assert isinstance(backend, S3Backend)  # a new version on a versioned bucket: the current
+    key = f"epochs/{EPOCH_1}.json"
+    backend.client.put_object(
+        Bucket=backend.server.bucket, Key=f"{backend.prefix}/{key}", Body=DEEP
+    )
+    return key
 
 
 @pytest.mark.parametrize("backend", ["file", "s3"], indirect=True)
@@ -173,7 +178,9 @@ def test_a_deeply_nested_state_skeleton_is_a_named_error_for_load_state(
     store = backend.open()
     save_state(store, 1, {"model": {"w": torch.zeros(2)}})
     step = _republish_with_deep_skeleton(store, 1, "model")
-    with pytest.raises(ManifestCorruptError, match="shard 'model.json': state skeleton nests"):
+    with pytest.raises(
+        ManifestCorruptError, match=re.escape("shard 'model.json': state skeleton nests")
+    ):
         load_state(store.get(step), {"model": {}})
     module = torch.nn.Linear(2, 2)  # a Stateful component: read in place, same check first
     save_state(store, 10, {"model": module})
@@ -216,8 +223,48 @@ def test_a_deeply_nested_component_is_a_named_error_for_lightning(tmp_path: Path
     io_.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.zeros(2)}}, pointer)
     step = _republish_with_deep_skeleton(store, 1, "lightning")
     pointer.write_text(pointer.read_text().replace('"step": 1', f'"step": {step}'))
-    with pytest.raises(ManifestCorruptError, match="shard 'lightning.json': state skeleton"):
+    with pytest.raises(
+        ManifestCorruptError, match=re.escape("shard 'lightning.json': state skeleton")
+    ):
         io_.load_checkpoint(pointer)
     pointer.write_bytes(b"{" + DEEP)  # a pointer file nested deep: not a pointer, no crash
     with pytest.raises(NotACheckpointError, match="not a ckptstore pointer"):
         io_.load_checkpoint(pointer)
+
+
+# -- the way out: ckptstore repair-epoch ----------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["file", "s3", "s3+versioned"], indirect=True)
+def test_a_damaged_epoch_record_is_repaired_by_the_command_its_error_names(
+    backend: BackendUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _cli_credentials(backend, monkeypatch)
+    store = backend.open()
+    for step in (1, 2):
+        store.save(step, {"w": bytes([step])})
+    store.take_over(resumed_from=1)  # epoch 1 supersedes step 2 of epoch 0
+    store.save(3, {"w": b"3"})
+    _plant_deep_record(backend, store)
+    with pytest.raises(LineageCorruptError):
+        backend.open().latest()
+    status, out, err = _cli("repair-epoch", backend.url, "1", "--parent", "1", "--json")
+    assert status == 0, err
+    assert json.loads(out) == {"url": json.loads(out)["url"], "epoch": 1, "parent": 1}
+    repaired = backend.open()
+    latest = repaired.latest()
+    assert latest is not None and latest.step == 3
+    assert repaired.steps() == [1, 3]  # the history as it was: step 2 superseded
+    assert repaired.lineage().epochs[0].parent == 1
+    assert "repaired by ckptstore repair-epoch" in repaired.lineage().epochs[0].note
+    repaired.save(4, {"w": b"4"})
+    status, out, err = _cli("ls", backend.url)
+    assert status == 0, err
+    # An intact record is never changed; a record that does not exist is not damage.
+    status, out, err = _cli("repair-epoch", backend.url, "1", "--fresh-start")
+    assert status == 2 and "reads back intact" in err and "RefusedError" not in out
+    assert backend.open().lineage().epochs[0].parent == 1
+    status, out, err = _cli("repair-epoch", backend.url, "2", "--parent", "3")
+    assert status == 2 and "no record of epoch 2" in err
+    status, out, err = _cli("repair-epoch", backend.url, "1")
+    assert status == 2 and "--parent" in err

@@ -27,11 +27,11 @@ LAYERS: dict[str, tuple[str, ...]] = {
     BACKENDS: ("backends",),
     CORE: (
         "checkpoint", "pending", "store", "history", "registry", "interval", "replication",
-        "tiered", "",
+        "tiered", "epoch_repair", "",
     ),
     TORCH: ("torch",),
     TRAINERS: ("directory", "huggingface", "lightning"),
-    TOOLING: ("conformance", "cli", "cli_directory", "cli_lineage", "tools"),
+    TOOLING: ("conformance", "cli", "cli_directory", "cli_lineage", "cli_repair", "tools"),
 }  # fmt: skip
 """Each module of the package, by its first dotted component under ``ckptstore`` ("" is the
 package's ``__init__``)."""

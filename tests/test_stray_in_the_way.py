@@ -60,7 +60,9 @@ def _remove(backend: BackendUnderTest, store: Store, name: str) -> None:
                     Bucket=backend.server.bucket, Key=version["Key"], VersionId=version["VersionId"]
                 )
         else:
-            backend.client.delete_object(Bucket=backend.server.bucket, Key=f"{backend.prefix}/{name}")
+            backend.client.delete_object(
+                Bucket=backend.server.bucket, Key=f"{backend.prefix}/{name}"
+            )
     else:
         driver: Any = store.strategy.driver
         for info in list(driver.list_versions(name)):
@@ -120,10 +122,11 @@ def test_a_stray_that_appears_after_begin_is_named_at_publish(tmp_path: Any) -> 
     backend = FileBackend(tmp_path)
     store = backend.open()
     _save(store, 1)
+    pending = store.begin(40)
+    pending.write("w.bin", b"x" * 100)
+    _plant(backend, store, 40)
     with pytest.raises(StrayEntryError, match=re.escape("it has no manifest")):
-        with store.begin(40) as pending:
-            pending.write("w.bin", b"x" * 100)
-            _plant(backend, store, 40)
+        pending.publish()
     assert not [n for n in backend.raw_names() if ".pending-" in n]
     # A plain file under the name, and a directory whose manifest does not parse, alike.
     os.rmdir(os.path.join(backend.root, checkpoint_token(40)))

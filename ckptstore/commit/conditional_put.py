@@ -625,8 +625,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                 f"{self.url}/{key}", step, "the object there is not a manifest"
             )
         return CheckpointExistsError(
-            f"{self.url}: step {step} is already published; the existing checkpoint was left "
-            f"intact"
+            f"{self.url}: step {step} is already published; the existing checkpoint was left intact"
         )
 
     def _published_attempt(self, step: int, epoch: int = 0) -> str | None:

@@ -273,8 +273,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
         except (CheckpointNotFoundError, IntegrityError, StorageError):
             pass  # unpublished since, or unreadable now: it was a checkpoint, or may be one
         return CheckpointExistsError(
-            f"{self.url}: step {step} is already published; the existing checkpoint was left "
-            f"intact"
+            f"{self.url}: step {step} is already published; the existing checkpoint was left intact"
         )
 
     def _published_attempt(self, step: int, epoch: int) -> str | None:
