@@ -378,7 +378,7 @@ def read_tensors(
     try:  # a header nests a tensor's shape in its entry in the header: 3 levels
         header = load_json(header_bytes, max_bytes=_MAX_HEADER, max_depth=8)
     except JSONDocumentError as exc:
-        raise corrupt(f"header {exc}") from exc
+        raise corrupt(f"header is not JSON: it {exc}") from exc
     if not isinstance(header, dict):
         raise corrupt("header is not a JSON object")
     layout: list[tuple[int, str, torch.dtype, list[int], int]] = []
