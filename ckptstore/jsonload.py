@@ -12,6 +12,7 @@ over one reading would not vouch for the other).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import Any
@@ -25,25 +26,21 @@ class JSONDocumentError(ValueError):
     error from it (ManifestCorruptError, LineageCorruptError...), naming the document first."""
 
 
-_NOISE = re.compile(r'"(?:[^"\\]|\\.)*"|[^\[\]{}"]+', re.DOTALL)
-"""Strings, and runs of everything else but brackets and quotes: dropped before the walk."""
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+_LEVEL = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 def nesting_exceeds(text: str, limit: int) -> bool:
-    """Tell whether JSON ``text`` nests arrays and objects deeper than ``limit`` (iterative:
-    strings and everything but brackets are dropped first, so the walk is over brackets
-    only; a bracket inside a string never counts)."""
+    """Tell whether JSON ``text`` nests arrays and objects deeper than ``limit`` (iterative,
+    and linear: escaped backslashes and quotes are dropped, the text is split at the quotes
+    that remain, and only the brackets outside strings are walked)."""
     if text.count("[") + text.count("{") <= limit:
         return False
-    level = 0
-    for bracket in _NOISE.sub("", text):
-        if bracket in "[{":
-            level += 1
-            if level > limit:
-                return True
-        elif bracket in "]}":
-            level -= 1
-    return False
+    # Outside a string a backslash is not JSON: whatever it does there, the parse fails later.
+    unescaped = text.replace("\\\\", "").replace('\\"', "")
+    outside = "".join(unescaped.split('"')[::2])
+    brackets = _NOT_BRACKETS.sub("", outside)
+    return max(itertools.accumulate(_LEVEL[b] for b in brackets), default=0) > limit
 
 
 def _refuse_constant(name: str) -> Any:

@@ -57,6 +57,13 @@ def test_the_parser_bounds_size_and_depth_before_parsing() -> None:
     text = json.dumps({"k": '[[[[{{{{\\"[[[[', "l": ["]]]]"]})
     assert not nesting_exceeds(text, 2)
     assert load_json(text, max_bytes=1000, max_depth=2)["l"] == ["]]]]"]
+    # Escaped backslashes before a quote: the string ends, or does not, as JSON says.
+    for value in ("a\\", '\\"[[[[', "[\\", "\\\\"):
+        for depth, document in ((1, json.dumps([value])), (2, json.dumps([value, [value]]))):
+            assert json.loads(document)[0] == value
+            assert nesting_exceeds(document, depth - 1), document
+            assert not nesting_exceeds(document, depth), document
+    assert nesting_exceeds(json.dumps(["\\"]) + "[" * 100, 50)  # brackets after a string count
 
 
 def test_the_parser_refuses_what_json_is_not() -> None:
