@@ -169,10 +169,10 @@ class StrayEntryError(CkptStoreError):
     def in_the_way(cls, entry: str, step: int, problem: str) -> StrayEntryError:
         """The error for ``entry`` (a URL, credentials already left out) that blocks ``step``."""
         return cls(
-            f"step {step} was not published: {entry} is in the way, and it is not a checkpoint "
-            f"({problem}). The protocol publishes step {step} under that very name, so no save "
-            f"of step {step} can publish while it is there; nothing else refers to it. Remove "
-            f"it (or move it out of the store), then save again"
+            f"step {step} was not published: {entry} is in the way, and it is not a readable "
+            f"checkpoint ({problem}). The protocol publishes step {step} under that very name, "
+            f"so no save of step {step} can publish while it is there. Remove it (or move it "
+            f"out of the store; `ckptstore verify` shows what it holds), then save again"
         )
 
 
