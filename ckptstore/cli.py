@@ -1,5 +1,5 @@
 """The ``ckptstore`` command: ls, show, verify, gc, delete, rollback, push, pull, bench,
-advise, lifecycle, conformance and demo.
+advise, lifecycle, repair-epoch, conformance and demo.
 
 Every command but ``demo`` takes store URLs (or bare paths), and ``--json`` prints its result
 as JSON on stdout (``conformance`` also writes report files: ``--json-file``, ``--junit``).
@@ -36,6 +36,7 @@ from ckptstore.cli_lineage import (
     superseded_document,
     superseded_rows,
 )
+from ckptstore.cli_repair import add_repair_command
 from ckptstore.cli_tiers import (
     open_pair,
     outside_rows,
@@ -86,6 +87,16 @@ def parse_duration(text: str) -> timedelta:
             f"duration {_shown(text)} is longer than {MAX_DAYS} days (100 years)"
         )
     return timedelta(seconds=seconds)
+
+
+def parse_positive_duration(text: str) -> timedelta:
+    """Like ``parse_duration``, but longer than zero (a mean time between interruptions)."""
+    duration = parse_duration(text)
+    if duration <= timedelta(0):
+        raise argparse.ArgumentTypeError(
+            f"duration {_shown(text)} is zero: it must be longer than 0 s (30s, 15m, 6h, 2d...)"
+        )
+    return duration
 
 
 def parse_step(text: str) -> int:
@@ -696,7 +707,7 @@ def cmd_advise(args: argparse.Namespace, out: TextIO) -> int:
         if not advice.asynchronous
         else f"{advice.asynchronous} asynchronous (blocked time), the rest synchronous"
     )
-    source = "--mtbi" if advice.mtbi_source == "option" else "the store's restarts"
+    source = "--mtbi" if advice.mtbi_source == "option" else "the store's restarts, up to now"
     lines = [
         f"checkpoint interval for {store.url}",
         f"  save cost C   median {_duration(cost.median)} (min {_duration(cost.low)}, "
@@ -709,6 +720,7 @@ def cmd_advise(args: argparse.Namespace, out: TextIO) -> int:
         f"  recommended   {_interval(advice.recommended_s, steps)} (Daly; Young's "
         f"sqrt(2CM) = {_duration(advice.young_s)})",
     ]
+    lines += [f"  left out      {note}" for note in advice.notes]
     out.write("\n".join(map(printable, lines)) + "\n\n")
     rows = [["INTERVAL", "STEPS", "SAVING C/T", "LOST (T/2+R)/M", "TOTAL", ""]]
     for row in advice.table:
@@ -833,7 +845,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("advise", "the checkpoint interval that loses the least work, from the timings")
     p.add_argument(
         "--mtbi",
-        type=parse_duration,
+        type=parse_positive_duration,
         default=None,
         help="mean time between interruptions (6h, 2d...)",
     )
@@ -913,6 +925,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_conformance)
     add_directory_commands(sub, parse_step, counted(1, 1024))
+    add_repair_command(sub, parse_step, counted(1, 10**12))
     p = command("demo", "save, crash and resume on an embedded default store (no setup)")
     p.add_argument("--dir", help="directory for the file:// store (default: a temporary one)")
     p.set_defaults(func=cmd_demo)

@@ -19,6 +19,7 @@ and ``except ValueError`` keep working in code that does not know ckptstore::
     ├── ShardNotFoundError (FileNotFoundError)    no such shard name in a checkpoint
     ├── CheckpointExistsError (FileExistsError)   the step is already published (I5)
     ├── ShardExistsError (FileExistsError)        a shard name written twice in one attempt
+    ├── StrayEntryError                           a stray holds the name a save publishes under
     ├── CheckpointStateError (RuntimeError)       a pending checkpoint used after publish/abort
     ├── CoverageError                             expected shards missing at publish
     ├── RefusedError                              an operation that would break I3 without force
@@ -92,6 +93,7 @@ __all__ = [
     "StorageAccessDeniedError",
     "StorageError",
     "StoreNotFoundError",
+    "StrayEntryError",
     "SupersededError",
     "TargetExistsError",
     "TransientStorageError",
@@ -159,6 +161,25 @@ class ShardNotFoundError(CkptStoreError, FileNotFoundError):
 
 class CheckpointExistsError(CkptStoreError, FileExistsError):
     """The step is already published; the existing checkpoint was left intact (I5)."""
+
+
+class StrayEntryError(CkptStoreError):
+    """A save could not publish: an entry that is not a checkpoint (a stray: an operator's
+    ``mkdir``, a partial copy, an object that is not a manifest) holds the very name the
+    protocol publishes the step under. Nothing was published, and no other writer published
+    the step: this is deliberately not a ``CheckpointExistsError`` (nor a FileExistsError),
+    which a trainer may take for "someone else published". The message names the entry to
+    remove; every later save of the step fails the same way until it is removed."""
+
+    @classmethod
+    def in_the_way(cls, entry: str, step: int, problem: str) -> StrayEntryError:
+        """The error for ``entry`` (a URL, credentials already left out) that blocks ``step``."""
+        return cls(
+            f"step {step} was not published: {entry} is in the way, and it is not a readable "
+            f"checkpoint ({problem}). The protocol publishes step {step} under that very name, "
+            f"so no save of step {step} can publish while it is there. Remove it (or move it "
+            f"out of the store; `ckptstore verify` shows what it holds), then save again"
+        )
 
 
 class ShardExistsError(CkptStoreError, FileExistsError):

@@ -25,8 +25,12 @@ restart between two saves (hours of wall time, few steps) does not drag it down.
 retention deleted the saves in between, a pair spans several intervals, and the time of the
 saves deleted counts as training: the step rate is then a slight underestimate.
 
-M comes from the option, until the store records when each run started
-(``mtbi_from_run_starts``: the restarts' timestamps, used once there are enough of them).
+M comes from the option when one is given; without it, from when each run started (the
+store's epochs, ``mtbi_from_run_starts``: from the first start to now over the restarts, once
+there are enough of them). A start in the future, earlier than an earlier run's start, or
+older than any store (a node whose clock was wrong) is left out, and said so in
+``IntervalAdvice.notes``; so is a save whose recorded timings are not durations a
+save can take (not finite, or longer than ``MAX_TIMING_S``).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
 from ckptstore.errors import (
@@ -53,8 +57,11 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_RECENT",
+    "MAX_MTBI_S",
+    "MAX_TIMING_S",
     "MIN_RESTARTS",
     "MIN_SAVES",
+    "STORES_SINCE",
     "IntervalAdvice",
     "IntervalRow",
     "SaveCost",
@@ -74,6 +81,16 @@ MIN_SAVES = 2
 """Checkpoints with timings needed: two give one interval between saves, hence a step rate."""
 MIN_RESTARTS = 3
 """Restarts needed before their timestamps, not the option, give M."""
+MAX_TIMING_S = 30 * 86400.0
+"""The longest a recorded timing of one save may be (30 days): a manifest that records more
+(or a value that is not finite) is left out of the measure, and reported."""
+MAX_MTBI_S = 36500 * 86400.0
+"""The longest mean time between interruptions (100 years), given or measured."""
+STORES_SINCE = datetime(2020, 1, 1, tzinfo=timezone.utc)
+"""No ckptstore store, hence no run start, is older than this: an earlier start is a clock
+that was wrong (one that read 1970)."""
+CLOCK_SKEW_S = 600.0
+"""How far apart the clocks of a job's nodes may be before a run start is held wrong."""
 _MULTIPLES = (0.25, 0.5, 2.0, 4.0)
 """The recommended interval's multiples that the table also shows."""
 
@@ -99,9 +116,21 @@ class SaveCost:
         return self.before_begin_s + self.after_begin_s
 
 
+def absurd_timing(manifest: Manifest) -> str | None:
+    """The first timing of ``manifest`` that no save can have taken (not finite, or longer
+    than MAX_TIMING_S), as ``name = value``; None if all are durations."""
+    for name, value in sorted(manifest.timings.items()):
+        if not (math.isfinite(value) and value <= MAX_TIMING_S):
+            return f"{name} = {value!r} s"
+    return None
+
+
 def save_cost(manifest: Manifest) -> SaveCost | None:
-    """What the save of ``manifest`` cost the trainer, or None if it records no timings."""
+    """What the save of ``manifest`` cost the trainer, or None if it records no timings (or
+    timings no save can have taken: ``absurd_timing``)."""
     timings = manifest.timings
+    if absurd_timing(manifest) is not None:
+        return None
     if "blocked_s" in timings:
         before, after, asynchronous = timings["blocked_s"], 0.0, True
     elif "write_s" in timings:
@@ -210,6 +239,9 @@ class IntervalAdvice:
     young_s: float
     daly_s: float
     table: tuple[IntervalRow, ...]
+    notes: tuple[str, ...] = ()
+    """What was left out of the measure, and why: a run start that cannot be right (a clock
+    in the future or behind), a save whose timings are not durations."""
 
     @property
     def recommended_s(self) -> float:
@@ -241,6 +273,7 @@ class IntervalAdvice:
             },
             "mtbi_s": self.mtbi_s,
             "mtbi_source": self.mtbi_source,
+            "notes": list(self.notes),
             "restart_s": self.restart_s,
             "steps_per_s": self.steps_per_s,
             "current": {"interval_s": self.current_interval_s, "steps": self.current_steps},
@@ -270,9 +303,11 @@ def advise(
     """Recommend a checkpoint interval from the newest ``recent`` checkpoints of ``store``.
 
     For trainers that adapt their interval as they run, and for ``ckptstore advise``.
-    ``mtbi``: the mean time between interruptions (seconds or a timedelta), used unless
-    ``run_starts`` (when each run of the job started; default: when each epoch of the store
-    was taken, docs/protocol.md §8) holds at least MIN_RESTARTS restarts.
+    ``mtbi``: the mean time between interruptions (seconds or a timedelta); when it is not
+    given, M is measured from ``run_starts`` (when each run of the job started; default: when
+    each epoch of the store was taken, docs/protocol.md §8, less the starts that cannot be
+    right), which must hold at least MIN_RESTARTS restarts, up to ``now`` (default: the
+    store's clock now).
     ``restart``: the time from an interruption to training again (only the table uses it).
 
     Raises NotEnoughSavesError when fewer than MIN_SAVES of those checkpoints record timings,
@@ -280,25 +315,55 @@ def advise(
     """
     if isinstance(recent, bool) or not isinstance(recent, int) or recent < MIN_SAVES:
         raise InvalidOptionError(f"recent must be a whole number >= {MIN_SAVES}, got {recent!r}")
-    if run_starts is None:
-        run_starts = _epoch_starts(store)
+    if now is None:
+        now = datetime.fromtimestamp(store.clock(), timezone.utc)
+    notes: list[str] = []
+    if run_starts is None and mtbi is None:
+        run_starts = _epoch_starts(store, now, notes)
     return advise_from_manifests(
         _recent_manifests(store, recent),
         mtbi=mtbi,
         restart=restart,
-        run_starts=run_starts,
+        run_starts=() if run_starts is None else run_starts,
         now=now,
         where=store.url,
+        notes=notes,
     )
 
 
-def _epoch_starts(store: Store) -> list[datetime]:
-    """When each run that took the store over started (none if an epoch is unreadable)."""
+def _epoch_starts(store: Store, now: datetime, notes: list[str]) -> list[datetime]:
+    """When each run that took the store over started, less the starts that cannot be right
+    (each said in ``notes``): none if an epoch is unreadable.
+
+    Epochs are taken one after another (a taker reads epoch E before it creates E + 1): a
+    start before an earlier epoch's, or before any ckptstore store existed, was stamped by a
+    clock behind (a node whose clock read 1970); one after ``now``, by a clock ahead. Clocks
+    ``CLOCK_SKEW_S`` apart are not held against a start.
+    """
     try:
-        return [epoch.started_at for epoch in store.lineage().epochs]
+        epochs = store.lineage().epochs
     except IntegrityError as exc:
-        log.warning("%s: restarts not counted: %s", store.url, exc)
+        notes.append(f"restarts not counted: {exc}")
         return []
+    skew = timedelta(seconds=CLOCK_SKEW_S)
+    kept: list[datetime] = []
+    for epoch in epochs:
+        problem = None
+        if epoch.started_at > now + skew:
+            problem = "in the future"
+        elif epoch.started_at < STORES_SINCE:
+            problem = "before any store existed"
+        elif kept and epoch.started_at < kept[-1] - skew:
+            problem = "before the start of an earlier epoch"
+        if problem is None:
+            kept.append(epoch.started_at)
+        else:
+            when = epoch.started_at.isoformat(timespec="seconds")
+            notes.append(
+                f"epoch {epoch.number}'s start ({when}, by {epoch.writer.host}) left out: it is "
+                f"{problem} (a clock that was wrong)"
+            )
+    return kept
 
 
 def _recent_manifests(store: Store, recent: int) -> list[Manifest]:
@@ -327,33 +392,57 @@ def advise_from_manifests(
     run_starts: Iterable[datetime] = (),
     now: datetime | None = None,
     where: str = "the store",
+    notes: Iterable[str] = (),
 ) -> IntervalAdvice:
-    """Recommend a checkpoint interval from ``manifests`` (see ``advise``)."""
+    """Recommend a checkpoint interval from ``manifests`` (see ``advise``; ``now``: default
+    this host's clock now). ``notes``: what the caller already left out, to report."""
     listed = list(manifests)
+    said = list(notes)
+    for absurd in listed:
+        timing = absurd_timing(absurd)
+        if timing is not None:
+            said.append(
+                f"step {absurd.step} left out: its manifest records {timing}, not a duration "
+                f"a save can take"
+            )
     costs = sorted((c for c in map(save_cost, listed) if c is not None), key=lambda c: c.step)
     if len(costs) < MIN_SAVES:
         raise NotEnoughSavesError(
             f"{where}: {len(costs)} checkpoint(s) with recorded timings"
             + (f" (of {len(listed)})" if len(listed) != len(costs) else "")
             + f"; the interval needs at least {MIN_SAVES}: save a few times first"
+            + "".join(f"; {note}" for note in said if note.startswith("step "))
         )
     cost = Spread.of([c.seconds for c in costs])
     if cost.median <= 0:
         raise NotEnoughSavesError(f"{where}: every recorded save cost is zero: nothing to weigh")
-    restart_s = _seconds(restart, "restart")
-    measured = mtbi_from_run_starts(run_starts, now=now)
+    restart_s = _seconds(restart, "restart (--restart)")
     source: Literal["option", "restarts"]
-    if measured is not None:
-        mtbi_s, source = measured, "restarts"
-    elif mtbi is not None:
-        mtbi_s, source = _seconds(mtbi, "mtbi"), "option"
+    if mtbi is not None:  # given: it wins over anything measured
+        mtbi_s, source = _seconds(mtbi, "mtbi (--mtbi)"), "option"
+        if mtbi_s <= 0:
+            raise InvalidOptionError(
+                f"the mean time between interruptions (mtbi, --mtbi) must be longer than "
+                f"0 s, got {_shown_seconds(mtbi_s)}"
+            )
     else:
-        raise InvalidOptionError(
-            f"{where}: no mean time between interruptions: pass mtbi (--mtbi 6h); fewer than "
-            f"{MIN_RESTARTS} restarts are known to measure it from"
-        )
-    if mtbi_s <= 0:
-        raise InvalidOptionError(f"the mean time between interruptions must be positive: {mtbi!r}")
+        now = datetime.now(timezone.utc) if now is None else now
+        starts = []
+        for start in run_starts:
+            if start > now + timedelta(seconds=CLOCK_SKEW_S):
+                said.append(
+                    f"a run start at {start.isoformat(timespec='seconds')} left out: it is in "
+                    f"the future (a clock that was wrong)"
+                )
+            else:
+                starts.append(start)
+        measured = mtbi_from_run_starts(starts, now=now)
+        if measured is None:
+            raise InvalidOptionError(
+                f"{where}: no mean time between interruptions: pass mtbi (--mtbi 6h); fewer "
+                f"than {MIN_RESTARTS} restarts are known to measure it from"
+            )
+        mtbi_s, source = min(measured, MAX_MTBI_S), "restarts"
     training = _training_between(costs)
     rate = statistics.median(steps / s for steps, s in training) if training else None
     current_s = statistics.median(s for _, s in training) if training else None
@@ -377,6 +466,7 @@ def advise_from_manifests(
         young_s=young,
         daly_s=daly,
         table=_table(rows, cost.median, mtbi_s, restart_s),
+        notes=tuple(said),
     )
 
 
@@ -428,9 +518,15 @@ def _seconds(value: timedelta | float, what: str) -> float:
         seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
     except (TypeError, ValueError) as exc:
         raise InvalidOptionError(f"{what} must be seconds or a timedelta, got {value!r}") from exc
-    if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidOptionError(f"{what} must be a finite duration >= 0, got {value!r}")
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_MTBI_S):
+        raise InvalidOptionError(
+            f"{what} must be a duration from 0 s to 100 years, got {_shown_seconds(seconds)}"
+        )
     return seconds
+
+
+def _shown_seconds(seconds: float) -> str:
+    return f"{seconds:g} s"
 
 
 def _check_positive(**values: float) -> None:

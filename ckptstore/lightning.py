@@ -46,6 +46,7 @@ from ckptstore.errors import (
     NotACheckpointError,
     RefusedError,
 )
+from ckptstore.jsonload import load_json
 from ckptstore.store import Store, open_store
 from ckptstore.torch.state import load_state, save_state
 
@@ -220,14 +221,12 @@ def _read_pointer(path: Path) -> dict[str, Any] | None:
     if not head.lstrip().startswith(b"{"):
         return None
     try:
-        if len(head) > _POINTER_LIMIT:
-            raise ValueError(f"longer than {_POINTER_LIMIT} bytes")
-        pointer = json.loads(head)
+        pointer = load_json(head, max_bytes=_POINTER_LIMIT, max_depth=8)
         if not isinstance(pointer, dict) or pointer.get("format") != POINTER_FORMAT:
             raise ValueError(f'no "format": "{POINTER_FORMAT}"')
         if not isinstance(pointer.get("url"), str) or type(pointer.get("step")) is not int:
             raise ValueError("no store url and step")
-    except ValueError as exc:  # json.JSONDecodeError included
+    except ValueError as exc:  # JSONDocumentError included
         raise NotACheckpointError(
             f"{path}: a JSON file, but not a ckptstore pointer ({exc}); it names no "
             f"checkpoint. Delete it, or resume from another checkpoint file "

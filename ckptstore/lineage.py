@@ -18,6 +18,7 @@ from typing import Any
 
 from ckptstore.checksum import crc32c_hex
 from ckptstore.errors import LineageCorruptError
+from ckptstore.jsonload import load_json
 from ckptstore.manifest import WriterInfo
 from ckptstore.names import check_epoch, check_step
 
@@ -65,9 +66,8 @@ class Epoch:
         """Parse and check a stored record; LineageCorruptError naming ``where`` if it is not
         the intact record of epoch ``expected``."""
         try:
-            if len(data) > MAX_EPOCH_RECORD_BYTES:
-                raise ValueError(f"larger than {MAX_EPOCH_RECORD_BYTES} bytes")
-            document = json.loads(data.decode("utf-8"))
+            # The record nests one object (its writer) in another: deeper is damage.
+            document = load_json(data, max_bytes=MAX_EPOCH_RECORD_BYTES, max_depth=8)
             if not isinstance(document, dict) or document.get("format") != EPOCH_FORMAT:
                 raise ValueError("not a ckptstore epoch record")
             if document.get("checksum") != _checksum(document):
@@ -82,12 +82,24 @@ class Epoch:
                 note=str(document.get("note", "")),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise LineageCorruptError(f"{where}: epoch record is unreadable: {exc}") from exc
+            raise LineageCorruptError(
+                f"{where}: epoch record is unreadable ({exc}); {_repair_hint(expected)}"
+            ) from exc
         if epoch.number != expected or epoch.number == 0:
             raise LineageCorruptError(
-                f"{where}: epoch record is for epoch {epoch.number}, stored as epoch {expected}"
+                f"{where}: epoch record is for epoch {epoch.number}, stored as epoch "
+                f"{expected}; {_repair_hint(expected)}"
             )
         return epoch
+
+
+def _repair_hint(epoch: int) -> str:
+    return (
+        f"the store's history cannot be told until it is repaired: if you know the step "
+        f"epoch {epoch} resumed from, rewrite the record with `ckptstore repair-epoch URL "
+        f"{epoch} --parent STEP` (--fresh-start if it started from nothing; "
+        f"docs/protocol.md §8.5)"
+    )
 
 
 def _checksum(document: Mapping[str, Any]) -> str:

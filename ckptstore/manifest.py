@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any, TypeAlias
 
 from ckptstore.checksum import crc32c_hex
 from ckptstore.errors import InvalidMetadataError, ManifestCorruptError
+from ckptstore.jsonload import JSONDocumentError, load_json
 from ckptstore.names import check_attempt_id, check_epoch, check_shard_name, check_step
 
 __all__ = [
@@ -174,23 +174,10 @@ class Manifest:
         expected_epoch: int | None = None,
     ) -> Manifest:
         """Parse and validate a stored manifest; raise ManifestCorruptError naming ``where``."""
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise ManifestCorruptError(f"{where}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
         try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ManifestCorruptError(f"{where}: manifest is not UTF-8: {exc}") from exc
-        if _nesting_exceeds(text, MAX_MANIFEST_DEPTH):
-            # Checked before parsing: json's recursive parser would raise RecursionError.
-            raise ManifestCorruptError(
-                f"{where}: manifest nests lists or objects deeper than {MAX_MANIFEST_DEPTH}"
-            )
-        try:
-            document = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise ManifestCorruptError(
-                f"{where}: manifest is not valid JSON (truncated or overwritten?): {exc}"
-            ) from exc
+            document = load_json(data, max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_MANIFEST_DEPTH)
+        except JSONDocumentError as exc:
+            raise ManifestCorruptError(f"{where}: manifest {exc}") from exc
         try:
             manifest = _from_document(document, where)
         except (KeyError, TypeError, ValueError) as exc:
@@ -254,27 +241,6 @@ def _depth(value: object) -> int:
             return deepest  # enough to refuse; a cyclic value stops here too
         stack.extend((child, level + 1) for child in children)
     return deepest
-
-
-_JSON_NOISE = re.compile(r'"(?:[^"\\]|\\.)*"|[^\[\]{}"]+')
-
-
-def _nesting_exceeds(text: str, limit: int) -> bool:
-    """Tell whether JSON ``text`` nests arrays and objects deeper than ``limit``.
-
-    Strings and everything but brackets are dropped first, so the walk is over brackets only.
-    """
-    if text.count("[") + text.count("{") <= limit:
-        return False
-    level = 0
-    for bracket in _JSON_NOISE.sub("", text):
-        if bracket in "[{":
-            level += 1
-            if level > limit:
-                return True
-        elif bracket in "]}":
-            level -= 1
-    return False
 
 
 def _non_string_key(value: object) -> str | None:

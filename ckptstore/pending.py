@@ -25,6 +25,7 @@ from ckptstore.errors import (
     LineageError,
     ShardExistsError,
     StorageError,
+    StrayEntryError,
 )
 from ckptstore.manifest import JSONValue, ReplicaSource, ShardRecord, WriterInfo
 from ckptstore.names import check_shard_name
@@ -431,7 +432,8 @@ class PendingCheckpoint:
         self._move(PendingState.PUBLISHING)
         try:
             checkpoint = self._owner.publish(self, shards)
-        except (CheckpointExistsError, LineageError):  # certain: nothing was published
+        except (CheckpointExistsError, LineageError, StrayEntryError):  # certain: nothing
+            # was published
             self._move(PendingState.FAILED)
             self._discard()
             raise

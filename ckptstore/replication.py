@@ -40,6 +40,7 @@ from ckptstore.errors import (
     ReplicationTimeoutError,
     ShardCorruptError,
     StepOutsideEpochError,
+    StrayEntryError,
     SupersededError,
 )
 from ckptstore.lineage import Lineage
@@ -449,7 +450,7 @@ class Replicator:
             with pending:
                 for record in manifest.shards:
                     self._copy_shard(manifest, record, pending)
-        except IntegrityError as exc:
+        except (IntegrityError, StrayEntryError) as exc:  # a stray in the durable tier: named
             self.skipped[manifest.step] = str(exc)
             raise ReplicationError(
                 f"{self.durable.url}: step {manifest.step} not replicated, nothing published: {exc}"

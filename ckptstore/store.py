@@ -29,7 +29,6 @@ from ckptstore.commit.base import (
 )
 from ckptstore.driver import BytesLike
 from ckptstore.errors import (
-    CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointStateError,
     CkptStoreError,
@@ -185,7 +184,8 @@ class Store:
     ) -> PendingCheckpoint:
         """Start saving ``step``; nothing is visible until the returned checkpoint publishes.
 
-        Raises CheckpointExistsError at once if the step is already published.
+        Raises CheckpointExistsError at once if the step is already published, and
+        StrayEntryError if an entry that is not a checkpoint holds the name it publishes under.
         ``expected_shards`` makes publish refuse unless exactly those shards were written.
         ``attempt`` is an attempt id chosen by a coordinator (multi-rank saves); default fresh.
         """
@@ -198,8 +198,8 @@ class Store:
         if self._epoch is None:  # epoch 0, kept for the lifetime of this store (§8.3)
             self._epoch = self._history.default_epoch(step, lineage)
         self._history.check_writable(step, self._epoch, lineage)
-        if self._history.is_published(step, lineage):
-            raise CheckpointExistsError(f"{self.url}: step {step} is already published")
+        if self._history.is_published(step, lineage):  # or a stray holds its name
+            raise self.strategy.name_taken(step, lineage.owner(step))
         attempt_id = new_attempt_id() if attempt is None else check_attempt_id(attempt)
         self.strategy.begin(step, attempt_id)
         return self._released_when_dropped(

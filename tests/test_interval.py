@@ -10,6 +10,7 @@ import math
 import re
 import statistics
 import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -155,13 +156,20 @@ def test_a_restart_between_saves_does_not_drag_the_step_rate_down() -> None:
     assert advice.steps_per_s == pytest.approx(1.0)
 
 
-def test_restarts_recorded_by_the_store_take_precedence_over_the_option() -> None:
+def test_a_given_mtbi_wins_over_the_restarts_recorded_by_the_store() -> None:
+    """Issue 24 item 8: the option was ignored once there were enough restarts (this test
+    asserted that the restarts took precedence); a given M is the user's word."""
     manifests = [manifest(n, 20.0 * n, write_s=1.0) for n in range(1, 4)]
     starts = [T0 + timedelta(hours=2 * n) for n in range(MIN_RESTARTS + 1)]
     advice = advise_from_manifests(manifests, mtbi=HOUR, run_starts=starts)
-    assert (advice.mtbi_s, advice.mtbi_source) == (2 * HOUR, "restarts")
-    advice = advise_from_manifests(manifests, mtbi=HOUR, run_starts=starts[:2])
     assert (advice.mtbi_s, advice.mtbi_source) == (HOUR, "option")
+    advice = advise_from_manifests(manifests, run_starts=starts, now=starts[-1])
+    assert (advice.mtbi_s, advice.mtbi_source) == (2 * HOUR, "restarts")
+    later = starts[-1] + timedelta(hours=6)  # measured M runs to now, not to the last restart
+    advice = advise_from_manifests(manifests, run_starts=starts, now=later)
+    assert advice.mtbi_s == pytest.approx((6 + 6) * HOUR / MIN_RESTARTS)
+    with pytest.raises(InvalidOptionError, match="--mtbi"):
+        advise_from_manifests(manifests, run_starts=starts[:2])
 
 
 def test_clear_errors_for_too_few_saves_no_timings_and_no_mtbi() -> None:
@@ -263,7 +271,7 @@ def test_advise_json_schema_for_schedulers(tmp_path: Path) -> None:
     document = json.loads(text)
     assert set(document) == {
         "url", "formula", "recommended", "young_s", "daly_s", "cost_s", "mtbi_s", "mtbi_source",
-        "restart_s", "steps_per_s", "current", "table",
+        "notes", "restart_s", "steps_per_s", "current", "table",
     }  # fmt: skip
     assert document["formula"] == "daly" and document["url"] == url
     assert set(document["recommended"]) == {"interval_s", "minutes", "steps"}
@@ -339,7 +347,7 @@ def test_a_store_whose_manifests_record_no_timings_says_so(
 def test_advise_measures_m_from_the_epochs_runs_took(tmp_path: Path) -> None:
     """Each run that takes the store over records when it started (docs/protocol.md §8): with
     enough restarts, M is the time observed over the restarts, not the option."""
-    now = [1_800_000_000.0]
+    now = [float(int(time.time()) - (MIN_RESTARTS + 2) * 4 * HOUR)]  # runs in the past
     url = f"file://{tmp_path}/run"
     step = 0
     for _run in range(MIN_RESTARTS + 1):  # the first start, then MIN_RESTARTS restarts
@@ -352,9 +360,96 @@ def test_advise_measures_m_from_the_epochs_runs_took(tmp_path: Path) -> None:
         now[0] += 4 * HOUR
     started = [epoch.started_at for epoch in store.lineage().epochs]
     assert len(started) == MIN_RESTARTS + 1
-    advice = advise(store, mtbi=timedelta(hours=1), now=started[-1])
+    advice = advise(store, now=started[-1])
     assert (advice.mtbi_s, advice.mtbi_source) == (4 * HOUR, "restarts")
     assert advice.young_s == pytest.approx(math.sqrt(2 * advice.cost.median * 4 * HOUR))
     status, text = run("advise", url, "--json")  # no --mtbi: the restarts suffice
     assert status == 0, text
     assert json.loads(text)["mtbi_source"] == "restarts"
+
+
+# -- M as the user gave it, or measured up to now from starts that can be right ------------
+# (issue 24 items 8 and 18)
+
+
+def _runs(url: str, starts: list[float]) -> None:
+    """A fresh start, then a restart at each of ``starts[1:]`` (seconds since 1970, as each
+    run's own clock read them), each run saving two steps."""
+    step = 0
+    for start in starts:
+        store = ckptstore.open(url, clock=lambda start=start: start)
+        latest = store.latest()
+        store.take_over(resumed_from=None if latest is None else latest.step)
+        for _ in range(2):
+            step += 1
+            store.save(step, {"w": b"x"})
+
+
+def test_a_given_mtbi_wins_and_measured_m_runs_to_now(tmp_path: Path) -> None:
+    """Three restarts a minute apart ten days ago: M is ten days over three restarts (or the
+    option, when given), not 60 s."""
+    url = f"file://{tmp_path}/run"
+    ten_days_ago = float(int(time.time()) - 10 * 86400)
+    _runs(url, [ten_days_ago + 60 * n for n in range(MIN_RESTARTS + 1)])
+    store = ckptstore.open(url)
+    advice = advise(store)
+    assert advice.mtbi_source == "restarts"
+    assert advice.mtbi_s == pytest.approx(10 * 86400 / MIN_RESTARTS, rel=0.01)
+    advice = advise(store, mtbi=timedelta(hours=6))
+    assert (advice.mtbi_s, advice.mtbi_source) == (6 * HOUR, "option")
+    status, text = run("advise", url, "--mtbi", "6h", "--json")
+    assert status == 0, text
+    document = json.loads(text)
+    assert (document["mtbi_s"], document["mtbi_source"]) == (6 * HOUR, "option")
+    status, text = run("advise", url, "--mtbi", "6h")
+    assert status == 0 and "M every 6.0 h (from --mtbi)" in text, text
+
+
+def test_run_starts_that_cannot_be_right_are_left_out_and_reported(tmp_path: Path) -> None:
+    """A restart stamped by a node whose clock read 1970, and one from a clock a year ahead,
+    are left out of M and said; the others measure it."""
+    url = f"file://{tmp_path}/run"
+    base = float(int(time.time()) - 8 * HOUR)
+    starts = [base, base + HOUR, 0.0, base + 2 * HOUR, base + 3 * HOUR, base + 365 * 86400]
+    _runs(url, starts)
+    store = ckptstore.open(url)
+    assert [e.started_at.year for e in store.lineage().epochs][2] == 1970
+    advice = advise(store)
+    assert advice.mtbi_source == "restarts"
+    assert advice.mtbi_s == pytest.approx(8 * HOUR / 3, rel=0.01)  # 4 starts: 3 restarts
+    notes = " | ".join(advice.notes)
+    assert "epoch 3's start (1970-01-01T00:00:00+00:00" in notes and "left out" in notes
+    assert "epoch 6's start" in notes and "in the future" in notes
+    status, text = run("advise", url)
+    assert status == 0, text
+    assert "left out      epoch 3's start" in text and "in the future" in text
+    assert json.loads(run("advise", url, "--json")[1])["notes"] == list(advice.notes)
+
+
+def test_absurd_timings_and_a_zero_mtbi_name_the_step_and_the_option(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/run"
+    store = ckptstore.open(url)
+    for step in (1, 2, 3):
+        with store.begin(step) as pending:
+            pending.write("w", b"x")
+            if step > 1:  # what the trainer says it spent before the save: absurd
+                pending.add_timing("snapshot_s", 1e308)
+    status, text = run("advise", url, "--mtbi", "6h")
+    assert status == 2
+    status, text = run("advise", url, "--mtbi", "6h", "--json")
+    error = json.loads(text)["error"]
+    assert "step 2 left out: its manifest records snapshot_s = 1e+308 s" in error, error
+    assert "inf" not in error
+    store.save(4, {"w": b"x"})
+    status, text = run("advise", url, "--mtbi", "6h")
+    assert status == 0, text
+    assert "left out      step 3 left out: its manifest records snapshot_s" in text
+    for zero in ("0s", "0"):
+        status, text = run("advise", url, "--mtbi", zero, "--json")
+        error = json.loads(text)["error"]
+        assert status == 2 and "--mtbi" in error and "longer than 0 s" in error, error
+        assert "timedelta" not in error
+    with pytest.raises(InvalidOptionError, match=r"\(mtbi, --mtbi\) must be longer than 0 s"):
+        advise(store, mtbi=timedelta(0))
+    with pytest.raises(InvalidOptionError, match=r"from 0 s to 100 years, got 1e\+300 s"):
+        advise(store, mtbi=1e300)

@@ -21,17 +21,19 @@ TOOLING = "tooling"
 LAYERS: dict[str, tuple[str, ...]] = {
     FOUNDATION: (
         "errors", "names", "urls", "checksum", "driver", "manifest", "hint", "retention",
-        "progress", "lineage",
+        "progress", "lineage", "jsonload",
     ),
     COMMIT: ("commit",),
     BACKENDS: ("backends",),
     CORE: (
         "checkpoint", "pending", "store", "history", "registry", "interval", "replication",
-        "tiered", "",
+        "tiered", "epoch_repair", "",
     ),
     TORCH: ("torch",),
     TRAINERS: ("directory", "huggingface", "lightning", "localdir"),
-    TOOLING: ("conformance", "cli", "cli_directory", "cli_lineage", "cli_tiers", "tools"),
+    TOOLING: (
+        "conformance", "cli", "cli_directory", "cli_lineage", "cli_repair", "cli_tiers", "tools",
+    ),
 }  # fmt: skip
 """Each module of the package, by its first dotted component under ``ckptstore`` ("" is the
 package's ``__init__``)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Generic, Protocol, TypeVar
 
 from ckptstore.driver import Capability
-from ckptstore.errors import CapabilityError
+from ckptstore.errors import CapabilityError, CheckpointExistsError, StrayEntryError
 from ckptstore.manifest import Manifest, ShardRecord
 
 __all__ = [
@@ -271,6 +271,12 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
     @abc.abstractmethod
     def read_manifest(self, step: int, epoch: int = 0) -> Manifest:
         """Read and validate a published manifest (CheckpointNotFoundError if not published)."""
+
+    def name_taken(self, step: int, epoch: int = 0) -> CheckpointExistsError | StrayEntryError:
+        """The error for a save of ``step`` in ``epoch`` whose commit point's name is taken:
+        CheckpointExistsError when a checkpoint is published there, StrayEntryError (naming
+        the entry to remove) when what holds the name is not one (docs/protocol.md §5.2)."""
+        return CheckpointExistsError(f"{self.url}: step {step} is already published")
 
     # -- lineages (docs/protocol.md §8): optional; without them a store has only epoch 0 ----
 

@@ -64,6 +64,7 @@ from ckptstore.errors import (
     ShardMissingError,
     StorageAccessDeniedError,
     StorageError,
+    StrayEntryError,
     TransientStorageError,
 )
 from ckptstore.hint import MAX_HINT_BYTES, parse_hint, report_lagging_listing
@@ -636,22 +637,23 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             try:
                 self.driver.put(key, body, mode=PutMode.CREATE)
             except PreconditionFailedError:
-                if self._published_attempt(manifest.step, manifest.epoch) == manifest.attempt:
+                owner = self._published_attempt(manifest.step, manifest.epoch)
+                if owner == manifest.attempt:
                     return  # an earlier try of ours took effect (I8)
-                raise self._exists(manifest.step) from None
+                raise self._exists(manifest, owner) from None
             except TransientStorageError:
                 owner = self._published_attempt(manifest.step, manifest.epoch)
                 if owner == manifest.attempt:
                     return
                 if owner is not None:
-                    raise self._exists(manifest.step) from None
+                    raise self._exists(manifest, owner) from None
                 log.warning("publishing %s: outcome unknown, not published; trying again", key)
             else:
                 self._confirm_created(
                     key,
                     body,
                     _intact_manifest(manifest.step, manifest.epoch),
-                    self._exists(manifest.step),
+                    self._exists(manifest, None),
                 )
                 return
         raise TransientStorageError(
@@ -772,7 +774,25 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
     def _epoch_exists(self, epoch: int) -> EpochExistsError:
         return EpochExistsError(f"{self.url}: epoch {epoch} exists already")
 
-    def _exists(self, step: int) -> CheckpointExistsError:
+    def _exists(
+        self, manifest: Manifest, owner: str | None
+    ) -> CheckpointExistsError | StrayEntryError:
+        """The error for a manifest key found taken by ``owner`` (``_published_attempt``)."""
+        if owner == _UNREADABLE:
+            return self.name_taken(manifest.step, manifest.epoch)
+        return CheckpointExistsError(
+            f"{self.url}: step {manifest.step} is already published; the existing checkpoint "
+            f"was left intact"
+        )
+
+    def name_taken(self, step: int, epoch: int = 0) -> CheckpointExistsError | StrayEntryError:
+        """An object at the manifest's key that is not a manifest, read twice (a GET may be
+        damaged in transit), is a stray no save could publish beside: named for removal."""
+        key = self.manifest_key(step, epoch)
+        if all(self._published_attempt(step, epoch) == _UNREADABLE for _ in range(2)):
+            return StrayEntryError.in_the_way(
+                f"{self.url}/{key}", step, "the object there is not a manifest"
+            )
         return CheckpointExistsError(
             f"{self.url}: step {step} is already published; the existing checkpoint was left intact"
         )

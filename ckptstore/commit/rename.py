@@ -54,6 +54,7 @@ from ckptstore.errors import (
     ShardMissingError,
     StorageAccessDeniedError,
     StorageError,
+    StrayEntryError,
     TargetExistsError,
 )
 from ckptstore.hint import MAX_HINT_BYTES, encode_hint, ignore_hint, parse_hint
@@ -248,16 +249,32 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
                 try:
                     self.driver.rename_noreplace(staging, checkpoint_token(step, manifest.epoch))
                 except TargetExistsError as exc:
-                    raise CheckpointExistsError(
-                        f"{self.url}: step {step} is already published; "
-                        f"the existing checkpoint was left intact"
-                    ) from exc
+                    raise self.name_taken(step, manifest.epoch) from exc
         except ObjectNotFoundError:
             # A rename that took effect but answered an error (an NFS retransmit's ENOENT)
             # leaves no staging directory either: it published, GC did not remove it.
             if self._published_attempt(step, manifest.epoch) != attempt:
                 raise
         self.driver.fsync_dir("")
+
+    def name_taken(self, step: int, epoch: int = 0) -> CheckpointExistsError | StrayEntryError:
+        """What holds the name a publishing rename needs: a published checkpoint, or a stray
+        (a directory without a manifest, a file, a manifest that does not parse), which no
+        save could ever publish beside, so it is named for the operator to remove."""
+        final = checkpoint_token(step, epoch)
+        try:
+            self.read_manifest(step, epoch)
+        except NotACheckpointError:
+            return StrayEntryError.in_the_way(f"{self.url}/{final}", step, "it has no manifest")
+        except ManifestCorruptError as exc:
+            return StrayEntryError.in_the_way(
+                f"{self.url}/{final}", step, f"its manifest does not read back: {exc}"
+            )
+        except (CheckpointNotFoundError, IntegrityError, StorageError):
+            pass  # unpublished since, or unreadable now: it was a checkpoint, or may be one
+        return CheckpointExistsError(
+            f"{self.url}: step {step} is already published; the existing checkpoint was left intact"
+        )
 
     def _published_attempt(self, step: int, epoch: int) -> str | None:
         try:
@@ -305,6 +322,13 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
         except StorageError as exc:
             if self._staging_exists(step, attempt):
                 raise
+            if not self._exists(""):  # GC never removes the root: someone else did
+                raise ObjectNotFoundError(
+                    errno.ENOENT,
+                    f"{self.url}: the store's root directory is gone (removed, renamed or "
+                    f"unmounted) while attempt {attempt} of step {step} was being saved; nothing "
+                    f"was published. Check the path, then save again ({exc})",
+                ) from exc
             raise ObjectNotFoundError(
                 errno.ENOENT,
                 f"{self.url}: attempt {attempt} of step {step} was removed by garbage "

@@ -22,6 +22,7 @@ import torch
 
 from ckptstore.driver import Buffer
 from ckptstore.errors import InvalidInputError, ManifestCorruptError, ShardCorruptError
+from ckptstore.jsonload import JSONDocumentError, load_json, nesting_exceeds
 
 __all__ = [
     "decode_state",
@@ -35,6 +36,11 @@ __all__ = [
 ]
 
 _MAX_HEADER = 100 * 1024 * 1024
+MAX_SKELETON_DEPTH = 128
+"""Nesting of lists and dicts (markers included) in a state's JSON skeleton. A deeper state is
+refused at save, and a deeper stored skeleton (damage, or planted) is refused at load before
+it is parsed: both the parser and ``decode_state`` recurse."""
+_MAX_SKELETON_BYTES = 1 << 30
 
 
 class Readable(Protocol):
@@ -191,7 +197,26 @@ def encode_state_parts(
         groups[-1][key] = tensor
         filled += tensor.numel() * tensor.element_size()
     parts = [_safetensors_chunks(group) for group in groups]
-    return parts, json.dumps(skeleton, allow_nan=False).encode("utf-8")
+    text = json.dumps(skeleton, allow_nan=False)
+    if len(text) > _MAX_SKELETON_BYTES or nesting_exceeds(text, MAX_SKELETON_DEPTH):
+        raise InvalidInputError(
+            f"{subject}: nests lists, tuples and dicts deeper than {MAX_SKELETON_DEPTH} levels "
+            f"or holds more than {_MAX_SKELETON_BYTES} bytes besides its tensors: it could not "
+            f"be loaded back"
+        )
+    return parts, text.encode("utf-8")
+
+
+def _where(where: str) -> str:
+    return f"{where}: " if where else ""
+
+
+def _load_skeleton(skeleton: bytes, where: str) -> Any:
+    """The stored JSON skeleton, bounded before it is parsed (ManifestCorruptError if not)."""
+    try:
+        return load_json(skeleton, max_bytes=_MAX_SKELETON_BYTES, max_depth=MAX_SKELETON_DEPTH)
+    except JSONDocumentError as exc:
+        raise ManifestCorruptError(f"{where}state skeleton {exc}") from exc
 
 
 def _is_integer(key: object) -> bool:
@@ -350,10 +375,10 @@ def read_tensors(
     header_bytes = bytearray(header_size)
     if _fill(stream, memoryview(header_bytes)) != header_size:
         raise corrupt("truncated header")
-    try:
-        header = json.loads(header_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise corrupt(f"header is not JSON ({exc})") from exc
+    try:  # a header nests a tensor's shape in its entry in the header: 3 levels
+        header = load_json(header_bytes, max_bytes=_MAX_HEADER, max_depth=8)
+    except JSONDocumentError as exc:
+        raise corrupt(f"header is not JSON: it {exc}") from exc
     if not isinstance(header, dict):
         raise corrupt("header is not a JSON object")
     layout: list[tuple[int, str, torch.dtype, list[int], int]] = []
@@ -459,13 +484,13 @@ class _Staging:
         return True
 
 
-def tensor_destinations(skeleton: bytes, current: Any) -> dict[str, torch.Tensor]:
+def tensor_destinations(
+    skeleton: bytes, current: Any, *, where: str = ""
+) -> dict[str, torch.Tensor]:
     """The tensors of ``current`` (a component's present state) that stand where the stored
-    ``skeleton`` has a tensor, by stored tensor name: where a load may read in place."""
-    try:
-        document = json.loads(skeleton.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ManifestCorruptError(f"state skeleton is not JSON: {exc}") from exc
+    ``skeleton`` has a tensor, by stored tensor name: where a load may read in place.
+    ``where``: the skeleton's shard, named in errors."""
+    document = _load_skeleton(skeleton, _where(where))
     found: dict[str, torch.Tensor] = {}
 
     def pair(stored: Any, present: Any) -> None:
@@ -520,11 +545,16 @@ def _fill(stream: Readable, view: memoryview) -> int:
 
 
 def decode_state(
-    tensors: bytes | Mapping[str, torch.Tensor], skeleton: bytes, *, map_location: Any = "cpu"
+    tensors: bytes | Mapping[str, torch.Tensor],
+    skeleton: bytes,
+    *,
+    map_location: Any = "cpu",
+    where: str = "",
 ) -> Any:
     """Rebuild the nested state written by ``encode_state``.
 
     ``tensors``: the safetensors bytes, or the tensors already read (``read_tensors``).
+    ``where``: the skeleton's shard, named in errors.
     """
     if isinstance(tensors, (bytes, bytearray, memoryview)):
         blob = bytes(tensors)
@@ -532,10 +562,7 @@ def decode_state(
     host = dict(tensors)  # NumPy arrays and generator states come from these
     if map_location is not None:  # new memory is on the CPU; a tensor filled on a GPU stays
         tensors = {k: v.to(map_location) if v.is_cpu else v for k, v in tensors.items()}
-    try:
-        document = json.loads(skeleton.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ManifestCorruptError(f"state skeleton is not JSON: {exc}") from exc
+    document = _load_skeleton(skeleton, _where(where))
 
     def tensor(key: object, source: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if not isinstance(key, str) or key not in source:

@@ -60,7 +60,8 @@ from ckptstore.errors import (
     ManifestCorruptError,
     UnsafePickleError,
 )
-from ckptstore.manifest import ShardRecord
+from ckptstore.jsonload import JSONDocumentError, load_json
+from ckptstore.manifest import MAX_MANIFEST_BYTES, ShardRecord
 from ckptstore.names import check_step
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.store import Store
@@ -328,7 +329,18 @@ class CkptStoreReader(StorageReader):
                 f"{self.store.url}: step {checkpoint.step} was not saved by torch.distributed."
                 f"checkpoint (no {METADATA_SHARD})"
             )
-        return _decode_metadata(json.loads(checkpoint.read(METADATA_SHARD)))
+        try:
+            document = load_json(
+                checkpoint.read(METADATA_SHARD), max_bytes=MAX_MANIFEST_BYTES, max_depth=64
+            )
+            if not isinstance(document, dict):
+                raise JSONDocumentError("is not a JSON object")
+            return _decode_metadata(document)
+        except (JSONDocumentError, KeyError, TypeError, AttributeError) as exc:
+            problem = exc if isinstance(exc, JSONDocumentError) else f"is malformed ({exc!r})"
+            raise ManifestCorruptError(
+                f"{self.store.url}: step {checkpoint.step}: shard {METADATA_SHARD!r} {problem}"
+            ) from exc
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any

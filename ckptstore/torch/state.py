@@ -275,7 +275,8 @@ def _read_state(checkpoint: Checkpoint, name: str, map_location: Any, present: A
     it now in ``present`` (the component's current state) when shape, dtype and place match,
     else into new memory."""
     skeleton = checkpoint.read(f"{name}.json")
-    into = tensor_destinations(skeleton, present) if present is not None else None
+    named = f"{checkpoint.url} step {checkpoint.step}: shard {name + '.json'!r}"
+    into = tensor_destinations(skeleton, present, where=named) if present is not None else None
     shards = [part_shard(name, index) for index in range(_part_count(checkpoint, name))]
 
     def read_part(shard: str) -> dict[str, torch.Tensor]:
@@ -296,7 +297,7 @@ def _read_state(checkpoint: Checkpoint, name: str, map_location: Any, present: A
                 f"an earlier part holds"
             )
         tensors.update(part)
-    return decode_state(tensors, skeleton, map_location=map_location)
+    return decode_state(tensors, skeleton, map_location=map_location, where=named)
 
 
 def _part_count(checkpoint: Checkpoint, name: str) -> int:
