@@ -82,7 +82,8 @@ def _split_authority(rest: str) -> tuple[str | None, str, str]:
     if at >= 0:
         return head[:at], head[at + 1 :], rest[len(head) :]
     colon = head.find(":")
-    if colon >= 0 and slash >= 0 and not head[colon + 1 :].isdigit():
+    after = head[colon + 1 :]
+    if colon >= 0 and slash >= 0 and after and not after.isdigit():
         at = rest.find("@", slash)
         if at >= 0:
             host, sep, path = rest[at + 1 :].partition("/")

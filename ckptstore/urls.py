@@ -59,7 +59,8 @@ class StoreURL:
 def parse_url(url: str) -> StoreURL:
     """Parse a store URL (or a bare file-system path); raise InvalidURLError if malformed."""
     if not isinstance(url, str) or not url:
-        raise InvalidURLError(f"store URL must be a non-empty string, got {type(url).__name__}")
+        given = "an empty one" if url == "" else f"a {type(url).__name__}"  # never its value
+        raise InvalidURLError(f"store URL must be a non-empty string, got {given}")
     if "://" not in url:
         if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", url) and not os.path.exists(url):
             scheme = url.partition(":")[0]  # what follows the colon may be a secret

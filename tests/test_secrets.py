@@ -22,7 +22,7 @@ import pytest
 import ckptstore
 from ckptstore.cli import build_parser, main
 from ckptstore.errors import CkptStoreError, InvalidOptionError
-from ckptstore.redaction import redact
+from ckptstore.redaction import has_password, redact
 from ckptstore.tools.embedded import EmbeddedS3
 from ckptstore.urls import file_url, parse_url
 
@@ -225,6 +225,10 @@ def test_redact_keeps_what_is_not_a_secret() -> None:
     )
     assert redact("/bare/path?sig=kept, a name") == "/bare/path?sig=kept, a name"
     assert redact("file:///tmp/a@b/c%3Fd") == "file:///tmp/a@b/c%3Fd"
+    assert redact("fsspec+http://host:8080/v@2?X-Amz-SignedHeaders=host") == (
+        "fsspec+http://host:8080/v@2?X-Amz-SignedHeaders=host"
+    )
+    assert not has_password("fsspec+sftp://host:/path@v2")
 
 
 # -- item 12: lifecycle reads its URL as every other command does ----------------------------
