@@ -338,3 +338,16 @@ def test_a_replica_source_names_the_fast_store_it_came_from(tmp_path) -> None:
     source = ckptstore.open(str(tmp_path / "durable")).get(3).manifest.source
     assert source is not None
     assert parse_url(source.url).path == str(fast)
+
+
+def test_conformance_reports_redact_the_urls_they_quote(tmp_path) -> None:
+    """What a layer recorded quotes URLs and foreign errors as they were: every report format
+    shows them redacted (the CLI writes these to stdout and to --json-file/--junit)."""
+    from ckptstore.conformance.report import BackendReport, render_text, to_json, to_junit
+
+    report = BackendReport(url="s3://b/run?endpoint_url=http://u:ReportSecret0@h", strategy="x")
+    report.storage_error(("I1",), "GET s3://b/run/x?X-Amz-Signature=ReportSecret1: reset")
+    report.layer_error("crash points", "storage error", "az://c:ReportSecret2@acct/run: gone")
+    for render in (render_text, to_json, to_junit):
+        text = render([report])
+        assert "ReportSecret" not in text and "***" in text, (render, text)
