@@ -57,6 +57,7 @@ from ckptstore.interval import DEFAULT_RECENT, MIN_SAVES, advise
 from ckptstore.names import MAX_STEP
 from ckptstore.progress import ProgressBar
 from ckptstore.store import DEFAULT_GRACE, Store, open_store
+from ckptstore.urls import redact
 
 __all__ = ["main"]
 
@@ -603,7 +604,7 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     def progress(message: str) -> None:
         if not args.json:
             start = "" if message.startswith("conformance: ") else "  .. "
-            sys.stderr.write(f"{start}{message}\n")
+            sys.stderr.write(f"{start}{redact(message)}\n")
 
     def write(reports: list[Any]) -> None:
         for path, render in ((args.json_file, to_json), (args.junit, to_junit)):
@@ -936,7 +937,7 @@ class _EscapingFormatter(logging.Formatter):
     """Warnings quote names read from storage: escaped, one line each, like errors."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return printable(super().format(record))
+        return printable(redact(super().format(record)))
 
 
 def _wants_json(argv: Sequence[str]) -> bool:
@@ -947,6 +948,7 @@ def _wants_json(argv: Sequence[str]) -> bool:
 
 def _report_error(kind: str, message: str, *, as_json: bool, out: TextIO) -> None:
     """One escaped line on stderr; with --json, also ``{"error", "type"}`` on stdout."""
+    message = redact(message)
     label = "interrupted" if kind == "KeyboardInterrupt" else f"error: {printable(message)}"
     sys.stderr.write(f"ckptstore: {label}\n")
     if as_json:
@@ -963,7 +965,7 @@ def _show_warning(
     line: str | None = None,
 ) -> None:
     """A Python warning (Lustre striping unavailable, ...) as one escaped line, no source."""
-    sys.stderr.write(f"ckptstore: warning: {printable(str(message))}\n")
+    sys.stderr.write(f"ckptstore: warning: {printable(redact(str(message)))}\n")
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:

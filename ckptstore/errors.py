@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import pickle
 
+from ckptstore.redaction import redact
+
 __all__ = [
     "BackendUnavailableError",
     "CapabilityError",
@@ -103,7 +105,14 @@ __all__ = [
 
 
 class CkptStoreError(Exception):
-    """Base of every error raised by ckptstore."""
+    """Base of every error raised by ckptstore.
+
+    Every URL in a message has its secrets redacted (``ckptstore.redaction.redact``), so no
+    error, printed, logged or in a traceback, shows a credential a URL carried.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(arg) if isinstance(arg, str) else arg for arg in args))
 
 
 class InvalidInputError(CkptStoreError, ValueError):

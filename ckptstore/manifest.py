@@ -88,8 +88,8 @@ class WriterInfo:
 
 @dataclass(frozen=True)
 class ReplicaSource:
-    """Where a replicated checkpoint was first published: the store (its URL without the
-    query), the step and the attempt there, and when that attempt committed.
+    """Where a replicated checkpoint was first published: the store (its URL, as printed:
+    secrets redacted), the step and the attempt there, and when that attempt committed.
 
     Only a copy made by the tiered store's replicator has one (docs/protocol.md, "Tiers"); its
     shards' sizes and CRC32Cs are those the first write recorded.

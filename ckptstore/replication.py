@@ -48,6 +48,7 @@ from ckptstore.manifest import Manifest, ReplicaSource, ShardRecord
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.retention import CheckpointAge, RetentionPolicy
 from ckptstore.store import Store
+from ckptstore.urls import redact
 
 __all__ = [
     "COPY_CHUNK",
@@ -439,7 +440,7 @@ class Replicator:
             log.warning("%s: step %d not replicated: %s", self, manifest.step, exc)
             return False
         pending.source = ReplicaSource(
-            url=self.fast.url.partition("?")[0],
+            url=redact(self.fast.url),
             step=manifest.step,
             attempt=manifest.attempt,
             committed_at=manifest.committed_at,

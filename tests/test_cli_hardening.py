@@ -327,4 +327,6 @@ def test_hostile_characters_in_errors_are_escaped(made, capsys):
     status, text = run("ls", f"{root.parent}/no\u202esuch\nplace")
     assert (status, text) == (2, "")
     err = one_error_line(capsys)
-    assert "no\\u202esuch\\nplace" in err and "\u202e" not in err
+    # The store's file:// URL percent-encodes the newline (so that it opens the store again,
+    # issue 24 item 18); what a terminal would act on is escaped.
+    assert "no\\u202esuch%0Aplace" in err and "\u202e" not in err and "\n" not in err[:-1]

@@ -20,8 +20,8 @@ TOOLING = "tooling"
 
 LAYERS: dict[str, tuple[str, ...]] = {
     FOUNDATION: (
-        "errors", "names", "urls", "checksum", "driver", "manifest", "hint", "retention",
-        "progress", "lineage", "jsonload",
+        "errors", "names", "urls", "redaction", "checksum", "driver", "manifest", "hint",
+        "retention", "progress", "lineage", "jsonload",
     ),
     COMMIT: ("commit",),
     BACKENDS: ("backends",),

@@ -71,7 +71,7 @@ from ckptstore.errors import (
     StoreNotFoundError,
     TransientStorageError,
 )
-from ckptstore.urls import StoreURL, option_bool, option_int
+from ckptstore.urls import StoreURL, endpoint_option, option_bool, option_int, redact
 
 __all__ = ["AzureBlobDriver", "open_azure", "parse_location"]
 
@@ -820,7 +820,7 @@ class _ConnectionString:
 def _endpoint_and_credential(options: Mapping[str, object]) -> tuple[str, Any]:
     """The blob endpoint and the credential, from options first, then the environment, then
     DefaultAzureCredential (azure-identity) when installed."""
-    endpoint = str(options.get("endpoint_url") or "")
+    endpoint = endpoint_option(options)
     account = str(options.get("account_name") or os.environ.get("AZURE_STORAGE_ACCOUNT") or "")
     if options.get("connection_string"):
         return endpoint, _ConnectionString(str(options["connection_string"]))
@@ -882,7 +882,7 @@ def parse_location(url: StoreURL) -> tuple[str, str, str | None, str | None]:
     account = endpoint = None
     if at:
         if ":" in container:
-            raise InvalidURLError(f"{url.raw}: credentials do not belong in a URL")
+            raise InvalidURLError(f"{url.shown}: credentials do not belong in a URL")
         match = _HOST_RE.fullmatch(host.lower())
         if match is not None:
             account = match["account"]
@@ -891,14 +891,14 @@ def parse_location(url: StoreURL) -> tuple[str, str, str | None, str | None]:
             account = host
         else:
             raise InvalidURLError(
-                f"{url.raw}: {host!r} is not an Azure storage host (expected "
+                f"{url.shown}: {host!r} is not an Azure storage host (expected "
                 f"<account>.blob.core.windows.net or <account>.dfs.core.windows.net)"
             )
         if not _ACCOUNT_RE.fullmatch(account):
-            raise InvalidURLError(f"{url.raw}: {account!r} is not a valid storage account name")
+            raise InvalidURLError(f"{url.shown}: {account!r} is not a valid storage account name")
     if not _CONTAINER_RE.fullmatch(container) and container != "$root":
         raise InvalidURLError(
-            f"{url.raw}: {container!r} is not a valid Azure container name (3-63 lowercase "
+            f"{url.shown}: {container!r} is not a valid Azure container name (3-63 lowercase "
             f"letters, digits and single hyphens)"
         )
     return container, url.path.strip("/"), account, endpoint
@@ -920,7 +920,7 @@ def open_azure(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCo
         given = options.get("account_name")
         if given and str(given) != account:
             raise InvalidOptionError(
-                f"{url.raw}: the URL names account {account!r}, account_name says {given!r}"
+                f"{url.shown}: the URL names account {account!r}, account_name says {given!r}"
             )
         merged["account_name"] = account
         if endpoint and not options.get("endpoint_url"):
@@ -932,7 +932,7 @@ def open_azure(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCo
         client.get_container_client(container),
         container,
         prefix,
-        url=f"{url.scheme}://{url.netloc}/{prefix}".rstrip("/"),
+        url=redact(f"{url.scheme}://{url.netloc}/{prefix}".rstrip("/")),
         identity=f"{client.url.rstrip('/')}/{container}",
         clock=clock,
         min_part_size=min_part_size,

@@ -65,7 +65,7 @@ from ckptstore.errors import (
     TransientStorageError,
     UnknownSchemeError,
 )
-from ckptstore.urls import StoreURL, option_bool, option_int
+from ckptstore.urls import StoreURL, endpoint_option, option_bool, option_int, redact
 
 __all__ = ["ATOMIC_CREATE", "FsspecDriver", "FsspecReadOnlyCommit", "open_fsspec"]
 
@@ -546,10 +546,10 @@ def protocol_of(url: StoreURL) -> str:
     """The fsspec protocol of an ``fsspec+<protocol>://`` URL, known to fsspec."""
     protocol = url.scheme[len(SCHEME_PREFIX) :] if url.scheme.startswith(SCHEME_PREFIX) else ""
     if not protocol:
-        raise InvalidURLError(f"{url.raw}: expected fsspec+<protocol>://..., e.g. fsspec+s3://")
+        raise InvalidURLError(f"{url.shown}: expected fsspec+<protocol>://..., e.g. fsspec+s3://")
     if protocol not in fsspec.available_protocols():
         raise UnknownSchemeError(
-            f"{url.raw}: fsspec knows no protocol {protocol!r}; fsspec's protocols: "
+            f"{url.shown}: fsspec knows no protocol {protocol!r}; fsspec's protocols: "
             f"{', '.join(sorted(fsspec.available_protocols()))}"
         )
     return protocol
@@ -578,6 +578,7 @@ def _storage_options(url: StoreURL, options: Mapping[str, object], protocol: str
             f"credentials ({', '.join(leaked)}) do not belong in a URL, where they end up in "
             f"logs; pass them as keyword arguments or through the implementation's own chain"
         )
+    endpoint_option(options)  # an endpoint with user:password@: refused, never logged
     storage: dict[str, Any] = {"use_listings_cache": False}
     if protocol in ("file", "local"):
         storage["auto_mkdir"] = True
@@ -620,16 +621,16 @@ def make_driver(url: StoreURL, options: Mapping[str, object]) -> FsspecDriver:
     try:
         fs = fsspec.filesystem(protocol, **storage)
     except (TypeError, ValueError) as exc:
-        raise InvalidOptionError(f"{url.raw}: storage options for {protocol}: {exc}") from exc
+        raise InvalidOptionError(f"{url.shown}: storage options for {protocol}: {exc}") from exc
     location = f"{url.netloc}{url.path}".rstrip("/")
     root = str(fsspec.core.strip_protocol(f"{protocol}://{location}")).rstrip("/")
     if not root.strip("/") and protocol not in ("file", "local", "memory"):
-        raise InvalidURLError(f"{url.raw}: no bucket or container in the URL")
+        raise InvalidURLError(f"{url.shown}: no bucket or container in the URL")
     implementation = implementation_name(fs)
     unsafe = option_bool(options, UNSAFE_OPTION, False)
     atomic = implementation in ATOMIC_CREATE
     if unsafe and not atomic:
-        log.warning("%s: %s: writing although create-if-absent is not atomic there", url.raw,
+        log.warning("%s: %s: writing although create-if-absent is not atomic there", url.shown,
                     UNSAFE_OPTION)  # fmt: skip
     min_part = options.get("min_part_size")
     driver_class = FsspecDriver
@@ -640,7 +641,7 @@ def make_driver(url: StoreURL, options: Mapping[str, object]) -> FsspecDriver:
     return driver_class(
         fs,
         root,
-        url=f"{url.scheme}://{location}",
+        url=redact(f"{url.scheme}://{location}"),
         endpoint=_endpoint(storage),
         atomic_create=atomic,
         unsafe=unsafe,

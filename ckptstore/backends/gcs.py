@@ -81,7 +81,7 @@ from ckptstore.errors import (
     StoreNotFoundError,
     TransientStorageError,
 )
-from ckptstore.urls import StoreURL, option_bool, option_int
+from ckptstore.urls import StoreURL, endpoint_option, option_bool, option_int, redact
 
 __all__ = ["GCSDriver", "open_gcs", "open_gcs_versioned"]
 
@@ -944,14 +944,20 @@ def make_transport(options: Mapping[str, object]) -> tuple[Any, Any]:
 
 
 def _new_client(options: Mapping[str, object]) -> tuple[Any, Any]:
-    endpoint = str(options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST") or "")
+    endpoint = endpoint_option(options) or os.environ.get("STORAGE_EMULATOR_HOST") or ""
     token = str(options.get("token") or "")
-    if token not in ("", "anonymous"):
-        raise InvalidOptionError(f"token must be 'anonymous' (or absent), not {token!r}")
+    if token not in ("", "anonymous"):  # the value given is not echoed: it may be a real token
+        raise InvalidOptionError(
+            "token must be 'anonymous' (or absent): an access token does not belong in the "
+            "options, where it ends up in logs; use credentials_file or Application Default "
+            "Credentials"
+        )
     credentials_file = str(options.get("credentials_file") or "")
     project = str(options.get("project") or "") or None
     if endpoint and not endpoint.startswith(("http://", "https://")):
-        raise InvalidOptionError(f"endpoint_url must be an http(s):// URL, not {endpoint!r}")
+        raise InvalidOptionError(
+            f"endpoint_url must be an http(s):// URL, not {redact(endpoint)!r}"
+        )
     try:
         if credentials_file:
             from google.oauth2 import service_account
@@ -994,6 +1000,11 @@ def _new_client(options: Mapping[str, object]) -> tuple[Any, Any]:
 def parse_location(url: StoreURL) -> tuple[str, str]:
     """Bucket and prefix of a gs:// URL, validated (GCS bucket naming rules)."""
     bucket = url.netloc
+    if "@" in bucket:  # what comes before the @ can only be a credential: never echoed
+        raise InvalidURLError(
+            f"{url.shown}: a gs:// URL names a bucket, with no user@ part; pass credentials "
+            f"as options or through Application Default Credentials"
+        )
     name_ok = 3 <= len(bucket) <= 222 and all(
         c.islower() or c.isdigit() or c in "-_." for c in bucket
     )
@@ -1004,10 +1015,10 @@ def parse_location(url: StoreURL) -> tuple[str, str]:
         or ".." in bucket
         or bucket.startswith("goog")
     ):
-        raise InvalidURLError(f"{url.raw}: {bucket!r} is not a valid GCS bucket name")
+        raise InvalidURLError(f"{url.shown}: {bucket!r} is not a valid GCS bucket name")
     prefix = url.path.strip("/")
     if prefix.startswith(UPLOADS.rstrip("/")) or "/" + UPLOADS in prefix + "/":
-        raise InvalidURLError(f"{url.raw}: {UPLOADS!r} is ckptstore's own (upload pieces)")
+        raise InvalidURLError(f"{url.shown}: {UPLOADS!r} is ckptstore's own (upload pieces)")
     return bucket, prefix
 
 

@@ -34,7 +34,7 @@ from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.rename import RenameCommit
 from ckptstore.driver import FileSystemDriver
 from ckptstore.errors import InvalidOptionError, InvalidURLError, StorageError, TargetExistsError
-from ckptstore.urls import StoreURL, option_int
+from ckptstore.urls import StoreURL, file_url, option_int
 
 __all__ = [
     "LayoutFileSystemDriver",
@@ -78,7 +78,7 @@ class LustreDriver(PosixDriver, LayoutFileSystemDriver):
 
     def __init__(self, root: str, api: LustreApi | None) -> None:
         super().__init__(root)
-        self.url = f"lustre://{self.root}"
+        self.url = file_url(self.root, "lustre")
         self.api = api
 
     def create_with_layout(self, path: str, layout: Layout) -> int:
@@ -165,7 +165,7 @@ def open_lustre(url: StoreURL, options: Mapping[str, object]) -> LustreCommit:
         options, allowed=("stripe_count", "stripe_size", "pool", "wide_threshold", "lustreapi")
     )
     if url.netloc not in ("", "localhost"):
-        raise InvalidURLError(f"{url.raw}: lustre:// URLs take an absolute path (lustre:///path)")
+        raise InvalidURLError(f"{url.shown}: lustre:// URLs take an absolute path (lustre:///path)")
     count = option_int(options, "stripe_count", -1, minimum=-1)
     if count == 0:
         raise InvalidOptionError("stripe_count must be -1 (all OSTs) or a positive count")
@@ -187,7 +187,7 @@ def open_lustre(url: StoreURL, options: Mapping[str, object]) -> LustreCommit:
     if is_lustre(probe) is False:
         _warn_once(
             f"not-lustre-root:{url.path}",
-            f"{url.raw} is not on a Lustre file system; the protocol is still correct",
+            f"{url.shown} is not on a Lustre file system; the protocol is still correct",
         )
     return LustreCommit(
         driver,

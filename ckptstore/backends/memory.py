@@ -402,7 +402,7 @@ def open_memory(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutC
     """
     url.reject_unknown(options, allowed=("versioned", "min_part_size", "part_size", "concurrency"))
     if not url.netloc:
-        raise InvalidURLError(f"{url.raw}: memory:// URLs name a bucket: memory://bucket/prefix")
+        raise InvalidURLError(f"{url.shown}: memory:// URLs name a bucket: memory://bucket/prefix")
     if url.scheme == "memory+versioned" and "versioned" not in options:
         options = {**options, "versioned": True}
     settings: dict[str, object] = {}

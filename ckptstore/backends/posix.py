@@ -27,7 +27,7 @@ from ckptstore.errors import (
     StoreNotFoundError,
     TargetExistsError,
 )
-from ckptstore.urls import StoreURL
+from ckptstore.urls import StoreURL, file_url
 
 __all__ = ["PosixDriver", "open_posix"]
 
@@ -85,7 +85,7 @@ class PosixDriver(FileSystemDriver):
         if not os.path.isabs(root):
             raise InvalidURLError(f"POSIX store root must be an absolute path, got {root!r}")
         self.root = os.path.normpath(root)
-        self.url = f"file://{self.root}"
+        self.url = file_url(self.root)
         self._paths: dict[int, str] = {}
         self._root_device: int | None = None
 
@@ -315,7 +315,7 @@ def open_posix(url: StoreURL, options: Mapping[str, object]) -> RenameCommit:
     url.reject_unknown(options, allowed=())
     if url.netloc not in ("", "localhost"):
         raise InvalidURLError(
-            f"{url.raw}: file:// URLs take an absolute path (file:///abs/path), "
-            f"not a host {url.netloc!r}"
+            f"{url.shown}: file:// URLs take an absolute path (file:///abs/path), "
+            f"not a host {url.netloc.rpartition('@')[2]!r}"
         )
     return RenameCommit(PosixDriver(url.path))

@@ -75,7 +75,7 @@ from ckptstore.errors import (
     StoreNotFoundError,
     TransientStorageError,
 )
-from ckptstore.urls import StoreURL, option_bool, option_int
+from ckptstore.urls import StoreURL, endpoint_option, option_bool, option_int
 
 __all__ = ["S3Driver", "install_abort_incomplete_uploads_rule", "open_s3", "open_s3_versioned"]
 
@@ -882,7 +882,16 @@ def _new_client(options: Mapping[str, object]) -> Any:
         response_checksum_validation="when_required",
         max_pool_connections=option_int(options, "concurrency", 8, minimum=1) + POOL_HEADROOM,
     )
-    endpoint = str(options["endpoint_url"]) if options.get("endpoint_url") else None
+    endpoint = endpoint_option(options) or None
+    given = [name for name in CREDENTIAL_OPTIONS if options.get(name)]
+    if given and not {"aws_access_key_id", "aws_secret_access_key"} <= set(given):
+        # botocore fails on half a key pair with a TypeError of its own; named, never shown
+        raise InvalidOptionError(
+            f"{', '.join(given)} given without "
+            f"{' and '.join(n for n in CREDENTIAL_OPTIONS[:2] if n not in given)}: an access key "
+            f"is aws_access_key_id and aws_secret_access_key together (aws_session_token "
+            f"with both); or pass none, and the AWS credential chain is used"
+        )
     try:
         session = boto3.session.Session(
             profile_name=str(options["profile"]) if options.get("profile") else None,
@@ -898,8 +907,13 @@ def _new_client(options: Mapping[str, object]) -> Any:
 def parse_location(url: StoreURL) -> tuple[str, str]:
     """Bucket and prefix of an s3:// URL, validated."""
     bucket = url.netloc
+    if "@" in bucket:  # what comes before the @ can only be a credential: never echoed
+        raise InvalidURLError(
+            f"{url.shown}: an s3:// URL names a bucket, with no user@ part; pass credentials "
+            f"as options or through the AWS credential chain"
+        )
     if not _BUCKET_RE.fullmatch(bucket) or ".." in bucket:
-        raise InvalidURLError(f"{url.raw}: {bucket!r} is not a valid S3 bucket name")
+        raise InvalidURLError(f"{url.shown}: {bucket!r} is not a valid S3 bucket name")
     return bucket, url.path.strip("/")
 
 
@@ -973,14 +987,20 @@ def install_abort_incomplete_uploads_rule(
     url: str, *, days: int = 7, **options: object
 ) -> dict[str, Any]:
     """Add (or replace) the bucket lifecycle rule that aborts incomplete multipart uploads
-    under the store's prefix after ``days``; other rules are kept. Returns the rule."""
+    under the store's prefix after ``days``; other rules are kept. Returns the rule.
+
+    ``url`` and ``options`` are read as opening the store reads them (``open_s3``): the same
+    refusal of credentials in the URL, of unknown options, and the same client.
+    """
     from ckptstore.urls import parse_url
 
     parsed = parse_url(url)
     if parsed.scheme not in ("s3", "s3+versioned"):
-        raise InvalidURLError(f"{url}: lifecycle rules apply to s3:// stores")
-    bucket, prefix = parse_location(parsed)
-    client = make_client({**parsed.query, **options})
+        raise InvalidURLError(f"{parsed.shown}: lifecycle rules apply to s3:// stores")
+    driver = _s3_driver(
+        parsed, {**parsed.query, **options}, versioned=parsed.scheme == "s3+versioned"
+    )[0]
+    client, bucket, prefix = driver.client, driver.bucket, driver.prefix.rstrip("/")
     rule_id = f"ckptstore-abort-incomplete-uploads-{hashlib.sha1(prefix.encode()).hexdigest()[:10]}"
     rule = {
         "ID": rule_id,

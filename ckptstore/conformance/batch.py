@@ -18,6 +18,7 @@ from typing import Any
 
 from ckptstore.conformance.report import INTERRUPTED, BackendReport
 from ckptstore.conformance.runner import Target, run_backend
+from ckptstore.urls import redact
 
 __all__ = ["run_targets"]
 
@@ -50,7 +51,7 @@ def run_targets(
 
     def run_one(index: int, target: Target) -> None:
         with slots:
-            say(f"conformance: {target.url}")
+            say(f"conformance: {redact(target.url)}")
             prefix = f"[{index + 1}/{len(targets)}] " if together else ""
             try:
                 report = run_backend(

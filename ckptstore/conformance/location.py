@@ -45,7 +45,10 @@ _ids = itertools.count()
 
 
 def child_url(base: str, segment: str) -> str:
-    """``base`` with one more path segment, before any query string."""
+    """``base`` with one more path segment, before any query string (a bare path has none:
+    a ``?`` in it is part of a name)."""
+    if "://" not in base:
+        return os.path.join(base, segment)
     path, sep, query = base.partition("?")
     return f"{path.rstrip('/')}/{segment}{sep}{query}"
 

@@ -21,6 +21,7 @@ from xml.etree import ElementTree
 from ckptstore.conformance.model import INVARIANTS
 from ckptstore.conformance.outcomes import STORAGE_ERROR
 from ckptstore.conformance.probes import HELD, NOT_MEASURED, ProbeResult
+from ckptstore.urls import redact
 
 __all__ = ["BackendReport", "InvariantResult", "LayerError", "render_text", "to_json", "to_junit"]
 
@@ -213,7 +214,7 @@ def render_text(reports: list[BackendReport]) -> str:
             lines.append(f"  {error.layer}: {error.outcome.upper()}: {error.message}")
         lines.append("")
     lines.append(f"conformance: {len(reports)} backend(s); {_summary(reports)}")
-    return "\n".join(lines) + "\n"
+    return redact("\n".join(lines) + "\n")  # evidence quotes URLs and foreign errors
 
 
 def _summary(reports: list[BackendReport]) -> str:
@@ -233,13 +234,15 @@ def to_json(reports: list[BackendReport]) -> str:
     outcomes = [r.outcome for r in reports]
     order = (VIOLATED_STATUS, INTERRUPTED, STORAGE_ERROR_STATUS)
     worst = next((o for o in order if o in outcomes), HELD_STATUS)
-    return json.dumps(
-        {
-            "ok": all(r.ok for r in reports),
-            "outcome": worst,
-            "backends": [{**asdict(r), "outcome": r.outcome} for r in reports],
-        },
-        indent=2,
+    return redact(
+        json.dumps(
+            {
+                "ok": all(r.ok for r in reports),
+                "outcome": worst,
+                "backends": [{**asdict(r), "outcome": r.outcome} for r in reports],
+            },
+            indent=2,
+        )
     )
 
 
@@ -295,4 +298,4 @@ def to_junit(reports: list[BackendReport]) -> str:
         suite.set("failures", str(failures))
         suite.set("errors", str(errors))
         suite.set("time", f"{report.duration_s:.3f}")
-    return ElementTree.tostring(root, encoding="unicode")
+    return redact(ElementTree.tostring(root, encoding="unicode"))

@@ -40,6 +40,7 @@ from ckptstore.conformance.workload import (
 from ckptstore.driver import DriverFamily, driver_family
 from ckptstore.errors import InvalidOptionError, RefusedError
 from ckptstore.store import Store
+from ckptstore.urls import redact
 
 __all__ = ["Target", "run_backend", "run_tiered"]
 
@@ -91,7 +92,7 @@ def run_backend(
     started = time.monotonic()
     budget = BUDGET_S.get(profile) if budget_s is None else budget_s
     deadline = None if budget is None else started + budget
-    report = BackendReport(url=url, strategy="?")
+    report = BackendReport(url=redact(url), strategy="?")
     written = on_layer or (lambda report: None)
     layer = functools.partial(_layer, report, started=started, written=written)
     base = _open_base(report, url, options, allow_nonempty)
@@ -579,7 +580,7 @@ def run_tiered(
 
     say = progress or (lambda message: None)
     started = time.monotonic()
-    report = BackendReport(url=f"{url} -> {durable_url}", strategy="tiered")
+    report = BackendReport(url=redact(f"{url} -> {durable_url}"), strategy="tiered")
     written = on_layer or (lambda report: None)
     for key in TIERED_NOT_COVERED:
         report.not_applicable(key, "checked by the suite on each store's own URL")
