@@ -351,3 +351,23 @@ def test_conformance_reports_redact_the_urls_they_quote(tmp_path) -> None:
     for render in (render_text, to_json, to_junit):
         text = render([report])
         assert "ReportSecret" not in text and "***" in text, (render, text)
+
+
+@pytest.mark.parametrize("form", ["fsspec+s3 userinfo", "s3 presigned query", "az SAS query"])
+def test_the_ckptstore_process_shows_no_secret(form: str, moto_s3: EmbeddedS3, tmp_path) -> None:
+    """The command in a process of its own (its own logging handler and warning display)."""
+    import subprocess
+    import sys
+
+    template, secret = FORMS[form]
+    url = _url(template, moto_s3, f"secrets-process/{os.getpid()}")
+    env = {**os.environ, **moto_s3.credentials_env(), "AWS_DEFAULT_REGION": "us-east-1"}
+    for argv in (["ls", url], ["ls", url, "--json"], ["lifecycle", url, "--json"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "ckptstore.cli", *argv],
+            capture_output=True, text=True, env=env, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 2, done
+        assert "Traceback" not in done.stderr
+        for leaked in _shown(secret) + _shown(SECOND_SECRETS.get(form, secret)):
+            assert leaked not in done.stdout + done.stderr, done
