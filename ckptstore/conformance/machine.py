@@ -389,7 +389,7 @@ def make_state_machine(
 
         def _take_over(self, parent: int | None) -> None:
             store, _ = self.location.open()
-            epoch = store.take_over(parent)
+            epoch = store.take_over(parent, discard_history=parent is None)
             expected = self.model.newest_epoch + 1
             if epoch.number != expected or store.lineage().newest != expected:
                 raise InvariantViolation(
