@@ -216,8 +216,12 @@ class Store:
         self._epoch = epoch.number
         return epoch
 
-    def _take_from(self, step: int, from_epoch: int | None, note: str) -> Epoch:
-        """Take over from checkpoint (``step``, its epoch), held against deleters (§8.5)."""
+    def _take_from(
+        self, step: int, from_epoch: int | None, note: str, *, required: bool = False
+    ) -> Epoch:
+        """Take over from checkpoint (``step``, its epoch), held against deleters (§8.5).
+        ``required`` (and with ``from_epoch``): CheckpointNotFoundError, and no epoch taken,
+        unless that checkpoint is published."""
         lineage = self._history.lineage()
         if from_epoch is None:
             base = lineage.owner(step)
@@ -228,10 +232,10 @@ class Store:
                     f"{self.url}: epoch {base} was never taken (newest: {lineage.newest})"
                 )
         existed = self._has_checkpoint(step, base)
-        if not existed and from_epoch is not None:
+        if not existed and (required or from_epoch is not None):
             raise CheckpointNotFoundError(
                 f"{self.url}: epoch {base} has no published checkpoint at step {step} to "
-                f"take over from (ckptstore ls --all lists them)"
+                f"take over from (ckptstore ls lists the superseded ones); no epoch was taken"
             )
         if not existed or not self._markers.supported:
             return self._history.take(step, note=note, parent_epoch=base)
@@ -765,7 +769,7 @@ class Store:
             return RolledBack(step, sorted(removed), None, None)
         if not newer:
             return RolledBack(step, [], None, None)
-        epoch = self._take_from(step, None, f"rollback to step {step}")
+        epoch = self._take_from(step, None, f"rollback to step {step}", required=True)
         self._epoch = epoch.number
         for left in newer:
             self._confirmed.pop(left, None)

@@ -52,7 +52,7 @@ def s3_env(
 ) -> None:
     """The CLI reads S3 credentials from the environment, like any AWS tool."""
     if backend.name == "s3":
-        for key, value in request.getfixturevalue("moto_s3").env().items():
+        for key, value in request.getfixturevalue("moto_s3").credentials_env().items():
             monkeypatch.setenv(key, value)
 
 
