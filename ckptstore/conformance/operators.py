@@ -106,7 +106,8 @@ class OperatorAction:
         """Do it through ``store``; keep (not raise) what ckptstore refused or failed with."""
         try:
             if self.kind == "rollback":
-                self.took_epoch = store.rollback(self.step).epoch is not None
+                done = store.rollback(self.step)
+                self.took_epoch = getattr(done, "epoch", None) is not None
             elif self.kind == "retention":
                 store.apply_retention(KeepLast(self.keep))
             else:
