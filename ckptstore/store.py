@@ -512,7 +512,18 @@ class Store:
                     found.append(StrayEntry(step, str(exc)))
             except IntegrityError as exc:
                 found.append(StrayEntry(step, str(exc)))
-        return found
+        # Named like a step that a takeover (a rollback) moved out of the history: still a
+        # stray, and still reported (only commit points whose manifest reads are superseded).
+        for entry in self._history.superseded():
+            try:
+                self._history.read_manifest_of(entry.step, entry.epoch)
+            except NotACheckpointError as exc:
+                found.append(StrayEntry(entry.step, str(exc)))
+            except CheckpointNotFoundError:
+                continue
+            except IntegrityError as exc:
+                found.append(StrayEntry(entry.step, str(exc)))
+        return sorted(found, key=lambda stray: stray.step)
 
     def _confirm(self, step: int) -> _Confirmed:
         """Read ``step``'s manifest unless it was read before; cache what retention needs."""
