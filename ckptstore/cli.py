@@ -56,7 +56,7 @@ from ckptstore.errors import (
 from ckptstore.interval import DEFAULT_RECENT, MIN_SAVES, advise
 from ckptstore.names import MAX_STEP
 from ckptstore.progress import ProgressBar
-from ckptstore.store import DEFAULT_GRACE, Store, open_store
+from ckptstore.store import DEFAULT_GRACE, DEFAULT_SUPERSEDED_GRACE, Store, open_store
 from ckptstore.urls import redact
 
 __all__ = ["main"]
@@ -261,6 +261,7 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
     entries = [_entry(store, step)[0] for step in _listed_steps(store)]
     lineage = store.lineage()
     superseded = store.superseded() if lineage.newest else []
+    since = store.superseded_since() if superseded else {}
     for entry in entries:
         entry.setdefault("epoch", lineage.owner(entry["step"]))
     if args.json:
@@ -268,7 +269,7 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
             "url": store.url,
             "checkpoints": entries,
             "epochs": [epoch_document(epoch) for epoch in lineage.epochs],
-            "superseded": superseded_document(superseded),
+            "superseded": superseded_document(superseded, since, DEFAULT_SUPERSEDED_GRACE),
         }
         json.dump(document, out, indent=2)
         out.write("\n")
@@ -281,8 +282,8 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
         out.write("\n")
         _print_table(epoch_rows(lineage), out)
     if superseded:
-        out.write("\nsuperseded (part of no history; no reader returns them):\n")
-        _print_table(superseded_rows(superseded), out)
+        out.write("\nsuperseded (no reader returns them; a take-over from one undoes it):\n")
+        _print_table(superseded_rows(superseded, since, DEFAULT_SUPERSEDED_GRACE), out)
     return EXIT_OK
 
 
@@ -488,7 +489,9 @@ def _verify_result(step: int, status: str, problems: list[str]) -> dict[str, Any
 
 def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
     store = _open(args.url)
-    report = store.gc(grace=args.grace, dry_run=args.dry_run)
+    report = store.gc(
+        grace=args.grace, superseded_grace=args.superseded_grace, dry_run=args.dry_run
+    )
     if args.json:
         json.dump(
             {
@@ -550,13 +553,51 @@ def cmd_rollback(args: argparse.Namespace, out: TextIO) -> int:
         return _rollback_pair(args, out)
     store = _open(args.url)
     refuse_a_fast_tier_alone(store, args.step)
-    deleted = store.rollback(args.step)
+    done = store.rollback(args.step)
+    after = None if done.collected_after is None else done.collected_after.isoformat()
     if args.json:
-        json.dump({"url": store.url, "latest": args.step, "deleted": deleted}, out)
+        document = {
+            "url": store.url,
+            "latest": args.step,
+            "left_history": done.left,
+            "epoch": None if done.epoch is None else done.epoch.number,
+            "collected_after": after,
+        }
+        json.dump(document, out)
         out.write("\n")
-    else:
-        listed = ", ".join(map(str, deleted)) or "nothing"
-        out.write(f"rolled back {printable(store.url)} to step {args.step}; deleted {listed}\n")
+        return EXIT_OK
+    if done.epoch is None:
+        out.write(f"{printable(store.url)}: nothing is newer than step {args.step}\n")
+        return EXIT_OK
+    left = ", ".join(map(str, done.left))
+    out.write(
+        f"rolled back {printable(store.url)} to step {args.step} (epoch {done.epoch.number}); "
+        f"left the history: {left}\n"
+        f"they stay published until gc collects them, from {after or 'unknown'} (default "
+        f"--superseded-grace); undo: ckptstore take-over URL {done.left[-1]} --from-epoch "
+        f"{done.epoch.base}\n"
+    )
+    return EXIT_OK
+
+
+def cmd_take_over(args: argparse.Namespace, out: TextIO) -> int:
+    store = _open(args.url)
+    if args.step is None and not args.discard_history:
+        raise InvalidInputError("take-over needs STEP, or --discard-history for a fresh start")
+    epoch = store.take_over(
+        args.step,
+        note=args.note,
+        from_epoch=args.from_epoch,
+        discard_history=args.discard_history,
+    )
+    if args.json:
+        json.dump({"url": store.url, **epoch_document(epoch)}, out)
+        out.write("\n")
+        return EXIT_OK
+    start = (
+        "a fresh start" if epoch.parent is None else f"step {epoch.parent} of epoch {epoch.base}"
+    )
+    out.write(f"took {printable(store.url)} over from {start}: epoch {epoch.number}\n")
     return EXIT_OK
 
 
@@ -821,13 +862,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_GRACE,
         help="idle time before a leftover counts as dead (default 1h; 30s, 15m, 2d...)",
     )
+    p.add_argument(
+        "--superseded-grace",
+        type=parse_duration,
+        default=DEFAULT_SUPERSEDED_GRACE,
+        help="time after a takeover or rollback before the checkpoints it superseded are "
+        "removed; until then it can be undone (default 24h)",
+    )
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     p.set_defaults(func=cmd_gc)
     p = command("delete", "delete one checkpoint (the newest only with --force)")
     p.add_argument("step", type=parse_step)
     p.add_argument("--force", action="store_true", help="allow deleting the newest")
     p.set_defaults(func=cmd_delete)
-    p = command("rollback", "delete every checkpoint newer than STEP")
+    p = command(
+        "rollback", "make STEP the newest again: newer checkpoints leave the history (undoable)"
+    )
     p.add_argument("step", type=parse_step)
     p.add_argument(
         "--replicate-to",
@@ -837,6 +887,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(docs/tiers.md)",
     )
     p.set_defaults(func=cmd_rollback)
+    p = command("take-over", "take the store over from STEP (of --from-epoch: an undo)")
+    p.add_argument("step", nargs="?", type=parse_step)
+    p.add_argument(
+        "--from-epoch",
+        type=counted(0, 10**12 - 1),
+        default=None,
+        help="the epoch of STEP's checkpoint, when a takeover or rollback superseded it",
+    )
+    p.add_argument("--note", default="", help="free text shown by ls (a job id)")
+    p.add_argument(
+        "--discard-history",
+        action="store_true",
+        help="without STEP: a fresh start that supersedes every checkpoint",
+    )
+    p.set_defaults(func=cmd_take_over)
     p = command("bench", "save and load through ckptstore against the storage's raw baseline")
     p.add_argument(
         "--size", type=parse_size, default="256M", help="bytes to save and load (default 256M)"

@@ -3,6 +3,7 @@ checkpoints a takeover superseded, and a checkpoint's ancestry back to epoch 0 (
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from typing import Any
 
 from ckptstore.lineage import Epoch, Lineage
@@ -26,6 +27,7 @@ def epoch_document(epoch: Epoch) -> dict[str, Any]:
         "started_at": epoch.started_at.isoformat(),
         "writer": {"host": epoch.writer.host, "pid": epoch.writer.pid},
         "note": epoch.note,
+        "parent_epoch": None if epoch.parent is None else epoch.base,
     }
 
 
@@ -45,21 +47,46 @@ def epoch_rows(lineage: Lineage) -> list[list[str]]:
     return rows
 
 
-def superseded_document(entries: list[SupersededCheckpoint]) -> list[dict[str, int]]:
-    """Superseded checkpoints as JSON: step, its epoch, the epoch that owns the step now."""
-    return [
-        {"step": entry.step, "epoch": entry.epoch, "superseded_by": entry.owner}
-        for entry in entries
-    ]
+Since = dict[tuple[int, int], datetime | None]
 
 
-def superseded_rows(entries: list[SupersededCheckpoint]) -> list[list[str]]:
-    """The table of superseded checkpoints (never returned; ``gc`` unpublishes them)."""
+def _goes(entry: SupersededCheckpoint, since: Since, grace: timedelta) -> datetime | None:
+    left = since.get((entry.step, entry.epoch))
+    return None if left is None else left + grace
+
+
+def superseded_document(
+    entries: list[SupersededCheckpoint], since: Since, grace: timedelta
+) -> list[dict[str, Any]]:
+    """Superseded checkpoints as JSON: step, its epoch, the epoch that owns the step now, when
+    it left the history and from when ``gc`` (with ``grace``) removes it (storage clock)."""
+    document = []
+    for entry in entries:
+        left, goes = since.get((entry.step, entry.epoch)), _goes(entry, since, grace)
+        document.append(
+            {
+                "step": entry.step,
+                "epoch": entry.epoch,
+                "superseded_by": entry.owner,
+                "superseded_at": None if left is None else left.isoformat(),
+                "collected_after": None if goes is None else goes.isoformat(),
+            }
+        )
+    return document
+
+
+def superseded_rows(
+    entries: list[SupersededCheckpoint], since: Since, grace: timedelta
+) -> list[list[str]]:
+    """The table of superseded checkpoints (never returned; ``gc`` unpublishes them once the
+    superseded grace period has passed)."""
     rows = [["STEP", "EPOCH", "STATUS"]]
-    rows += [
-        [str(e.step), str(e.epoch), f"superseded by epoch {e.owner} (gc removes it)"]
-        for e in entries
-    ]
+    for e in entries:
+        goes = _goes(e, since, grace)
+        when = "unknown" if goes is None else goes.isoformat()[:19].replace("T", " ") + " UTC"
+        rows.append(
+            [str(e.step), str(e.epoch), f"superseded by epoch {e.owner}; gc removes it from {when}"]
+        )
     return rows
 
 
@@ -77,9 +104,8 @@ def ancestry(lineage: Lineage, step: int, epoch: int) -> list[dict[str, Any]]:
         if record.parent is None:
             chain.append({**epoch_document(record), "parent_epoch": None})
             return chain
-        # The owner of the parent step among the epochs before this one: what it resumed from.
-        before = Lineage(lineage.epochs[: current - 1])
-        parent_epoch = before.owner(record.parent)
+        # The owner of the parent step in the history this epoch continues: what it resumed from.
+        parent_epoch = lineage.owner_in(record.base, record.parent)
         chain.append({**epoch_document(record), "parent_epoch": parent_epoch})
         current = parent_epoch
 

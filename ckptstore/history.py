@@ -81,10 +81,14 @@ class History:
         where = f"{self.strategy.url}/epochs/epoch-{number:020d}"
         return Epoch.decode(data, where=where, expected=number)
 
-    def take(self, resumed_from: int | None, note: str = "") -> Epoch:
-        """Create the next epoch, resumed from step ``resumed_from`` (None: a fresh start)."""
+    def take(
+        self, resumed_from: int | None, note: str = "", *, parent_epoch: int | None = None
+    ) -> Epoch:
+        """Create the next epoch, resumed from step ``resumed_from`` (None: a fresh start) of
+        the history of ``parent_epoch`` (None: the newest epoch read now)."""
         parent = None if resumed_from is None else check_step(resumed_from)
         number = self.lineage().newest + 1
+        base = number - 1 if parent_epoch is None else parent_epoch
         for _ in range(_TAKE_TRIES):
             epoch = Epoch(
                 number=number,
@@ -92,6 +96,7 @@ class History:
                 started_at=datetime.fromtimestamp(self.clock(), timezone.utc),
                 writer=WriterInfo.current(),
                 note=note,
+                parent_epoch=None if parent is None or base == number - 1 else base,
             )
             try:
                 self.strategy.create_epoch(number, epoch.encode())
@@ -220,7 +225,8 @@ class History:
             return self._epochs[-1].parent if self._epochs else None
 
     def superseded(self) -> list[SupersededCheckpoint]:
-        """Commit points that left the history (never returned again), ascending."""
+        """Commit points that left the history (a takeover from an older checkpoint of their
+        history brings them back), ascending."""
         listed = self.strategy.published_checkpoints()
         lineage = self.lineage()
         return [
@@ -251,7 +257,7 @@ class History:
         if it has none), so a checkpoint superseded before it was published is never returned.
         """
         epoch = self.owner(step)
-        while True:  # owners only move to newer epochs: this ends
+        while True:  # each pass reads a newer lineage, and epochs are few: this ends
             try:
                 manifest = _read_manifest(self.strategy, step, epoch)
             except CheckpointNotFoundError:

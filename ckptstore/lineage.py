@@ -4,8 +4,9 @@ The rule, and why it holds: docs/protocol.md §8. An epoch is taken by a run tha
 store over; it records the step the run resumed from (its parent). The owner of step s is the
 newest epoch whose parent is below s (a fresh start counting as -1, epoch 0 being the implicit
 epoch of every store before its first takeover), and a checkpoint is part of the history only
-if its epoch owns its step. Epochs are only ever added, so a checkpoint that leaves the history
-never returns to it.
+if its epoch owns its step. An epoch may name the epoch of the checkpoint it resumed from (its
+parent epoch; by default the epoch before it): that is how a mistaken takeover or a rollback is
+undone, by a takeover from a checkpoint that left the history.
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ class Epoch:
     writer: WriterInfo
     note: str = ""
     """Free text from the taker (a job id, a launcher's name), shown by ``ckptstore ls``."""
+    parent_epoch: int | None = None
+    """The epoch of the checkpoint the run resumed from, when it is not the epoch before this
+    one (None: ``number - 1``, the rule of every record written without the field)."""
+
+    @property
+    def base(self) -> int:
+        """The epoch whose history, up to the parent step, this epoch continues."""
+        return self.number - 1 if self.parent_epoch is None else self.parent_epoch
 
     @property
     def floor(self) -> int:
@@ -52,7 +61,7 @@ class Epoch:
         return json.dumps(document, indent=1, sort_keys=True).encode("utf-8")
 
     def _document(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
             "format": EPOCH_FORMAT,
             "epoch": self.number,
             "parent": self.parent,
@@ -60,6 +69,9 @@ class Epoch:
             "writer": {"host": self.writer.host, "pid": self.writer.pid},
             "note": self.note,
         }
+        if self.parent_epoch is not None and self.parent_epoch != self.number - 1:
+            document["parent_epoch"] = self.parent_epoch  # absent: the epoch before (§8.2)
+        return document
 
     @classmethod
     def decode(cls, data: bytes, *, where: str, expected: int) -> Epoch:
@@ -74,12 +86,14 @@ class Epoch:
                 raise ValueError("checksum mismatch (tampered or corrupted)")
             parent = document["parent"]
             writer = document["writer"]
+            parent_epoch = document.get("parent_epoch")
             epoch = cls(
                 number=check_epoch(document["epoch"]),
                 parent=None if parent is None else check_step(parent),
                 started_at=datetime.fromisoformat(document["started_at"]),
                 writer=WriterInfo(host=str(writer["host"]), pid=int(writer["pid"])),
                 note=str(document.get("note", "")),
+                parent_epoch=None if parent_epoch is None else check_epoch(parent_epoch),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise LineageCorruptError(
@@ -89,6 +103,11 @@ class Epoch:
             raise LineageCorruptError(
                 f"{where}: epoch record is for epoch {epoch.number}, stored as epoch "
                 f"{expected}; {_repair_hint(expected)}"
+            )
+        if epoch.base >= epoch.number:
+            raise LineageCorruptError(
+                f"{where}: epoch {epoch.number} names epoch {epoch.base}, not an older one, as "
+                f"its parent epoch"
             )
         return epoch
 
@@ -134,12 +153,30 @@ class Lineage:
         return None
 
     def owner(self, step: int) -> int:
-        """The epoch whose checkpoint of ``step`` is part of the history: the newest whose
-        parent is below ``step`` (epoch 0 when none is)."""
-        for epoch in reversed(self.epochs):
-            if epoch.floor < step:
-                return epoch.number
+        """The epoch whose checkpoint of ``step`` is part of the history (of the newest epoch)."""
+        return self.owner_in(self.newest, step)
+
+    def owner_in(self, epoch: int, step: int) -> int:
+        """The epoch whose checkpoint of ``step`` is part of the history of ``epoch``: ``epoch``
+        itself if its parent is below ``step``, else the owner in its parent epoch's history
+        (docs/protocol.md §8.2). Epoch 0 owns every step of its own history."""
+        number = epoch
+        while number > 0:
+            record = self.epochs[number - 1]
+            if record.floor < step:
+                return number
+            number = record.base
         return 0
+
+    def left_history_at(self, step: int, epoch: int) -> int | None:
+        """The takeover that removed checkpoint (``step``, ``epoch``) from the history: the
+        epoch after the newest one whose history holds it (None: the history holds it now)."""
+        if self.owner(step) == epoch:
+            return None
+        for number in range(self.newest - 1, epoch - 1, -1):
+            if self.owner_in(number, step) == epoch:
+                return number + 1
+        return epoch + 1 if epoch < self.newest else None
 
     def knows(self, epoch: int) -> bool:
         """Whether ``epoch`` is one of the epochs read (0 always is)."""

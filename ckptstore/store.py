@@ -26,12 +26,14 @@ from ckptstore.commit.base import (
     ShardRanges,
     ShardSink,
     StrategyDriver,
+    clock_lead,
 )
 from ckptstore.driver import BytesLike
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CheckpointStateError,
     CkptStoreError,
+    EpochNotFoundError,
     IntegrityError,
     InvalidInputError,
     InvalidOptionError,
@@ -43,21 +45,43 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
+from ckptstore.fencing import HOLD, INTENT, INTENT_STALE_S, Markers
 from ckptstore.hint import ignore_hint
 from ckptstore.history import History, SupersededCheckpoint
 from ckptstore.lineage import Epoch, Lineage
 from ckptstore.manifest import Manifest, ShardRecord, WriterInfo, check_metadata
-from ckptstore.names import check_attempt_id, check_shard_name, check_step, new_attempt_id
+from ckptstore.names import (
+    check_attempt_id,
+    check_epoch,
+    check_shard_name,
+    check_step,
+    new_attempt_id,
+)
 from ckptstore.pending import PendingCheckpoint, ShardData
 from ckptstore.registry import resolve
 from ckptstore.retention import CheckpointAge, RetentionPolicy
 from ckptstore.urls import parse_url, split_epoch
 
-__all__ = ["DEFAULT_GRACE", "Store", "StrayEntry", "SupersededCheckpoint", "open_store"]
+__all__ = [
+    "DEFAULT_GRACE",
+    "DEFAULT_SUPERSEDED_GRACE",
+    "RolledBack",
+    "Store",
+    "StrayEntry",
+    "SupersededCheckpoint",
+    "open_store",
+]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE = timedelta(hours=1)
+DEFAULT_SUPERSEDED_GRACE = timedelta(hours=24)
+"""How long GC keeps a checkpoint a takeover or rollback superseded (a mistaken one can be
+undone meanwhile), from the takeover, on the storage's clock."""
+_INTENT_WAIT_S = 30.0
+_FENCED_ROUNDS = 8
+"""Decisions a deleter makes again, after a takeover fenced it, before it gives up."""
+"""How long a takeover waits for a live deleter of its parent checkpoint to finish."""
 Clock = Callable[[], float]
 _LATEST_ROUNDS = 16
 """Listings latest() makes while every candidate is deleted under it before it gives up."""
@@ -69,6 +93,19 @@ class StrayEntry:
 
     step: int
     reason: str
+
+
+@dataclass(frozen=True)
+class RolledBack:
+    """What a rollback did: the takeover it made, and the checkpoints that left the history."""
+
+    step: int
+    left: list[int]
+    """The steps whose checkpoints left the history, ascending (published still, until GC)."""
+    epoch: Epoch | None
+    """The epoch the rollback took (None: nothing was newer than ``step``, nothing was done)."""
+    collected_after: datetime | None
+    """From when a GC with the default superseded grace unpublishes them (storage clock)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +141,7 @@ class Store:
         self.clock = clock
         self._confirmed: dict[int, _Confirmed] = {}
         self._history = History(strategy, clock)
+        self._markers = Markers(strategy)
         self._epoch: int | None = None
         self._publish_listeners: list[Callable[[int], None]] = []
 
@@ -133,18 +171,113 @@ class Store:
 
     # -- lineages (docs/protocol.md §8) ---------------------------------------------------
 
-    def take_over(self, resumed_from: int | None, *, note: str = "") -> Epoch:
+    def take_over(
+        self,
+        resumed_from: int | None,
+        *,
+        note: str = "",
+        from_epoch: int | None = None,
+        discard_history: bool = False,
+    ) -> Epoch:
         """Take the store over for this run: create the next epoch and write in it.
 
-        ``resumed_from``: the step of the checkpoint this run resumed from (None for a fresh
-        start). From then on no reader returns a checkpoint that a writer of an older epoch
-        (a zombie of the previous run) publishes above that step, and those writers' publishes
-        fail with SupersededError. Call it once per run, after choosing the checkpoint to
-        resume from; other processes of the same run join the epoch (``join_epoch``).
+        ``resumed_from``: the step of the checkpoint this run resumed from. From then on no
+        reader returns a checkpoint that a writer of an older epoch (a zombie of the previous
+        run) publishes above that step, and those writers' publishes fail with
+        SupersededError. Call it once per run, after choosing the checkpoint to resume from;
+        other processes of the same run join the epoch (``join_epoch``).
+
+        ``from_epoch``: the epoch of that checkpoint, when it is not the history's (a
+        checkpoint a takeover or rollback superseded): the new history is that checkpoint's
+        history up to it, which undoes the takeover (docs/protocol.md §8.2). Default: the epoch
+        that owns ``resumed_from`` in the history now.
+
+        ``resumed_from=None`` is a fresh start: every checkpoint leaves the history. On a store
+        whose history holds checkpoints it is refused (RefusedError) unless
+        ``discard_history=True``: a run that found no checkpoint where there are some (a
+        wrong path, an unmounted disk) must not discard them by mistake.
         """
-        epoch = self._history.take(resumed_from, note=note)
+        if resumed_from is None:
+            if from_epoch is not None:
+                raise InvalidOptionError("from_epoch names the epoch of resumed_from: pass both")
+            if not discard_history:
+                held = self.steps()
+                if held:
+                    raise RefusedError(
+                        f"{self.url}: refusing a fresh start: the history holds "
+                        f"{len(held)} checkpoint(s), newest step {held[-1]}; resume from it "
+                        f"(take_over({held[-1]})), or pass discard_history=True "
+                        f"(--discard-history) to supersede them all"
+                    )
+            epoch = self._history.take(None, note=note)
+        else:
+            epoch = self._take_from(check_step(resumed_from), from_epoch, note)
         self._epoch = epoch.number
         return epoch
+
+    def _take_from(
+        self, step: int, from_epoch: int | None, note: str, *, required: bool = False
+    ) -> Epoch:
+        """Take over from checkpoint (``step``, its epoch), held against deleters (§8.5).
+        ``required`` (and with ``from_epoch``): CheckpointNotFoundError, and no epoch taken,
+        unless that checkpoint is published."""
+        lineage = self._history.lineage()
+        if from_epoch is None:
+            base = lineage.owner(step)
+        else:
+            base = check_epoch(from_epoch)
+            if not lineage.knows(base):
+                raise EpochNotFoundError(
+                    f"{self.url}: epoch {base} was never taken (newest: {lineage.newest})"
+                )
+        existed = self._has_checkpoint(step, base)
+        if not existed and (required or from_epoch is not None):
+            raise CheckpointNotFoundError(
+                f"{self.url}: epoch {base} has no published checkpoint at step {step} to "
+                f"take over from (ckptstore ls lists the superseded ones); no epoch was taken"
+            )
+        if not existed or not self._markers.supported:
+            return self._history.take(step, note=note, parent_epoch=base)
+        hold = self._markers.put(HOLD, step, base)
+        try:
+            self._wait_for_intent(step, base)
+            if not self._has_checkpoint(step, base):
+                raise CheckpointNotFoundError(
+                    f"{self.url}: step {step} (epoch {base}) was deleted while this takeover "
+                    f"prepared; no epoch was taken: choose another checkpoint"
+                )
+            return self._history.take(step, note=note, parent_epoch=base)
+        finally:
+            self._markers.remove(hold)
+
+    def _has_checkpoint(self, step: int, epoch: int) -> bool:
+        try:
+            self._history.read_manifest_of(step, epoch)
+        except CheckpointNotFoundError:
+            return False
+        except IntegrityError:
+            return True  # damage is still a checkpoint: not this check's to judge
+        return True
+
+    def _wait_for_intent(self, step: int, epoch: int) -> None:
+        """Wait until no live deleter intends to unpublish checkpoint (``step``, ``epoch``): an
+        intent older than INTENT_STALE_S on the storage's clock is a dead deleter's."""
+        give_up = time.monotonic() + _INTENT_WAIT_S
+        pause = 0.01
+        while True:
+            stamp = self._markers.stamp(INTENT, step, epoch)
+            if stamp is None:
+                return
+            if self._markers.storage_now() - stamp > INTENT_STALE_S:
+                log.warning("%s: passing over a stale deletion intent on step %d", self.url, step)
+                return
+            if time.monotonic() > give_up:
+                raise RefusedError(
+                    f"{self.url}: a deletion of step {step} has been in progress for "
+                    f"{_INTENT_WAIT_S:.0f} s; nothing was taken over: try again"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
 
     def join_epoch(self, epoch: int) -> None:
         """Write in ``epoch``, taken by another process of this run (EpochNotFoundError if it
@@ -164,8 +297,28 @@ class Store:
         return self._history.lineage()
 
     def superseded(self) -> list[SupersededCheckpoint]:
-        """Checkpoints that a takeover removed from the history (GC unpublishes them)."""
+        """Checkpoints that a takeover removed from the history (GC unpublishes them once the
+        superseded grace period has passed; until then a takeover from one brings back its
+        history: ``take_over(step, from_epoch=epoch)``)."""
         return self._history.superseded()
+
+    def superseded_since(self) -> dict[tuple[int, int], datetime | None]:
+        """When each superseded checkpoint (step, epoch) left the history, on the storage's
+        clock: the time of the takeover that removed it (None where unknown)."""
+        lineage = self._history.lineage()
+        stamps: dict[int, float | None] = {}
+        since: dict[tuple[int, int], datetime | None] = {}
+        for entry in self._history.superseded():
+            number = lineage.left_history_at(entry.step, entry.epoch)
+            if number is None:
+                continue
+            if number not in stamps:
+                stamps[number] = self._markers.epoch_stamp(number)
+            stamp = stamps[number]
+            since[(entry.step, entry.epoch)] = (
+                None if stamp is None else datetime.fromtimestamp(stamp, timezone.utc)
+            )
+        return since
 
     def _writer_epoch(self) -> int:
         assert self._epoch is not None  # chosen by begin
@@ -358,7 +511,18 @@ class Store:
                     found.append(StrayEntry(step, str(exc)))
             except IntegrityError as exc:
                 found.append(StrayEntry(step, str(exc)))
-        return found
+        # Named like a step that a takeover (a rollback) moved out of the history: still a
+        # stray, and still reported (only commit points whose manifest reads are superseded).
+        for entry in self._history.superseded():
+            try:
+                self._history.read_manifest_of(entry.step, entry.epoch)
+            except NotACheckpointError as exc:
+                found.append(StrayEntry(entry.step, str(exc)))
+            except CheckpointNotFoundError:
+                continue
+            except IntegrityError as exc:
+                found.append(StrayEntry(entry.step, str(exc)))
+        return sorted(found, key=lambda stray: stray.step)
 
     def _confirm(self, step: int) -> _Confirmed:
         """Read ``step``'s manifest unless it was read before; cache what retention needs."""
@@ -540,27 +704,65 @@ class Store:
 
         Refuses (RefusedError) to delete the newest checkpoint unless ``force``. A stray entry
         named like a step is not a checkpoint: NotACheckpointError, and it is left alone.
+        A takeover from ``step`` in progress (a rollback to it) keeps it: RefusedError.
         """
         check_step(step)
-        steps = self.steps()
-        while steps and not self._still_confirmed(steps[-1]):
-            steps.pop()  # the cached newest no longer parses: the guard protects the next
-        if step not in steps:
-            self._history.read_manifest(step)  # raises the precise error: stray, or not found
-            raise CheckpointNotFoundError(f"{self.url}: no published checkpoint at step {step}")
-        if step == steps[-1] and not force:
-            raise RefusedError(
-                f"{self.url}: step {step} is the newest checkpoint; deleting it needs force=True "
-                f"(--force on the command line), or a rollback to an older step"
-            )
-        self._history.unpublish(step)
-        self._confirmed.pop(step, None)
-        if step == steps[-1]:
-            self._reset_hint(steps[-2] if len(steps) > 1 else None)
+        for _ in range(_FENCED_ROUNDS):
+            newest = self._history.lineage().newest
+            steps = self.steps()
+            while steps and not self._still_confirmed(steps[-1]):
+                steps.pop()  # the cached newest no longer parses: the guard protects the next
+            if step not in steps:
+                self._history.read_manifest(step)  # raises the precise error: stray, not found
+                raise CheckpointNotFoundError(f"{self.url}: no published checkpoint at step {step}")
+            if step == steps[-1] and not force:
+                raise RefusedError(
+                    f"{self.url}: step {step} is the newest checkpoint; deleting it needs "
+                    f"force=True (--force on the command line), or a rollback to an older step"
+                )
+            epoch = self._history.owner(step)
+            try:
+                self._unpublish_fenced(step, epoch, newest)
+            except _Fenced:
+                continue  # a takeover holds it, or the history changed: decide again
+            self._confirmed.pop(step, None)
+            if step == steps[-1]:
+                self._reset_hint(steps[-2] if len(steps) > 1 else None)
+            return
+        raise RefusedError(
+            f"{self.url}: step {step} was not deleted: a takeover (a rollback) from it is in "
+            f"progress, or the store was taken over meanwhile; try again"
+        )
 
-    def rollback(self, step: int) -> list[int]:
-        """Delete every checkpoint newer than ``step`` (newest first); return their steps.
+    def _unpublish_fenced(self, step: int, epoch: int, newest: int) -> None:
+        """Unpublish checkpoint (``step``, ``epoch``), decided on the epochs up to ``newest``,
+        unless a takeover holds it or a newer epoch exists (_Fenced): the deleter's half of
+        docs/protocol.md §8.5. CheckpointNotFoundError if it is gone already."""
+        if not self._markers.supported:
+            self._history.unpublish(step, epoch)
+            return
+        intent = self._markers.put(INTENT, step, epoch)
+        began = time.monotonic()
+        try:
+            if self._markers.stamp(HOLD, step, epoch) is not None:
+                raise _Fenced(f"a takeover holds step {step}")
+            if self.strategy.read_epoch(newest + 1) is not None:
+                raise _Fenced(f"epoch {newest + 1} was taken after the decision")
+            if time.monotonic() - began > INTENT_STALE_S / 2:
+                raise _Fenced("this deleter stalled past half the intent's lifetime")
+            self._history.unpublish(step, epoch)
+        finally:
+            self._markers.remove(intent)
 
+    def rollback(self, step: int) -> RolledBack:
+        """Make ``step`` the history's newest checkpoint again: a takeover from it.
+
+        Nothing is deleted: every checkpoint newer than ``step`` leaves the history at once
+        (no reader returns it, retention does not count it), and GC unpublishes it once the
+        superseded grace period has passed (``gc(superseded_grace=...)``); until then the
+        rollback can be undone by a takeover from the newest of them
+        (``take_over(step, from_epoch=epoch)``). Writers of the older epochs get
+        SupersededError from then on. Returns what left the history and when GC takes it.
         Strays newer than ``step`` are not checkpoints: they are left alone.
         """
         check_step(step)
@@ -571,12 +773,22 @@ class Store:
                 f"{self.url}: cannot roll back to step {step}: it is not published ({exc})"
             ) from exc
         newer = self._checkpoint_steps(self._history.steps(min_step=step + 1), min_step=step + 1)
-        removed = []
-        for doomed in reversed(newer):
-            if self._unpublish_confirmed(doomed):
-                removed.append(doomed)
+        if not self.strategy.keeps_lineages:
+            removed = [doomed for doomed in reversed(newer) if self._unpublish_confirmed(doomed)]
+            self._reset_hint(step)
+            return RolledBack(step, sorted(removed), None, None)
+        if not newer:
+            return RolledBack(step, [], None, None)
+        epoch = self._take_from(step, None, f"rollback to step {step}", required=True)
+        self._epoch = epoch.number
+        for left in newer:
+            self._confirmed.pop(left, None)
         self._reset_hint(step)
-        return sorted(removed)
+        stamp = self._markers.epoch_stamp(epoch.number)
+        after = None
+        if stamp is not None:
+            after = datetime.fromtimestamp(stamp, timezone.utc) + DEFAULT_SUPERSEDED_GRACE
+        return RolledBack(step, newer, epoch, after)
 
     def _reset_hint(self, step: int | None) -> None:
         """Point LATEST back at ``step`` after a deletion; where it cannot be rewritten (a
@@ -589,11 +801,13 @@ class Store:
                 raise
             ignore_hint(f"{self.url}/LATEST", f"it cannot be rewritten ({exc.strerror})")
 
-    def _unpublish_confirmed(self, step: int) -> bool:
+    def _unpublish_confirmed(self, step: int, newest: int | None = None) -> bool:
         """Unpublish ``step`` if it is still the checkpoint this Store confirmed; True if so.
 
         The manifest is read again just before: a checkpoint deleted and published again by
         another attempt, or replaced by a stray, since it was confirmed is not touched.
+        ``newest``: the newest epoch the decision was made on (_Fenced if a newer one exists,
+        or a takeover holds the checkpoint); None: unfenced (a store without lineages).
         """
         known = self._confirmed.pop(step, None)
         try:
@@ -603,7 +817,10 @@ class Store:
         if known is not None and current.attempt != known.attempt:
             return False
         try:
-            self._history.unpublish(step, current.epoch)
+            if newest is None:
+                self._history.unpublish(step, current.epoch)
+            else:
+                self._unpublish_fenced(step, current.epoch, newest)
         except CheckpointNotFoundError:
             return False  # deleted concurrently
         return True
@@ -618,6 +835,19 @@ class Store:
         policy = policy or self.retention
         if policy is None:
             return []
+        deleted: list[int] = []
+        for _ in range(_FENCED_ROUNDS):
+            try:
+                self._retention_pass(policy, deleted)
+                return deleted
+            except _Fenced as exc:
+                log.debug("%s: retention pass stopped (%s); deciding again", self.url, exc)
+        return deleted
+
+    def _retention_pass(self, policy: RetentionPolicy, deleted: list[int]) -> None:
+        """One pass on the history as read now; _Fenced (``deleted`` holding what went) when
+        a takeover from a checkpoint it would delete is in progress, or came after the read."""
+        newest = self._history.lineage().newest
         steps = self.steps()
         now = datetime.fromtimestamp(self.clock(), timezone.utc)
         while len(steps) > 1:
@@ -625,15 +855,17 @@ class Store:
             keep = policy.keep(ages, now) | {steps[-1]}
             doomed = [step for step in steps if step not in keep]
             if not doomed:
-                return []
+                return
             # The kept checkpoints newer than what goes are what justify deleting it: read
             # their manifests afresh (a cached one may have rotted since) and decide again
             # without any that no longer parses.
             stale = {s for s in keep if s > doomed[0] and not self._still_confirmed(s)}
             if not stale:
-                return [step for step in doomed if self._unpublish_confirmed(step)]
+                for step in doomed:
+                    if self._unpublish_confirmed(step, newest):
+                        deleted.append(step)
+                return
             steps = [step for step in steps if step not in stale]
-        return []
 
     def _still_confirmed(self, step: int) -> bool:
         """Read ``step``'s manifest afresh: True if it parses and is the attempt confirmed."""
@@ -653,39 +885,79 @@ class Store:
         known = self._confirmed.get(step)
         return None if known is None else known.committed_at
 
-    def gc(self, *, grace: timedelta | float = DEFAULT_GRACE, dry_run: bool = False) -> GcReport:
+    def gc(
+        self,
+        *,
+        grace: timedelta | float = DEFAULT_GRACE,
+        superseded_grace: timedelta | float = DEFAULT_SUPERSEDED_GRACE,
+        dry_run: bool = False,
+    ) -> GcReport:
         """Remove leftovers of dead attempts idle for longer than ``grace`` (I7).
 
         Never touches the checkpoints of the history, nor attempts with activity within
-        ``grace``. Checkpoints that a takeover superseded (never returned again) are
-        unpublished and reported as ``superseded``; with an unreadable epoch record, they are
-        left alone and the report says why.
+        ``grace``. Checkpoints that a takeover or rollback superseded are unpublished once that
+        takeover is older than ``superseded_grace`` (on the storage's clock: its epoch record's
+        time), reported as ``superseded``; younger ones are reported as kept, and a takeover
+        from one of them (an undo) brings its history back whole. With an unreadable epoch
+        record, they are left alone and the report says why.
         """
+        keep_s = _seconds(superseded_grace, "superseded_grace")
         report = self.strategy.collect_garbage(
             grace_s=_seconds(grace, "grace"), now=self.clock(), dry_run=dry_run
         )
         try:
+            self._markers.collect(report, self.clock())
+        except StorageError as exc:
+            report.warnings.append(f"holds and deletion intents were not collected: {exc}")
+        try:
+            lineage = self._history.lineage()
             superseded = self._history.superseded()
         except IntegrityError as exc:
             report.warnings.append(f"superseded checkpoints were not collected: {exc}")
             return report
+        storage_now: float | None = None
+        stamps: dict[int, float | None] = {}
         for entry in superseded:
             try:
                 manifest = self._history.read_manifest_of(entry.step, entry.epoch)
             except (CheckpointNotFoundError, IntegrityError):
                 continue  # a stray named like a step, or damage: never deleted (§5.2)
-            name = f"step {entry.step} of epoch {entry.epoch} (superseded by epoch {entry.owner})"
-            report.removed.append(GcItem("superseded", name, 0.0, manifest.total_size))
-            if not dry_run:
-                try:
-                    self._history.unpublish(entry.step, entry.epoch)
-                except CheckpointNotFoundError:
-                    continue  # unpublished by another GC meanwhile
+            since = lineage.left_history_at(entry.step, entry.epoch)
+            if since is None:
+                continue  # back in the history (an undo read after the listing)
+            if since not in stamps:
+                stamps[since] = self._markers.epoch_stamp(since)
+            if storage_now is None:
+                storage_now = self._markers.storage_now() + clock_lead(self.clock())
+            stamp = stamps[since]
+            name = f"step {entry.step} of epoch {entry.epoch} (superseded by epoch {since})"
+            if stamp is None:
+                report.warnings.append(f"{name} kept: the time of epoch {since} is unreadable")
+                continue
+            item = GcItem("superseded", name, max(0.0, storage_now - stamp), manifest.total_size)
+            if item.age_s < keep_s:
+                report.kept_young.append(item)
+                continue
+            if dry_run:
+                report.removed.append(item)
+                continue
+            try:
+                self._unpublish_fenced(entry.step, entry.epoch, lineage.newest)
+            except CheckpointNotFoundError:
+                continue  # unpublished by another GC meanwhile
+            except _Fenced as exc:
+                report.warnings.append(f"{name} kept: {exc}")
+                continue
+            report.removed.append(item)
         return report
 
     def is_empty(self) -> bool:
         """Tell whether the store holds nothing at all (no checkpoints, no leftovers)."""
         return self.strategy.is_empty()
+
+
+class _Fenced(CkptStoreError):
+    """A deleter kept a checkpoint: a takeover holds it, or came after the decision (§8.5)."""
 
 
 class _VanishingShardStream:

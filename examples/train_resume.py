@@ -134,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         say(f"resumed from step {step}")
     # This run owns the store from here: a zombie of an earlier run (still saving after a
     # requeue) can no longer publish into the history this run continues.
-    epoch = store.take_over(resumed_from=None if latest is None else latest.step)
+    # A fresh start only where the store holds no history: if latest() is None over
+    # checkpoints (all damaged, say), take_over refuses rather than discard them.
+    epoch = store.take_over(
+        resumed_from=None if latest is None else latest.step, discard_history=False
+    )
     say(f"took over the store as epoch {epoch.number}")
     saver = AsyncSaver(store, max_in_flight=1) if args.use_async else None
 

@@ -23,6 +23,8 @@ from ckptstore.errors import (
     CkptStoreError,
     IntegrityError,
     RefusedError,
+    StepOutsideEpochError,
+    SupersededError,
 )
 
 SHARDS = ("model/rank0.bin", "model/rank1.bin", "optim.bin")
@@ -43,7 +45,7 @@ class Log:
         self._file.write(json.dumps(fields) + "\n")
 
 
-def writer(store: ckptstore.Store, index: int, deadline: float, log: Log) -> None:
+def writer(store: ckptstore.Store, url: str, index: int, deadline: float, log: Log) -> None:
     # Writers i and i+4 save the same steps (contention); the four pairs interleave.
     step = index % 4 + 4
     while time.monotonic() < deadline:
@@ -52,6 +54,15 @@ def writer(store: ckptstore.Store, index: int, deadline: float, log: Log) -> Non
             store.save(step, {name: shard_bytes(step, name) for name in SHARDS})
         except CheckpointExistsError:
             log.event("lost", step=step)
+            continue
+        except SupersededError:
+            # The operator rolled back (a takeover): this writer's epoch is fenced. It goes on
+            # as the restarted trainer would, in the newest epoch, through a new handle.
+            log.event("superseded", step=step)
+            store = ckptstore.open(url, retention=store.retention)
+            continue
+        except StepOutsideEpochError:
+            log.event("outside", step=step)  # at or below the rollback's step: the next one
             continue
         log.event("published", step=step)
 
@@ -98,11 +109,13 @@ def operator(store: ckptstore.Store, deadline: float, log: Log) -> None:
         if rollbacks < 2 and random.random() < 0.3:
             began = time.monotonic()
             try:
-                removed = store.rollback(steps[0])
+                done = store.rollback(steps[0])
             except CheckpointNotFoundError:
-                continue  # retention removed the target first
+                continue  # retention removed the target first: no epoch was taken
+            except RefusedError:
+                continue  # a deletion of the target did not finish within the wait
             rollbacks += 1
-            log.event("rollback", to=steps[0], removed=removed, began=began)
+            log.event("rollback", to=steps[0], left=done.left, began=began)
             continue
         try:
             store.delete(steps[0])
@@ -143,7 +156,7 @@ def main() -> int:
     role = {"reader": reader, "gc": collector, "operator": operator}
     try:
         if args.role == "writer":
-            writer(store, args.index, deadline, log)
+            writer(store, args.store, args.index, deadline, log)
         else:
             role[args.role](store, deadline, log)
     except CkptStoreError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -77,12 +78,22 @@ def test_ls_json_has_the_same(taken: str) -> None:
         (1, 2, "job 41"),
         (2, 3, "job 42"),
     ]
-    assert document["superseded"] == [
+    assert [
+        {key: entry[key] for key in ("step", "epoch", "superseded_by")}
+        for entry in document["superseded"]
+    ] == [
         {"step": 3, "epoch": 0, "superseded_by": 1},
         {"step": 4, "epoch": 0, "superseded_by": 2},
         {"step": 5, "epoch": 1, "superseded_by": 2},
     ]
+    for entry in document["superseded"]:  # when gc takes it: a day after its takeover
+        taken_at = datetime.fromisoformat(entry["superseded_at"])
+        goes = datetime.fromisoformat(entry["collected_after"])
+        assert goes - taken_at == timedelta(hours=24)
+        assert abs((taken_at - datetime.now(timezone.utc)).total_seconds()) < 600
     ckptstore.open(taken).gc()
+    assert len(json.loads(run("ls", taken, "--json")[1])["superseded"]) == 3
+    ckptstore.open(taken).gc(superseded_grace=0)
     document = json.loads(run("ls", taken, "--json")[1])
     assert document["superseded"] == []
     assert [c["step"] for c in document["checkpoints"]] == [1, 2, 3, 4]
@@ -119,14 +130,17 @@ def test_a_fresh_start_ends_the_lineage(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/run"
     ckptstore.open(url).save(7, {"m": b"old"})
     store = ckptstore.open(url)
-    store.take_over(None)
+    store.take_over(None, discard_history=True)
     store.save(1, {"m": b"new"})
     _, text = run("show", url, "1")
     assert "lineage     step 1 (epoch 1) <- fresh start" in text
     assert "epoch       1, resumed from a fresh start" in text
     document = json.loads(run("ls", url, "--json")[1])
     assert [c["step"] for c in document["checkpoints"]] == [1]
-    assert document["superseded"] == [{"step": 7, "epoch": 0, "superseded_by": 1}]
+    assert [
+        {key: entry[key] for key in ("step", "epoch", "superseded_by")}
+        for entry in document["superseded"]
+    ] == [{"step": 7, "epoch": 0, "superseded_by": 1}]
 
 
 def test_a_store_never_taken_over_lists_as_before(tmp_path: Path) -> None:

@@ -26,8 +26,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     COMMIT: ("commit",),
     BACKENDS: ("backends",),
     CORE: (
-        "checkpoint", "pending", "store", "history", "registry", "interval", "replication",
-        "tiered", "epoch_repair", "",
+        "checkpoint", "pending", "store", "history", "fencing", "registry", "interval",
+        "replication", "tiered", "epoch_repair", "",
     ),
     TORCH: ("torch",),
     TRAINERS: ("directory", "huggingface", "lightning", "localdir"),

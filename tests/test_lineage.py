@@ -20,6 +20,7 @@ from ckptstore.errors import (
     EpochRequiredError,
     LineageCorruptError,
     ManifestCorruptError,
+    RefusedError,
     StepOutsideEpochError,
     SupersededError,
 )
@@ -109,7 +110,12 @@ def test_a_zombie_and_its_restart_never_mix(backend: BackendUnderTest) -> None:
     assert reader.get(300).manifest.epoch == 1
     assert [(s.step, s.epoch, s.owner) for s in reader.superseded()] == [(300, 0, 1)]
 
-    report = reader.gc(grace=3600)
+    kept = reader.gc(grace=3600)  # the takeover is younger than the superseded grace
+    assert [(item.kind, item.name) for item in kept.kept_young if item.kind == "superseded"] == [
+        ("superseded", "step 300 of epoch 0 (superseded by epoch 1)")
+    ]
+    assert [(s.step, s.epoch) for s in reader.superseded()] == [(300, 0)]
+    report = reader.gc(grace=3600, superseded_grace=0)
     assert [(item.kind, item.name) for item in report.removed if item.kind == "superseded"] == [
         ("superseded", "step 300 of epoch 0 (superseded by epoch 1)")
     ]
@@ -144,7 +150,10 @@ def test_a_fresh_start_supersedes_every_step(backend: BackendUnderTest) -> None:
     for step in (1, 2):
         _save(old, step, "old")
     fresh = backend.open()
-    assert fresh.take_over(resumed_from=None).parent is None
+    with pytest.raises(RefusedError, match="refusing a fresh start: the history holds 2"):
+        fresh.take_over(resumed_from=None)  # a history is discarded only on an explicit word
+    assert fresh.lineage().newest == 0
+    assert fresh.take_over(resumed_from=None, discard_history=True).parent is None
     assert fresh.latest() is None and fresh.steps() == []
     _save(fresh, 1, "new")
     assert _tag(backend.open(), 1) == "new"

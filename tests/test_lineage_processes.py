@@ -116,7 +116,7 @@ def test_a_zombie_and_the_run_that_took_over(
         (4, 0, 1),
         (5, 0, 1),
     ]
-    report = store.gc()
+    report = store.gc(superseded_grace=0)
     superseded = sorted(item.name for item in report.removed if item.kind == "superseded")
     assert superseded == [f"step {step} of epoch 0 (superseded by epoch 1)" for step in (3, 4, 5)]
     assert store.superseded() == []

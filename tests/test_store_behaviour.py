@@ -418,7 +418,7 @@ class TestRetentionAndDeletion:
         for step in (1, 2, 3, 4):
             store.save(step, {"a": bytes([step])})
         assert store.latest().step == 4
-        assert store.rollback(2) == [3, 4]
+        assert store.rollback(2).left == [3, 4]
         assert store.latest().step == 2
         assert store.latest().read("a") == b"\x02"
         store.save(3, {"a": b"again"})

@@ -130,7 +130,7 @@ def test_rollback_and_verified_latest_pass_over_strays(backend: BackendUnderTest
     _plant_strays(backend, store)
     latest = store.latest(verified=True)
     assert latest is not None and latest.step == 2
-    assert store.rollback(1) == [2]
+    assert store.rollback(1).left == [2]
     assert store.steps() == [1]
     if isinstance(backend, FileBackend):
         assert 99999999999999999999 in {entry.step for entry in store.strays()}

@@ -488,9 +488,13 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
             with self.driver.open_read(path) as stream:
                 return stream.read(MAX_MANIFEST_BYTES)
         except ObjectNotFoundError:
-            if self._exists(f"{EPOCHS_DIR}/{epoch_token(epoch)}"):
+            if not self._exists(f"{EPOCHS_DIR}/{epoch_token(epoch)}"):
+                return None
+            try:  # read again: a taker may have renamed its record in since the first read
+                with self.driver.open_read(path) as stream:
+                    return stream.read(MAX_MANIFEST_BYTES)
+            except ObjectNotFoundError:
                 return b""  # a record directory without its record: damage, not absence
-            return None
         except StorageError as exc:
             if exc.errno not in _WRONG_KIND_ERRNOS:
                 raise

@@ -101,6 +101,18 @@ class ForeignEntryRules(RuleBasedStateMachine):
         race_a_reader(
             self.location.base, operator, operation, at, self.model, self.location.store_clock
         )
+        if operation.took_epoch:
+            # A rollback is a takeover from its step (docs/protocol.md §6): what is above it
+            # left the history, and the trainer resumes in the operator's epoch, as a
+            # restarted run would (the old handle is fenced from now on).
+            self.model.epoch_taken(operation.step)
+            if operator.lineage().newest != self.model.newest_epoch:
+                raise InvariantViolation(
+                    "I9",
+                    f"a rollback to step {operation.step} left epochs "
+                    f"{operator.lineage().newest}, the model {self.model.newest_epoch}",
+                )
+            self.store = operator
 
     @precondition(lambda self: bool(self.model.committed))
     @rule(data=st.data(), force=st.booleans(), at=st.integers(0, 24))

@@ -83,6 +83,8 @@ class OperatorAction:
     step: int = 0
     keep: int = 1
     error: CkptStoreError | None = None
+    took_epoch: bool = False
+    """Whether a rollback took an epoch (a takeover from ``step``, docs/protocol.md §6)."""
 
     def __str__(self) -> str:
         if self.kind == "retention":
@@ -90,7 +92,8 @@ class OperatorAction:
         return f"{self.kind} {self.step}"
 
     def doomed(self, published: list[int]) -> set[int]:
-        """The steps of ``published`` (ascending) that the action may remove."""
+        """The steps of ``published`` (ascending) that the action may remove (a rollback:
+        from the history, at the instant of its takeover)."""
         if self.kind == "rollback":
             return {s for s in published if s > self.step}
         if self.kind == "retention":
@@ -103,7 +106,8 @@ class OperatorAction:
         """Do it through ``store``; keep (not raise) what ckptstore refused or failed with."""
         try:
             if self.kind == "rollback":
-                store.rollback(self.step)
+                done = store.rollback(self.step)
+                self.took_epoch = getattr(done, "epoch", None) is not None
             elif self.kind == "retention":
                 store.apply_retention(KeepLast(self.keep))
             else:

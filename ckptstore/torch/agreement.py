@@ -27,21 +27,25 @@ def in_multi_rank_job(group: Any = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def take_over(store: Store, resumed_from: int | None, *, group: Any = None) -> int:
+def take_over(
+    store: Store, resumed_from: int | None, *, group: Any = None, discard_history: bool = False
+) -> int:
     """Take the store over for this job once, on the coordinator, and have every rank of
     ``group`` write in that epoch; a collective call in a multi-rank job. Returns the epoch.
 
     ``resumed_from``: the step every rank loaded (``agreed_checkpoint``), None for a fresh
-    start. Outside a multi-rank job the process takes the store over itself.
+    start, refused over a history unless ``discard_history`` (``Store.take_over``). Outside
+    a multi-rank job the process takes the store over itself.
     """
     if not in_multi_rank_job(group):
-        return store.take_over(resumed_from).number
+        return store.take_over(resumed_from, discard_history=discard_history).number
     coordinator = dist.get_global_rank(group, COORDINATOR) if group is not None else COORDINATOR
     decision: list[Any] = [None]
     failure: BaseException | None = None
     if dist.get_rank(group) == COORDINATOR:
         try:
-            decision = [("ok", store.take_over(resumed_from).number)]
+            epoch = store.take_over(resumed_from, discard_history=discard_history)
+            decision = [("ok", epoch.number)]
         except Exception as exc:  # every rank must hear of it, or the others wait forever
             failure = exc
             decision = [("error", f"{type(exc).__name__}: {exc}")]
