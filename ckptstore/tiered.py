@@ -261,15 +261,26 @@ class TieredStore:
                 found.add(step)
         return found
 
-    def take_over(self, resumed_from: int | None, *, note: str = "") -> tuple[Epoch, Epoch]:
+    def take_over(
+        self,
+        resumed_from: int | None,
+        *,
+        note: str = "",
+        from_epoch: int | None = None,
+        discard_history: bool = False,
+    ) -> tuple[Epoch, Epoch]:
         """Take both tiers over for this run (``Store.take_over``), resumed from the same
         step: the durable tier first (it decides the pair's history), then the fast one. A
         zombie of an earlier run can then no longer publish into either history, nor its
         replicator into the durable one, and the fast tier's checkpoints above the step leave
-        the pair's history. Returns the fast and the durable epoch."""
+        the pair's history. Returns the fast and the durable epoch. ``from_epoch`` names the
+        durable epoch of ``resumed_from`` (an undo, ``Store.take_over``); ``discard_history``
+        is the word a fresh start over a history needs, on both tiers."""
         with self.replicator.paused():
-            durable = self.replicator.durable.take_over(resumed_from, note=note)
-            fast = self.fast.take_over(resumed_from, note=note)
+            durable = self.replicator.durable.take_over(
+                resumed_from, note=note, from_epoch=from_epoch, discard_history=discard_history
+            )
+            fast = self.fast.take_over(resumed_from, note=note, discard_history=True)
         return fast, durable
 
     def rollback(self, step: int) -> list[int]:
@@ -293,7 +304,11 @@ class TieredStore:
                 f"back to a durable step: {self.durable.steps()[-5:]}"
             ) from exc
         newer = [s for s in self.steps() if s > step]
-        self.take_over(step, note=f"rollback to step {step}")
+        with self.replicator.paused():
+            # The durable tier's rollback holds ``step`` against its deleters (docs/protocol.md
+            # §8.5); the fast tier follows the durable history whatever it holds.
+            self.replicator.durable.rollback(step)
+            self.fast.take_over(step, note=f"rollback to step {step}", discard_history=True)
         return newer
 
     def get(self, step: int) -> Checkpoint:

@@ -266,8 +266,7 @@ def _rollback_is_a_takeover(tmp_path: Path) -> bool:
 def test_ckptstore_rollback_of_the_durable_tier_alone_is_not_undone(
     six: Nodes, tmp_path: Path
 ) -> None:
-    if not _rollback_is_a_takeover(tmp_path):
-        pytest.skip("Store.rollback is not a takeover yet (issue 24 item 4)")
+    assert _rollback_is_a_takeover(tmp_path)
     nodes = six
     status, text = run("rollback", nodes.durable_url, "3")
     assert status == 0, text
