@@ -435,7 +435,7 @@ class BlindRetryCommit(ConditionalPutCommit):
                 self.driver.put(key, body, mode=PutMode.CREATE)
                 return
             except PreconditionFailedError:
-                raise self._exists(manifest.step) from None
+                raise self._exists(manifest, None) from None
             except TransientStorageError:
                 continue
 

@@ -336,7 +336,8 @@ def test_short_writes_are_caught_as_i1(tmp_path: Any, scheme: Any) -> None:
     assert verdicts(text)["I1"] == "VIOLATED"
     # A short write drops what one write(2) call did not take: the shard is short by it.
     assert re.search(r"has 40\d\d bytes, manifest says 4096", evidence(text, "I1"))
-    assert re.search(r"state\.(save|gc_during_a_live_streamed_shard)\(", steps), steps  # writes
+    writes = r"state\.(save|save_with_transient_fault|gc_during_a_live_streamed_shard)\("
+    assert re.search(writes, steps), steps
 
 
 def test_lying_fsync_is_caught_by_the_syscall_trace_as_i2(tmp_path: Any, scheme: Any) -> None:

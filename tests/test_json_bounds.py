@@ -264,6 +264,7 @@ def test_a_damaged_epoch_record_is_repaired_by_the_command_its_error_names(
     assert repaired.steps() == [1, 3]  # the history as it was: step 2 superseded
     assert repaired.lineage().epochs[0].parent == 1
     assert "repaired by ckptstore repair-epoch" in repaired.lineage().epochs[0].note
+    repaired.join_epoch(1)  # a fresh handle names its epoch once a store was taken over
     repaired.save(4, {"w": b"4"})
     status, out, err = _cli("ls", backend.url)
     assert status == 0, err

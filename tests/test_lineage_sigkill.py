@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 from child_output import ChildOutput
 
 import ckptstore
+from ckptstore.fencing import INTENT_STALE_S
 from ckptstore.tools.embedded import EmbeddedS3
 
 WAIT_S = 120.0
@@ -84,6 +86,14 @@ def test_sigkill_in_the_middle_of_a_takeover(
     collected = [item.name for item in old.removed if item.kind == "epoch-staging"]
     if url.startswith("file://"):
         assert len(collected) == 1 and ".pending-" in collected[0]
+    # The dead taker's hold on step 1 (a takeover from below the newest holds its parent
+    # against deleters, docs/protocol.md §8.5) outlives any grace shorter than INTENT_STALE_S:
+    # a taker stalled that long may still be alive. A GC that late removes it.
+    later = ckptstore.open(url, create=False, **options)
+    later.clock = lambda: time.time() + INTENT_STALE_S + 5
+    marks = [item.name for item in later.gc(grace=timedelta(0)).removed if item.kind == "marker"]
+    assert len(marks) == 1 and "hold-step-00000000000000000001" in marks[0]
+    if url.startswith("file://"):
         assert [p.name for p in (tmp_path / "store" / "epochs").iterdir()] == []
     assert reader.steps() == [1, 2]
 

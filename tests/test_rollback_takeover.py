@@ -147,6 +147,7 @@ def test_a_fresh_start_over_a_history_is_refused_kept_and_undone(
     latest = reader.latest()
     assert latest is not None and latest.step == 3
     assert latest.manifest.metadata["tag"] == "old"
+    reader.join_epoch(reader.lineage().newest)  # the undo's epoch: a fresh handle names it
     _save(reader, 4, "new")
     assert backend.open().steps() == [1, 2, 3, 4]
 

@@ -109,6 +109,8 @@ def _argvs(url: str, tmp) -> dict[str, list[list[str]]]:
         "gc": [["gc", url], ["gc", url, "--dry-run", "--grace", "0s"]],
         "delete": [["delete", url, "1", "--force"]],
         "rollback": [["rollback", url, "1"]],
+        "take-over": [["take-over", url, "1"], ["take-over", url, "--discard-history"]],
+        "repair-epoch": [["repair-epoch", url, "1", "--parent", "1"]],
         "push": [["push", str(directory), url, "--step", "1"]],
         "pull": [["pull", url, "1", str(tmp / "pulled")]],
         "bench": [["bench", url, "--size", "1K", "--repeats", "1"]],
