@@ -57,9 +57,11 @@ def writer(store: ckptstore.Store, url: str, index: int, deadline: float, log: L
             continue
         except SupersededError:
             # The operator rolled back (a takeover): this writer's epoch is fenced. It goes on
-            # as the restarted trainer would, in the newest epoch, through a new handle.
+            # as the restarted trainer would, in the newest epoch, through a new handle that
+            # names it (a handle that names none is refused once a store was taken over).
             log.event("superseded", step=step)
             store = ckptstore.open(url, retention=store.retention)
+            store.join_epoch(store.lineage().newest)
             continue
         except StepOutsideEpochError:
             log.event("outside", step=step)  # at or below the rollback's step: the next one
