@@ -179,4 +179,30 @@ class Markers:
                 continue
             report.removed.append(item)
             if not report.dry_run:
-                self.remove(name)
+                self._remove_dead(name)
+
+    def _remove_dead(self, name: str) -> None:
+        """Remove a dead process's marker, every version of it on a versioned bucket (its
+        creator's version is not known here; a plain delete would leave it behind)."""
+        if self.kind != "files":
+            try:
+                versions = [
+                    info.version_id
+                    for info in self.driver.list_versions(name)
+                    if info.key == name and info.version_id
+                ]
+            except StorageError:
+                versions = []
+            for version in versions:
+                try:
+                    self.driver.delete(name, version_id=version)
+                except ObjectNotFoundError:
+                    continue
+                except StorageError as exc:
+                    log.warning(
+                        "%s: could not remove %s (gc will): %s", self.strategy.url, name, exc
+                    )
+                    return
+            if versions:
+                return
+        self.remove(name)
