@@ -41,7 +41,15 @@ from ckptstore.errors import (
     StorageAccessDeniedError,
     StorageError,
 )
-from ckptstore.localdir import check_target, locked, recover, replaceable, staging_path, swap_in
+from ckptstore.localdir import (
+    check_target,
+    fsync_directory,
+    locked,
+    recover,
+    replaceable,
+    staging_path,
+    swap_in,
+)
 from ckptstore.names import check_shard_name
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.store import Store
@@ -360,7 +368,7 @@ def materialize(
             )
             with _local("sync", staging):
                 for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
-                    _fsync_directory(folder)
+                    fsync_directory(folder)
             with _local("replace", target):
                 swap_in(staging, target, old)
         except BaseException:
@@ -398,14 +406,6 @@ def _materialize_file(checkpoint: Checkpoint, name: str, path: Path) -> None:
             target.write(view[:count])
         target.flush()
         os.fsync(target.fileno())
-
-
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _run_all(parallel: int, tasks: list[Callable[[], None]]) -> None:

@@ -42,7 +42,15 @@ from pathlib import Path
 
 from ckptstore.errors import InvalidInputError
 
-__all__ = ["check_target", "locked", "recover", "replaceable", "staging_path", "swap_in"]
+__all__ = [
+    "check_target",
+    "fsync_directory",
+    "locked",
+    "recover",
+    "replaceable",
+    "staging_path",
+    "swap_in",
+]
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +316,7 @@ def swap_in(staging: Path, target: Path, old: Made | None) -> None:
         if aside is not None:
             os.rename(aside, target)  # put it back
         raise
-    _fsync_directory(target.parent)
+    fsync_directory(target.parent)
     if aside is not None:
         _remove(aside)
     _mark(target, [new])
@@ -373,7 +381,8 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def _fsync_directory(path: Path) -> None:
+def fsync_directory(path: Path) -> None:
+    """Make a directory's entries durable (fsync of the directory itself)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
