@@ -1,5 +1,5 @@
 """``ckptstore repair-epoch``: rewrite a damaged epoch record (see ``ckptstore.epoch_repair``
-and docs/protocol.md §8.5)."""
+and docs/protocol.md §8.6)."""
 
 from __future__ import annotations
 

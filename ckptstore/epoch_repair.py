@@ -1,6 +1,6 @@
 """Rewrite a damaged epoch record, the one way out of a store whose history cannot be told.
 
-An epoch record that does not read back (docs/protocol.md §8.5) stops every reader and writer
+An epoch record that does not read back (docs/protocol.md §8.6) stops every reader and writer
 with LineageCorruptError: the record's parent decides which checkpoints are the history, and
 ckptstore refuses to guess it. What was damaged can be written again by someone who knows the
 parent (the step the run that took epoch E resumed from: its log says it, and it is below the

@@ -8,12 +8,15 @@ creates an intent on the checkpoint it is about to unpublish, then looks for a h
 for an epoch newer than those it decided on. Storage is strongly consistent for reads of a
 name after a write of it, so of the two, at least one sees the other's marker: the deleter
 then keeps the checkpoint, or the taker waits for the intent to go and checks the checkpoint
-again before it creates its epoch. Markers have deterministic names in the ``epochs``
-directory (file systems) or under ``epochs/`` (object stores), are read directly (never
-listed) by the two parties, and are removed when done; GC removes those of dead processes.
+again before it creates its epoch. Markers have deterministic names: hidden files in the
+store's root (``.hold-step-<N>``, file systems: a store never taken over keeps its layout, no
+``epochs`` directory appears) or objects under ``epochs/`` (object stores). The two parties
+read them directly (never listed) and remove them when done; GC removes those of dead
+processes.
 
 Ages are measured on the storage's clock: a marker's mtime or LastModified against that of a
-clock file or object written for the purpose.
+clock file (``.gc-clock-<id>``, the file GC reads the file system's clock by) or object
+written for the purpose.
 """
 
 from __future__ import annotations
@@ -25,12 +28,17 @@ from typing import Any
 
 from ckptstore.commit.base import CommitStrategy, GcItem, GcReport, clock_lead
 from ckptstore.commit.conditional_put import EPOCHS, ConditionalPutCommit
-from ckptstore.commit.rename import EPOCH_RECORD, EPOCHS_DIR, RenameCommit
+from ckptstore.commit.rename import EPOCH_RECORD, EPOCHS_DIR, GC_CLOCK_PREFIX, RenameCommit
 from ckptstore.driver import DriverFamily, PutMode, driver_family
 from ckptstore.errors import ObjectNotFoundError, StorageError, TargetExistsError
-from ckptstore.names import checkpoint_token, epoch_token, new_attempt_id
+from ckptstore.names import (
+    checkpoint_token,
+    epoch_token,
+    new_attempt_id,
+    parse_checkpoint_token,
+)
 
-__all__ = ["HOLD", "INTENT", "INTENT_STALE_S", "Markers"]
+__all__ = ["FILE_MARKER_MARK", "HOLD", "INTENT", "INTENT_STALE_S", "Markers", "is_file_marker"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,8 @@ HOLD = "hold-"
 INTENT = "intent-"
 _CLOCK = "clock-"
 _PREFIXES = (HOLD, INTENT, _CLOCK)
+FILE_MARKER_MARK = "."
+"""On a file system, a marker is the root's hidden file ``.`` + ``hold-``/``intent-`` + token."""
 INTENT_STALE_S = 120.0
 """An intent older than this (storage clock) is a dead deleter's: a taker passes over it, and
 a live deleter that took longer than half of it between its intent and its unpublish keeps
@@ -72,7 +82,7 @@ class Markers:
     def _name(self, prefix: str, step: int, epoch: int) -> str:
         token = f"{prefix}{checkpoint_token(step, epoch)}"
         if self.kind == "files":
-            return f"{EPOCHS_DIR}/{token}"
+            return f"{FILE_MARKER_MARK}{token}"
         return f"{EPOCHS}{token}"
 
     # -- markers -------------------------------------------------------------------------
@@ -86,10 +96,6 @@ class Markers:
 
     def _create(self, name: str) -> None:
         if self.kind == "files":
-            try:
-                self.driver.mkdir(EPOCHS_DIR)
-            except TargetExistsError:
-                pass
             try:
                 self.driver.close(self.driver.create(name))
             except TargetExistsError:
@@ -129,7 +135,10 @@ class Markers:
     def storage_now(self) -> float:
         """The storage's clock now: the stamp of a marker written for the purpose (removed),
         plus how far the store's clock leads this host's (a test's advance)."""
-        name = (EPOCHS_DIR + "/" if self.kind == "files" else EPOCHS) + _CLOCK + new_attempt_id()
+        if self.kind == "files":
+            name = GC_CLOCK_PREFIX + new_attempt_id()  # GC knows a dead one's: "gc-clock"
+        else:
+            name = EPOCHS + _CLOCK + new_attempt_id()
         self._create(name)
         try:
             stamp = self._stamp(name)
@@ -154,14 +163,14 @@ class Markers:
         """Every marker in storage (a listing: GC only), with its stamp."""
         if self.kind == "files":
             try:
-                names = self.driver.listdir(EPOCHS_DIR)
+                names = self.driver.listdir("")
             except StorageError:
                 return
             for name in names:
-                if name.startswith(_PREFIXES):
-                    stamp = self._stamp(f"{EPOCHS_DIR}/{name}")
+                if is_file_marker(name):
+                    stamp = self._stamp(name)
                     if stamp is not None:
-                        yield f"{EPOCHS_DIR}/{name}", stamp
+                        yield name, stamp
             return
         for info in self.driver.list(EPOCHS):
             if info.key[len(EPOCHS) :].startswith(_PREFIXES):
@@ -206,3 +215,15 @@ class Markers:
             if versions:
                 return
         self.remove(name)
+
+
+def is_file_marker(name: str) -> bool:
+    """True if a store root's entry ``name`` is a hold or an intent, named exactly as made (an
+    operator's ``.hold-mine`` is not one, and GC leaves it alone)."""
+    if not name.startswith(FILE_MARKER_MARK):
+        return False
+    rest = name[len(FILE_MARKER_MARK) :]
+    for prefix in (HOLD, INTENT):
+        if rest.startswith(prefix):
+            return parse_checkpoint_token(rest[len(prefix) :]) is not None
+    return False

@@ -94,7 +94,7 @@ def test_sigkill_in_the_middle_of_a_takeover(
     marks = [item.name for item in later.gc(grace=timedelta(0)).removed if item.kind == "marker"]
     assert len(marks) == 1 and "hold-step-00000000000000000001" in marks[0]
     if url.startswith("file://"):
-        assert [p.name for p in (tmp_path / "store" / "epochs").iterdir()] == []
+        assert not [p.name for p in (tmp_path / "store").iterdir() if p.name.startswith(".")]
     assert reader.steps() == [1, 2]
 
     epoch = reader.take_over(1)  # the next run takes the epoch the dead one did not

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -26,6 +27,8 @@ from typing import Any
 from ckptstore.errors import BackendUnavailableError, StorageError
 
 __all__ = ["EmbeddedS3", "embedded_moto", "embedded_seaweedfs"]
+
+log = logging.getLogger(__name__)
 
 SEAWEEDFS_MIN_PART_SIZE = 5 * 1024 * 1024
 """SeaweedFS accepts smaller parts but refuses them at CompleteMultipartUpload
@@ -259,4 +262,9 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
+        try:  # a server holding gigabytes can take a while to die on a loaded machine
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            log.warning(
+                "embedded server pid %d outlived SIGKILL by 60 s; not waited for", process.pid
+            )

@@ -6,11 +6,15 @@ answers requests in threads: two racing conditional creates of one key can both 
 ``s3+versioned://``). S3 evaluates the condition atomically with the write, which is what
 ckptstore relies on (docs/protocol.md §2) and what the embedded server stands in for. Every
 request is therefore handled under one lock; moto is fast enough that tests do not notice.
+A request's body is read whole before the lock is taken: a client that stalls or dies while
+it sends a body (a crash-injected upload, a killed process whose socket lingers) holds up
+nothing but its own request, never every other client of the server.
 Run as ``python -m ckptstore.tools.moto_atomic -H 127.0.0.1 -p PORT`` (moto.server's options).
 """
 
 from __future__ import annotations
 
+import io
 import sys
 import threading
 from typing import Any
@@ -25,11 +29,27 @@ def main(argv: list[str]) -> None:
     lock = threading.Lock()
 
     def one_at_a_time(self: Any, environ: dict[str, Any], start_response: Any) -> Any:
+        _read_body(environ)
         with lock:
             return handle(self, environ, start_response)
 
     werkzeug_app.DomainDispatcherApplication.__call__ = one_at_a_time  # type: ignore[method-assign]
     server.main(argv)
+
+
+def _read_body(environ: dict[str, Any]) -> None:
+    """Replace the request's input stream by its whole body, read now."""
+    stream = environ.get("wsgi.input")
+    if stream is None:
+        return
+    length = environ.get("CONTENT_LENGTH") or ""
+    if length.isdigit():
+        body = stream.read(int(length)) if int(length) else b""
+    elif environ.get("wsgi.input_terminated"):
+        body = stream.read()  # chunked: the server ends the stream with the body
+    else:
+        return  # no body
+    environ["wsgi.input"] = io.BytesIO(body)
 
 
 if __name__ == "__main__":
