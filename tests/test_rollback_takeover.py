@@ -30,6 +30,7 @@ from ckptstore.errors import (
 )
 from ckptstore.lineage import Epoch, Lineage
 from ckptstore.manifest import WriterInfo
+from ckptstore.names import step_token
 from ckptstore.retention import KeepLast
 from ckptstore.store import Store
 
@@ -236,11 +237,54 @@ def test_rollback_through_the_api_says_what_left_and_when_it_goes(
 # -- item 4/5: no deleter racing a rollback can empty the history ----------------------------
 
 
-def _count_calls(open_operator: Callable[[], Store], run: Callable[[Store], Any]) -> int:
+class _Recorder:
+    """A driver wrapper that records each storage call: its name and the names it touches."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._calls = storage_calls(inner)
+        self.family = getattr(inner, "family", None)
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._inner, name)
+        if name not in self._calls:
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            named = " ".join(a for a in args if isinstance(a, str))
+            self.calls.append(f"{name} {named}")
+            return attribute(*args, **kwargs)
+
+        return call
+
+
+def _pause_points(
+    backend: BackendUnderTest,
+    open_operator: Callable[[], Store],
+    run: Callable[[Store], Any],
+    target: int,
+) -> list[int]:
+    """The storage calls of ``run`` to pause before (and one past the last call).
+
+    On file:// and memory:// (the object-store protocol in process) every call. On S3 (moto,
+    where each point costs seconds) the calls of the fencing on ``target`` (its hold, its
+    intent, its manifest's delete, the epoch record's create) and the call after each.
+    """
     operator = open_operator()
-    hook = CallHook(operator.strategy.driver, 10**9, lambda: None)
-    run(Store(operator.strategy.with_driver(hook)))
-    return hook.count
+    recorder = _Recorder(operator.strategy.driver)
+    run(Store(operator.strategy.with_driver(recorder)))
+    calls = recorder.calls
+    if backend.name != "s3":
+        return list(range(len(calls) + 1))
+    token = step_token(target)
+    fencing = (f"hold-{token}", f"intent-{token}", f"delete manifests/{token}", "put epochs/epoch-")
+    chosen = {len(calls)}
+    for index, call in enumerate(calls):
+        if any(mark in call for mark in fencing):
+            chosen.update((index, index + 1))
+    assert len(chosen) > 4, calls  # the fencing's calls were found
+    return sorted(chosen)
 
 
 class _Watch:
@@ -347,18 +391,17 @@ def _delete_target(target: int) -> Callable[[Store], None]:
     return delete
 
 
-@pytest.mark.parametrize("backend", ["file", "s3"], indirect=True)
+@pytest.mark.parametrize("backend", ["file", "memory", "s3"], indirect=True)
 @pytest.mark.parametrize("target", [1, 3])
 def test_a_retention_pass_paused_at_each_call_never_empties_a_rollback(
     backend: BackendUnderTest, target: int, tmp_path: Any
 ) -> None:
-    calls = _retention_calls(backend)
-    for at in range(calls + 1):
+    for at in _retention_points(backend, target):
         _fresh(backend, tmp_path, at)
         _interleave(backend, _retention, target, at, rollback_first=False)
 
 
-@pytest.mark.parametrize("backend", ["file", "s3"], indirect=True)
+@pytest.mark.parametrize("backend", ["file", "memory", "s3"], indirect=True)
 def test_a_rollback_paused_at_each_call_never_loses_its_target_to_a_deleter(
     backend: BackendUnderTest, tmp_path: Any
 ) -> None:
@@ -367,17 +410,16 @@ def test_a_rollback_paused_at_each_call_never_loses_its_target_to_a_deleter(
         setup = backend.open()
         for step in (1, 2, 3, 4, 5):
             _save(setup, step)
-        calls = _count_calls(backend.open, lambda store: store.rollback(1))
-        for at in range(calls + 1):
+        for at in _pause_points(backend, backend.open, lambda store: store.rollback(1), 1):
             _fresh(backend, tmp_path, at)
             _interleave(backend, deleter, 1, at, rollback_first=True)
 
 
-def _retention_calls(backend: BackendUnderTest) -> int:
+def _retention_points(backend: BackendUnderTest, target: int) -> list[int]:
     setup = backend.open()
     for step in (1, 2, 3, 4, 5):
         _save(setup, step)
-    return _count_calls(backend.open, _retention)
+    return _pause_points(backend, backend.open, _retention, target)
 
 
 _generation = [0]
