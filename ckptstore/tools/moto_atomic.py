@@ -9,6 +9,9 @@ request is therefore handled under one lock; moto is fast enough that tests do n
 A request's body is read whole before the lock is taken: a client that stalls or dies while
 it sends a body (a crash-injected upload, a killed process whose socket lingers) holds up
 nothing but its own request, never every other client of the server.
+An ``UploadPart`` to an upload that was aborted (GC of a dead writer's upload) is answered
+``NoSuchUpload`` (404), as S3 answers it; moto's own server answers 500 (a KeyError), which a
+client retries as a transient failure for seconds.
 Run as ``python -m ckptstore.tools.moto_atomic -H 127.0.0.1 -p PORT`` (moto.server's options).
 """
 
@@ -34,7 +37,23 @@ def main(argv: list[str]) -> None:
             return handle(self, environ, start_response)
 
     werkzeug_app.DomainDispatcherApplication.__call__ = one_at_a_time  # type: ignore[method-assign]
+    _answer_no_such_upload()
     server.main(argv)
+
+
+def _answer_no_such_upload() -> None:
+    """UploadPart to an unknown (aborted, completed) upload: NoSuchUpload, not a 500."""
+    from moto.s3.exceptions import NoSuchUpload
+    from moto.s3.models import S3Backend
+
+    upload_part = S3Backend.upload_part
+
+    def checked(self: Any, bucket_name: str, multipart_id: str, part_id: int, value: bytes) -> Any:
+        if multipart_id not in self.get_bucket(bucket_name).multiparts:
+            raise NoSuchUpload(upload_id=multipart_id)
+        return upload_part(self, bucket_name, multipart_id, part_id, value)
+
+    S3Backend.upload_part = checked  # type: ignore[method-assign]
 
 
 def _read_body(environ: dict[str, Any]) -> None:
