@@ -217,6 +217,16 @@ class S3Backend(BackendUnderTest):
         )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` run first, in collection order otherwise.
+
+    With ``--dist worksteal`` a worker that finishes its share takes tests from the end of
+    another's: a minutes-long conformance run collected last would leave one worker running it
+    alone while the other idles. Every worker sorts the same way, so collections still agree.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _same_examples() -> Iterator[None]:
     """Every derandomized hypothesis run explores the same examples whichever tests ran before

@@ -34,6 +34,7 @@ from ckptstore.names import step_token
 from ckptstore.retention import KeepLast
 from ckptstore.store import Store
 
+PAUSED_ON_S3 = pytest.param("s3", marks=pytest.mark.slow)  # a minute each: every call, on moto
 both = pytest.mark.parametrize("backend", ["file", "s3"], indirect=True)
 
 
@@ -391,7 +392,7 @@ def _delete_target(target: int) -> Callable[[Store], None]:
     return delete
 
 
-@pytest.mark.parametrize("backend", ["file", "memory", "s3"], indirect=True)
+@pytest.mark.parametrize("backend", ["file", "memory", PAUSED_ON_S3], indirect=True)
 @pytest.mark.parametrize("target", [1, 3])
 def test_a_retention_pass_paused_at_each_call_never_empties_a_rollback(
     backend: BackendUnderTest, target: int, tmp_path: Any
@@ -401,7 +402,7 @@ def test_a_retention_pass_paused_at_each_call_never_empties_a_rollback(
         _interleave(backend, _retention, target, at, rollback_first=False)
 
 
-@pytest.mark.parametrize("backend", ["file", "memory", "s3"], indirect=True)
+@pytest.mark.parametrize("backend", ["file", "memory", PAUSED_ON_S3], indirect=True)
 def test_a_rollback_paused_at_each_call_never_loses_its_target_to_a_deleter(
     backend: BackendUnderTest, tmp_path: Any
 ) -> None:
