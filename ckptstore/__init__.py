@@ -21,10 +21,11 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
+from ckptstore.interface import CheckpointStore
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.retention import KeepEvery, KeepLast, KeepNewerThan, RetentionPolicy
 from ckptstore.store import Store
-from ckptstore.tiered import TieredStore
+from ckptstore.tiered import TieredStore, tiered_url
 from ckptstore.tiered import open_checkpoints as open  # open(url, **options) -> Store
 
 __version__ = "0.1.0"
@@ -38,6 +39,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointStore",
     "CkptStoreError",
     "IntegrityError",
     "InvalidInputError",
@@ -52,4 +54,5 @@ __all__ = [
     "TieredStore",
     "TransientStorageError",
     "open",
+    "tiered_url",
 ]

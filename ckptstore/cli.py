@@ -53,10 +53,13 @@ from ckptstore.errors import (
     NotACheckpointError,
     StorageError,
 )
+from ckptstore.interface import CheckpointStore
 from ckptstore.interval import DEFAULT_RECENT, MIN_SAVES, advise
 from ckptstore.names import MAX_STEP
 from ckptstore.progress import ProgressBar
+from ckptstore.replication import shown_url
 from ckptstore.store import DEFAULT_GRACE, DEFAULT_SUPERSEDED_GRACE, Store, open_store
+from ckptstore.tiered import split_tiered_url
 from ckptstore.urls import redact
 
 __all__ = ["main"]
@@ -191,6 +194,55 @@ def human_size(size: int) -> str:
 
 def _open(url: str) -> Store:
     return open_store(url, create=False)
+
+
+def _take_tier_options(args: argparse.Namespace) -> None:
+    """A tiered store's URL (``?replicate_to=DURABLE``, ``ckptstore.tiered_url``) given to a
+    command: the command's ``--replicate-to`` form (``replication=`` is the writer's, and
+    ignored: a command never copies). A command that works on one store refuses it, naming
+    the two URLs to run it on."""
+    urls = getattr(args, "urls", None)
+    if urls is not None:  # conformance URL... [--replicate-to DURABLE]
+        tiered = [(index, split_tiered_url(url)) for index, url in enumerate(urls)]
+        tiered = [(index, found) for index, found in tiered if found[1]]
+        if not tiered:
+            return
+        if len(urls) != 1:
+            raise InvalidInputError(
+                "conformance runs a tiered pair alone: give its URL (or URL --replicate-to "
+                "DURABLE_URL) and no other"
+            )
+        fast, options = tiered[0][1]
+        if "replicate_to" not in options:
+            raise InvalidOptionError(f"{redact(urls[0])}: replication needs replicate_to=URL")
+        _agree(args, options["replicate_to"])
+        args.urls = [fast]
+        return
+    url = getattr(args, "url", None)
+    if not isinstance(url, str) or getattr(args, "takes_tiered_url", False):
+        return  # push and pull open a tiered URL themselves
+    fast, options = split_tiered_url(url)
+    if "replicate_to" not in options:
+        if options:  # replication= alone
+            raise InvalidOptionError(f"{redact(url)}: replication needs replicate_to=DURABLE_URL")
+        return
+    if not hasattr(args, "replicate_to"):
+        raise InvalidInputError(
+            f"ckptstore {args.command} works on one store, and {redact(url)} names a tiered "
+            f"pair: run it on the fast tier ({redact(fast)}) and on the durable tier "
+            f"({redact(options['replicate_to'])}) apart"
+        )
+    _agree(args, options["replicate_to"])
+    args.url = fast
+
+
+def _agree(args: argparse.Namespace, durable: str) -> None:
+    if args.replicate_to is not None and args.replicate_to != durable:
+        raise InvalidOptionError(
+            f"the URL says replicate_to={redact(durable)!r}, --replicate-to "
+            f"{redact(args.replicate_to)!r}: give one"
+        )
+    args.replicate_to = durable
 
 
 def _print_table(rows: Sequence[Sequence[str]], out: TextIO) -> None:
@@ -331,7 +383,7 @@ def _ls_rows(entries: list[dict[str, Any]], *, with_epoch: bool) -> list[list[st
     return rows
 
 
-def _pick(store: Store, step: int | None) -> Checkpoint:
+def _pick(store: CheckpointStore, step: int | None) -> Checkpoint:
     if step is not None:
         return store.get(step)
     latest = store.latest()
@@ -341,19 +393,41 @@ def _pick(store: Store, step: int | None) -> Checkpoint:
 
 
 def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
+    if args.replicate_to:
+        pair = open_pair(args.url, args.replicate_to)
+        try:
+            checkpoint = _pick(pair, args.step)
+            in_fast = checkpoint.url == pair.url
+            tier = (
+                f"fast (the pair's durable store: {shown_url(pair.durable_url)})"
+                if in_fast
+                else f"durable (the pair's fast store: {pair.url})"
+            )
+            return _show(pair.fast if in_fast else pair.durable, checkpoint, args, out, tier)
+        finally:
+            pair.close(wait=False)
     store = _open(args.url)
-    checkpoint = _pick(store, args.step)
+    return _show(store, _pick(store, args.step), args, out)
+
+
+def _show(
+    store: Store, checkpoint: Checkpoint, args: argparse.Namespace, out: TextIO, tier: str = ""
+) -> int:
+    """Print ``checkpoint`` of ``store`` (``tier``: which tier of a pair holds it)."""
     manifest = checkpoint.manifest
     lineage = store.lineage()
     chain = ancestry(lineage, manifest.step, manifest.epoch)
     if args.json:
         document = {**manifest.to_document(), "epoch": manifest.epoch, "lineage": chain}
+        if tier:
+            document["tier"] = tier
         json.dump(document, out, indent=2, sort_keys=True)
         out.write("\n")
         return EXIT_OK
     writer = manifest.writer
     lines = [
         f"checkpoint  step {manifest.step} in {store.url}",
+        *([f"tier        {tier}"] if tier else []),
         f"attempt     {manifest.attempt} ({manifest.backend})",
         f"writer      {writer.host} pid {writer.pid}, world size {writer.world_size}",
         f"created     {manifest.created_at.isoformat()}",
@@ -401,13 +475,10 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     """
     if args.all and args.step is not None:
         raise InvalidInputError("verify takes a STEP or --all, not both")
+    if args.replicate_to:
+        return _verify_pair(args, out)
     store = _open(args.url)
-    if args.step is not None:
-        results = [_verify_one(store, args.step, quiet=args.json, named=True)]
-    elif args.all:
-        results = [_verify_one(store, step, quiet=args.json) for step in _listed_steps(store)]
-    else:
-        results = _verify_latest(store, quiet=args.json)
+    results = _verify_store(store, args)
     if not any(result["status"] in _CHECKED for result in results):
         strays = sum(result["status"] == "stray" for result in results)
         note = f" ({strays} stray entries, left alone)" if strays else ""
@@ -417,6 +488,53 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
         out.write("\n")
     else:
         _print_verify(results, out)
+    return _verify_status(results)
+
+
+def _verify_store(store: Store, args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.step is not None:
+        return [_verify_one(store, args.step, quiet=args.json, named=True)]
+    if args.all:
+        return [_verify_one(store, step, quiet=args.json) for step in _listed_steps(store)]
+    return _verify_latest(store, quiet=args.json)
+
+
+def _verify_pair(args: argparse.Namespace, out: TextIO) -> int:
+    """Verify each tier's copies: the newest (a STEP, every one with ``--all``) of the fast
+    tier and of the durable tier, each read from its own storage. A STEP is an error only
+    when neither tier holds it."""
+    pair = open_pair(args.url, args.replicate_to)
+    tiers = {"fast": pair.fast, "durable": pair.durable}
+    results: list[dict[str, Any]] = []
+    missing: list[CheckpointNotFoundError] = []
+    try:
+        for tier, store in tiers.items():
+            if not args.json:
+                out.write(f"{tier} tier {printable(store.url)}:\n")
+            try:
+                found = _verify_store(store, args)
+            except CheckpointNotFoundError as exc:  # a named STEP this tier does not hold
+                missing.append(exc)
+                found = []
+                if not args.json:
+                    out.write(f"step {args.step}: not in this tier\n")
+            results += [{**result, "tier": tier} for result in found]
+            if not args.json and found:
+                _print_verify(found, out)
+    finally:
+        pair.close(wait=False)
+    if len(missing) == len(tiers):
+        raise missing[0]
+    if not any(result["status"] in _CHECKED for result in results):
+        raise CheckpointNotFoundError(f"{pair.url} -> {pair.durable_url}: no checkpoints")
+    if args.json:
+        document = {"url": pair.url, "durable_url": pair.durable_url, "results": results}
+        json.dump(document, out, indent=2)
+        out.write("\n")
+    return _verify_status(results)
+
+
+def _verify_status(results: list[dict[str, Any]]) -> int:
     statuses = {result["status"] for result in results}
     if "broken" in statuses:
         return EXIT_BROKEN
@@ -538,6 +656,20 @@ def _age(seconds: float) -> str:
 
 
 def cmd_delete(args: argparse.Namespace, out: TextIO) -> int:
+    if args.replicate_to:
+        pair = open_pair(args.url, args.replicate_to)
+        try:
+            pair.delete(args.step, force=args.force)
+        finally:
+            pair.close(wait=False)
+        where = f"the pair {pair.url} -> {shown_url(pair.durable_url)}"
+        if args.json:
+            json.dump({"url": pair.url, "durable_url": shown_url(pair.durable_url),
+                       "deleted": [args.step]}, out)  # fmt: skip
+            out.write("\n")
+        else:
+            out.write(f"deleted step {args.step} from {printable(where)}\n")
+        return EXIT_OK
     store = _open(args.url)
     store.delete(args.step, force=args.force)
     if args.json:
@@ -825,6 +957,16 @@ class _Parser(argparse.ArgumentParser):
         raise InvalidInputError(f"{message} (see {self.prog} --help)")
 
 
+def _replicate_to(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--replicate-to",
+        metavar="DURABLE_URL",
+        default=None,
+        help=f"URL is the fast tier of a pair with this durable store: {what} (also "
+        f"?replicate_to= in URL; docs/tiers.md)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``ckptstore`` command."""
     parser = _Parser(
@@ -850,10 +992,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("show", "show a checkpoint's manifest (default: the latest)")
     p.add_argument("step", nargs="?", type=parse_step)
     p.add_argument("--all-shards", action="store_true", help="list every shard")
+    _replicate_to(p, "show the pair's checkpoint, from the tier that holds it")
     p.set_defaults(func=cmd_show)
     p = command("verify", "read and check every shard's CRC32C (default: the latest)")
     p.add_argument("step", nargs="?", type=parse_step)
     p.add_argument("--all", action="store_true", help="verify every checkpoint")
+    _replicate_to(p, "verify each tier's copies")
     p.set_defaults(func=cmd_verify)
     p = command("gc", "remove leftovers of dead saves idle for longer than the grace period")
     p.add_argument(
@@ -874,6 +1018,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("delete", "delete one checkpoint (the newest only with --force)")
     p.add_argument("step", type=parse_step)
     p.add_argument("--force", action="store_true", help="allow deleting the newest")
+    _replicate_to(p, "delete the step from both tiers")
     p.set_defaults(func=cmd_delete)
     p = command(
         "rollback", "make STEP the newest again: newer checkpoints leave the history (undoable)"
@@ -1049,6 +1194,7 @@ def _run(words: list[str], out: TextIO) -> int:
     try:
         args = build_parser().parse_args(words)
         as_json = getattr(args, "json", False) is True
+        _take_tier_options(args)
         status: int = args.func(args, out)
     except CkptStoreError as exc:
         _report_error(type(exc).__name__, str(exc), as_json=as_json, out=out)

@@ -10,8 +10,10 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from ckptstore.directory import DEFAULT_PARALLEL, materialize, publish_directory, refuse_nested
-from ckptstore.errors import CheckpointNotFoundError, InvalidInputError
+from ckptstore.errors import CheckpointNotFoundError, InvalidInputError, InvalidOptionError
+from ckptstore.interface import CheckpointStore
 from ckptstore.store import open_store
+from ckptstore.tiered import TieredStore, open_checkpoints, split_tiered_url
 
 __all__ = ["add_directory_commands"]
 
@@ -19,15 +21,26 @@ EXIT_OK = 0
 
 
 def cmd_push(args: argparse.Namespace, out: TextIO) -> int:
+    """Publish DIR; to a tiered URL (``?replicate_to=``), in the fast tier, and the command
+    ends once the durable tier holds it too."""
     refuse_nested(args.url, args.directory)  # before the store's root is created in it
-    store = open_store(args.url, epoch=args.epoch)
-    checkpoint = publish_directory(
-        store,
-        args.step,
-        args.directory,
-        parallel=args.parallel,
-        follow_symlinks=args.follow_symlinks,
-    )
+    if split_tiered_url(args.url)[1]:
+        if args.epoch is not None:
+            raise InvalidOptionError(
+                "push --epoch names an epoch of one store; a tiered pair's epochs are its "
+                "takeover's: push to the pair without --epoch, or to one tier"
+            )
+        store: CheckpointStore = open_checkpoints(args.url)
+    else:
+        store = open_store(args.url, epoch=args.epoch)
+    with store:
+        checkpoint = publish_directory(
+            store,
+            args.step,
+            args.directory,
+            parallel=args.parallel,
+            follow_symlinks=args.follow_symlinks,
+        )
     if args.json:
         json.dump({"url": store.url, "step": checkpoint.step, "files": len(checkpoint.names),
                    "bytes": checkpoint.size}, out)  # fmt: skip
@@ -47,11 +60,23 @@ def cmd_pull(args: argparse.Namespace, out: TextIO) -> int:
             f"the URL, so it would be the directory: give both (pull URL {args.directory} DIR), "
             f"or ./{args.directory} for a directory of that name"
         )
-    store = open_store(args.url, create=False)
-    checkpoint = store.latest() if args.step is None else store.get(args.step)
-    if checkpoint is None:
-        raise CheckpointNotFoundError(f"{store.url}: no checkpoints")
-    target = materialize(checkpoint, args.directory, replace=args.replace, parallel=args.parallel)
+    store: CheckpointStore = (
+        open_checkpoints(args.url, create=False, background=False)  # reads; never copies
+        if split_tiered_url(args.url)[1]
+        else open_store(args.url, create=False)
+    )
+    try:
+        checkpoint = store.latest() if args.step is None else store.get(args.step)
+        if checkpoint is None:
+            raise CheckpointNotFoundError(f"{store.url}: no checkpoints")
+        target = materialize(
+            checkpoint, args.directory, replace=args.replace, parallel=args.parallel
+        )
+    finally:
+        if isinstance(store, TieredStore):
+            store.close(wait=False)
+        else:
+            store.close()
     if args.json:
         json.dump({"url": store.url, "step": checkpoint.step, "directory": str(target),
                    "files": len(checkpoint.names)}, out)  # fmt: skip
@@ -85,7 +110,7 @@ def add_directory_commands(
         help="publish what symbolic links to files point to (default: refuse links)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=cmd_push)
+    p.set_defaults(func=cmd_push, takes_tiered_url=True)
     text = (
         "write checkpoint STEP (default: the latest) into DIR, verified; DIR appears whole or "
         "not at all"
@@ -99,4 +124,4 @@ def add_directory_commands(
     p.add_argument("--parallel", type=parse_count, default=DEFAULT_PARALLEL,
                    help=f"files written at once (default {DEFAULT_PARALLEL})")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=cmd_pull)
+    p.set_defaults(func=cmd_pull, takes_tiered_url=True)

@@ -36,11 +36,13 @@ from pathlib import Path
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.errors import (
+    CapabilityError,
     CkptStoreError,
     InvalidInputError,
     StorageAccessDeniedError,
     StorageError,
 )
+from ckptstore.interface import CheckpointStore
 from ckptstore.localdir import (
     check_target,
     fsync_directory,
@@ -177,7 +179,7 @@ def _raise_walk_error(error: OSError) -> None:
 
 
 def publish_directory(
-    store: Store,
+    store: CheckpointStore,
     step: int,
     directory: str | os.PathLike[str],
     *,
@@ -199,6 +201,11 @@ def publish_directory(
     if parallel < 1:
         raise InvalidInputError(f"parallel must be at least 1, got {parallel}")
     if epoch is not None:
+        if not isinstance(store, Store):
+            raise CapabilityError(
+                f"{store.url}: epoch={epoch} names an epoch of one store; a tiered pair's "
+                f"epochs are its takeover's (TieredStore.take_over, or join_epochs)"
+            )
         if store.epoch is None:
             store.join_epoch(epoch)
         elif store.epoch != epoch:

@@ -43,8 +43,9 @@ from ckptstore.checkpoint import Checkpoint
 from ckptstore.checksum import Crc32c
 from ckptstore.directory import directory_files, materialize, publish_directory, write_files
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, InvalidInputError
+from ckptstore.interface import CheckpointStore
 from ckptstore.manifest import ShardRecord
-from ckptstore.store import Store, open_store
+from ckptstore.tiered import open_checkpoints
 
 __all__ = ["CkptStoreCallback"]
 
@@ -56,8 +57,10 @@ _CHECKPOINT_DIR = re.compile(r"^checkpoint-([0-9]+)$", re.ASCII)
 class CkptStoreCallback(TrainerCallback):
     """Publish every checkpoint the Trainer saves; materialise the newest on start."""
 
-    def __init__(self, store: Store | str, *, parallel: int = 8, **options: Any) -> None:
-        self.store = open_store(store, **options) if isinstance(store, str) else store
+    def __init__(self, store: CheckpointStore | str, *, parallel: int = 8, **options: Any) -> None:
+        self.store: CheckpointStore = (
+            open_checkpoints(store, **options) if isinstance(store, str) else store
+        )
         self.parallel = parallel
         self.restored: Checkpoint | None = None
         """The checkpoint materialised when the Trainer was built (None: none published)."""
@@ -268,7 +271,7 @@ def _every_process_done_writing(args: Any) -> None:
 
 
 def publish_from_every_machine(
-    store: Store,
+    store: CheckpointStore,
     step: int,
     directory: Path,
     args: Any,

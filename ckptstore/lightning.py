@@ -46,8 +46,9 @@ from ckptstore.errors import (
     NotACheckpointError,
     RefusedError,
 )
+from ckptstore.interface import CheckpointStore
 from ckptstore.jsonload import load_json
-from ckptstore.store import Store, open_store
+from ckptstore.tiered import open_checkpoints
 from ckptstore.torch.state import load_state, save_state
 
 __all__ = ["CkptStoreIO"]
@@ -63,9 +64,11 @@ _POINTER_LIMIT = 64 * 1024
 class CkptStoreIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves, loads and removes checkpoints through a store."""
 
-    def __init__(self, store: Store | str, **options: Any) -> None:
+    def __init__(self, store: CheckpointStore | str, **options: Any) -> None:
         super().__init__()
-        self.store = open_store(store, **options) if isinstance(store, str) else store
+        self.store: CheckpointStore = (
+            open_checkpoints(store, **options) if isinstance(store, str) else store
+        )
         self._saved: dict[int, str] = {}  # step -> attempt, published by this plugin
         self._directories: set[Path] = set()  # where this plugin has written pointers
         self._lock = threading.Lock()

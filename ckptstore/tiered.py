@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, overload
+from urllib.parse import quote, unquote
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.commit.base import GcItem, GcReport
@@ -36,11 +37,14 @@ from ckptstore.errors import (
     InvalidInputError,
     InvalidMetadataError,
     InvalidOptionError,
+    InvalidURLError,
+    RefusedError,
     ReplicationError,
 )
 from ckptstore.lineage import Epoch, Lineage
 from ckptstore.names import check_step
 from ckptstore.pending import PendingCheckpoint, ShardData
+from ckptstore.redaction import redact
 from ckptstore.replication import (
     TIER_KEY,
     KeepOwed,
@@ -55,7 +59,15 @@ from ckptstore.retention import RetentionPolicy
 from ckptstore.store import DEFAULT_GRACE, Clock, Store, open_store
 from ckptstore.urls import parse_url
 
-__all__ = ["TieredGcReport", "TieredStore", "open_checkpoints", "open_tiered"]
+__all__ = [
+    "TIERED_URL_OPTIONS",
+    "TieredGcReport",
+    "TieredStore",
+    "open_checkpoints",
+    "open_tiered",
+    "split_tiered_url",
+    "tiered_url",
+]
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +295,13 @@ class TieredStore:
             fast = self.fast.take_over(resumed_from, note=note, discard_history=True)
         return fast, durable
 
+    def join_epochs(self, fast: int, durable: int) -> None:
+        """Write in the epochs a takeover of the pair took (``take_over``'s, in another
+        process of this run: a multi-rank job's coordinator): ``fast`` in the fast tier, and
+        the replicator's copies in ``durable`` (``Store.join_epoch`` of each)."""
+        self.fast.join_epoch(fast)
+        self.replicator.durable.join_epoch(durable)
+
     def rollback(self, step: int) -> list[int]:
         """Roll the pair back to ``step``: a takeover of both tiers from it (durable first),
         so that every checkpoint newer than ``step`` leaves the history of both at once, is
@@ -374,6 +393,34 @@ class TieredStore:
         if durable_policy is not None:
             removed |= set(self.replicator.durable.apply_retention(durable_policy))
         return sorted(removed)
+
+    def delete(self, step: int, *, force: bool = False) -> None:
+        """Unpublish ``step`` from the pair's history: from each tier that holds it (the fast
+        one first), then delete its data (``Store.delete``). No copy runs meanwhile, and a step
+        deleted before its copy is no longer owed: it is never copied afterwards.
+
+        Refuses (RefusedError) to delete the pair's newest checkpoint unless ``force``;
+        CheckpointNotFoundError if the pair's history has no checkpoint at ``step`` (a fast
+        checkpoint outside it is not the pair's: the fast tier's GC collects it).
+        """
+        check_step(step)
+        with self.replicator.paused():
+            steps = self.steps()
+            if step not in steps:
+                raise CheckpointNotFoundError(
+                    f"{self.url}: the pair (durable: {self.durable_url}) has no published "
+                    f"checkpoint at step {step}"
+                )
+            if step == steps[-1] and not force:
+                raise RefusedError(
+                    f"{self.url}: step {step} is the pair's newest checkpoint; deleting it "
+                    f"needs force=True (--force on the command line), or a rollback of the pair"
+                )
+            for store in (self.fast, self.replicator.durable):
+                try:
+                    store.delete(step, force=True)
+                except CheckpointNotFoundError:
+                    continue  # this tier does not hold it (not yet copied, or removed)
 
     def gc(
         self, *, grace: timedelta | float = DEFAULT_GRACE, dry_run: bool = False
@@ -500,7 +547,22 @@ def open_checkpoints(
     url: str, *, replicate_to: str | None = None, **options: Any
 ) -> Store | TieredStore:
     """``ckptstore.open``: the store at ``url`` (``open_store``), or with ``replicate_to``
-    a TieredStore saving to ``url`` and keeping copies in ``replicate_to`` (``open_tiered``)."""
+    a TieredStore saving to ``url`` and keeping copies in ``replicate_to`` (``open_tiered``).
+
+    ``replicate_to`` and ``replication`` may also be given in the URL's query, the durable
+    URL percent-encoded (``tiered_url`` builds such a URL): so everything that takes a URL
+    (the adapters, the CLI) opens a tiered store. Keyword options override the URL's.
+    """
+    url, from_url = split_tiered_url(url)
+    if "replicate_to" in from_url:
+        if replicate_to is not None and replicate_to != from_url["replicate_to"]:
+            raise InvalidOptionError(
+                f"{redact(url)}: the URL says replicate_to={redact(from_url['replicate_to'])!r}, "
+                f"the replicate_to option {redact(replicate_to)!r}: give one"
+            )
+        replicate_to = from_url["replicate_to"]
+    if "replication" in from_url:
+        options.setdefault("replication", from_url["replication"])
     if replicate_to is not None:
         return open_tiered(url, replicate_to=replicate_to, **options)
     tiered_only = sorted(set(options) & _TIERED_OPTIONS)
@@ -512,6 +574,58 @@ def open_checkpoints(
 
 
 _TIERED_OPTIONS = frozenset({"replication", "durable_retention", "durable_options", "background"})
+
+TIERED_URL_OPTIONS = ("replicate_to", "replication")
+"""The options a store URL's query may carry to make it a tiered store's (``tiered_url``)."""
+
+
+def tiered_url(url: str, replicate_to: str, *, replication: str | None = None) -> str:
+    """The one URL of the tiered store saving to ``url`` and copying to ``replicate_to``:
+    ``url`` with ``replicate_to=<the durable URL, percent-encoded>`` (and ``replication=``)
+    added to its query. ``ckptstore.open`` of it is ``ckptstore.open(url,
+    replicate_to=replicate_to, replication=replication)``; printed, it is redacted as any
+    URL is (the durable URL's secrets included)."""
+    if "://" not in url:
+        raise InvalidURLError(f"{url!r}: a tiered store's URL needs a scheme (file:///path)")
+    _, from_url = split_tiered_url(url)
+    if from_url:
+        raise InvalidOptionError(f"{redact(url)}: already names {', '.join(sorted(from_url))}")
+    added = [f"replicate_to={quote(replicate_to, safe='')}"]
+    if replication is not None:
+        added.append(f"replication={quote(replication, safe='')}")
+    head, hash_sign, fragment = url.partition("#")
+    separator = "&" if "?" in head else "?"
+    return f"{head}{separator}{'&'.join(added)}{hash_sign}{fragment}"
+
+
+def split_tiered_url(url: str) -> tuple[str, dict[str, str]]:
+    """``url`` without the tier options of its query (``TIERED_URL_OPTIONS``), and those
+    options decoded. A durable URL may be given percent-encoded (``tiered_url``) or as it is
+    when it has no ``&`` of its own (``?replicate_to=s3+versioned://bucket/run``: its ``+``
+    is kept, not read as a space). A bare path has no query: it is returned as it is."""
+    if "://" not in url:
+        return url, {}
+    head, hash_sign, fragment = url.partition("#")
+    base, question, query = head.partition("?")
+    if not question:
+        return url, {}
+    kept: list[str] = []
+    found: dict[str, str] = {}
+    for part in query.split("&"):
+        name, _, value = part.partition("=")
+        name = unquote(name)
+        if name not in TIERED_URL_OPTIONS:
+            kept.append(part)
+            continue
+        if name in found:
+            raise InvalidURLError(f"{redact(url)}: {name} is given twice")
+        if not value:
+            raise InvalidURLError(f"{redact(url)}: {name} is empty")
+        found[name] = unquote(value)
+    if not found:
+        return url, {}
+    rest = f"?{'&'.join(kept)}" if kept else ""
+    return f"{base}{rest}{hash_sign}{fragment}", found
 
 
 def open_tiered(
@@ -540,6 +654,11 @@ def open_tiered(
     durable store cannot be opened or read.
     """
     policy = replication_policy(replication)
+    if split_tiered_url(replicate_to)[1]:
+        raise InvalidOptionError(
+            f"replicate_to={redact(replicate_to)!r}: a durable store is one store, not a tiered "
+            f"pair: give its URL without replicate_to or replication"
+        )
     if durable_retention is not None and not isinstance(durable_retention, RetentionPolicy):
         raise InvalidOptionError(
             f"durable_retention must be a RetentionPolicy, got {durable_retention!r}"

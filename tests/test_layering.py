@@ -27,7 +27,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     BACKENDS: ("backends",),
     CORE: (
         "checkpoint", "pending", "store", "history", "fencing", "registry", "interval",
-        "replication", "tiered", "epoch_repair", "",
+        "replication", "tiered", "epoch_repair", "interface", "",
     ),
     TORCH: ("torch",),
     TRAINERS: ("directory", "huggingface", "lightning", "localdir"),

@@ -15,7 +15,9 @@ import torch.distributed as dist
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
+from ckptstore.interface import CheckpointStore
 from ckptstore.store import Store
+from ckptstore.tiered import TieredStore
 
 __all__ = ["agreed_checkpoint", "in_multi_rank_job", "take_over"]
 
@@ -28,24 +30,28 @@ def in_multi_rank_job(group: Any = None) -> bool:
 
 
 def take_over(
-    store: Store, resumed_from: int | None, *, group: Any = None, discard_history: bool = False
+    store: Store | TieredStore,
+    resumed_from: int | None,
+    *,
+    group: Any = None,
+    discard_history: bool = False,
 ) -> int:
     """Take the store over for this job once, on the coordinator, and have every rank of
-    ``group`` write in that epoch; a collective call in a multi-rank job. Returns the epoch.
+    ``group`` write in that epoch; a collective call in a multi-rank job. Returns the epoch
+    (a tiered store's: the durable one, the pair's history; every rank joins both tiers').
 
     ``resumed_from``: the step every rank loaded (``agreed_checkpoint``), None for a fresh
     start, refused over a history unless ``discard_history`` (``Store.take_over``). Outside
     a multi-rank job the process takes the store over itself.
     """
     if not in_multi_rank_job(group):
-        return store.take_over(resumed_from, discard_history=discard_history).number
+        return _take(store, resumed_from, discard_history)[-1]
     coordinator = dist.get_global_rank(group, COORDINATOR) if group is not None else COORDINATOR
     decision: list[Any] = [None]
     failure: BaseException | None = None
     if dist.get_rank(group) == COORDINATOR:
         try:
-            epoch = store.take_over(resumed_from, discard_history=discard_history)
-            decision = [("ok", epoch.number)]
+            decision = [("ok", _take(store, resumed_from, discard_history))]
         except Exception as exc:  # every rank must hear of it, or the others wait forever
             failure = exc
             decision = [("error", f"{type(exc).__name__}: {exc}")]
@@ -55,12 +61,28 @@ def take_over(
     status, value = decision[0]
     if status != "ok":
         raise CkptStoreError(f"{store.url}: the coordinator could not take the store over: {value}")
+    epochs = tuple(int(number) for number in value)
     if dist.get_rank(group) != COORDINATOR:
-        store.join_epoch(int(value))
-    return int(value)
+        if isinstance(store, TieredStore):
+            store.join_epochs(*epochs)
+        else:
+            store.join_epoch(*epochs)
+    return epochs[-1]
 
 
-def agreed_checkpoint(store: Store, step: int | None = None, *, group: Any = None) -> Checkpoint:
+def _take(
+    store: Store | TieredStore, resumed_from: int | None, discard_history: bool
+) -> tuple[int, ...]:
+    """Take ``store`` over; the epoch numbers the other ranks join (a pair's: fast, durable)."""
+    if isinstance(store, TieredStore):
+        fast, durable = store.take_over(resumed_from, discard_history=discard_history)
+        return fast.number, durable.number
+    return (store.take_over(resumed_from, discard_history=discard_history).number,)
+
+
+def agreed_checkpoint(
+    store: CheckpointStore, step: int | None = None, *, group: Any = None
+) -> Checkpoint:
     """The checkpoint every rank of ``group`` loads: ``step``, or the latest one as the
     coordinator saw it; a collective call in a multi-rank job (every rank must make it).
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.errors import CheckpointStateError, CkptStoreError
-from ckptstore.store import Store
+from ckptstore.interface import CheckpointStore
 from ckptstore.torch.state import Snapshot, snapshot_state, write_snapshot
 
 __all__ = ["AsyncSaver"]
@@ -30,7 +30,7 @@ __all__ = ["AsyncSaver"]
 class AsyncSaver:
     """Saves trainer state in the background, at most ``max_in_flight`` at a time."""
 
-    def __init__(self, store: Store, *, max_in_flight: int = 1) -> None:
+    def __init__(self, store: CheckpointStore, *, max_in_flight: int = 1) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.store = store

@@ -60,11 +60,11 @@ from ckptstore.errors import (
     ManifestCorruptError,
     UnsafePickleError,
 )
+from ckptstore.interface import CheckpointStore
 from ckptstore.jsonload import JSONDocumentError, load_json
 from ckptstore.manifest import MAX_MANIFEST_BYTES, ShardRecord
 from ckptstore.names import check_step
 from ckptstore.pending import PendingCheckpoint
-from ckptstore.store import Store
 from ckptstore.torch.agreement import agreed_checkpoint
 from ckptstore.torch.dcp_staging import ReusingStager
 
@@ -114,7 +114,10 @@ class CkptStoreWriter(StorageWriter):
     _synchronize_after_execute = False  # ``stage`` returns a finished copy: nothing to wait for
 
     def __init__(
-        self, store: Store, step: int | None = None, metadata: Mapping[str, Any] | None = None
+        self,
+        store: CheckpointStore,
+        step: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.store = store
@@ -283,7 +286,7 @@ class CkptStoreReader(StorageReader):
 
     def __init__(
         self,
-        store: Store,
+        store: CheckpointStore,
         step: int | None = None,
         *,
         group: Any = None,
@@ -465,12 +468,12 @@ def _dtype(name: object, where: str) -> torch.dtype:
     return dtype
 
 
-def checkpoint_id_of(store: Store, step: int) -> str:
+def checkpoint_id_of(store: CheckpointStore, step: int) -> str:
     """The DCP checkpoint id naming ``step`` of ``store``."""
     return f"{store.url}#step={step}"
 
 
-def step_from_checkpoint_id(store: Store, checkpoint_id: object) -> int:
+def step_from_checkpoint_id(store: CheckpointStore, checkpoint_id: object) -> int:
     """The step a DCP ``checkpoint_id`` names: ``7``, ``"7"``, or ``"<store url>#step=7"``."""
     if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool):
         return check_step(checkpoint_id)

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.errors import CkptStoreError
+from ckptstore.interface import CheckpointStore
 from ckptstore.manifest import ShardRecord
 from ckptstore.pending import ShardData
-from ckptstore.store import Store
 
 __all__ = ["save_sharded"]
 
@@ -28,7 +28,7 @@ COORDINATOR = 0
 
 
 def save_sharded(
-    store: Store,
+    store: CheckpointStore,
     step: int,
     shards: Mapping[str, ShardData],
     *,

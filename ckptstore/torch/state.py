@@ -31,8 +31,8 @@ from ckptstore.errors import (
     ShardCorruptError,
     ShardNotFoundError,
 )
+from ckptstore.interface import CheckpointStore
 from ckptstore.names import check_shard_name
-from ckptstore.store import Store
 from ckptstore.torch.agreement import agreed_checkpoint
 from ckptstore.torch.codec import (
     decode_state,
@@ -174,7 +174,7 @@ def _new_host_buffer(tensor: Any) -> Any:
 
 
 def write_snapshot(
-    store: Store,
+    store: CheckpointStore,
     step: int,
     snapshot: Snapshot,
     timings: Mapping[str, float] | None = None,
@@ -198,7 +198,7 @@ def write_snapshot(
 
 
 def save_state(
-    store: Store,
+    store: CheckpointStore,
     step: int,
     components: Mapping[str, Any],
     *,
@@ -219,7 +219,7 @@ def save_state(
 
 
 def load_state(
-    source: Checkpoint | Store,
+    source: Checkpoint | CheckpointStore,
     components: Mapping[str, Any],
     *,
     map_location: Any = "cpu",
