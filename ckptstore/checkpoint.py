@@ -144,7 +144,9 @@ class ShardReader(io.RawIOBase):
         self._verified = True
 
     def _fail(self, problem: str) -> None:
-        raise ShardCorruptError(f"{self._where}: shard {self.record.name!r}: {problem}")
+        raise ShardCorruptError(
+            f"{self._where}: shard {self.record.name!r}: {problem}", key=self.record.name
+        )
 
     def close(self) -> None:
         if not self.closed:
@@ -243,7 +245,12 @@ class Checkpoint:
     def _record(self, name: str) -> ShardRecord:
         record = self._records.get(name)
         if record is None:
-            raise ShardNotFoundError(f"{self.url}: step {self.step} has no shard {name!r}")
+            raise ShardNotFoundError(
+                f"{self.url}: step {self.step} has no shard {name!r}",
+                url=self.url,
+                step=self.step,
+                key=name,
+            )
         return record
 
     def open(self, name: str, *, checksum_thread: bool = True) -> ShardReader:
@@ -402,7 +409,7 @@ class Checkpoint:
         record = self._record(name)
         if offset < 0 or length < 0 or offset + length > record.size:
             raise InvalidInputError(
-                f"range {offset}+{length} is outside shard {name!r} ({record.size} bytes)"
+                f"range {offset}+{length} is outside shard {name!r} ({record.size} bytes)", key=name
             )
         out = memoryview(bytearray(length) if into is None else into).cast("B")
         if out.nbytes < length or out.readonly:
@@ -458,7 +465,12 @@ class Checkpoint:
                 position += count
 
     def _corrupt(self, record: ShardRecord, problem: str) -> NoReturn:
-        raise ShardCorruptError(f"{self.url} step {self.step}: shard {record.name!r}: {problem}")
+        raise ShardCorruptError(
+            f"{self.url} step {self.step}: shard {record.name!r}: {problem}",
+            url=self.url,
+            step=self.step,
+            key=record.name,
+        )
 
     def iter_chunks(self, name: str, chunk_size: int = _CHUNK) -> Iterator[bytes]:
         """Yield a shard in chunks; the last chunk is yielded only after verification."""

@@ -204,14 +204,16 @@ def publish_directory(
         if not isinstance(store, Store):
             raise CapabilityError(
                 f"{store.url}: epoch={epoch} names an epoch of one store; a tiered pair's "
-                f"epochs are its takeover's (TieredStore.take_over, or join_epochs)"
+                f"epochs are its takeover's (TieredStore.take_over, or join_epochs)",
+                url=store.url,
             )
         if store.epoch is None:
             store.join_epoch(epoch)
         elif store.epoch != epoch:
             raise InvalidInputError(
                 f"{store.url}: this store writes in epoch {store.epoch}, not epoch {epoch}: "
-                f"open another to publish in epoch {epoch}"
+                f"open another to publish in epoch {epoch}",
+                url=store.url,
             )
     refuse_nested(store.url, directory)
     files = directory_files(directory, follow_symlinks=follow_symlinks)
@@ -398,7 +400,7 @@ def _make_folders(staging: Path, names: list[str]) -> set[Path]:
             prefix = "/".join(parts[:depth])
             if prefix in files:
                 raise InvalidInputError(
-                    f"shards {prefix!r} and {name!r} cannot both be files in a directory"
+                    f"shards {prefix!r} and {name!r} cannot both be files in a directory", key=name
                 )
             folders.add(staging / prefix)
     for folder in sorted(folders, key=lambda p: len(p.parts)):

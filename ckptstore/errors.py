@@ -105,14 +105,30 @@ __all__ = [
 
 
 class CkptStoreError(Exception):
-    """Base of every error raised by ckptstore.
+    """Base of every error raised by ckptstore; its message and ``url`` show no secret.
 
     Every URL in a message has its secrets redacted (``ckptstore.redaction.redact``), so no
-    error, printed, logged or in a traceback, shows a credential a URL carried.
+    error, printed, logged or in a traceback, shows a credential a URL carried. Where they
+    apply, an error also says in fields what its message says in words: ``url`` (the store,
+    redacted), ``step`` (the checkpoint's) and ``key`` (the shard name, or the file or object
+    key a storage call was about); None where it does not apply or is not known.
     """
 
-    def __init__(self, *args: object) -> None:
+    url: str | None
+    step: int | None
+    key: str | None
+
+    def __init__(
+        self,
+        *args: object,
+        url: str | None = None,
+        step: int | None = None,
+        key: str | None = None,
+    ) -> None:
         super().__init__(*(redact(arg) if isinstance(arg, str) else arg for arg in args))
+        self.url = None if url is None else redact(url)
+        self.step = step
+        self.key = key
 
 
 class InvalidInputError(CkptStoreError, ValueError):
@@ -287,8 +303,15 @@ class StorageError(CkptStoreError, OSError):
 
     http_status: int | None
 
-    def __init__(self, *args: object, http_status: int | None = None) -> None:
-        super().__init__(*args)
+    def __init__(
+        self,
+        *args: object,
+        http_status: int | None = None,
+        url: str | None = None,
+        step: int | None = None,
+        key: str | None = None,
+    ) -> None:
+        super().__init__(*args, url=url, step=step, key=key)
         self.http_status = http_status
 
 

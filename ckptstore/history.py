@@ -107,7 +107,8 @@ class History:
             return epoch
         raise EpochExistsError(
             f"{self.strategy.url}: {_TAKE_TRIES} epoch numbers in a row were taken by others "
-            f"while this run tried to take the store over"
+            f"while this run tried to take the store over",
+            url=self.strategy.url,
         )
 
     def check_exists(self, epoch: int) -> None:
@@ -115,7 +116,8 @@ class History:
         if not self.lineage().knows(check_epoch(epoch)):
             raise EpochNotFoundError(
                 f"{self.strategy.url}: epoch {epoch} was never taken (newest: "
-                f"{self.lineage().newest}); take it over with Store.take_over first"
+                f"{self.lineage().newest}); take it over with Store.take_over first",
+                url=self.strategy.url,
             )
 
     def check_writable(self, step: int, epoch: int, lineage: Lineage | None = None) -> None:
@@ -130,14 +132,18 @@ class History:
                 f"{newer.number}, taken at {newer.started_at.isoformat(timespec='seconds')} by "
                 f"{newer.writer.host} (pid {newer.writer.pid}), resumed from "
                 f"{_parent_text(newer)}; step {step} was not published. A restarted run owns "
-                f"this store now: stop this process"
+                f"this store now: stop this process",
+                step=step,
+                url=self.strategy.url,
             )
         mine = lineage.epoch(epoch)
         if mine is not None and mine.floor >= step:
             raise StepOutsideEpochError(
                 f"{self.strategy.url}: step {step} is not after step {mine.parent}, which "
                 f"epoch {epoch} resumed from: it belongs to the history before the takeover "
-                f"and cannot be saved again in this epoch"
+                f"and cannot be saved again in this epoch",
+                step=step,
+                url=self.strategy.url,
             )
 
     def default_epoch(self, step: int, lineage: Lineage) -> int:
@@ -157,7 +163,9 @@ class History:
             f"no epoch, so it may be the run that was superseded; step {step} was not "
             f"published. Stop it if it is the old run; else take the store over, or join the "
             f"run's epoch (ckptstore.open(url, epoch={number}), push --epoch {number}, or "
-            f"?epoch={number} in the URL)"
+            f"?epoch={number} in the URL)",
+            step=step,
+            url=self.strategy.url,
         )
 
     # -- the history, by step ------------------------------------------------------------

@@ -343,4 +343,6 @@ def publish_from_every_machine(
     said: list[list[str]] = [problems]
     dist.broadcast_object_list(said, src=0)
     if said[0]:
-        raise CkptStoreError(f"checkpoint-{step} was not published: {'; '.join(said[0])}")
+        raise CkptStoreError(
+            f"checkpoint-{step} was not published: {'; '.join(said[0])}", step=step
+        )

@@ -88,7 +88,8 @@ class CkptStoreIO(CheckpointIO):
                     raise CheckpointExistsError(
                         f"{exc}: this run is saving global step {step} again (resumed from an "
                         f"older checkpoint?). Roll the store back first (ckptstore rollback "
-                        f"{self.store.url} <step>) or use another store"
+                        f"{self.store.url} <step>) or use another store",
+                        step=step,
                     ) from exc
                 self._saved[step] = published.manifest.attempt
         _write_pointer(Path(path), {"format": POINTER_FORMAT, "url": self.store.url, "step": step})

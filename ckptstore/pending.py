@@ -120,7 +120,7 @@ class ShardWriter:
     def write(self, data: BytesLike) -> int:
         """Append bytes (any C-contiguous buffer); return the number of bytes written."""
         if self._closed:
-            raise CheckpointStateError(f"shard {self.name!r} is already closed")
+            raise CheckpointStateError(f"shard {self.name!r} is already closed", key=self.name)
         view = _as_view(data)
         if view.nbytes < _OVERLAP_FROM:
             self._crc.update(view)
@@ -157,7 +157,7 @@ class ShardWriter:
         if self._record is not None:
             return self._record
         if self._closed:
-            raise CheckpointStateError(f"shard {self.name!r} was aborted")
+            raise CheckpointStateError(f"shard {self.name!r} was aborted", key=self.name)
         self._closed = True
         try:
             locator = self._sink.close()
@@ -261,7 +261,8 @@ class PendingCheckpoint:
         if to not in _NEXT[self._state]:
             raise CheckpointStateError(
                 f"checkpoint step {self.step} attempt {self.attempt}: cannot go from "
-                f"{self._state.value} to {to.value}"
+                f"{self._state.value} to {to.value}",
+                step=self.step,
             )
         self._state = to
 
@@ -280,7 +281,8 @@ class PendingCheckpoint:
     def _check_open(self) -> None:
         if self._state is not PendingState.OPEN:
             raise CheckpointStateError(
-                f"checkpoint step {self.step} attempt {self.attempt} is {self._state.value}"
+                f"checkpoint step {self.step} attempt {self.attempt} is {self._state.value}",
+                step=self.step,
             )
 
     def _claim(self, name: str) -> None:
@@ -290,12 +292,18 @@ class PendingCheckpoint:
         with self._lock:
             self._check_open()
             if name in self._claimed:
-                raise ShardExistsError(f"shard {name!r} was already written in this checkpoint")
+                raise ShardExistsError(
+                    f"shard {name!r} was already written in this checkpoint", key=name
+                )
             if name in self._directories:
-                raise ShardExistsError(f"shard {name!r} clashes with shards under {name + '/'!r}")
+                raise ShardExistsError(
+                    f"shard {name!r} clashes with shards under {name + '/'!r}", key=name
+                )
             clash = parents & self._claimed
             if clash:
-                raise ShardExistsError(f"shard {name!r} clashes with shard {min(clash)!r}")
+                raise ShardExistsError(
+                    f"shard {name!r} clashes with shard {min(clash)!r}", key=name
+                )
             self._claimed.add(name)
             self._directories |= parents
 
@@ -338,7 +346,9 @@ class PendingCheckpoint:
             elif hasattr(data, "read"):
                 while chunk := data.read(_READ_CHUNK):
                     if isinstance(chunk, str):
-                        raise InvalidInputError(f"shard {name!r}: file is open in text mode")
+                        raise InvalidInputError(
+                            f"shard {name!r}: file is open in text mode", key=name
+                        )
                     writer.write(chunk)
             else:
                 for chunk in cast(Iterable[BytesLike], data):  # neither a buffer nor a file
@@ -397,7 +407,9 @@ class PendingCheckpoint:
                 if record.name in self._records or record.name in self._claimed:
                     raise CoverageError(
                         f"step {self.step}: shard {record.name!r} was written twice "
-                        f"(by two ranks?); nothing will be published"
+                        f"(by two ranks?); nothing will be published",
+                        step=self.step,
+                        key=record.name,
                     )
                 self._claimed.add(record.name)
                 self._records[record.name] = record
@@ -421,7 +433,8 @@ class PendingCheckpoint:
         if problem is not None:
             self.abort()
             raise CoverageError(
-                f"{self._owner.url}: step {self.step}: {problem}; nothing was published"
+                f"{self._owner.url}: step {self.step}: {problem}; nothing was published",
+                step=self.step,
             )
         try:
             shards = tuple(self._sealed_records(on_storage_error=PendingState.ABORTED))

@@ -454,7 +454,9 @@ class Replicator:
         except (IntegrityError, StrayEntryError) as exc:  # a stray in the durable tier: named
             self.skipped[manifest.step] = str(exc)
             raise ReplicationError(
-                f"{self.durable.url}: step {manifest.step} not replicated, nothing published: {exc}"
+                f"{self.durable.url}: step {manifest.step} not replicated, nothing published: "
+                f"{exc}",
+                step=manifest.step,
             ) from exc
         except CheckpointExistsError:
             self._already_there(manifest)  # another replicator published it meanwhile
@@ -668,7 +670,8 @@ def _check_same(step: int, first: ShardRecord, copied: ShardRecord) -> None:
     if problem is not None:
         raise ShardCorruptError(
             f"step {step}: shard {first.name!r}: the copy does not match the first write "
-            f"({problem})"
+            f"({problem})",
+            step=step,
         )
 
 

@@ -207,7 +207,8 @@ class Store:
                         f"{self.url}: refusing a fresh start: the history holds "
                         f"{len(held)} checkpoint(s), newest step {held[-1]}; resume from it "
                         f"(take_over({held[-1]})), or pass discard_history=True "
-                        f"(--discard-history) to supersede them all"
+                        f"(--discard-history) to supersede them all",
+                        url=self.url,
                     )
             epoch = self._history.take(None, note=note)
         else:
@@ -228,13 +229,16 @@ class Store:
             base = check_epoch(from_epoch)
             if not lineage.knows(base):
                 raise EpochNotFoundError(
-                    f"{self.url}: epoch {base} was never taken (newest: {lineage.newest})"
+                    f"{self.url}: epoch {base} was never taken (newest: {lineage.newest})",
+                    url=self.url,
                 )
         existed = self._has_checkpoint(step, base)
         if not existed and (required or from_epoch is not None):
             raise CheckpointNotFoundError(
                 f"{self.url}: epoch {base} has no published checkpoint at step {step} to "
-                f"take over from (ckptstore ls lists the superseded ones); no epoch was taken"
+                f"take over from (ckptstore ls lists the superseded ones); no epoch was taken",
+                url=self.url,
+                step=step,
             )
         if not existed or not self._markers.supported:
             return self._history.take(step, note=note, parent_epoch=base)
@@ -244,7 +248,9 @@ class Store:
             if not self._has_checkpoint(step, base):
                 raise CheckpointNotFoundError(
                     f"{self.url}: step {step} (epoch {base}) was deleted while this takeover "
-                    f"prepared; no epoch was taken: choose another checkpoint"
+                    f"prepared; no epoch was taken: choose another checkpoint",
+                    url=self.url,
+                    step=step,
                 )
             return self._history.take(step, note=note, parent_epoch=base)
         finally:
@@ -274,7 +280,9 @@ class Store:
             if time.monotonic() > give_up:
                 raise RefusedError(
                     f"{self.url}: a deletion of step {step} has been in progress for "
-                    f"{_INTENT_WAIT_S:.0f} s; nothing was taken over: try again"
+                    f"{_INTENT_WAIT_S:.0f} s; nothing was taken over: try again",
+                    url=self.url,
+                    step=step,
                 )
             time.sleep(pause)
             pause = min(pause * 2, 0.5)
@@ -583,7 +591,9 @@ class Store:
             return
         if current.attempt != manifest.attempt:
             raise CheckpointNotFoundError(
-                f"{self.url}: step {manifest.step} was deleted and published again meanwhile"
+                f"{self.url}: step {manifest.step} was deleted and published again meanwhile",
+                url=self.url,
+                step=manifest.step,
             )
 
     def _opener(self, manifest: Manifest, record: ShardRecord) -> BinaryIO:
@@ -619,7 +629,10 @@ class Store:
         self._check_still_published(manifest)  # unpublished meanwhile: CheckpointNotFoundError
         return ShardMissingError(
             f"{self.url}: step {manifest.step}: shard {record.name!r} disappeared while being "
-            f"read, and the checkpoint is still published"
+            f"read, and the checkpoint is still published",
+            url=self.url,
+            step=manifest.step,
+            key=record.name,
         )
 
     def latest(self, *, verified: bool = False) -> Checkpoint | None:
@@ -644,6 +657,7 @@ class Store:
             errno.EAGAIN,
             f"{self.url}: every checkpoint listed was deleted before it could be read, "
             f"{_LATEST_ROUNDS} times in a row; try again",
+            url=self.url,
         )
 
     def _latest_hint(self) -> int | None:
@@ -714,11 +728,15 @@ class Store:
                 steps.pop()  # the cached newest no longer parses: the guard protects the next
             if step not in steps:
                 self._history.read_manifest(step)  # raises the precise error: stray, not found
-                raise CheckpointNotFoundError(f"{self.url}: no published checkpoint at step {step}")
+                raise CheckpointNotFoundError(
+                    f"{self.url}: no published checkpoint at step {step}", url=self.url, step=step
+                )
             if step == steps[-1] and not force:
                 raise RefusedError(
                     f"{self.url}: step {step} is the newest checkpoint; deleting it needs "
-                    f"force=True (--force on the command line), or a rollback to an older step"
+                    f"force=True (--force on the command line), or a rollback to an older step",
+                    url=self.url,
+                    step=step,
                 )
             epoch = self._history.owner(step)
             try:
@@ -731,7 +749,9 @@ class Store:
             return
         raise RefusedError(
             f"{self.url}: step {step} was not deleted: a takeover (a rollback) from it is in "
-            f"progress, or the store was taken over meanwhile; try again"
+            f"progress, or the store was taken over meanwhile; try again",
+            url=self.url,
+            step=step,
         )
 
     def _unpublish_fenced(self, step: int, epoch: int, newest: int) -> None:
@@ -770,7 +790,9 @@ class Store:
             self.get(step)
         except CheckpointNotFoundError as exc:
             raise CheckpointNotFoundError(
-                f"{self.url}: cannot roll back to step {step}: it is not published ({exc})"
+                f"{self.url}: cannot roll back to step {step}: it is not published ({exc})",
+                url=self.url,
+                step=step,
             ) from exc
         newer = self._checkpoint_steps(self._history.steps(min_step=step + 1), min_step=step + 1)
         if not self.strategy.keeps_lineages:
@@ -1012,7 +1034,9 @@ class _JoinedAttempt:
     def publish(self, pending: PendingCheckpoint, shards: tuple[ShardRecord, ...]) -> Checkpoint:
         raise CheckpointStateError(
             f"{self.url}: step {self.step}: only the coordinator that began attempt "
-            f"{self.attempt} publishes it; send it this process's receipts"
+            f"{self.attempt} publishes it; send it this process's receipts",
+            url=self.url,
+            step=self.step,
         )
 
     def after_publish(self, checkpoint: Checkpoint) -> None:

@@ -320,7 +320,9 @@ class TieredStore:
             raise CheckpointNotFoundError(
                 f"{self.durable_url}: cannot roll the pair back to step {step}: the durable "
                 f"tier does not hold it ({exc}); wait for its copy (wait_replicated) or roll "
-                f"back to a durable step: {self.durable.steps()[-5:]}"
+                f"back to a durable step: {self.durable.steps()[-5:]}",
+                url=self.durable_url,
+                step=step,
             ) from exc
         newer = [s for s in self.steps() if s > step]
         with self.replicator.paused():
@@ -348,7 +350,9 @@ class TieredStore:
             raise CheckpointNotFoundError(
                 f"{self.url}: step {step} of the fast tier is not in the pair's history (the "
                 f"durable lineage of {self.durable_url} does not hold it), and the durable "
-                f"tier has no checkpoint at step {step}"
+                f"tier has no checkpoint at step {step}",
+                url=self.url,
+                step=step,
             ) from None
 
     def steps(self) -> list[int]:
@@ -409,12 +413,16 @@ class TieredStore:
             if step not in steps:
                 raise CheckpointNotFoundError(
                     f"{self.url}: the pair (durable: {self.durable_url}) has no published "
-                    f"checkpoint at step {step}"
+                    f"checkpoint at step {step}",
+                    url=self.url,
+                    step=step,
                 )
             if step == steps[-1] and not force:
                 raise RefusedError(
                     f"{self.url}: step {step} is the pair's newest checkpoint; deleting it "
-                    f"needs force=True (--force on the command line), or a rollback of the pair"
+                    f"needs force=True (--force on the command line), or a rollback of the pair",
+                    url=self.url,
+                    step=step,
                 )
             for store in (self.fast, self.replicator.durable):
                 try:
@@ -568,7 +576,7 @@ def open_checkpoints(
     tiered_only = sorted(set(options) & _TIERED_OPTIONS)
     if tiered_only:
         raise InvalidOptionError(
-            f"{url}: {', '.join(tiered_only)} need replicate_to=<durable store URL>"
+            f"{url}: {', '.join(tiered_only)} need replicate_to=<durable store URL>", url=url
         )
     return open_store(url, **options)
 
@@ -586,7 +594,9 @@ def tiered_url(url: str, replicate_to: str, *, replication: str | None = None) -
     replicate_to=replicate_to, replication=replication)``; printed, it is redacted as any
     URL is (the durable URL's secrets included)."""
     if "://" not in url:
-        raise InvalidURLError(f"{url!r}: a tiered store's URL needs a scheme (file:///path)")
+        raise InvalidURLError(
+            f"{url!r}: a tiered store's URL needs a scheme (file:///path)", url=url
+        )
     _, from_url = split_tiered_url(url)
     if from_url:
         raise InvalidOptionError(f"{redact(url)}: already names {', '.join(sorted(from_url))}")
@@ -708,13 +718,15 @@ def _check_apart(
     if a[1] == b[1]:
         raise InvalidOptionError(
             f"replicate_to={durable!r} is the store being saved to ({url!r}): the durable "
-            f"tier must be another location"
+            f"tier must be another location",
+            url=url,
         )
     inner = a[1].startswith(b[1] + "/") or b[1].startswith(a[1] + "/")
     if inner:
         raise InvalidOptionError(
             f"replicate_to={durable!r} and {url!r}: one store lies inside the other; give the "
-            f"tiers locations apart"
+            f"tiers locations apart",
+            url=url,
         )
 
 

@@ -214,7 +214,9 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
             names = ", ".join(sorted(c.value for c in missing))
             raise CapabilityError(
                 f"{self.url}: the storage does not provide {names}, which the {self.name} "
-                f"commit protocol needs; ckptstore cannot make checkpoints safe there"
+                f"commit protocol needs; ckptstore cannot make checkpoints safe there",
+                url=self.url,
+                key=self.name,
             )
 
     @abc.abstractmethod
@@ -276,7 +278,9 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
         """The error for a save of ``step`` in ``epoch`` whose commit point's name is taken:
         CheckpointExistsError when a checkpoint is published there, StrayEntryError (naming
         the entry to remove) when what holds the name is not one (docs/protocol.md §5.2)."""
-        return CheckpointExistsError(f"{self.url}: step {step} is already published")
+        return CheckpointExistsError(
+            f"{self.url}: step {step} is already published", url=self.url, step=step
+        )
 
     # -- lineages (docs/protocol.md §8): optional; without them a store has only epoch 0 ----
 
@@ -293,7 +297,9 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
         """
         raise CapabilityError(
             f"{self.url}: the {self.name} commit protocol does not keep lineages, so this store "
-            f"cannot be taken over (docs/protocol.md §8)"
+            f"cannot be taken over (docs/protocol.md §8)",
+            url=self.url,
+            key=self.name,
         )
 
     def read_epoch(self, epoch: int) -> bytes | None:

@@ -533,6 +533,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                         errno.EAGAIN,
                         f"{self.url}: the conditional-create probe got no answer from the "
                         f"storage itself in {PROBE_TRIES} tries ({exc}); try again",
+                        url=self.url,
                     ) from exc
                 _backoff(attempt)
                 continue
@@ -575,6 +576,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             f"{self.url}: the conditional-create probe read back damaged {PROBE_TRIES} times "
             f"(its checksum did not match): the storage or the network alters what it returns; "
             f"nothing was decided, try again",
+            url=self.url,
         )
 
     def _probe_put(self, key: str, body: bytes) -> ObjectInfo:
@@ -588,7 +590,8 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             raise CapabilityError(
                 f"{self.url}: the storage does not implement If-None-Match: * on PutObject "
                 f"(conditional create): {exc}. ckptstore publishes a checkpoint by creating its "
-                f"manifest only if absent; it cannot publish safely there"
+                f"manifest only if absent; it cannot publish safely there",
+                url=self.url,
             ) from exc
 
     def _delete_probe(self, key: str, versions: set[str]) -> None:
@@ -658,7 +661,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                 return
         raise TransientStorageError(
             f"{self.url}: could not publish step {manifest.step} after {PUBLISH_TRIES} tries; "
-            f"nothing was published"
+            f"nothing was published",
+            url=self.url,
+            step=manifest.step,
         )
 
     def _check_sealed(self, manifest: Manifest) -> None:
@@ -679,10 +684,15 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                 f"{self.url}: step {manifest.step} cannot be published: attempt "
                 f"{manifest.attempt} was removed by garbage collection ({listed}); nothing was "
                 f"published. {GC_WAS_HERE}; this attempt began at {began}. Save again, with a GC "
-                f"grace period longer than a save's longest pause"
+                f"grace period longer than a save's longest pause",
+                url=self.url,
+                step=manifest.step,
             )
         raise ShardMissingError(
-            f"{self.url}: step {manifest.step} cannot be published: {listed}; nothing was published"
+            f"{self.url}: step {manifest.step} cannot be published: {listed}; nothing was "
+            f"published",
+            url=self.url,
+            step=manifest.step,
         )
 
     def _written_problems(self, manifest: Manifest) -> list[ShardProblem]:
@@ -716,12 +726,16 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         owner = self._published_attempt(manifest.step, manifest.epoch)
         if owner is None:
             raise CheckpointNotFoundError(
-                f"{self.url}: step {manifest.step} was unpublished while it was being read"
+                f"{self.url}: step {manifest.step} was unpublished while it was being read",
+                url=self.url,
+                step=manifest.step,
             )
         if owner not in (manifest.attempt, _UNREADABLE):
             raise CheckpointNotFoundError(
                 f"{self.url}: step {manifest.step} was deleted and published again (attempt "
-                f"{owner}) while it was being read"
+                f"{owner}) while it was being read",
+                url=self.url,
+                step=manifest.step,
             )
 
     def _confirm_created(
@@ -772,7 +786,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         raise type(lost)(message) from None
 
     def _epoch_exists(self, epoch: int) -> EpochExistsError:
-        return EpochExistsError(f"{self.url}: epoch {epoch} exists already")
+        return EpochExistsError(f"{self.url}: epoch {epoch} exists already", url=self.url)
 
     def _exists(
         self, manifest: Manifest, owner: str | None
@@ -782,7 +796,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             return self.name_taken(manifest.step, manifest.epoch)
         return CheckpointExistsError(
             f"{self.url}: step {manifest.step} is already published; the existing checkpoint "
-            f"was left intact"
+            f"was left intact",
+            url=self.url,
+            step=manifest.step,
         )
 
     def name_taken(self, step: int, epoch: int = 0) -> CheckpointExistsError | StrayEntryError:
@@ -794,7 +810,10 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                 f"{self.url}/{key}", step, "the object there is not a manifest"
             )
         return CheckpointExistsError(
-            f"{self.url}: step {step} is already published; the existing checkpoint was left intact"
+            f"{self.url}: step {step} is already published; the existing checkpoint was left "
+            f"intact",
+            url=self.url,
+            step=step,
         )
 
     def _published_attempt(self, step: int, epoch: int = 0) -> str | None:
@@ -866,7 +885,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                 data = stream.read(MAX_MANIFEST_BYTES + 1)
         except ObjectNotFoundError as exc:
             raise CheckpointNotFoundError(
-                f"{self.url}: no published checkpoint at step {step}"
+                f"{self.url}: no published checkpoint at step {step}", url=self.url, step=step
             ) from exc
         manifest = Manifest.decode(
             data, where=f"{self.url}/{key}", expected_step=step, expected_epoch=epoch
@@ -876,7 +895,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             if record.locator.get("key") != f"{prefix}{record.name}":
                 raise ManifestCorruptError(
                     f"{self.url}/{key}: shard {record.name!r} has a foreign locator "
-                    f"{dict(record.locator)!r}"
+                    f"{dict(record.locator)!r}",
+                    url=self.url,
+                    key=record.name,
                 )
         return manifest
 
@@ -886,7 +907,10 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             return self.driver.open_read(key, version_id=record.locator.get("version_id"))
         except ObjectNotFoundError as exc:
             raise ShardMissingError(
-                f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({key})"
+                f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({key})",
+                url=self.url,
+                step=manifest.step,
+                key=record.name,
             ) from exc
 
     def open_shard_ranges(self, manifest: Manifest, record: ShardRecord) -> ShardRanges | None:
@@ -900,7 +924,10 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             info = self.driver.head(key, version_id=version)
         except ObjectNotFoundError as exc:
             raise ShardMissingError(
-                f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({key})"
+                f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({key})",
+                url=self.url,
+                step=manifest.step,
+                key=record.name,
             ) from exc
         if not info.etag and not version:
             return None  # nothing pins the ranges to one object: one stream it is
@@ -913,7 +940,10 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
                 raise ShardCorruptError(
                     f"{self.url} step {manifest.step}: shard {record.name!r}: the object was "
                     f"replaced while being read (its ETag is no longer {etag}); nothing of the "
-                    f"new object was used"
+                    f"new object was used",
+                    url=self.url,
+                    step=manifest.step,
+                    key=record.name,
                 ) from exc
 
         return ShardRanges(info.size, read, self.read_concurrency, self.read_range_size)
@@ -1161,19 +1191,23 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             except PreconditionFailedError:
                 if self.read_epoch(epoch) == record:
                     return  # an earlier try of ours took effect (I8)
-                raise EpochExistsError(f"{self.url}: epoch {epoch} exists already") from None
+                raise EpochExistsError(
+                    f"{self.url}: epoch {epoch} exists already", url=self.url
+                ) from None
             except TransientStorageError:
                 stored = self.read_epoch(epoch)
                 if stored == record:
                     return
                 if stored is not None:
-                    raise EpochExistsError(f"{self.url}: epoch {epoch} exists already") from None
+                    raise EpochExistsError(
+                        f"{self.url}: epoch {epoch} exists already", url=self.url
+                    ) from None
                 log.warning("creating %s: outcome unknown, not created; trying again", key)
             else:
                 self._confirm_created(key, record, _intact_epoch(epoch), self._epoch_exists(epoch))
                 return
         raise TransientStorageError(
-            f"{self.url}: could not create epoch {epoch} after {PUBLISH_TRIES} tries"
+            f"{self.url}: could not create epoch {epoch} after {PUBLISH_TRIES} tries", url=self.url
         )
 
     def read_epoch(self, epoch: int) -> bytes | None:

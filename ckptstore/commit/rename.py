@@ -192,13 +192,16 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
                 if not self.driver.stat(directory).is_dir:
                     raise ShardExistsError(
                         f"shard {name!r} needs directory {'/'.join(segments[:depth])!r}, "
-                        f"which is already a shard"
+                        f"which is already a shard",
+                        key=name,
                     ) from None
         path = f"{base}/{name}"
         try:
             return path, self.create_shard_file(path, size_hint)
         except TargetExistsError as exc:
-            raise ShardExistsError(f"shard {name!r} already exists in this attempt") from exc
+            raise ShardExistsError(
+                f"shard {name!r} already exists in this attempt", key=name
+            ) from exc
 
     def create_shard_file(self, path: str, size_hint: int | None) -> int:
         """Create a shard's file exclusively; subclasses may choose its layout by size."""
@@ -273,7 +276,10 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
         except (CheckpointNotFoundError, IntegrityError, StorageError):
             pass  # unpublished since, or unreadable now: it was a checkpoint, or may be one
         return CheckpointExistsError(
-            f"{self.url}: step {step} is already published; the existing checkpoint was left intact"
+            f"{self.url}: step {step} is already published; the existing checkpoint was left "
+            f"intact",
+            url=self.url,
+            step=step,
         )
 
     def _published_attempt(self, step: int, epoch: int) -> str | None:
@@ -328,6 +334,8 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
                     f"{self.url}: the store's root directory is gone (removed, renamed or "
                     f"unmounted) while attempt {attempt} of step {step} was being saved; nothing "
                     f"was published. Check the path, then save again ({exc})",
+                    url=self.url,
+                    step=step,
                 ) from exc
             raise ObjectNotFoundError(
                 errno.ENOENT,
@@ -335,6 +343,8 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
                 f"collection (its staging directory {self.staging_dir(step, attempt)} is "
                 f"gone); the grace period must exceed the longest time a live save goes "
                 f"without writing. Nothing of this attempt was published ({exc})",
+                url=self.url,
+                step=step,
             ) from exc
 
     def _staging_exists(self, step: int, attempt: str) -> bool:
@@ -388,7 +398,8 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
         for record in manifest.shards:
             if dict(record.locator) != {"path": f"{DATA_DIR}/{record.name}"}:
                 raise ManifestCorruptError(
-                    f"{where}: shard {record.name!r} has a foreign locator {record.locator!r}"
+                    f"{where}: shard {record.name!r} has a foreign locator {record.locator!r}",
+                    key=record.name,
                 )
         return manifest
 
@@ -411,9 +422,12 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
         if self._exists(final):
             return NotACheckpointError(
                 f"{self.url}/{final} is not a checkpoint: it has no manifest "
-                f"(a stray entry; ckptstore leaves it alone)"
+                f"(a stray entry; ckptstore leaves it alone)",
+                url=self.url,
             )
-        return CheckpointNotFoundError(f"{self.url}: no published checkpoint at step {step}")
+        return CheckpointNotFoundError(
+            f"{self.url}: no published checkpoint at step {step}", url=self.url, step=step
+        )
 
     def open_shard_reader(self, manifest: Manifest, record: ShardRecord) -> BinaryIO:
         path = f"{checkpoint_token(manifest.step, manifest.epoch)}/{DATA_DIR}/{record.name}"
@@ -421,14 +435,20 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
             return self.driver.open_read(path)
         except ObjectNotFoundError as exc:
             raise ShardMissingError(
-                f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({path})"
+                f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({path})",
+                url=self.url,
+                step=manifest.step,
+                key=record.name,
             ) from exc
         except StorageError as exc:
             if exc.errno not in _WRONG_KIND_ERRNOS:
                 raise
             raise ShardCorruptError(  # a directory, FIFO or symlink planted as the shard
                 f"{self.url}: step {manifest.step}: shard {record.name!r} is not a regular "
-                f"file ({path}: {exc.strerror})"
+                f"file ({path}: {exc.strerror})",
+                url=self.url,
+                step=manifest.step,
+                key=record.name,
             ) from exc
 
     def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
@@ -470,7 +490,9 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
             try:
                 self.driver.rename_noreplace(staging, final)
             except TargetExistsError as exc:
-                raise EpochExistsError(f"{self.url}: epoch {epoch} exists already") from exc
+                raise EpochExistsError(
+                    f"{self.url}: epoch {epoch} exists already", url=self.url
+                ) from exc
         except BaseException:
             self._remove_epoch_staging(staging)
             raise
@@ -566,7 +588,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
             self.driver.rename_noreplace(final, trash)
         except ObjectNotFoundError as exc:
             raise CheckpointNotFoundError(
-                f"{self.url}: no published checkpoint at step {step}"
+                f"{self.url}: no published checkpoint at step {step}", url=self.url, step=step
             ) from exc
         self.driver.fsync_dir("")
         self.remove_tree(trash)

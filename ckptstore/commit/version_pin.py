@@ -85,7 +85,8 @@ class VersionPinCommit(ConditionalPutCommit):
                 f"{self.url}: versioning is {state} on the bucket; a versioned store pins "
                 f"object versions and needs it. Enable it (aws s3api put-bucket-versioning "
                 f"--bucket BUCKET --versioning-configuration Status=Enabled), or use s3:// "
-                f"for an unversioned bucket"
+                f"for an unversioned bucket",
+                url=self.url,
             )
 
     def open_shard(
@@ -106,7 +107,8 @@ class VersionPinCommit(ConditionalPutCommit):
         if unpinned:
             raise CapabilityError(
                 f"{self.url}: the storage returned no version id for {unpinned[:3]}; is "
-                f"versioning enabled? Nothing was published"
+                f"versioning enabled? Nothing was published",
+                url=self.url,
             )
         super()._check_sealed(manifest)
 
@@ -121,7 +123,7 @@ class VersionPinCommit(ConditionalPutCommit):
             data, _ = self.driver.get(key)
         except ObjectNotFoundError as exc:
             raise CheckpointNotFoundError(
-                f"{self.url}: no published checkpoint at step {step}"
+                f"{self.url}: no published checkpoint at step {step}", url=self.url, step=step
             ) from exc
         manifest = Manifest.decode(
             data, where=f"{self.url}/{key}", expected_step=step, expected_epoch=epoch
@@ -132,7 +134,9 @@ class VersionPinCommit(ConditionalPutCommit):
             ):
                 raise ManifestCorruptError(
                     f"{self.url}/{key}: shard {record.name!r} has a foreign or unpinned "
-                    f"locator {dict(record.locator)!r}"
+                    f"locator {dict(record.locator)!r}",
+                    url=self.url,
+                    key=record.name,
                 )
         return manifest
 

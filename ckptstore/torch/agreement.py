@@ -60,7 +60,9 @@ def take_over(
         raise failure
     status, value = decision[0]
     if status != "ok":
-        raise CkptStoreError(f"{store.url}: the coordinator could not take the store over: {value}")
+        raise CkptStoreError(
+            f"{store.url}: the coordinator could not take the store over: {value}", url=store.url
+        )
     epochs = tuple(int(number) for number in value)
     if dist.get_rank(group) != COORDINATOR:
         if isinstance(store, TieredStore):
@@ -92,7 +94,7 @@ def agreed_checkpoint(
     if step is not None or not in_multi_rank_job(group):
         checkpoint = store.latest() if step is None else store.get(step)
         if checkpoint is None:
-            raise CheckpointNotFoundError(f"{store.url}: no checkpoint to load")
+            raise CheckpointNotFoundError(f"{store.url}: no checkpoint to load", url=store.url)
         return checkpoint
     coordinator = dist.get_global_rank(group, COORDINATOR) if group is not None else COORDINATOR
     decision: list[Any] = [None]
@@ -109,15 +111,18 @@ def agreed_checkpoint(
         raise failure
     status, value = decision[0]
     if status != "ok":
-        raise CkptStoreError(f"{store.url}: the coordinator could not find the latest: {value}")
+        raise CkptStoreError(
+            f"{store.url}: the coordinator could not find the latest: {value}", url=store.url
+        )
     if value is None:
-        raise CheckpointNotFoundError(f"{store.url}: no checkpoint to load")
+        raise CheckpointNotFoundError(f"{store.url}: no checkpoint to load", url=store.url)
     chosen_step, attempt = value
     checkpoint = store.get(chosen_step)
     if checkpoint.manifest.attempt != attempt:
         raise CheckpointNotFoundError(
             f"{store.url}: step {chosen_step} was deleted and saved again while the ranks "
             f"opened it (the coordinator chose attempt {attempt}, this rank found "
-            f"{checkpoint.manifest.attempt})"
+            f"{checkpoint.manifest.attempt})",
+            url=store.url,
         )
     return checkpoint

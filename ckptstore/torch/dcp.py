@@ -330,7 +330,8 @@ class CkptStoreReader(StorageReader):
         if METADATA_SHARD not in checkpoint.shards:
             raise ManifestCorruptError(
                 f"{self.store.url}: step {checkpoint.step} was not saved by torch.distributed."
-                f"checkpoint (no {METADATA_SHARD})"
+                f"checkpoint (no {METADATA_SHARD})",
+                step=checkpoint.step,
             )
         try:
             document = load_json(
@@ -342,7 +343,8 @@ class CkptStoreReader(StorageReader):
         except (JSONDocumentError, KeyError, TypeError, AttributeError) as exc:
             problem = exc if isinstance(exc, JSONDocumentError) else f"is malformed ({exc!r})"
             raise ManifestCorruptError(
-                f"{self.store.url}: step {checkpoint.step}: shard {METADATA_SHARD!r} {problem}"
+                f"{self.store.url}: step {checkpoint.step}: shard {METADATA_SHARD!r} {problem}",
+                step=checkpoint.step,
             ) from exc
 
     def set_up_storage_reader(
@@ -484,13 +486,15 @@ def step_from_checkpoint_id(store: CheckpointStore, checkpoint_id: object) -> in
             step_text = text
         elif url != store.url:
             raise InvalidInputError(
-                f"checkpoint_id {text!r} names a step of {url}, not of this store ({store.url})"
+                f"checkpoint_id {text!r} names a step of {url}, not of this store ({store.url})",
+                url=store.url,
             )
         if step_text.isascii() and step_text.isdigit():
             return check_step(int(step_text))
     raise InvalidInputError(
         f"checkpoint_id {checkpoint_id!r} is not a step of {store.url}: give the step number "
-        f"(7 or '7') or '{store.url}#step=7'"
+        f"(7 or '7') or '{store.url}#step=7'",
+        url=store.url,
     )
 
 

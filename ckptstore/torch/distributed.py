@@ -54,7 +54,7 @@ def save_sharded(
     dist.broadcast_object_list(begun, src=coordinator, group=group)
     status, value = begun[0]
     if status != "ok":
-        raise CkptStoreError(f"step {step} not saved: {value}")
+        raise CkptStoreError(f"step {step} not saved: {value}", step=step)
     if pending is None:
         pending = store.join(step, value)
 
@@ -75,7 +75,7 @@ def save_sharded(
     dist.broadcast_object_list(outcome, src=coordinator, group=group)
     status, value = outcome[0]
     if status != "ok":
-        raise CkptStoreError(f"step {step} not saved: {value}")
+        raise CkptStoreError(f"step {step} not saved: {value}", step=step)
     return store.get(step)
 
 

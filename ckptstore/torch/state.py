@@ -128,7 +128,7 @@ def snapshot_state(
             if shard in shards:
                 raise InvalidInputError(
                     f"component {name!r}: its tensor part {shard!r} has the name of another "
-                    f"component's shard; rename one of the components"
+                    f"component's shard; rename one of the components",
                 )
             shards[shard] = chunks
         if len(parts) > 1:
@@ -259,7 +259,8 @@ def load_state(
             if not restore_generator(component, state):
                 raise InvalidInputError(
                     f"component {name!r} is a {type(component).__name__}, but step "
-                    f"{checkpoint.step} holds a {type(state).__name__} under that name"
+                    f"{checkpoint.step} holds a {type(state).__name__} under that name",
+                    step=checkpoint.step,
                 )
         else:
             restored[name] = state
@@ -294,7 +295,8 @@ def _read_state(checkpoint: Checkpoint, name: str, map_location: Any, present: A
         if not tensors.keys().isdisjoint(part):
             raise ShardCorruptError(
                 f"{checkpoint.url} step {checkpoint.step}: shard {shard!r} holds tensors that "
-                f"an earlier part holds"
+                f"an earlier part holds",
+                step=checkpoint.step,
             )
         tensors.update(part)
     return decode_state(tensors, skeleton, map_location=map_location, where=named)
@@ -306,7 +308,8 @@ def _part_count(checkpoint: Checkpoint, name: str) -> int:
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ManifestCorruptError(
             f"{checkpoint.url} step {checkpoint.step}: metadata {PARTS_KEY!r} is not a map of "
-            f"component names to part counts: {counts!r}"
+            f"component names to part counts: {counts!r}",
+            step=checkpoint.step,
         )
     missing = [
         part_shard(name, i) for i in range(count) if part_shard(name, i) not in checkpoint.shards
@@ -314,6 +317,9 @@ def _part_count(checkpoint: Checkpoint, name: str) -> int:
     if missing:
         raise ShardNotFoundError(
             f"{checkpoint.url} step {checkpoint.step}: component {name!r} has no shard "
-            f"{missing[0]!r}"
+            f"{missing[0]!r}",
+            url=checkpoint.url,
+            step=checkpoint.step,
+            key=missing[0],
         )
     return count

@@ -1,0 +1,80 @@
+"""Errors say in fields what their messages say in words: ``url`` (redacted), ``step``, ``key``.
+
+A caller that handles an error (a trainer retrying another step, a tool reporting which shard is
+damaged) reads ``exc.step`` and ``exc.key`` instead of parsing the message; ``exc.url`` is the
+store's URL with its secrets shown as ``***``, as the message is.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+import ckptstore
+from ckptstore.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CkptStoreError,
+    RefusedError,
+    ShardCorruptError,
+    ShardExistsError,
+    ShardNotFoundError,
+    StorageError,
+    SupersededError,
+)
+
+
+def test_the_common_errors_carry_the_store_the_step_and_the_shard(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    store = ckptstore.open(url)
+    store.save(1, {"model.bin": b"one"})
+    store.save(2, {"model.bin": b"two"})
+    with pytest.raises(CheckpointNotFoundError) as missing:
+        store.get(7)
+    assert (missing.value.url, missing.value.step) == (url, 7)
+    with pytest.raises(CheckpointExistsError) as exists:
+        store.save(2, {"model.bin": b"again"})
+    assert (exists.value.url, exists.value.step) == (url, 2)
+    with pytest.raises(RefusedError) as refused:
+        store.delete(2)
+    assert (refused.value.url, refused.value.step) == (url, 2)
+    with pytest.raises(ShardNotFoundError) as no_shard:
+        store.get(1).read("optimizer.bin")
+    assert (no_shard.value.step, no_shard.value.key) == (1, "optimizer.bin")
+    pending = store.begin(3)
+    pending.write("model.bin", b"a")
+    with pytest.raises(ShardExistsError) as twice:
+        pending.write("model.bin", b"b")
+    assert twice.value.key == "model.bin"
+    pending.abort()
+    [shard] = [p for p in (tmp_path / "store").rglob("model.bin") if p.parts[-3].endswith("1")]
+    shard.write_bytes(b"ONE")
+    with pytest.raises(ShardCorruptError) as corrupt:
+        store.get(1).read("model.bin")
+    assert corrupt.value.key == "model.bin"
+
+
+def test_a_superseded_writer_is_told_its_store_and_step(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    zombie = ckptstore.open(url)
+    zombie.save(1, {"a": b"1"})
+    ckptstore.open(url).take_over(1)
+    with pytest.raises(SupersededError) as superseded:
+        zombie.save(2, {"a": b"2"})
+    assert (superseded.value.url, superseded.value.step) == (url, 2)
+
+
+def test_the_url_field_is_redacted_and_fields_default_to_none() -> None:
+    error = CheckpointNotFoundError(
+        "no step 3 in s3://KEY:SECRET@bucket/run", url="s3://KEY:SECRET@bucket/run", step=3
+    )
+    assert error.url == "s3://KEY:***@bucket/run" and "SECRET" not in str(error)
+    assert (error.step, error.key) == (3, None)
+    bare = CkptStoreError("something")
+    assert (bare.url, bare.step, bare.key) == (None, None, None)
+    storage = StorageError(5, "read failed", http_status=503, key="run/step-1/a.bin")
+    assert (storage.errno, storage.http_status, storage.key) == (5, 503, "run/step-1/a.bin")
+    again = pickle.loads(pickle.dumps(error))  # crosses a process boundary (DCP, ranks)
+    assert isinstance(again, CheckpointNotFoundError) and str(again) == str(error)
