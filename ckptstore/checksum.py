@@ -1,20 +1,34 @@
 """CRC32C of streamed bytes, computed without copying the caller's buffers where possible.
 
-``google-crc32c``'s Python entry points accept only ``bytes``; checksumming a numpy array or a
-memoryview through them would copy every byte once more. The hardware-accelerated function of
-the same library is therefore also called through ctypes on the buffer's own memory (ctypes
-releases the GIL during the call, so a background save does not stall the trainer).
+``google-crc32c``'s Python entry points accept only ``bytes`` (not a memoryview, a bytearray or
+a numpy array): checksumming a tensor's memory through them copies every byte once more. The
+library's C function is therefore also called through ctypes on the buffer's own memory (and
+ctypes releases the GIL during the call, so a background save does not stall the trainer).
+That reaches into the package's private extension module, so it lives in one function,
+``native_extend``; ``tests/test_checksum_native.py`` fails loudly on a google-crc32c release
+that no longer has it (pyproject pins the range tested), and ckptstore then falls back to the
+public API (a copy per buffer, same result). ``benchmarks/bench_crc32c.py`` measures the gain.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Callable
 
 import google_crc32c
-from google_crc32c import _crc32c as _crc32c_ext
 
-__all__ = ["BLOCK_SIZE", "BlockCrc32c", "Crc32c", "crc32c_combine", "crc32c_hex", "crc32c_of"]
+__all__ = [
+    "BLOCK_SIZE",
+    "BlockCrc32c",
+    "Crc32c",
+    "crc32c_combine",
+    "crc32c_hex",
+    "crc32c_of",
+    "native_extend",
+]
+
+log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 4 * 1024 * 1024
 """The piece of a shard that carries a CRC32C of its own in the manifest: a read of part of a
@@ -23,18 +37,25 @@ shard reads and checks the blocks it touches, not the whole shard."""
 _ExtendFn = Callable[[int, object, int], int]
 
 
-def _load_native_extend() -> _ExtendFn | None:
+def native_extend() -> _ExtendFn | None:
+    """google-crc32c's C ``crc32c_extend(crc, pointer, length)``, or None where this release
+    of the package does not expose it (then every non-``bytes`` buffer is copied once).
+
+    The one place ckptstore reaches into the package's private ``_crc32c`` extension."""
     try:
-        lib = ctypes.CDLL(_crc32c_ext.__file__)
+        from google_crc32c import _crc32c
+
+        lib = ctypes.CDLL(_crc32c.__file__)
         fn = lib.crc32c_extend
-    except (OSError, AttributeError):
+    except (ImportError, OSError, AttributeError) as exc:
+        log.info("google-crc32c without a native crc32c_extend (%s): buffers are copied", exc)
         return None
     fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
     fn.restype = ctypes.c_uint32
     return fn
 
 
-_native_extend = _load_native_extend()
+_native_extend = native_extend()
 
 
 def _extend(crc: int, data: bytes | bytearray | memoryview) -> int:

@@ -69,14 +69,17 @@ def print_table(
     says more about the code than the median of few repeats does.
     """
     base, base_best = results[baseline].median, results[baseline].best
-    lines = [f"### {title}", "",
-             f"| contender | median | best | throughput (best) | vs {baseline} (median) | (best) |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    lines = [f"### {title}", "", f"load average (1, 5, 15 min) at the end: {load}", "",
+             f"| contender | median | best | worst | throughput (best) | vs {baseline} (median) "
+             f"| (best) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for result in results.values():
         rate = f"{size_bytes / result.best / 2**30:.2f} GiB/s" if size_bytes else "-"
         lines.append(
             f"| {result.name} | {result.median * 1000:.1f} ms | {result.best * 1000:.1f} ms | "
-            f"{rate} | {base / result.median:.2f}x | {base_best / result.best:.2f}x |"
+            f"{max(result.seconds) * 1000:.1f} ms | {rate} | {base / result.median:.2f}x | "
+            f"{base_best / result.best:.2f}x |"
         )
     out("\n".join(lines) + "\n")
     return lines
