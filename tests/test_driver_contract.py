@@ -43,13 +43,7 @@ from ckptstore.tools.embedded import EmbeddedS3
 # -- object stores ---------------------------------------------------------------------------
 
 OBJECT_STORES = ["memory", "moto_s3", "seaweedfs_s3", "fsspec_s3"]
-QUIRKS: dict[str, dict[str, str]] = {
-    "moto_s3": {
-        "part-after-abort": "UploadPart to an aborted upload answers 500, not 404 NoSuchUpload "
-        "(AWS, SeaweedFS); a writer whose upload GC aborted then fails with a storage error"
-    },
-}
-QUIRKS["fsspec_s3"] = QUIRKS["moto_s3"]  # s3fs (FsspecDriver) on the same moto server
+QUIRKS: dict[str, dict[str, str]] = {}
 """Where an embedded server departs from AWS, as measured here, and what that costs."""
 
 

@@ -12,51 +12,91 @@ nothing but its own request, never every other client of the server.
 An ``UploadPart`` to an upload that was aborted (GC of a dead writer's upload) is answered
 ``NoSuchUpload`` (404), as S3 answers it; moto's own server answers 500 (a KeyError), which a
 client retries as a transient failure for seconds.
-Run as ``python -m ckptstore.tools.moto_atomic -H 127.0.0.1 -p PORT`` (moto.server's options).
+
+All of it is a WSGI middleware around moto's application, served as ``moto.server`` serves it
+(werkzeug's ``run_simple``, moto's request handler): nothing of moto is patched, and the
+NoSuchUpload answer is moto's own, to a ``ListParts`` of the same upload asked after moto
+failed the ``UploadPart``.
+Run as ``python -m ckptstore.tools.moto_atomic -H 127.0.0.1 -p PORT``.
 """
 
 from __future__ import annotations
 
+import argparse
 import io
+import os
+import signal
 import sys
 import threading
+from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import parse_qs
+
+Environ = dict[str, Any]
+StartResponse = Callable[..., Any]
+App = Callable[[Environ, StartResponse], Iterable[bytes]]
 
 
-def main(argv: list[str]) -> None:
-    """Start moto.server with its WSGI application wrapped in a lock."""
-    from moto import server
-    from moto.moto_server import werkzeug_app
+class OneAtATime:
+    """A WSGI application that reads each request's body, then runs ``app`` under one lock;
+    an UploadPart that moto fails (its server would answer 500) gets moto's answer to a
+    ListParts of the same upload instead when that answer is a 404 (NoSuchUpload)."""
 
-    handle = werkzeug_app.DomainDispatcherApplication.__call__
-    lock = threading.Lock()
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.lock = threading.Lock()
 
-    def one_at_a_time(self: Any, environ: dict[str, Any], start_response: Any) -> Any:
+    def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         _read_body(environ)
-        with lock:
-            return handle(self, environ, start_response)
-
-    werkzeug_app.DomainDispatcherApplication.__call__ = one_at_a_time  # type: ignore[method-assign]
-    _answer_no_such_upload()
-    server.main(argv)
-
-
-def _answer_no_such_upload() -> None:
-    """UploadPart to an unknown (aborted, completed) upload: NoSuchUpload, not a 500."""
-    from moto.s3.exceptions import NoSuchUpload
-    from moto.s3.models import S3Backend
-
-    upload_part = S3Backend.upload_part
-
-    def checked(self: Any, bucket_name: str, multipart_id: str, part_id: int, value: bytes) -> Any:
-        if multipart_id not in self.get_bucket(bucket_name).multiparts:
-            raise NoSuchUpload(upload_id=multipart_id)
-        return upload_part(self, bucket_name, multipart_id, part_id, value)
-
-    S3Backend.upload_part = checked  # type: ignore[method-assign]
+        with self.lock:
+            try:
+                status, headers, body = _call(self.app, environ)
+            except Exception:  # moto's app raises (a KeyError) where its server answers 500
+                if not _is_upload_part(environ):
+                    raise
+                status, headers, body = _call(self.app, _list_parts(environ))
+                if not status.startswith("404"):  # the upload exists: not that failure
+                    raise
+        start_response(status, headers)
+        return [body]
 
 
-def _read_body(environ: dict[str, Any]) -> None:
+def _call(app: App, environ: Environ) -> tuple[str, list[tuple[str, str]], bytes]:
+    """Run ``app`` on ``environ`` to the end: its status, headers and whole body."""
+    answer: dict[str, Any] = {}
+
+    def start_response(status: str, headers: list[tuple[str, str]], *_: Any) -> None:
+        answer["status"], answer["headers"] = status, headers
+
+    chunks = app(environ, start_response)
+    try:
+        body = b"".join(chunks)
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
+    return answer["status"], answer["headers"], body
+
+
+def _is_upload_part(environ: Environ) -> bool:
+    query = parse_qs(environ.get("QUERY_STRING", ""))
+    return environ.get("REQUEST_METHOD") == "PUT" and "uploadId" in query and "partNumber" in query
+
+
+def _list_parts(environ: Environ) -> Environ:
+    """A ListParts request of the upload an UploadPart ``environ`` names."""
+    upload = parse_qs(environ.get("QUERY_STRING", ""))["uploadId"][0]
+    probe = {key: value for key, value in environ.items() if not key.startswith("CONTENT_")}
+    probe.update(
+        REQUEST_METHOD="GET",
+        QUERY_STRING=f"uploadId={upload}",
+        CONTENT_LENGTH="0",
+    )
+    probe["wsgi.input"] = io.BytesIO(b"")
+    return probe
+
+
+def _read_body(environ: Environ) -> None:
     """Replace the request's input stream by its whole body, read now."""
     stream = environ.get("wsgi.input")
     if stream is None:
@@ -69,6 +109,25 @@ def _read_body(environ: dict[str, Any]) -> None:
     else:
         return  # no body
     environ["wsgi.input"] = io.BytesIO(body)
+
+
+def main(argv: list[str]) -> None:
+    """Serve moto's S3 (every service moto's server has) on ``-H HOST -p PORT``."""
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import run_simple
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("-H", "--host", default="127.0.0.1")
+    parser.add_argument("-p", "--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MOTO_PORT", str(args.port))  # moto's own URLs name this port
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    app = OneAtATime(DomainDispatcherApplication(create_backend_app))
+    run_simple(args.host, args.port, app, threaded=True, request_handler=MotoRequestHandler)
 
 
 if __name__ == "__main__":
