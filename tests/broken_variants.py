@@ -24,8 +24,9 @@ from ckptstore.commit.rename import (
     LATEST_NAME,
     MANIFEST_NAME,
     RenameCommit,
-    _directories_of,
+    directories_of,
 )
+from ckptstore.conformance.audit import audit_of
 from ckptstore.driver import Buffer, ObjectInfo, PartInfo, PutMode, UploadInfo, UploadProgress
 from ckptstore.errors import (
     CheckpointExistsError,
@@ -104,7 +105,7 @@ class UnsyncedManifestCommit(RenameCommit):
             self.driver.write(handle, memoryview(manifest.encode()))
         finally:
             self.driver.close(handle)
-        for directory in _directories_of(manifest):
+        for directory in directories_of(manifest):
             self.driver.fsync_dir(f"{staging}/{DATA_DIR}/{directory}")
         self.driver.fsync_dir(f"{staging}/{DATA_DIR}")
         self.driver.fsync_dir(staging)
@@ -218,7 +219,9 @@ def retention_counting_unfinished(self: Store, policy: Any = None) -> list[int]:
     if policy is None:
         return []
     everything = set(self.steps())
-    for name in self.strategy.raw_names():  # type: ignore[attr-defined]
+    audit = audit_of(self.strategy)
+    assert audit is not None
+    for name in audit.raw_names():
         head = name.split("/", 1)[0].split(".", 1)[0]
         if head.startswith("step-") and head[5:].isdigit():
             everything.add(int(head[5:]))

@@ -26,7 +26,7 @@ from ckptstore.backends.posix import PosixDriver
 from ckptstore.checkpoint import ShardReader
 from ckptstore.cli import main
 from ckptstore.commit.conditional_put import ConditionalPutCommit
-from ckptstore.commit.rename import DATA_DIR, MANIFEST_NAME, RenameCommit, _directories_of
+from ckptstore.commit.rename import DATA_DIR, MANIFEST_NAME, RenameCommit, directories_of
 from ckptstore.conformance import outcomes
 from ckptstore.conformance.faults import (
     CrashMode,
@@ -203,7 +203,7 @@ class NoParentFsyncCommit(RenameCommit):
         self.driver.write(handle, manifest.encode())
         self.driver.fsync(handle)
         self.driver.close(handle)
-        for directory in _directories_of(manifest):
+        for directory in directories_of(manifest):
             self.driver.fsync_dir(f"{staging}/{DATA_DIR}/{directory}")
         self.driver.fsync_dir(f"{staging}/{DATA_DIR}")
         self.driver.fsync_dir(staging)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ckptstore.backends.posix import PosixDriver
-from ckptstore.commit.rename import DATA_DIR, MANIFEST_NAME, RenameCommit, _directories_of
+from ckptstore.commit.rename import DATA_DIR, MANIFEST_NAME, RenameCommit, directories_of
 from ckptstore.conformance import fsimages, syscalls
 from ckptstore.conformance.fsimages import ImageUnavailable, image_url, mounted_image
 from ckptstore.conformance.location import LocationFactory
@@ -104,7 +104,7 @@ class NoRootFsyncCommit(RenameCommit):
         self.driver.write(handle, manifest.encode())
         self.driver.fsync(handle)
         self.driver.close(handle)
-        for directory in _directories_of(manifest):
+        for directory in directories_of(manifest):
             self.driver.fsync_dir(f"{staging}/{DATA_DIR}/{directory}")
         self.driver.fsync_dir(f"{staging}/{DATA_DIR}")
         self.driver.fsync_dir(staging)

@@ -8,12 +8,13 @@ import ast
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import ckptstore
 from ckptstore.backends.memory import MemoryDriver, drop_bucket, get_bucket
-from ckptstore.commit.base import ShardSink
+from ckptstore.commit.base import CommitStrategy, ShardSink
 from ckptstore.commit.conditional_put import ConditionalPutCommit, ObjectShardSink
 from ckptstore.conformance.runner import run_backend
 from ckptstore.registry import register, unregister
@@ -79,3 +80,22 @@ def test_the_backend_uses_public_names_only() -> None:
             assert not [alias.name for alias in node.names if alias.name.startswith("_")]
         if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "self":
             assert not node.attr.startswith("_"), f"self.{node.attr}"  # no inherited privates
+
+
+def test_a_strategy_declares_its_lineages_or_is_refused_when_defined() -> None:
+    """``keeps_lineages`` is declared beside ``create_epoch``, not guessed from the methods:
+    a class that implements one without the other is a TypeError when it is defined."""
+    with pytest.raises(TypeError, match="declare keeps_lineages = True"):
+
+        class Undeclared(CommitStrategy[Any]):  # epochs implemented, not declared
+            def create_epoch(self, epoch: int, record: bytes) -> None: ...
+
+    with pytest.raises(TypeError, match="declares keeps_lineages but has no create_epoch"):
+
+        class Unimplemented(CommitStrategy[Any]):  # declared, not implemented
+            keeps_lineages = True
+
+    class WithoutLineages(ConditionalPutCommit):  # opting out of an inherited implementation
+        keeps_lineages = False
+
+    assert TaggedCommit.keeps_lineages and not WithoutLineages.keeps_lineages

@@ -17,20 +17,23 @@ import abc
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Generic, Protocol, TypeVar
+from typing import Any, BinaryIO, ClassVar, Generic, Protocol, TypeVar
 
 from ckptstore.driver import Capability
 from ckptstore.errors import CapabilityError, CheckpointExistsError, StrayEntryError
 from ckptstore.manifest import Manifest, ShardRecord
 
 __all__ = [
+    "Catalogue",
+    "Collecting",
     "CommitStrategy",
+    "EpochRecords",
     "GcItem",
     "GcReport",
+    "Publishing",
     "ShardProblem",
     "ShardRanges",
     "ShardSink",
-    "StorageAudit",
     "StrategyDriver",
     "clock_lead",
 ]
@@ -143,38 +146,191 @@ DriverT = TypeVar("DriverT", bound=StrategyDriver, covariant=True)
 StrategyT = TypeVar("StrategyT", bound="CommitStrategy[Any]")
 
 
-class StorageAudit(abc.ABC):
-    """A raw view of what a strategy keeps in storage, for audits only (the conformance
-    suite's leftover check), never for finding checkpoints. Not part of the protocol: a
-    strategy without it works; the suite asks for it to prove I7 (nothing left behind)."""
+class _Located(abc.ABC):
+    """Where a role's storage is, for its messages."""
 
-    fixed_names: frozenset[str] = frozenset()
-    """Raw names that belong to the store itself rather than to a checkpoint (the hint)."""
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """The store's URL, for messages."""
+
+
+class Publishing(_Located):
+    """The writing role: stage an attempt's shards where no reader looks, make them durable,
+    then commit the manifest in one atomic, exclusive operation (docs/protocol.md §4-5)."""
 
     @abc.abstractmethod
-    def stored_names(self, manifest: Manifest) -> set[str]:
-        """Every raw name (as ``raw_names`` lists them) that belongs to a published checkpoint."""
-
-    def lineage_names(self) -> set[str]:
-        """The raw names of the store's epoch records (kept forever, like the hint)."""
-        return set()
+    def open_root(self, *, create: bool) -> None:
+        """Check the store exists (creating an empty one if ``create`` and the system allows)."""
 
     @abc.abstractmethod
-    def raw_names(self) -> set[str]:
-        """Every name in storage under the store: files and directories, or objects and uploads."""
+    def begin(self, step: int, attempt: str) -> None:
+        """Prepare a staging area for ``attempt`` that no published checkpoint or attempt uses."""
+
+    @abc.abstractmethod
+    def open_shard(
+        self, step: int, attempt: str, name: str, size_hint: int | None = None
+    ) -> ShardSink:
+        """Open a sink for a new shard of the attempt (``size_hint``: its size, if known)."""
+
+    def seal(self, step: int, attempt: str) -> None:
+        """Make every shard this process closed in the attempt durable (I2's first half).
+
+        Called before publish, and by each rank of a multi-rank save before it sends its
+        receipts. Strategies whose sinks are durable at close do nothing.
+        """
+
+    def release(self, step: int, attempt: str) -> None:
+        """Let go of what this process holds open for the attempt; its staged data stays."""
+
+    @abc.abstractmethod
+    def publish(self, manifest: Manifest) -> None:
+        """Seal the attempt and commit it: one atomic, exclusive operation (the commit point).
+
+        Returns only once the checkpoint is durable. Raises CheckpointExistsError, with the
+        existing checkpoint untouched, when the step is already published by another attempt.
+        """
+
+    @abc.abstractmethod
+    def abort(self, step: int, attempt: str) -> None:
+        """Remove an unpublished attempt's staging data (best effort; GC finds what remains)."""
+
+    @abc.abstractmethod
+    def advance_latest_hint(self, step: int) -> None:
+        """Move the LATEST pointer forward to ``step``; never backward."""
 
 
-class CommitStrategy(abc.ABC, Generic[DriverT]):
-    """The protocol on one driver family: stage, seal, publish, read, unpublish, GC.
+class Catalogue(_Located):
+    """The reading role: what is published, and its manifests and shards; readers trust
+    nothing else (docs/protocol.md §6)."""
 
-    Specified in docs/protocol.md §4-7.
+    @abc.abstractmethod
+    def published_steps(self, min_step: int = 0) -> list[int]:
+        """Return the published steps >= ``min_step`` of epoch 0, ascending, from storage."""
 
-    ``driver`` is the strategy's only access to storage; the conformance suite replaces it with
-    a fault-injecting wrapper.
+    def published_checkpoints(self, min_step: int = 0) -> list[tuple[int, int]]:
+        """Return (step, epoch) of every commit point named in storage from ``min_step`` on,
+        ascending, whatever its epoch (docs/protocol.md §8.1); only a listing: the Store
+        decides which are checkpoints and which are the history's. A strategy without
+        lineages has only epoch 0."""
+        return [(step, 0) for step in self.published_steps(min_step)]
+
+    @abc.abstractmethod
+    def is_published(self, step: int, epoch: int = 0) -> bool:
+        """Tell whether ``step`` is published in ``epoch``."""
+
+    @abc.abstractmethod
+    def read_manifest(self, step: int, epoch: int = 0) -> Manifest:
+        """Read and validate a published manifest (CheckpointNotFoundError if not published)."""
+
+    def name_taken(self, step: int, epoch: int = 0) -> CheckpointExistsError | StrayEntryError:
+        """The error for a save of ``step`` in ``epoch`` whose commit point's name is taken:
+        CheckpointExistsError when a checkpoint is published there, StrayEntryError (naming
+        the entry to remove) when what holds the name is not one (docs/protocol.md §5.2)."""
+        return CheckpointExistsError(
+            f"{self.url}: step {step} is already published", url=self.url, step=step
+        )
+
+    @abc.abstractmethod
+    def open_shard_reader(self, manifest: Manifest, record: ShardRecord) -> BinaryIO:
+        """Open a published shard through its locator (raises ShardMissingError if gone)."""
+
+    def open_shard_ranges(self, manifest: Manifest, record: ShardRecord) -> ShardRanges | None:
+        """Pin a published shard for parallel ranged reads, or None where the driver has none
+        (the shard is then read through ``open_shard_reader``). ShardMissingError if gone."""
+        return None
+
+    @abc.abstractmethod
+    def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
+        """Return what is wrong with the presence and sizes of a checkpoint's shards (cheap)."""
+
+    @abc.abstractmethod
+    def read_latest_hint(self) -> int | None:
+        """Return the step the LATEST pointer names, or None (it is only a hint)."""
+
+    @abc.abstractmethod
+    def is_empty(self) -> bool:
+        """Tell whether the store holds nothing at all."""
+
+
+class Collecting(_Located):
+    """The removing role: unpublish (atomically, before any data goes) and collect what dead
+    attempts left, never a stray (docs/protocol.md §7)."""
+
+    @abc.abstractmethod
+    def unpublish(self, step: int, epoch: int = 0) -> None:
+        """Make a checkpoint invisible atomically, then delete its data."""
+
+    @abc.abstractmethod
+    def reset_latest_hint(self, step: int | None) -> None:
+        """Set (or remove) the LATEST pointer, backward if need be: rollback and delete only."""
+
+    @abc.abstractmethod
+    def collect_garbage(self, *, grace_s: float, now: float, dry_run: bool) -> GcReport:
+        """Remove leftovers of dead attempts idle for longer than ``grace_s`` (I7).
+
+        Idle time is measured on the storage's clock (a file system's timestamps, an object
+        store's), so that a GC host whose clock is skewed removes nothing live; ``now``, the
+        caller's clock, counts only by ``clock_lead(now)``.
+        """
+
+
+class EpochRecords(_Located):
+    """The lineage role, optional: epoch records created once each (docs/protocol.md §8).
+
+    A strategy that keeps lineages declares ``keeps_lineages = True`` and implements
+    ``create_epoch`` and ``read_epoch``; one that does not has only epoch 0, and a takeover of
+    its store is refused (CapabilityError).
+    """
+
+    name: str = ""
+
+    keeps_lineages: ClassVar[bool] = False
+    """Declared by a strategy that implements the epoch records (checked when it is defined)."""
+
+    def create_epoch(self, epoch: int, record: bytes) -> None:
+        """Create epoch ``epoch``'s record if absent, durably (EpochExistsError if present).
+
+        The record is complete or absent for every reader, like a manifest; an unknown
+        outcome is resolved by reading the record back.
+        """
+        raise CapabilityError(
+            f"{self.url}: the {self.name} commit protocol does not keep lineages, so this store "
+            f"cannot be taken over (docs/protocol.md §8)",
+            url=self.url,
+            key=self.name,
+        )
+
+    def read_epoch(self, epoch: int) -> bytes | None:
+        """Return epoch ``epoch``'s stored record, or None if it does not exist."""
+        return None
+
+    def listed_epochs(self) -> list[int]:
+        """The epoch records a listing shows (a hint only: readers probe past it)."""
+        return []
+
+
+class CommitStrategy(Publishing, Catalogue, Collecting, EpochRecords, Generic[DriverT]):
+    """The protocol on one driver family: its four roles over one driver.
+
+    Specified in docs/protocol.md §4-8. ``driver`` is the strategy's only access to storage;
+    the conformance suite replaces it with a fault-injecting wrapper. What the suite needs to
+    audit a store's raw contents is not part of it (``ckptstore.conformance.audit``).
     """
 
     name: str = ""
     required_capabilities: frozenset[Capability] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A strategy declares its lineages: ``keeps_lineages`` with ``create_epoch``."""
+        super().__init_subclass__(**kwargs)
+        implements = "create_epoch" in cls.__dict__
+        if implements and not cls.keeps_lineages:
+            raise TypeError(
+                f"{cls.__name__} implements create_epoch: declare keeps_lineages = True"
+            )
+        if cls.keeps_lineages and cls.create_epoch is EpochRecords.create_epoch:
+            raise TypeError(f"{cls.__name__} declares keeps_lineages but has no create_epoch")
 
     def __init__(self, driver: DriverT) -> None:
         self.driver = driver
@@ -218,136 +374,3 @@ class CommitStrategy(abc.ABC, Generic[DriverT]):
                 url=self.url,
                 key=self.name,
             )
-
-    @abc.abstractmethod
-    def open_root(self, *, create: bool) -> None:
-        """Check the store exists (creating an empty one if ``create`` and the system allows)."""
-
-    @abc.abstractmethod
-    def begin(self, step: int, attempt: str) -> None:
-        """Prepare a staging area for ``attempt`` that no published checkpoint or attempt uses."""
-
-    @abc.abstractmethod
-    def open_shard(
-        self, step: int, attempt: str, name: str, size_hint: int | None = None
-    ) -> ShardSink:
-        """Open a sink for a new shard of the attempt (``size_hint``: its size, if known)."""
-
-    def seal(self, step: int, attempt: str) -> None:
-        """Make every shard this process closed in the attempt durable (I2's first half).
-
-        Called before publish, and by each rank of a multi-rank save before it sends its
-        receipts. Strategies whose sinks are durable at close do nothing.
-        """
-
-    def release(self, step: int, attempt: str) -> None:
-        """Let go of what this process holds open for the attempt; its staged data stays."""
-
-    @abc.abstractmethod
-    def publish(self, manifest: Manifest) -> None:
-        """Seal the attempt and commit it: one atomic, exclusive operation (the commit point).
-
-        Returns only once the checkpoint is durable. Raises CheckpointExistsError, with the
-        existing checkpoint untouched, when the step is already published by another attempt.
-        """
-
-    @abc.abstractmethod
-    def abort(self, step: int, attempt: str) -> None:
-        """Remove an unpublished attempt's staging data (best effort; GC finds what remains)."""
-
-    @abc.abstractmethod
-    def published_steps(self, min_step: int = 0) -> list[int]:
-        """Return the published steps >= ``min_step`` of epoch 0, ascending, from storage."""
-
-    def published_checkpoints(self, min_step: int = 0) -> list[tuple[int, int]]:
-        """Return (step, epoch) of every commit point named in storage from ``min_step`` on,
-        ascending, whatever its epoch (docs/protocol.md §8.1); only a listing: the Store
-        decides which are checkpoints and which are the history's. A strategy without
-        lineages has only epoch 0."""
-        return [(step, 0) for step in self.published_steps(min_step)]
-
-    @abc.abstractmethod
-    def is_published(self, step: int, epoch: int = 0) -> bool:
-        """Tell whether ``step`` is published in ``epoch``."""
-
-    @abc.abstractmethod
-    def read_manifest(self, step: int, epoch: int = 0) -> Manifest:
-        """Read and validate a published manifest (CheckpointNotFoundError if not published)."""
-
-    def name_taken(self, step: int, epoch: int = 0) -> CheckpointExistsError | StrayEntryError:
-        """The error for a save of ``step`` in ``epoch`` whose commit point's name is taken:
-        CheckpointExistsError when a checkpoint is published there, StrayEntryError (naming
-        the entry to remove) when what holds the name is not one (docs/protocol.md §5.2)."""
-        return CheckpointExistsError(
-            f"{self.url}: step {step} is already published", url=self.url, step=step
-        )
-
-    # -- lineages (docs/protocol.md §8): optional; without them a store has only epoch 0 ----
-
-    @property
-    def keeps_lineages(self) -> bool:
-        """Whether this strategy keeps epochs (it implements ``create_epoch``)."""
-        return type(self).create_epoch is not CommitStrategy.create_epoch
-
-    def create_epoch(self, epoch: int, record: bytes) -> None:
-        """Create epoch ``epoch``'s record if absent, durably (EpochExistsError if present).
-
-        The record is complete or absent for every reader, like a manifest; an unknown
-        outcome is resolved by reading the record back.
-        """
-        raise CapabilityError(
-            f"{self.url}: the {self.name} commit protocol does not keep lineages, so this store "
-            f"cannot be taken over (docs/protocol.md §8)",
-            url=self.url,
-            key=self.name,
-        )
-
-    def read_epoch(self, epoch: int) -> bytes | None:
-        """Return epoch ``epoch``'s stored record, or None if it does not exist."""
-        return None
-
-    def listed_epochs(self) -> list[int]:
-        """The epoch records a listing shows (a hint only: readers probe past it)."""
-        return []
-
-    @abc.abstractmethod
-    def open_shard_reader(self, manifest: Manifest, record: ShardRecord) -> BinaryIO:
-        """Open a published shard through its locator (raises ShardMissingError if gone)."""
-
-    def open_shard_ranges(self, manifest: Manifest, record: ShardRecord) -> ShardRanges | None:
-        """Pin a published shard for parallel ranged reads, or None where the driver has none
-        (the shard is then read through ``open_shard_reader``). ShardMissingError if gone."""
-        return None
-
-    @abc.abstractmethod
-    def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
-        """Return what is wrong with the presence and sizes of a checkpoint's shards (cheap)."""
-
-    @abc.abstractmethod
-    def read_latest_hint(self) -> int | None:
-        """Return the step the LATEST pointer names, or None (it is only a hint)."""
-
-    @abc.abstractmethod
-    def advance_latest_hint(self, step: int) -> None:
-        """Move the LATEST pointer forward to ``step``; never backward."""
-
-    @abc.abstractmethod
-    def reset_latest_hint(self, step: int | None) -> None:
-        """Set (or remove) the LATEST pointer, backward if need be: rollback and delete only."""
-
-    @abc.abstractmethod
-    def unpublish(self, step: int, epoch: int = 0) -> None:
-        """Make a checkpoint invisible atomically, then delete its data."""
-
-    @abc.abstractmethod
-    def collect_garbage(self, *, grace_s: float, now: float, dry_run: bool) -> GcReport:
-        """Remove leftovers of dead attempts idle for longer than ``grace_s`` (I7).
-
-        Idle time is measured on the storage's clock (a file system's timestamps, an object
-        store's), so that a GC host whose clock is skewed removes nothing live; ``now``, the
-        caller's clock, counts only by ``clock_lead(now)``.
-        """
-
-    @abc.abstractmethod
-    def is_empty(self) -> bool:
-        """Tell whether the store holds nothing at all."""

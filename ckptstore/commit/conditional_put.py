@@ -35,7 +35,6 @@ from ckptstore.commit.base import (
     ShardProblem,
     ShardRanges,
     ShardSink,
-    StorageAudit,
     clock_lead,
 )
 from ckptstore.driver import (
@@ -396,12 +395,12 @@ class ObjectShardSink(ShardSink):
                 log.debug("aborting upload of %s failed; GC will", self._key, exc_info=True)
 
 
-class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
+class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     """The object-store protocol: attempt-unique data keys, manifest created if absent."""
 
     name = "conditional-put"
     required_capabilities = frozenset({Capability.CONDITIONAL_CREATE})
-    fixed_names = frozenset({LATEST_KEY})
+    keeps_lineages = True
 
     def __init__(
         self,
@@ -828,12 +827,12 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
 
     def abort(self, step: int, attempt: str) -> None:
         prefix = self.attempt_prefix(step, attempt)
-        for upload in self._uploads(prefix):
+        for upload in self.incomplete_uploads(prefix):
             self.driver.abort_multipart(upload.key, upload.upload_id)
         for info in list(self.driver.list(prefix)):
             self.driver.delete(info.key)
 
-    def _uploads(self, prefix: str, report: GcReport | None = None) -> list[UploadInfo]:
+    def incomplete_uploads(self, prefix: str, report: GcReport | None = None) -> list[UploadInfo]:
         """The incomplete multipart uploads under ``prefix``; none where the storage does not
         implement ListMultipartUploads (noted in ``report``, with the remedy)."""
         try:
@@ -1120,7 +1119,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
             head = info.key.split("/", 1)[0] + "/"
             groups.setdefault(head, []).append(info)
         uploads: dict[str, list[UploadInfo]] = {}
-        for upload in self._uploads("", report):
+        for upload in self.incomplete_uploads("", report):
             uploads.setdefault(upload.key.split("/", 1)[0] + "/", []).append(upload)
         self._check_listing(hint, manifests, report)
         owners: dict[int, set[str | None]] = {}
@@ -1289,22 +1288,8 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver], StorageAudit):
         except ObjectNotFoundError:
             return  # completed or aborted meanwhile
 
-    def stored_names(self, manifest: Manifest) -> set[str]:
-        names = {self.manifest_key(manifest.step, manifest.epoch)}
-        names.update(record.locator["key"] for record in manifest.shards)
-        return names
-
-    def lineage_names(self) -> set[str]:
-        return {self.epoch_key(epoch) for epoch in self.listed_epochs()}
-
-    def raw_names(self) -> set[str]:
-        return {info.key for info in self.driver.list("")} | self._upload_names()
-
-    def _upload_names(self) -> set[str]:
-        return {f"{upload.key} (upload {upload.upload_id})" for upload in self._uploads("")}
-
     def _no_uploads(self) -> bool:
-        return not self._uploads("")
+        return not self.incomplete_uploads("")
 
     def is_empty(self) -> bool:
         return next(iter(self.driver.list("")), None) is None and self._no_uploads()

@@ -35,7 +35,6 @@ from ckptstore.commit.base import (
     GcReport,
     ShardProblem,
     ShardSink,
-    StorageAudit,
     clock_lead,
 )
 from ckptstore.commit.unsynced import UnsyncedFiles
@@ -70,7 +69,7 @@ from ckptstore.names import (
     step_token,
 )
 
-__all__ = ["FileShardSink", "RenameCommit"]
+__all__ = ["FileShardSink", "RenameCommit", "directories_of"]
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +135,12 @@ class FileShardSink(ShardSink):
                 log.debug("closing %s after abort failed", self._path, exc_info=True)
 
 
-class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
+class RenameCommit(CommitStrategy[FileSystemDriver]):
     """The POSIX rename protocol: atomic no-replace rename of a durable staging directory."""
 
     name = "posix-rename"
     required_capabilities = frozenset({Capability.RENAME_NOREPLACE, Capability.DURABLE_FSYNC})
-    fixed_names = frozenset({LATEST_NAME})
+    keeps_lineages = True
 
     def __init__(self, driver: FileSystemDriver) -> None:
         super().__init__(driver)
@@ -298,7 +297,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
             self.driver.close(handle)
         # Shard files are fsynced; their directory entries are not, until every directory
         # that holds them is fsynced (deepest first, the staging directory last).
-        for directory in _directories_of(manifest):
+        for directory in directories_of(manifest):
             self.driver.fsync_dir(f"{staging}/{DATA_DIR}/{directory}")
         self.driver.fsync_dir(f"{staging}/{DATA_DIR}")
         self.driver.fsync_dir(staging)
@@ -706,51 +705,6 @@ class RenameCommit(CommitStrategy[FileSystemDriver], StorageAudit):
         except StorageError as exc:  # a later gc removes it once it is older than its grace
             log.debug("%s: could not remove %s: %s", self.url, name, exc)
 
-    def stored_names(self, manifest: Manifest) -> set[str]:
-        final = checkpoint_token(manifest.step, manifest.epoch)
-        names = {final, f"{final}/{MANIFEST_NAME}", f"{final}/{DATA_DIR}"}
-        for directory in _directories_of(manifest):
-            names.add(f"{final}/{DATA_DIR}/{directory}")
-        names.update(f"{final}/{DATA_DIR}/{record.name}" for record in manifest.shards)
-        return names
-
-    def lineage_names(self) -> set[str]:
-        names = set()
-        for epoch in self.listed_epochs():
-            record = f"{EPOCHS_DIR}/{epoch_token(epoch)}"
-            names |= {record, f"{record}/{EPOCH_RECORD}"}
-        # The directory is the store's once made, even empty: a taker that died before its
-        # rename leaves it so after GC took the staging (removing it would fail the mkdir of a
-        # taker staging in it at that moment).
-        return names | ({EPOCHS_DIR} if names or self._is_dir(EPOCHS_DIR) else set())
-
-    def _is_dir(self, path: str) -> bool:
-        try:
-            return self.driver.stat(path).is_dir
-        except ObjectNotFoundError:
-            return False
-
-    def raw_names(self) -> set[str]:
-        names: set[str] = set()
-        pending = [""]
-        while pending:
-            directory = pending.pop()
-            try:
-                children = self.driver.listdir(directory)
-            except ObjectNotFoundError:
-                continue
-            for child in children:
-                if not directory and child.startswith(GC_CLOCK_PREFIX):
-                    continue  # a running gc's clock reading, not part of the store
-                path = f"{directory}/{child}" if directory else child
-                names.add(path)
-                try:
-                    if self.driver.stat(path).is_dir:
-                        pending.append(path)
-                except ObjectNotFoundError:
-                    continue
-        return names
-
     def is_empty(self) -> bool:
         try:
             names = self.driver.listdir("")
@@ -824,7 +778,7 @@ def check_attempt_name_tail(name: str) -> bool:
         return False
 
 
-def _directories_of(manifest: Manifest) -> list[str]:
+def directories_of(manifest: Manifest) -> list[str]:
     """Every directory below ``data/`` that holds a shard, deepest first."""
     directories: set[str] = set()
     for record in manifest.shards:

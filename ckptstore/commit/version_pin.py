@@ -23,7 +23,6 @@ from collections.abc import Iterable
 
 from ckptstore.commit.base import GcItem, GcReport, ShardProblem, ShardSink
 from ckptstore.commit.conditional_put import (
-    EPOCHS,
     LATEST_KEY,
     MANIFESTS,
     PROBE_PREFIX,
@@ -41,7 +40,7 @@ from ckptstore.errors import (
 from ckptstore.manifest import Manifest
 from ckptstore.names import parse_attempt_name, parse_checkpoint_token, step_token
 
-__all__ = ["VersionPinCommit"]
+__all__ = ["VersionPinCommit", "versioned_name"]
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +52,8 @@ _LIST_FROM_SHARDS = 4
 """From this many shards on, one listing of versions replaces a HEAD per shard."""
 
 
-def _versioned_name(key: str, version_id: str | None) -> str:
+def versioned_name(key: str, version_id: str | None) -> str:
+    """How a listing of versions names one: ``key@version``."""
     return f"{key}@{version_id}"
 
 
@@ -234,7 +234,7 @@ class VersionPinCommit(ConditionalPutCommit):
                 continue
             item = GcItem(
                 kind,
-                _versioned_name(version.key, version.version_id),
+                versioned_name(version.key, version.version_id),
                 max(0.0, storage_now - version.last_modified),
                 version.size,
             )
@@ -337,13 +337,13 @@ class VersionPinCommit(ConditionalPutCommit):
             log.warning(
                 "%s: %s is pinned by step %d, whose manifest no listing showed; it stays",
                 self.url,
-                _versioned_name(version.key, version.version_id),
+                versioned_name(version.key, version.version_id),
                 step,
             )
         return needed
 
     def _collect_uploads(self, report: GcReport, now: float) -> None:
-        for upload in self._uploads(SHARDS, report):
+        for upload in self.incomplete_uploads(SHARDS, report):
             progress = self._upload_progress(upload)
             activity = max(upload.initiated, progress.last_activity)
             item = GcItem(
@@ -358,24 +358,6 @@ class VersionPinCommit(ConditionalPutCommit):
             report.removed.append(item)
             if not report.dry_run:
                 self._abort_quietly(upload.key, upload.upload_id)
-
-    def stored_names(self, manifest: Manifest) -> set[str]:
-        names = {self.manifest_key(manifest.step)}
-        names.update(
-            _versioned_name(r.locator["key"], r.locator["version_id"]) for r in manifest.shards
-        )
-        return names
-
-    def raw_names(self) -> set[str]:
-        names = set()
-        for version in self.driver.list_versions(""):
-            current = version.is_latest and not version.is_delete_marker
-            fixed = version.key == LATEST_KEY or version.key.startswith((MANIFESTS, EPOCHS))
-            if current and fixed:
-                names.add(version.key)
-            else:
-                names.add(_versioned_name(version.key, version.version_id))
-        return names | self._upload_names()
 
     def is_empty(self) -> bool:
         return next(iter(self.driver.list_versions("")), None) is None and self._no_uploads()

@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptstore.commit.base import CommitStrategy, StorageAudit
+from ckptstore.commit.base import CommitStrategy
 from ckptstore.commit.conditional_put import ConditionalPutCommit
+from ckptstore.conformance.audit import StorageAudit, audit_of
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
 from ckptstore.conformance.strays import Stray
 from ckptstore.driver import Capability, DriverFamily, driver_family
@@ -191,13 +192,15 @@ class Location:
 
     @property
     def audit(self) -> StorageAudit:
-        """The strategy's raw view of storage; CapabilityError if it offers none."""
-        if not isinstance(self.base, StorageAudit):
+        """The raw view of the strategy's storage; CapabilityError if there is none."""
+        audit = audit_of(self.base)
+        if audit is None:
             raise CapabilityError(
-                f"{type(self.base).__name__} does not implement StorageAudit "
-                f"(ckptstore.commit.base): the suite cannot look for what a crash left behind"
+                f"{type(self.base).__name__} has no StorageAudit (ckptstore.conformance.audit: "
+                f"implement it, or register_audit one): the suite cannot look for what a crash "
+                f"left behind"
             )
-        return self.base
+        return audit
 
     def raw_names(self) -> set[str]:
         """Everything the location holds, as the strategy's raw listing names it."""
