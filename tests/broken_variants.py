@@ -8,8 +8,9 @@ what the suite sees is the real protocol with one real-world mistake in it. Thei
 
 from __future__ import annotations
 
+import contextlib
 import os
-import time
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -52,7 +53,8 @@ class DcpInPlaceCommit(RenameCommit):
     ``.metadata`` ("in case other checkpoints were present") and renames over it. Two saves of
     one checkpoint id both "succeed", the second overwriting the first's files."""
 
-    create_epoch = CommitStrategy.create_epoch  # writes in place: no room for an epoch's name
+    keeps_lineages = False  # writes in place: no room for an epoch's name
+    create_epoch = CommitStrategy.create_epoch
 
     @staticmethod
     def staging_dir(step: int, attempt: str) -> str:
@@ -485,9 +487,34 @@ class CheckThenPutDriver(MemoryDriver):
         try:
             self.head(key)
         except ObjectNotFoundError:
-            time.sleep(0.002)  # the round trip between the gateway's check and its write
-            return super().put(key, data, metadata=metadata)
+            with _between_check_and_write(key):
+                return super().put(key, data, metadata=metadata)
         raise PreconditionFailedError(f"{self.url}/{key}: object exists", http_status=412)
+
+
+_CHECKED = threading.Condition()
+_PAST_THE_CHECK: dict[str, int] = {}
+_ROUND_TRIP_S = 0.25
+"""How long a create that passed the check waits for a racing one (the gateway's round trip
+between check and write, as long as a loaded machine's scheduling may stagger racers)."""
+
+
+@contextlib.contextmanager
+def _between_check_and_write(key: str) -> Iterator[None]:
+    """The window between the check and the write, opened for every create of ``key`` racing
+    this one: the write waits until another create of the key has passed its check too (or
+    ``_ROUND_TRIP_S``), so that racing creates all pass, whatever the machine's load."""
+    with _CHECKED:
+        _PAST_THE_CHECK[key] = _PAST_THE_CHECK.get(key, 0) + 1
+        _CHECKED.notify_all()
+        _CHECKED.wait_for(lambda: _PAST_THE_CHECK[key] >= 2, timeout=_ROUND_TRIP_S)
+    try:
+        yield
+    finally:
+        with _CHECKED:
+            _PAST_THE_CHECK[key] -= 1
+            if not _PAST_THE_CHECK[key]:
+                del _PAST_THE_CHECK[key]
 
 
 class InitiationAgedGcCommit(ConditionalPutCommit):

@@ -148,8 +148,8 @@ class UploadBlindGcCommit(ConditionalPutCommit):
     """Broken: GC lists objects only, never incomplete multipart uploads (a cleanup script's
     way): a dead attempt's parts stay, and take space, for ever."""
 
-    def _uploads(self, prefix: str, report: Any = None) -> Any:
-        return [] if report is not None else super()._uploads(prefix)
+    def incomplete_uploads(self, prefix: str, report: Any = None) -> Any:
+        return [] if report is not None else super().incomplete_uploads(prefix)
 
 
 def test_gc_blind_to_multipart_uploads_is_caught_around_completions(scheme: Any) -> None:

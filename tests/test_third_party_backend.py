@@ -85,7 +85,7 @@ def test_the_backend_uses_public_names_only() -> None:
 def test_a_strategy_declares_its_lineages_or_is_refused_when_defined() -> None:
     """``keeps_lineages`` is declared beside ``create_epoch``, not guessed from the methods:
     a class that implements one without the other is a TypeError when it is defined."""
-    with pytest.raises(TypeError, match="declare keeps_lineages = True"):
+    with pytest.raises(TypeError, match="has a create_epoch: declare keeps_lineages = True"):
 
         class Undeclared(CommitStrategy[Any]):  # epochs implemented, not declared
             def create_epoch(self, epoch: int, record: bytes) -> None: ...
@@ -95,7 +95,13 @@ def test_a_strategy_declares_its_lineages_or_is_refused_when_defined() -> None:
         class Unimplemented(CommitStrategy[Any]):  # declared, not implemented
             keeps_lineages = True
 
+    with pytest.raises(TypeError, match="has a create_epoch"):
+
+        class HalfOptedOut(ConditionalPutCommit):  # the inherited create_epoch still there
+            keeps_lineages = False
+
     class WithoutLineages(ConditionalPutCommit):  # opting out of an inherited implementation
         keeps_lineages = False
+        create_epoch = CommitStrategy.create_epoch
 
     assert TaggedCommit.keeps_lineages and not WithoutLineages.keeps_lineages

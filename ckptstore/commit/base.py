@@ -320,16 +320,22 @@ class CommitStrategy(Publishing, Catalogue, Collecting, EpochRecords, Generic[Dr
 
     name: str = ""
     required_capabilities: frozenset[Capability] = frozenset()
+    fixed_names: ClassVar[frozenset[str]] = frozenset()
+    """Raw names that belong to the store itself rather than to any checkpoint (the hint)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A strategy declares its lineages: ``keeps_lineages`` with ``create_epoch``."""
+        """A strategy declares its lineages: ``keeps_lineages`` is True exactly when it has a
+        ``create_epoch`` of its own (one that opts out of an inherited implementation sets
+        both back: ``keeps_lineages = False``, ``create_epoch = CommitStrategy.create_epoch``).
+        """
         super().__init_subclass__(**kwargs)
-        implements = "create_epoch" in cls.__dict__
+        implements = cls.create_epoch is not EpochRecords.create_epoch
         if implements and not cls.keeps_lineages:
             raise TypeError(
-                f"{cls.__name__} implements create_epoch: declare keeps_lineages = True"
+                f"{cls.__name__} has a create_epoch: declare keeps_lineages = True (or, to keep "
+                f"no lineages, create_epoch = CommitStrategy.create_epoch)"
             )
-        if cls.keeps_lineages and cls.create_epoch is EpochRecords.create_epoch:
+        if cls.keeps_lineages and not implements:
             raise TypeError(f"{cls.__name__} declares keeps_lineages but has no create_epoch")
 
     def __init__(self, driver: DriverT) -> None:

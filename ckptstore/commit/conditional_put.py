@@ -401,6 +401,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     name = "conditional-put"
     required_capabilities = frozenset({Capability.CONDITIONAL_CREATE})
     keeps_lineages = True
+    fixed_names = frozenset({LATEST_KEY})
 
     def __init__(
         self,

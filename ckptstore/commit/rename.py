@@ -141,6 +141,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
     name = "posix-rename"
     required_capabilities = frozenset({Capability.RENAME_NOREPLACE, Capability.DURABLE_FSYNC})
     keeps_lineages = True
+    fixed_names = frozenset({LATEST_NAME})
 
     def __init__(self, driver: FileSystemDriver) -> None:
         super().__init__(driver)

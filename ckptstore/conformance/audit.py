@@ -20,7 +20,6 @@ from ckptstore.commit.rename import (
     EPOCH_RECORD,
     EPOCHS_DIR,
     GC_CLOCK_PREFIX,
-    LATEST_NAME,
     MANIFEST_NAME,
     RenameCommit,
     directories_of,
@@ -36,8 +35,10 @@ __all__ = ["StorageAudit", "audit_of", "register_audit"]
 class StorageAudit(abc.ABC):
     """Every raw name under a store, and which of them a published checkpoint owns."""
 
-    fixed_names: frozenset[str] = frozenset()
-    """Raw names that belong to the store itself rather than to a checkpoint (the hint)."""
+    @property
+    def fixed_names(self) -> frozenset[str]:
+        """Raw names that belong to the store itself rather than to a checkpoint (the hint)."""
+        return frozenset()
 
     @abc.abstractmethod
     def stored_names(self, manifest: Manifest) -> set[str]:
@@ -52,13 +53,22 @@ class StorageAudit(abc.ABC):
         """Every name in storage under the store: files and directories, or objects and uploads."""
 
 
-class RenameAudit(StorageAudit):
+class _OfStrategy(StorageAudit):
+    """An audit of a built-in strategy, whose own names (the hint) it declares."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    @property
+    def fixed_names(self) -> frozenset[str]:
+        return frozenset(self.strategy.fixed_names)
+
+
+class RenameAudit(_OfStrategy):
     """A file system store: every file and directory below its root."""
 
-    fixed_names = frozenset({LATEST_NAME})
-
     def __init__(self, strategy: RenameCommit) -> None:
-        self.strategy = strategy
+        super().__init__(strategy)
         self.driver = strategy.driver
 
     def stored_names(self, manifest: Manifest) -> set[str]:
@@ -104,13 +114,10 @@ class RenameAudit(StorageAudit):
         return names
 
 
-class ObjectStoreAudit(StorageAudit):
+class ObjectStoreAudit(_OfStrategy):
     """An object store: every key under the prefix, and every incomplete multipart upload."""
 
-    fixed_names = frozenset({LATEST_KEY})
-
-    def __init__(self, strategy: ConditionalPutCommit) -> None:
-        self.strategy = strategy
+    strategy: ConditionalPutCommit
 
     def stored_names(self, manifest: Manifest) -> set[str]:
         names = {self.strategy.manifest_key(manifest.step, manifest.epoch)}

@@ -34,7 +34,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from ckptstore.conformance.audit import audit_of
 from ckptstore.conformance.faults import CrashMode, FaultPlan, SimulatedCrash
 from ckptstore.conformance.foreign import ForeignEntryRules
 from ckptstore.conformance.location import Location
@@ -518,8 +517,7 @@ def make_state_machine(
             if a change touched a name that belongs to no step (nor to the store itself)."""
             if touched is None:
                 return frozenset()
-            audit = audit_of(self.location.base)
-            fixed = frozenset() if audit is None else audit.fixed_names
+            fixed: frozenset[str] = getattr(self.location.base, "fixed_names", frozenset())
             steps: set[int] = set()
             for name in touched:
                 found = _STEP_TOKENS.findall(name)
