@@ -21,7 +21,7 @@ TOOLING = "tooling"
 LAYERS: dict[str, tuple[str, ...]] = {
     FOUNDATION: (
         "errors", "names", "urls", "redaction", "checksum", "driver", "manifest", "hint",
-        "retention", "progress", "lineage", "jsonload",
+        "retention", "lineage", "jsonload",
     ),
     COMMIT: ("commit",),
     BACKENDS: ("backends",),
@@ -32,7 +32,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     TORCH: ("torch",),
     TRAINERS: ("directory", "huggingface", "lightning", "localdir"),
     TOOLING: (
-        "conformance", "cli", "cli_directory", "cli_lineage", "cli_repair", "cli_tiers", "tools",
+        "conformance", "cli", "tools",
     ),
 }  # fmt: skip
 """Each module of the package, by its first dotted component under ``ckptstore`` ("" is the

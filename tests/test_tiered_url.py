@@ -269,7 +269,8 @@ def test_ls_show_verify_delete_and_rollback_take_a_tiered_url(tmp_path: Path) ->
         latest = store.latest()
         assert latest is not None and latest.step == 2
     # A damaged durable copy is found though the fast copy is whole.
-    [damaged] = [path for path in (tmp_path / "durable").rglob("a.bin") if "2" in str(path)]
+    durable = tmp_path / "durable"
+    [damaged] = [p for p in durable.rglob("a.bin") if p.relative_to(durable).parts[0][-2:] == "02"]
     damaged.write_bytes(b"\0" * 100)
     status, out = run("verify", url, "2")
     assert status == 1 and "durable tier" in out and "BROKEN" in out, out

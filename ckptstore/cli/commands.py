@@ -27,8 +27,8 @@ from datetime import timedelta
 from typing import Any, NoReturn, TextIO
 
 from ckptstore.checkpoint import Checkpoint
-from ckptstore.cli_directory import add_directory_commands
-from ckptstore.cli_lineage import (
+from ckptstore.cli.directory import add_directory_commands
+from ckptstore.cli.lineage import (
     ancestry,
     ancestry_text,
     epoch_document,
@@ -36,8 +36,9 @@ from ckptstore.cli_lineage import (
     superseded_document,
     superseded_rows,
 )
-from ckptstore.cli_repair import add_repair_command
-from ckptstore.cli_tiers import (
+from ckptstore.cli.progress import ProgressBar
+from ckptstore.cli.repair import add_repair_command
+from ckptstore.cli.tiers import (
     open_pair,
     outside_rows,
     pair_document,
@@ -56,13 +57,12 @@ from ckptstore.errors import (
 from ckptstore.interface import CheckpointStore
 from ckptstore.interval import DEFAULT_RECENT, MIN_SAVES, advise
 from ckptstore.names import MAX_STEP
-from ckptstore.progress import ProgressBar
 from ckptstore.replication import shown_url
 from ckptstore.store import DEFAULT_GRACE, DEFAULT_SUPERSEDED_GRACE, Store, open_store
 from ckptstore.tiered import split_tiered_url
 from ckptstore.urls import redact
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main", "parse_duration"]
 
 EXIT_OK, EXIT_BROKEN, EXIT_ERROR = 0, 1, 2
 # ASCII digits, whole string: ``\d`` would take Arabic-Indic digits and ``$`` a trailing newline.
@@ -1207,7 +1207,3 @@ def _run(words: list[str], out: TextIO) -> int:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
         return EXIT_OK
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())
