@@ -162,3 +162,23 @@ def test_dcp_rank_killed_mid_save_publishes_nothing(tmp_path: Path) -> None:
     assert store.steps() == [1]
     load = _dcp(url, "load", 1, 2)  # the previous checkpoint is intact
     assert load.returncode == 0, _failure(load)
+
+
+@pytest.mark.slow
+def test_the_ranks_take_a_tiered_pair_over_once_and_publish_in_its_epochs(
+    tmp_path: Path,
+) -> None:
+    """``agreement.take_over`` on a tiered URL: rank 0 takes both tiers over, every other
+    rank joins the pair's two epochs (``TieredStore.join_epochs``), and each rank's save is
+    published in them, in both tiers."""
+    url = ckptstore.tiered_url(f"file://{tmp_path}/fast", f"file://{tmp_path}/durable")
+    with ckptstore.open(url) as pair:
+        pair.save(1, {"rank0.bin": b"\0" * 10})
+    result = _launch(Path(__file__).parent / "dist_takeover_worker.py", 2, "--store", url)
+    assert result.returncode == 0, _failure(result)
+    said = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert said == ["rank 0 epoch 1 fast 1 durable 1", "rank 1 epoch 1 fast 1 durable 1"], said
+    for tier in ("fast", "durable"):
+        store = ckptstore.open(f"file://{tmp_path}/{tier}", create=False)
+        assert store.lineage().newest == 1
+        assert [store.manifest(step).epoch for step in (10, 11)] == [1, 1]

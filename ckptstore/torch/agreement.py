@@ -9,6 +9,7 @@ checkpoint, or fails if it changed in between.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -46,12 +47,27 @@ def take_over(
     """
     if not in_multi_rank_job(group):
         return _take(store, resumed_from, discard_history)[-1]
+    value = _decided(
+        store, group, "take the store over", lambda: _take(store, resumed_from, discard_history)
+    )
+    epochs = tuple(int(number) for number in value)
+    if dist.get_rank(group) != COORDINATOR:
+        if isinstance(store, TieredStore):
+            store.join_epochs(*epochs)
+        else:
+            store.join_epoch(*epochs)
+    return epochs[-1]
+
+
+def _decided(store: CheckpointStore, group: Any, what: str, decide: Callable[[], Any]) -> Any:
+    """What the coordinator's ``decide()`` returned, on every rank of ``group`` (a collective
+    call); its failure is raised on every rank, or the others would wait for it forever."""
     coordinator = dist.get_global_rank(group, COORDINATOR) if group is not None else COORDINATOR
     decision: list[Any] = [None]
     failure: BaseException | None = None
     if dist.get_rank(group) == COORDINATOR:
         try:
-            decision = [("ok", _take(store, resumed_from, discard_history))]
+            decision = [("ok", decide())]
         except Exception as exc:  # every rank must hear of it, or the others wait forever
             failure = exc
             decision = [("error", f"{type(exc).__name__}: {exc}")]
@@ -61,15 +77,9 @@ def take_over(
     status, value = decision[0]
     if status != "ok":
         raise CkptStoreError(
-            f"{store.url}: the coordinator could not take the store over: {value}", url=store.url
+            f"{store.url}: the coordinator could not {what}: {value}", url=store.url
         )
-    epochs = tuple(int(number) for number in value)
-    if dist.get_rank(group) != COORDINATOR:
-        if isinstance(store, TieredStore):
-            store.join_epochs(*epochs)
-        else:
-            store.join_epoch(*epochs)
-    return epochs[-1]
+    return value
 
 
 def _take(
@@ -96,24 +106,12 @@ def agreed_checkpoint(
         if checkpoint is None:
             raise CheckpointNotFoundError(f"{store.url}: no checkpoint to load", url=store.url)
         return checkpoint
-    coordinator = dist.get_global_rank(group, COORDINATOR) if group is not None else COORDINATOR
-    decision: list[Any] = [None]
-    failure: BaseException | None = None
-    if dist.get_rank(group) == COORDINATOR:
-        try:
-            latest = store.latest()
-            decision = [("ok", None if latest is None else (latest.step, latest.manifest.attempt))]
-        except Exception as exc:  # every rank must hear of it, or the others wait forever
-            failure = exc
-            decision = [("error", f"{type(exc).__name__}: {exc}")]
-    dist.broadcast_object_list(decision, src=coordinator, group=group)
-    if failure is not None:
-        raise failure
-    status, value = decision[0]
-    if status != "ok":
-        raise CkptStoreError(
-            f"{store.url}: the coordinator could not find the latest: {value}", url=store.url
-        )
+
+    def newest() -> tuple[int, str] | None:
+        latest = store.latest()
+        return None if latest is None else (latest.step, latest.manifest.attempt)
+
+    value = _decided(store, group, "find the latest", newest)
     if value is None:
         raise CheckpointNotFoundError(f"{store.url}: no checkpoint to load", url=store.url)
     chosen_step, attempt = value
