@@ -147,9 +147,6 @@ class VersionPinAudit(ObjectStoreAudit):
         )
         return names
 
-    def lineage_names(self) -> set[str]:
-        return set()
-
     def raw_names(self) -> set[str]:
         names = set()
         for version in self.strategy.driver.list_versions(""):
