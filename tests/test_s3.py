@@ -270,3 +270,19 @@ def test_lifecycle_rule_is_installed_once_and_keeps_other_rules(moto_s3: Embedde
     ours = next(r for r in rules if r["ID"] == first["ID"])
     assert ours["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] == 3
     assert ours["Filter"]["Prefix"] == "runs/lifecycle/"
+
+
+def test_the_private_body_layers_are_the_known_ones(moto_s3: EmbeddedS3) -> None:
+    """Canary: ranged reads go straight to the socket below botocore's body (urllib3's
+    ``_raw_stream._fp``, ``_fp_bytes_read``: private, behind ``s3._read_body_into`` only).
+    A botocore or urllib3 that changed them fails here, loudly; reads stay correct meanwhile
+    (they fall back to the body's public ``readinto``), only slower."""
+    from ckptstore.backends import s3
+
+    client = moto_s3.client()
+    client.put_object(Bucket=moto_s3.bucket, Key="canary/body", Body=b"x" * 100)
+    body = client.get_object(Bucket=moto_s3.bucket, Key="canary/body")["Body"]
+    try:
+        assert s3.direct_body_reads(body), "botocore/urllib3 changed the layers of a body"
+    finally:
+        body.close()

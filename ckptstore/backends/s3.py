@@ -15,36 +15,26 @@ mid-way resumes with a ranged GET conditional on the object's ETag.
 from __future__ import annotations
 
 import base64
-import contextlib
 import errno
 import functools
 import hashlib
-import hmac
 import http.client
-import io
 import logging
 import re
-import secrets
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import Any, BinaryIO, cast
 
 import boto3
 import urllib3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError
-from tenacity import (
-    Retrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_exponential,
-    wait_random,
-)
 
-from ckptstore.backends.s3_errors import translate_s3_errors
+from ckptstore.backends.client_cache import ClientCache
+from ckptstore.backends.object_store import ObjectReplacedError, ObjectStoreBase, PutRequest
+from ckptstore.backends.resuming_reader import READ_PIECE, ResumingReader
+from ckptstore.backends.s3_errors import S3_RULES, translate_s3_errors
 from ckptstore.checksum import crc32c_of
 from ckptstore.commit.conditional_put import (
     DEFAULT_PART_SIZE,
@@ -62,7 +52,6 @@ from ckptstore.driver import (
     RangedReadDriver,
     UploadInfo,
     UploadProgress,
-    multipart_mode,
 )
 from ckptstore.errors import (
     InvalidInputError,
@@ -70,9 +59,7 @@ from ckptstore.errors import (
     InvalidURLError,
     ObjectNotFoundError,
     PreconditionFailedError,
-    PreconditionInferredError,
     StorageError,
-    StoreNotFoundError,
     TransientStorageError,
 )
 from ckptstore.urls import StoreURL, endpoint_option, option_bool, option_int
@@ -87,11 +74,9 @@ POOL_HEADROOM = 32
 """Connections beyond ``concurrency`` part uploads: the threads that call a store (ranks in
 threads, async saves, readers) and other stores opened with the same options, which share the
 client. Unused slots cost nothing; a full pool discards connections with a warning."""
-_READ_PIECE = 1024 * 1024
-"""Largest single body read. A read that breaks returns nothing (urllib3 drops what it got),
-so a resume starts from the last whole piece: a broken connection costs at most this much."""
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-T = TypeVar("T")
+Markers = tuple[tuple[str, str], ...]
+"""Request parameters that continue a listing after a truncated page."""
 
 URL_OPTIONS = (
     "endpoint_url",
@@ -138,9 +123,12 @@ def _timestamp(value: Any) -> float:
     return value.timestamp() if isinstance(value, datetime) else time.time()
 
 
-class S3Driver(RangedReadDriver):
+class S3Driver(ObjectStoreBase, RangedReadDriver):
     """Object-store primitives on one S3 bucket under a key prefix, through a boto3 client."""
 
+    scheme = "s3"
+    rules = S3_RULES
+    store_hint = "create it, or check the name, region and endpoint"
     max_parts = S3_MAX_PARTS
 
     def __init__(
@@ -158,32 +146,24 @@ class S3Driver(RangedReadDriver):
         max_delay_s: float = 60.0,
         versioned: bool = False,
     ) -> None:
+        super().__init__(
+            bucket,
+            prefix,
+            url=url,
+            endpoint=str(getattr(client.meta, "endpoint_url", "") or ""),
+            max_attempts=max_attempts,
+            max_delay_s=max_delay_s,
+        )
         self.client = client
-        self.bucket = bucket
-        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        self.url = url or f"s3://{bucket}/{self.prefix}".rstrip("/")
         self.min_part_size = min_part_size
         self.checksums = checksums
-        self.max_attempts = max_attempts
         self._encryption: dict[str, str] = {}
         if sse:
             self._encryption["ServerSideEncryption"] = sse
         if sse_kms_key_id:
             self._encryption["SSEKMSKeyId"] = sse_kms_key_id
-        self._retrying = Retrying(
-            retry=retry_if_exception_type(TransientStorageError),
-            stop=stop_after_attempt(max_attempts) | stop_after_delay(max_delay_s),
-            wait=wait_exponential(multiplier=0.05, max=5.0) + wait_random(0, 0.1),
-            reraise=True,
-            before_sleep=lambda state: log.debug("retrying S3 call: %s", state.outcome),
-        )
         self._quote_etags = True
         self._quote_read_etags = True
-        self.raw_conditionals = False
-        """Send each conditional put, and a conditional completion, as one request and return
-        what the server answered: no retry in the other ETag quoting, no HEAD after a 412 or
-        after an empty ETag, no read-back. For measuring the server (the conformance probes);
-        never for saving."""
         self.capabilities = frozenset(
             {
                 Capability.CONDITIONAL_CREATE,
@@ -193,22 +173,6 @@ class S3Driver(RangedReadDriver):
                 *([Capability.VERSIONING, Capability.VERSION_DELETE] if versioned else []),
             }
         )
-
-    # -- plumbing ------------------------------------------------------------------------
-
-    def _full(self, key: str) -> str:
-        return self.prefix + key
-
-    def _relative(self, full: str) -> str:
-        return full[len(self.prefix) :]
-
-    def _once(self, what: str, call: Callable[[], T]) -> T:
-        with translate_s3_errors(f"{what} s3://{self.bucket}", bucket=self.bucket):
-            return call()
-
-    def _retried(self, what: str, call: Callable[[], T]) -> T:
-        result: T = self._retrying(self._once, what, call)
-        return result
 
     def _info(self, key: str, response: Mapping[str, Any], size: int) -> ObjectInfo:
         return ObjectInfo(
@@ -222,103 +186,33 @@ class S3Driver(RangedReadDriver):
 
     # -- the driver interface ------------------------------------------------------------
 
-    def check_bucket(self) -> None:
-        once = Retrying(
-            retry=retry_if_exception_type(TransientStorageError),
-            stop=stop_after_attempt(2),
-            wait=wait_exponential(multiplier=0.2, max=1.0) + wait_random(0, 0.1),
-            reraise=True,
-        )
-        try:
-            once(self._once, "HeadBucket", lambda: self.client.head_bucket(Bucket=self.bucket))
-        except ObjectNotFoundError as exc:  # HeadBucket answers a bare 404, without a code
-            raise StoreNotFoundError(
-                f"{self.url}: bucket {self.bucket!r} does not exist (ckptstore never creates "
-                f"buckets; create it, or check the name, region and endpoint)"
-            ) from exc
+    def probe_bucket(self) -> tuple[str, Callable[[], object]]:
+        return "HeadBucket", lambda: self.client.head_bucket(Bucket=self.bucket)
 
-    def put(
-        self,
-        key: str,
-        data: Buffer,
-        *,
-        mode: PutMode = PutMode.OVERWRITE,
-        metadata: Mapping[str, str] | None = None,
-    ) -> ObjectInfo:
-        body = bytes(data)
-        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key), "Body": body}
+    def put_request(
+        self, key: str, body: bytes, mode: PutMode, metadata: Mapping[str, str] | None
+    ) -> PutRequest:
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self.full(key), "Body": body}
         args.update(self._encryption)
         if metadata:
             args["Metadata"] = dict(metadata)
         if self.checksums:
             args["ChecksumCRC32C"] = _crc32c_b64(body)
-        if self.raw_conditionals and mode.conditional:
-            if mode.kind == "create":
-                args["IfNoneMatch"] = "*"
-            else:
-                args["IfMatch"] = mode.etag  # exactly as given: the quoting is measured
-            what = f"PutObject {key} ({'If-None-Match' if mode.kind == 'create' else 'If-Match'})"
-            response = self._once(what, lambda: self.client.put_object(**args))
-            return self._info(key, response, len(body))
         if mode.kind == "create":
             args["IfNoneMatch"] = "*"
-            return self._create(key, args, body)
-        if mode.etag is not None:
-            return self._put_if_match(key, args, mode.etag, len(body))
-        response = self._retried(f"PutObject {key}", lambda: self.client.put_object(**args))
-        return self._info(key, response, len(body))
-
-    def _create(self, key: str, args: dict[str, Any], body: bytes) -> ObjectInfo:
-        """PutObject If-None-Match: * retried until its outcome is known (I8).
-
-        After a transient failure, and after a refusal that follows one (our earlier try may
-        be what is there), the key is read back: absent, nothing was created and the
-        conditional put is safe to send again; holding our bytes, our put took effect; holding
-        other bytes, another writer created it first: ``PreconditionFailedError`` if the
-        server answered 412, ``PreconditionInferredError`` if it answered nothing (a storage
-        ignoring If-None-Match gets the same verdict: it must not pass for a refusal). Identical
-        bytes count as ours: callers create keys or contents unique to the writer (a fresh
-        probe key, a manifest naming its attempt).
-        """
-        what = f"PutObject {key} (If-None-Match)"
-        in_doubt = False
-
-        def attempt() -> ObjectInfo:
-            nonlocal in_doubt
-            try:
-                response = self._once(what, lambda: self.client.put_object(**args))
-                return self._info(key, response, len(body))
-            except PreconditionFailedError:
-                if not in_doubt:
-                    raise
-                return self._created_by_us(what, key, body, refused=True)
-            except TransientStorageError as exc:
-                in_doubt = True
-                log.debug("%s: %s; reading back", what, exc)
-            return self._created_by_us(what, key, body, refused=False)
-
-        result: ObjectInfo = self._retrying(attempt)
-        return result
-
-    def _created_by_us(self, what: str, key: str, body: bytes, *, refused: bool) -> ObjectInfo:
-        """The outcome of a conditional create in doubt, from the key's bytes; ``refused``:
-        the server itself answered this try with 412."""
-        try:
-            stored, info = self._read_whole(key, None)
-        except ObjectNotFoundError:
-            raise TransientStorageError(
-                errno.EAGAIN, f"{what}: not created; trying again"
-            ) from None  # a late copy of the lost put can only be refused: If-None-Match
-        if stored != body:
-            if refused:
-                raise PreconditionFailedError(
-                    f"{what}: another writer created it first", http_status=412
-                )
-            raise PreconditionInferredError(  # no 412 seen: the probe must not count it
-                f"{what}: another writer created it first (read back; no 412 received)"
+        elif mode.etag is not None and self.raw_conditionals:
+            args["IfMatch"] = mode.etag  # exactly as given: the quoting is measured
+        elif mode.etag is not None:
+            etag = mode.etag
+            return PutRequest(
+                f"PutObject {key} (If-Match)",
+                lambda: self._put_if_match(key, args, etag, len(body)),
             )
-        log.info("%s: the outcome of a broken call was read back: created", what)
-        return info
+        condition = {"create": " (If-None-Match)", "update": " (If-Match)"}.get(mode.kind, "")
+        return PutRequest(
+            f"PutObject {key}{condition}",
+            lambda: self._info(key, self.client.put_object(**args), len(body)),
+        )
 
     def _put_if_match(self, key: str, args: dict[str, Any], etag: str, size: int) -> ObjectInfo:
         """PutObject If-Match, working around servers that reject one of the ETag quotings."""
@@ -326,7 +220,7 @@ class S3Driver(RangedReadDriver):
         for quoted in (self._quote_etags, not self._quote_etags):
             args["IfMatch"] = f'"{bare}"' if quoted else bare
             try:
-                response = self._once(
+                response = self.once(
                     f"PutObject {key} (If-Match)", lambda: self.client.put_object(**args)
                 )
             except PreconditionFailedError:
@@ -342,42 +236,58 @@ class S3Driver(RangedReadDriver):
             f"{self.url}/{key}: If-Match refused in both quotings", http_status=412
         )
 
-    def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
-        """The whole object, surviving broken connections (resumed, or read again whole if
-        the object was replaced between two pieces: the bytes are always one object's)."""
-        for tries_left in reversed(range(self.max_attempts)):
-            try:
-                return self._retrying(self._read_whole, key, version_id)
-            except _ObjectReplacedError:
-                if not tries_left:
-                    raise
-        raise AssertionError("unreachable")  # max_attempts >= 1
+    def read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
+        """The whole object; a read that broke past its resumes is read again whole."""
 
-    def _read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
-        with self._open_stream(key, version_id, retried=False) as stream:
-            data = stream.read()
-        return data, self._info(key, stream.response, len(data))
+        def read() -> tuple[bytes, ObjectInfo]:
+            with self._open_stream(key, version_id, retried=False) as stream:
+                data = stream.read()
+            return data, stream.info
+
+        return self.retrying(read)
 
     def open_read(self, key: str, *, version_id: str | None = None) -> BinaryIO:
         """A stream of the object that resumes after a broken connection (callers check the
         bytes end to end: a shard's CRC32C, a manifest's own checksum)."""
         return cast(BinaryIO, self._open_stream(key, version_id, retried=True))
 
-    def _open_stream(self, key: str, version_id: str | None, *, retried: bool) -> _ResumingStream:
+    def _open_stream(self, key: str, version_id: str | None, *, retried: bool) -> ResumingReader:
         args = self._object_args(key, version_id)
-        what = f"GetObject {key}"
-        call = self._retried if retried else self._once
-        response = call(what, lambda: self.client.get_object(**args))
-        return _ResumingStream(
-            key,
-            args,
-            response,
-            where=f"s3://{self.bucket}/{self._full(key)}",
-            bucket=self.bucket,
+        call = self.retried if retried else self.once
+        response = call(f"GetObject {key}", lambda: self.client.get_object(**args))
+        etag = str(response.get("ETag") or "")
+        where = f"reading s3://{self.bucket}/{self.full(key)}"
+
+        def reopen(position: int) -> Any:
+            """The object's rest from ``position``: a GET Range If-Match (and version)."""
+            what = f"GetObject {key} from byte {position}"
+            again = {**args, "Range": f"bytes={position}-", "IfMatch": etag}
+            try:
+                answer = self.retried(what, lambda: self.client.get_object(**again))
+            except (PreconditionFailedError, ObjectNotFoundError) as exc:
+                raise ObjectReplacedError(
+                    errno.ESTALE,
+                    f"{where}: the object was replaced or deleted while being read (at byte "
+                    f"{position})",
+                ) from exc
+            reached = str(answer.get("ContentRange", ""))
+            if not reached.startswith(f"bytes {position}-"):
+                answer["Body"].close()
+                raise StorageError(
+                    errno.EIO,
+                    f"{what}: the server ignored the Range (answered {reached or 'whole'})",
+                )
+            return answer["Body"]
+
+        return ResumingReader(
+            response["Body"],
+            self._info(key, response, 0),
+            size=int(response.get("ContentLength", -1)),
+            what=where,
+            pinned=bool(etag),
             max_attempts=self.max_attempts,
-            get_again=lambda what, again: self._retried(
-                what, lambda: self.client.get_object(**again)
-            ),
+            translate=lambda: translate_s3_errors(where, bucket=self.bucket),
+            reopen=reopen,
         )
 
     def read_range(
@@ -410,7 +320,7 @@ class S3Driver(RangedReadDriver):
             what = f"GetObject {key} bytes {offset + got}-{end}"
             ranged = {**args, "Range": f"bytes={offset + got}-{end}"}
             try:
-                response = self._retried(what, functools.partial(self.client.get_object, **ranged))
+                response = self.retried(what, functools.partial(self.client.get_object, **ranged))
             except PreconditionFailedError:
                 if (
                     not if_match
@@ -428,18 +338,16 @@ class S3Driver(RangedReadDriver):
             body = response["Body"]
             try:
                 total = _range_total(response, offset + got, end, what)
-                direct = _socket_reader(body)
-                read = body.readinto if direct is None else direct[0].readinto
+                readinto, done = _body_reader(body)
                 with translate_s3_errors(f"reading {what}", bucket=self.bucket):
                     while got < view.nbytes:
-                        count = read(view[got : got + _READ_PIECE])
+                        count = readinto(view[got : got + READ_PIECE])
                         if not count:  # the connection ended early: resume from here
                             raise TransientStorageError(
                                 errno.ECONNRESET, f"{what}: the body ended at byte {got}"
                             )
                         got += count
-                if direct is not None:
-                    direct[1].release_conn()  # read to its end: the connection is reusable
+                done()
             except TransientStorageError as exc:
                 if tries >= self.max_attempts:
                     raise
@@ -456,45 +364,45 @@ class S3Driver(RangedReadDriver):
             )
 
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
-        response = self._retried(
+        response = self.retried(
             f"HeadObject {key}",
             lambda: self.client.head_object(**self._object_args(key, version_id)),
         )
         return self._info(key, response, 0)
 
     def _object_args(self, key: str, version_id: str | None) -> dict[str, Any]:
-        args = {"Bucket": self.bucket, "Key": self._full(key)}
+        args = {"Bucket": self.bucket, "Key": self.full(key)}
         if version_id is not None:
             args["VersionId"] = version_id
         return args
 
     def delete(self, key: str, *, version_id: str | None = None) -> None:
-        self._retried(
+        self.retried(
             f"DeleteObject {key}",
             lambda: self.client.delete_object(**self._object_args(key, version_id)),
         )
 
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
-        args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._full(prefix)}
+        args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.full(prefix)}
         if start_after is not None:
-            args["StartAfter"] = self._full(start_after)
+            args["StartAfter"] = self.full(start_after)
         for page in self._pages("list_objects_v2", args):
             for item in page.get("Contents", []):
                 yield ObjectInfo(
-                    key=self._relative(item["Key"]),
+                    key=self.relative(item["Key"]),
                     size=int(item["Size"]),
                     etag=str(item.get("ETag", "")),
                     last_modified=_timestamp(item.get("LastModified")),
                 )
 
     def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:
-        args = {"Bucket": self.bucket, "Prefix": self._full(prefix)}
+        args = {"Bucket": self.bucket, "Prefix": self.full(prefix)}
         for page in self._pages("list_object_versions", args):
             entries = [(item, False) for item in page.get("Versions", [])]
             entries += [(item, True) for item in page.get("DeleteMarkers", [])]
             for item, marker in entries:
                 yield ObjectInfo(
-                    key=self._relative(item["Key"]),
+                    key=self.relative(item["Key"]),
                     size=int(item.get("Size", 0)),
                     etag=str(item.get("ETag", "")),
                     last_modified=_timestamp(item.get("LastModified")),
@@ -504,35 +412,33 @@ class S3Driver(RangedReadDriver):
                 )
 
     def _pages(self, operation: str, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """Every page of a listing; each page request is retried on its own.
-
-        (A botocore paginator cannot be resumed after an error: retrying ``next`` on it would
-        end the listing early, and a short listing would mislead GC and discovery.)
-        """
+        """Every page of a listing, each page request retried on its own (a botocore
+        paginator cannot be resumed after an error)."""
         markers = _PAGE_MARKERS[operation]
         call = getattr(self.client, operation)
-        request = dict(args)
-        while True:
-            page: dict[str, Any] = self._retried(operation, lambda: call(**request))
-            yield page
-            if not page.get("IsTruncated"):
-                return
-            following = {ask: page[given] for ask, given in markers if page.get(given)}
-            if not following or all(request.get(k) == v for k, v in following.items()):
+
+        def page(following: Markers | None) -> tuple[list[dict[str, Any]], Markers | None]:
+            answer: dict[str, Any] = call(**args, **dict(following or ()))
+            if not answer.get("IsTruncated"):
+                return [answer], None
+            given = tuple((ask, answer[field]) for ask, field in markers if answer.get(field))
+            if not given:
                 raise StorageError(
                     f"{self.url}: {operation} says the listing is truncated but gives no new "
-                    f"marker to continue from ({following or 'none'})"
+                    f"marker to continue from (none)"
                 )
-            request.update(following)
+            return [answer], given
+
+        return self.pages(operation, page)
 
     def create_multipart(self, key: str, *, metadata: Mapping[str, str] | None = None) -> str:
-        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key)}
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self.full(key)}
         args.update(self._encryption)
         if metadata:
             args["Metadata"] = dict(metadata)
         if self.checksums:
             args["ChecksumAlgorithm"] = "CRC32C"
-        response = self._retried(
+        response = self.retried(
             f"CreateMultipartUpload {key}", lambda: self.client.create_multipart_upload(**args)
         )
         return str(response["UploadId"])
@@ -540,29 +446,24 @@ class S3Driver(RangedReadDriver):
     def upload_part(self, key: str, upload_id: str, part_number: int, data: Buffer) -> PartInfo:
         body = bytes(data)
         args: dict[str, Any] = {
-            "Bucket": self.bucket,
-            "Key": self._full(key),
-            "UploadId": upload_id,
+            **self._upload_args(key, upload_id),
             "PartNumber": part_number,
             "Body": body,
         }
         checksum = _crc32c_b64(body) if self.checksums else None
         if checksum:
             args["ChecksumCRC32C"] = checksum
-        response = self._retried(
+        response = self.retried(
             f"UploadPart {key} #{part_number}", lambda: self.client.upload_part(**args)
         )
         return PartInfo(part_number, str(response["ETag"]), len(body), checksum)
 
-    def complete_multipart(
-        self,
-        key: str,
-        upload_id: str,
-        parts: Sequence[PartInfo],
-        *,
-        mode: PutMode = PutMode.OVERWRITE,
+    def _upload_args(self, key: str, upload_id: str) -> dict[str, Any]:
+        return {"Bucket": self.bucket, "Key": self.full(key), "UploadId": upload_id}
+
+    def complete(
+        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create: bool
     ) -> ObjectInfo:
-        create = multipart_mode(mode).kind == "create"
         listed = []
         for part in parts:
             entry: dict[str, Any] = {"PartNumber": part.part_number, "ETag": part.etag}
@@ -570,9 +471,7 @@ class S3Driver(RangedReadDriver):
                 entry["ChecksumCRC32C"] = part.checksum_crc32c
             listed.append(entry)
         args: dict[str, Any] = {
-            "Bucket": self.bucket,
-            "Key": self._full(key),
-            "UploadId": upload_id,
+            **self._upload_args(key, upload_id),
             "MultipartUpload": {"Parts": listed},
         }
         if create:
@@ -580,7 +479,7 @@ class S3Driver(RangedReadDriver):
         what = f"CompleteMultipartUpload {key}"
         size = sum(part.size for part in parts)
         if create:
-            response = self._once(what, lambda: self.client.complete_multipart_upload(**args))
+            response = self.once(what, lambda: self.client.complete_multipart_upload(**args))
         else:
             response = self._complete_idempotently(what, key, args, size)
         # botocore turns a 200 response with an embedded <Error> into an error. Some servers
@@ -616,34 +515,27 @@ class S3Driver(RangedReadDriver):
                 raise
 
         try:
-            return self._retried(what, call)
+            return self.retried(what, call)
         except ObjectNotFoundError:
             if not tried:
                 raise
             return self._completed_object(what, key, size)
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
-        self._retried(
+        self.retried(
             f"AbortMultipartUpload {key}",
-            lambda: self.client.abort_multipart_upload(
-                Bucket=self.bucket, Key=self._full(key), UploadId=upload_id
-            ),
+            lambda: self.client.abort_multipart_upload(**self._upload_args(key, upload_id)),
         )
 
     def bucket_versioning(self) -> str:
-        response = self._retried(
+        response = self.retried(
             "GetBucketVersioning", lambda: self.client.get_bucket_versioning(Bucket=self.bucket)
         )
         return str(response.get("Status", ""))
 
     def upload_progress(self, upload: UploadInfo) -> UploadProgress:
-        args = {
-            "Bucket": self.bucket,
-            "Key": self._full(upload.key),
-            "UploadId": upload.upload_id,
-        }
         newest, size, parts = upload.initiated, 0, 0
-        for page in self._pages("list_parts", args):
+        for page in self._pages("list_parts", self._upload_args(upload.key, upload.upload_id)):
             for part in page.get("Parts", []):
                 newest = max(newest, _timestamp(part.get("LastModified")))
                 size += int(part.get("Size", 0))
@@ -651,11 +543,11 @@ class S3Driver(RangedReadDriver):
         return UploadProgress(last_activity=newest, size=size, parts=parts)
 
     def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
-        args = {"Bucket": self.bucket, "Prefix": self._full(prefix)}
+        args = {"Bucket": self.bucket, "Prefix": self.full(prefix)}
         for page in self._pages("list_multipart_uploads", args):
             for upload in page.get("Uploads", []):
                 yield UploadInfo(
-                    key=self._relative(upload["Key"]),
+                    key=self.relative(upload["Key"]),
                     upload_id=str(upload["UploadId"]),
                     initiated=_timestamp(upload.get("Initiated")),
                 )
@@ -665,28 +557,37 @@ def _version(value: Any) -> str | None:
     return None if value in (None, "", "null") else str(value)
 
 
-def _socket_reader(
-    body: Any,
-) -> tuple[http.client.HTTPResponse, urllib3.response.HTTPResponse] | None:
-    """The http.client response under a botocore body (to read straight into the
-    destination), and the urllib3 one that returns the connection to the pool.
+def _body_reader(body: Any) -> tuple[Callable[[memoryview], int], Callable[[], None]]:
+    """How to read a botocore body into a buffer: its ``readinto``, and what to call once it
+    was read to its end.
 
-    urllib3's ``readinto`` reads into a new bytes object and copies it (http.client's
-    ``read(n)`` copies once more): three passes over every byte where one will do, on a
-    machine whose cores the server may share. None (read through botocore) unless the layers
-    are the known ones, untouched, and the body is not content-encoded.
+    The one place that reaches below botocore's public API, for speed: urllib3's
+    ``readinto`` reads into a new bytes object and copies it (http.client's ``read(n)``
+    copies once more), three passes over every byte where one will do, on a machine whose
+    cores the server may share. Read straight from the http.client response under the body
+    when the layers are the known ones, untouched, and the body is not content-encoded (then
+    the connection goes back to the pool once read to its end); else through the body's
+    public ``readinto``. Known layers: botocore >= 1.35 with urllib3 2.x (tested up to
+    botocore 1.43, urllib3 2.8); a canary test (tests/test_s3.py, "the private body layers")
+    fails loudly on a version that changed them, and the fallback keeps reads correct.
     """
+    raw: Any = getattr(body, "_raw_stream", None)
+    if not direct_body_reads(body) or raw.headers.get("content-encoding", "identity") != "identity":
+        return body.readinto, lambda: None
+    if raw._fp.isclosed():  # noqa: SLF001
+        return body.readinto, lambda: None
+    return raw._fp.readinto, raw.release_conn  # noqa: SLF001
+
+
+def direct_body_reads(body: Any) -> bool:
+    """Whether a fresh botocore body has the layers ``_body_reader`` reads straight from
+    (for the canary test)."""
     raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    if not isinstance(raw, urllib3.response.HTTPResponse) or not isinstance(
-        fp, http.client.HTTPResponse
-    ):
-        return None
-    if raw.headers.get("content-encoding", "identity") != "identity":
-        return None
-    if getattr(raw, "_fp_bytes_read", None) != 0 or fp.isclosed():
-        return None
-    return fp, raw
+    return (
+        isinstance(raw, urllib3.response.HTTPResponse)
+        and isinstance(getattr(raw, "_fp", None), http.client.HTTPResponse)
+        and getattr(raw, "_fp_bytes_read", None) == 0
+    )
 
 
 def _range_total(response: Mapping[str, Any], first: int, last: int, what: str) -> int:
@@ -702,141 +603,10 @@ def _range_total(response: Mapping[str, Any], first: int, last: int, what: str) 
     return int(match[3])
 
 
-class _ObjectReplacedError(ObjectNotFoundError):
-    """The object was replaced or deleted while being read: the bytes being read are gone."""
-
-
-class _ResumingStream:
-    """A GetObject body that resumes after a broken connection; its errors are ckptstore's.
-
-    A read that breaks mid-body (reset, timeout, short body) asks again from the byte reached,
-    with a ranged GET conditional on the first answer's ETag (If-Match) and version: the
-    stream never splices two objects' bytes. Each read gets ``max_attempts`` tries.
-    """
-
-    def __init__(
-        self,
-        key: str,
-        args: Mapping[str, Any],
-        response: Mapping[str, Any],
-        *,
-        where: str,
-        bucket: str,
-        max_attempts: int,
-        get_again: Callable[[str, dict[str, Any]], Any],
-    ) -> None:
-        self.response = response
-        self._bucket = bucket
-        self._max_attempts = max_attempts
-        self._get_again = get_again
-        self._key = key
-        self._args = dict(args)
-        self._body: Any = response["Body"]
-        self._size = int(response.get("ContentLength", -1))
-        self._etag = str(response.get("ETag") or "")
-        self._position = 0
-        self._what = f"reading {where}"
-
-    def read(self, size: int = -1) -> bytes:
-        pieces = []
-        left = size
-        while left != 0:
-            want = _READ_PIECE if left < 0 else min(left, _READ_PIECE)
-            piece = self._resilient(functools.partial(self._read_body, want), len)
-            if not piece:
-                break
-            pieces.append(piece)
-            left -= len(piece) if left > 0 else 0
-        return b"".join(pieces)
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        got = 0
-        while got < view.nbytes:
-            piece = view[got : got + _READ_PIECE]
-            count = self._resilient(functools.partial(self._readinto_body, piece), int)
-            if not count:
-                break
-            got += count
-        return got
-
-    def _read_body(self, size: int) -> bytes:
-        return bytes(self._body.read(size))  # the body of the moment: a resume replaces it
-
-    def _readinto_body(self, view: memoryview) -> int:
-        return int(self._body.readinto(view))
-
-    def _resilient(self, read: Callable[[], T], size_of: Callable[[T], int]) -> T:
-        """``read()`` from the current body; a broken body is replaced by a resumed one."""
-        for tries_left in reversed(range(self._max_attempts)):
-            try:
-                with translate_s3_errors(self._what, bucket=self._bucket):
-                    result = read()
-            except TransientStorageError as exc:
-                if not tries_left or not self._etag:  # without an ETag, a resume could splice
-                    raise
-                self._resume(exc)
-                continue
-            self._position += size_of(result)
-            return result
-        raise AssertionError("unreachable")  # max_attempts >= 1
-
-    def _resume(self, cause: TransientStorageError) -> None:
-        """Replace the broken body by the object's rest, from a GET Range If-Match."""
-        self._reopen_at(self._position, f"after byte {self._position}, the connection broke: "
-                        f"{cause}", cause)  # fmt: skip
-        log.info("%s: connection broke (%s); resumed at byte %d", self._what, cause,
-                 self._position)  # fmt: skip
-
-    def seekable(self) -> bool:
-        """True when a seek can be pinned to this object (it has an ETag)."""
-        return bool(self._etag)
-
-    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
-        """Continue from byte ``position`` (from the start): a GET Range If-Match, so the bytes
-        still come from the object first opened."""
-        if whence != io.SEEK_SET or position < 0 or not self._etag:
-            raise io.UnsupportedOperation("only an absolute seek of an object with an ETag")
-        if position != self._position:
-            self._reopen_at(position, f"on a seek to byte {position}", None)
-            self._position = position
-        return position
-
-    def _reopen_at(self, position: int, when: str, cause: BaseException | None) -> None:
-        with contextlib.suppress(Exception):  # the old connection is broken or not needed
-            self._body.close()
-        if 0 <= self._size <= position:
-            self._body = io.BytesIO()  # at (or past) the end: nothing more to read
-            return
-        args = {**self._args, "Range": f"bytes={position}-", "IfMatch": self._etag}
-        what = f"GetObject {self._key} from byte {position}"
-        try:
-            response = self._get_again(what, args)
-        except (PreconditionFailedError, ObjectNotFoundError) as exc:
-            raise _ObjectReplacedError(
-                errno.ESTALE,
-                f"{self._what}: the object was replaced or deleted while being read ({when})",
-            ) from exc
-        reached = str(response.get("ContentRange", ""))
-        if not reached.startswith(f"bytes {position}-"):
-            response["Body"].close()
-            raise StorageError(
-                errno.EIO, f"{what}: the server ignored the Range (answered {reached or 'whole'})"
-            ) from cause
-        self._body = response["Body"]
-
-    def close(self) -> None:
-        self._body.close()
-
-    def __enter__(self) -> _ResumingStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-_clients: dict[tuple[tuple[str, str], ...], Any] = {}
-_clients_lock = threading.Lock()
+_clients: ClientCache[Any] = ClientCache(
+    _CLIENT_OPTIONS, CREDENTIAL_OPTIONS, disconnect=lambda client: client.close()
+)
+"""boto3 clients by their options (``ckptstore.backends.client_cache``)."""
 
 
 def make_client(options: Mapping[str, object]) -> Any:
@@ -845,24 +615,7 @@ def make_client(options: Mapping[str, object]) -> Any:
     Credentials come from boto3's standard chain unless given explicitly. botocore's own
     retries are off: ckptstore retries (tenacity) only what is safe to retry.
     """
-    key = tuple(
-        sorted((k, _fingerprint(k, str(v))) for k, v in options.items() if k in _CLIENT_OPTIONS)
-    )
-    with _clients_lock:
-        client = _clients.get(key)
-        if client is None:
-            client = _clients[key] = _new_client(options)
-        return client
-
-
-_FINGERPRINT_KEY = secrets.token_bytes(32)
-
-
-def _fingerprint(option: str, value: str) -> str:
-    """``value``, or for a credential a keyed hash of it: no secret is kept as a cache key."""
-    if option not in CREDENTIAL_OPTIONS:
-        return value
-    return hmac.new(_FINGERPRINT_KEY, value.encode(), hashlib.sha256).hexdigest()
+    return _clients.get(options, lambda: _new_client(options))
 
 
 def _new_client(options: Mapping[str, object]) -> Any:
@@ -967,8 +720,9 @@ def _s3_driver(
     url.reject_unknown(options, allowed=URL_OPTIONS + CREDENTIAL_OPTIONS)
     bucket, prefix = parse_location(url)
     min_part_size = option_int(options, "min_part_size", S3_MIN_PART_SIZE, minimum=1)
+    lease = _clients.lease(options, lambda: _new_client(options))
     driver = S3Driver(
-        make_client(options),
+        lease.client,
         bucket,
         prefix,
         url=f"{url.scheme}://{bucket}/{prefix}".rstrip("/"),
@@ -979,6 +733,7 @@ def _s3_driver(
         max_attempts=option_int(options, "max_attempts", 6, minimum=1),
         versioned=versioned,
     )
+    driver.on_close(lease.release)  # the store's close lets go of the client's connections
     part_size = option_int(options, "part_size", max(DEFAULT_PART_SIZE, min_part_size), minimum=1)
     return driver, part_size, option_int(options, "concurrency", 8, minimum=1)
 
@@ -1000,25 +755,30 @@ def install_abort_incomplete_uploads_rule(
     driver = _s3_driver(
         parsed, {**parsed.query, **options}, versioned=parsed.scheme == "s3+versioned"
     )[0]
-    client, bucket, prefix = driver.client, driver.bucket, driver.prefix.rstrip("/")
-    rule_id = f"ckptstore-abort-incomplete-uploads-{hashlib.sha1(prefix.encode()).hexdigest()[:10]}"
-    rule = {
-        "ID": rule_id,
-        "Status": "Enabled",
-        "Filter": {"Prefix": f"{prefix}/" if prefix else ""},
-        "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": days},
-    }
-    what = f"lifecycle of s3://{bucket}"
     try:
-        with translate_s3_errors(f"GetBucketLifecycleConfiguration {what}", bucket=bucket):
-            rules = client.get_bucket_lifecycle_configuration(Bucket=bucket).get("Rules", [])
-    except StorageError as exc:
-        if "NoSuchLifecycleConfiguration" not in str(exc):
-            raise
-        rules = []
-    rules = [r for r in rules if r.get("ID") != rule_id] + [rule]
-    with translate_s3_errors(f"PutBucketLifecycleConfiguration {what}", bucket=bucket):
-        client.put_bucket_lifecycle_configuration(
-            Bucket=bucket, LifecycleConfiguration={"Rules": rules}
+        client, bucket, prefix = driver.client, driver.bucket, driver.prefix.rstrip("/")
+        rule_id = (
+            f"ckptstore-abort-incomplete-uploads-{hashlib.sha1(prefix.encode()).hexdigest()[:10]}"
         )
-    return rule
+        rule = {
+            "ID": rule_id,
+            "Status": "Enabled",
+            "Filter": {"Prefix": f"{prefix}/" if prefix else ""},
+            "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": days},
+        }
+        what = f"lifecycle of s3://{bucket}"
+        try:
+            with translate_s3_errors(f"GetBucketLifecycleConfiguration {what}", bucket=bucket):
+                rules = client.get_bucket_lifecycle_configuration(Bucket=bucket).get("Rules", [])
+        except StorageError as exc:
+            if "NoSuchLifecycleConfiguration" not in str(exc):
+                raise
+            rules = []
+        rules = [r for r in rules if r.get("ID") != rule_id] + [rule]
+        with translate_s3_errors(f"PutBucketLifecycleConfiguration {what}", bucket=bucket):
+            client.put_bucket_lifecycle_configuration(
+                Bucket=bucket, LifecycleConfiguration={"Rules": rules}
+            )
+        return rule
+    finally:
+        driver.close()  # its lease on the client

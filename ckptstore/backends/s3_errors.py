@@ -6,8 +6,8 @@ sent) is an ``IndeterminateOutcomeError``: the caller must read back before deci
 
 botocore wraps most transport errors, but not all: a connection that breaks while botocore
 reads a (non-streamed) answer raises urllib3's ``ProtocolError`` raw, and a body read can raise
-``IncompleteReadError`` or ``http.client`` errors. Every one of them is translated here, so
-no third-party exception crosses the driver boundary.
+``IncompleteReadError`` or ``http.client`` errors. Every one of them has a row here, so no
+third-party exception crosses the driver boundary.
 """
 
 from __future__ import annotations
@@ -34,75 +34,79 @@ from botocore.exceptions import (
     SSLError,
 )
 
-from ckptstore.errors import (
-    CkptStoreError,
-    IndeterminateOutcomeError,
-    ObjectNotFoundError,
-    PreconditionFailedError,
-    StorageAccessDeniedError,
-    StorageError,
-    StoreNotFoundError,
-    TransientStorageError,
+from ckptstore.backends.error_table import AnswerTable, Rules, broken, translating, unreachable
+from ckptstore.errors import CkptStoreError, StorageAccessDeniedError, StorageError
+
+__all__ = ["S3_RULES", "translate_s3_errors"]
+
+ANSWERS = AnswerTable(
+    store_missing="{what}: bucket {store!r} does not exist (ckptstore never creates buckets)",
+    store_missing_codes=frozenset({"NoSuchBucket"}),
+    not_found=frozenset({"NoSuchKey", "NotFound", "404", "NoSuchVersion", "NoSuchUpload"}),
+    denied=frozenset(
+        {
+            "AccessDenied",
+            "403",
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+            "ExpiredToken",
+            "InvalidToken",
+            "AllAccessDisabled",
+        }
+    ),
+    denied_statuses=frozenset({403}),
+    transient=frozenset(
+        {
+            "SlowDown",
+            "Throttling",
+            "ThrottlingException",
+            "RequestTimeout",
+            "RequestTimeTooSkewed",
+            "InternalError",
+            "ServiceUnavailable",
+            "ConditionalRequestConflict",
+            "OperationAborted",
+            "500",
+            "502",
+            "503",
+            "504",
+        }
+    ),
+    transient_statuses=frozenset({409}),
 )
-
-__all__ = ["translate_s3_errors"]
-
-_NOT_FOUND = {"NoSuchKey", "NotFound", "404", "NoSuchVersion", "NoSuchUpload"}
-_DENIED = {
-    "AccessDenied",
-    "403",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "ExpiredToken",
-    "InvalidToken",
-    "AllAccessDisabled",
-}
-_TRANSIENT = {
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestTimeout",
-    "RequestTimeTooSkewed",
-    "InternalError",
-    "ServiceUnavailable",
-    "ConditionalRequestConflict",
-    "OperationAborted",
-    "500",
-    "502",
-    "503",
-    "504",
-}
+"""What S3's error codes mean."""
 
 
-@contextlib.contextmanager
-def translate_s3_errors(what: str, *, bucket: str) -> Iterator[None]:
-    """Translate botocore errors raised inside the block into ckptstore errors naming ``what``."""
-    try:
-        yield
-    except CkptStoreError:
-        raise  # translated already (a nested block): an OSError subclass, but not a transport's
-    except ClientError as exc:
-        raise _from_client_error(exc, what, bucket) from exc
-    except _NOT_SENT as exc:
-        raise TransientStorageError(
-            errno.ECONNREFUSED, f"{what}: cannot reach the S3 endpoint: {exc}"
-        ) from exc
-    except SSLError as exc:  # a certificate problem does not go away when retried
-        if "CERTIFICATE_VERIFY_FAILED" in str(exc) or "certificate verify failed" in str(exc):
-            raise StorageError(errno.EIO, f"{what}: TLS certificate refused: {exc}") from exc
-        raise _broken(what, exc) from exc
-    except _BROKEN as exc:
-        raise _broken(what, exc) from exc
-    except (NoCredentialsError, PartialCredentialsError) as exc:
-        raise StorageAccessDeniedError(
-            errno.EACCES,
-            f"{what}: no AWS credentials found (environment, ~/.aws, instance role, or the "
-            f"aws_access_key_id/aws_secret_access_key options): {exc}",
-        ) from exc
-    except BotoCoreError as exc:  # a request botocore refused to send (bad parameters, config)
-        raise StorageError(errno.EIO, f"{what}: {exc}") from exc
-    except OSError as exc:  # a socket error no library wrapped
-        raise _broken(what, exc) from exc
+def _answer(exc: BaseException, what: str, bucket: str) -> CkptStoreError:
+    response = getattr(exc, "response", {})
+    error = response.get("Error", {})
+    return ANSWERS.error(
+        what,
+        bucket,
+        code=str(error.get("Code", "")),
+        status=int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0),
+        reason=str(error.get("Message", "")),
+    )
+
+
+def _broken(exc: BaseException, what: str, _bucket: str) -> CkptStoreError:
+    timeout = isinstance(exc, (ReadTimeoutError, TimeoutError, urllib3.exceptions.TimeoutError))
+    return broken(what, exc, timeout=timeout)
+
+
+def _tls(exc: BaseException, what: str, bucket: str) -> CkptStoreError:
+    """A certificate problem does not go away when retried; another TLS failure might."""
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc) or "certificate verify failed" in str(exc):
+        return StorageError(errno.EIO, f"{what}: TLS certificate refused: {exc}")
+    return _broken(exc, what, bucket)
+
+
+def _no_credentials(exc: BaseException, what: str, _bucket: str) -> CkptStoreError:
+    return StorageAccessDeniedError(
+        errno.EACCES,
+        f"{what}: no AWS credentials found (environment, ~/.aws, instance role, or the "
+        f"aws_access_key_id/aws_secret_access_key options): {exc}",
+    )
 
 
 _NOT_SENT = (
@@ -124,35 +128,25 @@ _BROKEN = (
 """Failures after the request may have reached the server: the exchange broke."""
 
 
-def _broken(what: str, exc: BaseException) -> IndeterminateOutcomeError:
-    """The exchange broke after the request may have been sent: worth retrying where that is
-    safe, and for a conditional write an unknown outcome to resolve by reading back (I8)."""
-    timeout = isinstance(exc, (ReadTimeoutError, TimeoutError, urllib3.exceptions.TimeoutError))
-    code = errno.ETIMEDOUT if timeout else errno.ECONNRESET
-    return IndeterminateOutcomeError(
-        code, f"{what}: the connection broke ({exc}); the request may have taken effect"
-    )
+def _refused_to_send(exc: BaseException, what: str, _bucket: str) -> CkptStoreError:
+    """A request botocore refused to send (bad parameters, config)."""
+    return StorageError(errno.EIO, f"{what}: {exc}")
 
 
-def _from_client_error(exc: ClientError, what: str, bucket: str) -> CkptStoreError:
-    error = exc.response.get("Error", {})
-    code = str(error.get("Code", ""))
-    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-    message = f"{what}: {code or status}: {error.get('Message', '')}".rstrip(": ")
-    if code == "NoSuchBucket":
-        return StoreNotFoundError(
-            f"{what}: bucket {bucket!r} does not exist (ckptstore never creates buckets)"
-        )
-    if code in _NOT_FOUND or status == 404:
-        return ObjectNotFoundError(errno.ENOENT, message, http_status=status or None)
-    if code == "PreconditionFailed" or status == 412:
-        return PreconditionFailedError(message, http_status=status or 412)
-    if code in _DENIED or status == 403:
-        return StorageAccessDeniedError(
-            errno.EACCES,
-            f"{message} (check the credentials and their permissions on {bucket!r})",
-            http_status=status or None,
-        )
-    if code in _TRANSIENT or status >= 500 or status == 409:
-        return TransientStorageError(message, http_status=status or None)
-    return StorageError(message, http_status=status or None)
+S3_RULES: Rules = (
+    (ClientError, _answer),
+    (_NOT_SENT, lambda exc, what, _: unreachable(what, exc, "S3")),
+    (SSLError, _tls),
+    (_BROKEN, _broken),
+    ((NoCredentialsError, PartialCredentialsError), _no_credentials),
+    (BotoCoreError, _refused_to_send),
+    (OSError, _broken),  # a socket error no library wrapped
+)
+"""botocore's exceptions, most specific first."""
+
+
+@contextlib.contextmanager
+def translate_s3_errors(what: str, *, bucket: str) -> Iterator[None]:
+    """Translate botocore errors raised inside the block into ckptstore errors naming ``what``."""
+    with translating(S3_RULES, what, bucket):
+        yield
