@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import base64
 import errno
-import io
 import logging
 import os
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar, cast
 from urllib.parse import quote
 
 import requests.adapters
@@ -45,16 +42,11 @@ from google.api_core.client_options import ClientOptions
 from google.auth.credentials import AnonymousCredentials
 from google.auth.transport.requests import AuthorizedSession
 from google.cloud import storage
-from tenacity import (
-    Retrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_exponential,
-    wait_random,
-)
 
-from ckptstore.backends.gcs_errors import translate_gcs_errors
+from ckptstore.backends.client_cache import ClientCache
+from ckptstore.backends.gcs_errors import GCS_RULES, translate_gcs_errors
+from ckptstore.backends.object_store import Holder, ObjectStoreBase, PutRequest
+from ckptstore.backends.range_reader import RangeReader, SharedRanges
 from ckptstore.checksum import crc32c_of
 from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
 from ckptstore.commit.version_pin import VersionPinCommit
@@ -62,12 +54,10 @@ from ckptstore.driver import (
     Buffer,
     Capability,
     ObjectInfo,
-    ObjectStoreDriver,
     PartInfo,
     PutMode,
     UploadInfo,
     UploadProgress,
-    multipart_mode,
 )
 from ckptstore.errors import (
     CapabilityError,
@@ -76,10 +66,7 @@ from ckptstore.errors import (
     InvalidURLError,
     ObjectNotFoundError,
     PreconditionFailedError,
-    PreconditionInferredError,
     StorageError,
-    StoreNotFoundError,
-    TransientStorageError,
 )
 from ckptstore.urls import StoreURL, endpoint_option, option_bool, option_int, redact
 
@@ -142,9 +129,13 @@ def _generation(etag: str) -> int:
     return int(bare)
 
 
-class GCSDriver(ObjectStoreDriver):
+class GCSDriver(ObjectStoreBase):
     """Object-store primitives on one GCS bucket under a prefix, through google-cloud-storage."""
 
+    scheme = "gs"
+    rules = GCS_RULES
+    store_hint = "create it, or check the name, project and endpoint"
+    reader_threads = "ckptstore-gcs-read"
     max_parts = GCS_MAX_COMPONENTS
 
     def __init__(
@@ -163,34 +154,27 @@ class GCSDriver(ObjectStoreDriver):
         read_concurrency: int = 8,
         http: Any = None,
     ) -> None:
+        super().__init__(
+            bucket,
+            prefix,
+            url=url,
+            endpoint=str(getattr(client, "api_endpoint", "") or ""),
+            max_attempts=max_attempts,
+            max_delay_s=max_delay_s,
+            read_concurrency=read_concurrency,
+        )
         self.client = client
         self.http = http
         """The authorized requests session the client uses, for ranged reads (None: the
         client's own downloads)."""
-        self.bucket = bucket
         self._bucket = client.bucket(bucket)
-        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        self.url = url or f"gs://{bucket}/{self.prefix}".rstrip("/")
         self.min_part_size = min_part_size
         self.checksums = checksums
-        self.max_attempts = max_attempts
         self.timeout = timeout
-        self.read_concurrency = max(1, read_concurrency)
         self.versioned = versioned
         self._uploads = self.prefix + UPLOADS
-        self._retrying = Retrying(
-            retry=retry_if_exception_type(TransientStorageError),
-            stop=stop_after_attempt(max_attempts) | stop_after_delay(max_delay_s),
-            wait=wait_exponential(multiplier=0.05, max=5.0) + wait_random(0, 0.1),
-            reraise=True,
-            before_sleep=lambda state: log.debug("retrying GCS call: %s", state.outcome),
-        )
-        self.raw_conditionals = False
-        """Send each conditional put as one request and return what the server answered (no
-        read-back after a broken call). For measuring the server (the conformance probes)."""
         self._metadata: dict[str, Mapping[str, str]] = {}
-        self._readers: ThreadPoolExecutor | None = None
-        self._readers_lock = threading.Lock()
+        self._ranges = SharedRanges()
         self.capabilities = frozenset(
             {
                 Capability.CONDITIONAL_CREATE,
@@ -202,20 +186,6 @@ class GCSDriver(ObjectStoreDriver):
         )
 
     # -- plumbing ------------------------------------------------------------------------
-
-    def _full(self, key: str) -> str:
-        return self.prefix + key
-
-    def _relative(self, full: str) -> str:
-        return full[len(self.prefix) :]
-
-    def _once(self, what: str, call: Callable[[], T]) -> T:
-        with translate_gcs_errors(f"{what} gs://{self.bucket}", bucket=self.bucket):
-            return call()
-
-    def _retried(self, what: str, call: Callable[[], T]) -> T:
-        result: T = self._retrying(self._once, what, call)
-        return result
 
     def _blob(self, full: str, generation: int | None = None) -> Any:
         return self._bucket.blob(full, generation=generation)
@@ -239,51 +209,14 @@ class GCSDriver(ObjectStoreDriver):
             raise ObjectNotFoundError(errno.ENOENT, f"{version_id!r}: no such object version")
         return int(version_id)
 
-    def close(self) -> None:
-        """Stop the read-ahead threads (started on the first large read)."""
-        with self._readers_lock:
-            readers, self._readers = self._readers, None
-        if readers is not None:
-            readers.shutdown(wait=True)
-
-    def read_executor(self) -> ThreadPoolExecutor:
-        with self._readers_lock:
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(
-                    self.read_concurrency, thread_name_prefix="ckptstore-gcs-read"
-                )
-            return self._readers
-
     # -- the driver interface ------------------------------------------------------------
 
-    def check_bucket(self) -> None:
-        once = Retrying(
-            retry=retry_if_exception_type(TransientStorageError),
-            stop=stop_after_attempt(2),
-            wait=wait_exponential(multiplier=0.2, max=1.0) + wait_random(0, 0.1),
-            reraise=True,
-        )
-        try:
-            once(
-                self._once,
-                "buckets.get",
-                lambda: self._bucket.reload(timeout=self.timeout, retry=None),
-            )
-        except ObjectNotFoundError as exc:
-            raise StoreNotFoundError(
-                f"{self.url}: bucket {self.bucket!r} does not exist (ckptstore never creates "
-                f"buckets; create it, or check the name, project and endpoint)"
-            ) from exc
+    def probe_bucket(self) -> tuple[str, Callable[[], object]]:
+        return "buckets.get", lambda: self._bucket.reload(timeout=self.timeout, retry=None)
 
-    def put(
-        self,
-        key: str,
-        data: Buffer,
-        *,
-        mode: PutMode = PutMode.OVERWRITE,
-        metadata: Mapping[str, str] | None = None,
-    ) -> ObjectInfo:
-        body = bytes(data)
+    def put_request(
+        self, key: str, body: bytes, mode: PutMode, metadata: Mapping[str, str] | None
+    ) -> PutRequest:
         if mode.conditional and len(body) > SINGLE_REQUEST_LIMIT:
             # A larger upload is resumable, and fake-gcs-server ignores its preconditions.
             raise InvalidInputError(
@@ -294,16 +227,9 @@ class GCSDriver(ObjectStoreDriver):
         if mode.kind == "update":
             condition = _generation(mode.etag or "")
         what = f"upload {key}" + ("" if condition is None else f" (ifGenerationMatch={condition})")
-
-        def upload() -> ObjectInfo:
-            blob = self._upload(self._full(key), body, metadata, condition)
-            return self._info(key, blob)
-
-        if condition is None:
-            return self._retried(what, upload)
-        if self.raw_conditionals or condition != 0:
-            return self._once(what, upload)  # a CAS in doubt: the protocol reads back (I8)
-        return self._create(what, key, body, upload)
+        return PutRequest(
+            what, lambda: self._info(key, self._upload(self.full(key), body, metadata, condition))
+        )
 
     def _upload(
         self, full: str, body: bytes, metadata: Mapping[str, str] | None, condition: int | None
@@ -323,95 +249,43 @@ class GCSDriver(ObjectStoreDriver):
         )
         return blob
 
-    def _create(
-        self, what: str, key: str, body: bytes, upload: Callable[[], ObjectInfo]
-    ) -> ObjectInfo:
-        """An ``ifGenerationMatch=0`` upload retried until its outcome is known (I8): after a
-        broken call the key is read back (absent: safe to send again; our bytes: ours; other
-        bytes: another writer's, ``PreconditionInferredError`` unless a 412 was answered)."""
-        in_doubt = False
-
-        def attempt() -> ObjectInfo:
-            nonlocal in_doubt
-            try:
-                return self._once(what, upload)
-            except PreconditionFailedError:
-                if not in_doubt:
-                    raise
-                return self._created_by_us(what, key, body, refused=True)
-            except TransientStorageError as exc:
-                in_doubt = True
-                log.debug("%s: %s; reading back", what, exc)
-            return self._created_by_us(what, key, body, refused=False)
-
-        result: ObjectInfo = self._retrying(attempt)
-        return result
-
-    def _created_by_us(self, what: str, key: str, body: bytes, *, refused: bool) -> ObjectInfo:
-        try:
-            stored, info = self._read_whole(key, None)
-        except ObjectNotFoundError:
-            raise TransientStorageError(
-                errno.EAGAIN, f"{what}: not created; trying again"
-            ) from None  # a late copy of the lost upload can only be refused: generation 0
-        if stored != body:
-            if refused:
-                raise PreconditionFailedError(
-                    f"{what}: another writer created it first", http_status=412
-                )
-            raise PreconditionInferredError(
-                f"{what}: another writer created it first (read back; no 412 received)"
-            )
-        log.info("%s: the outcome of a broken call was read back: created", what)
-        return info
-
     def _stat(self, full: str, generation: int | None) -> Any:
         blob = self._blob(full, generation)
-        self._retried(f"objects.get {full}", lambda: blob.reload(timeout=self.timeout, retry=None))
+        self.retried(f"objects.get {full}", lambda: blob.reload(timeout=self.timeout, retry=None))
         return blob
 
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
-        return self._info(key, self._stat(self._full(key), self._version(version_id)))
+        return self._info(key, self._stat(self.full(key), self._version(version_id)))
 
-    def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
-        """The whole object (one generation of it, read again whole if it was replaced)."""
-        for tries_left in reversed(range(self.max_attempts)):
-            try:
-                return self._read_whole(key, version_id)
-            except _ObjectReplacedError:
-                if not tries_left or version_id is not None:
-                    raise
-        raise AssertionError("unreachable")  # max_attempts >= 1
-
-    def _read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
+    def read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
         with self._open(key, version_id) as stream:
-            data = stream.read()
-            return data, stream.info
+            return stream.read(), stream.info
 
     def open_read(self, key: str, *, version_id: str | None = None) -> BinaryIO:
         """A seekable stream of one generation of the object, read ahead in parallel ranged
         GETs (callers check the bytes end to end: a shard's CRC32C, a manifest's checksum)."""
-        return self._open(key, version_id)  # type: ignore[return-value]
+        return cast(BinaryIO, self._open(key, version_id))
 
-    def _open(self, key: str, version_id: str | None) -> _GenerationStream:
-        blob = self._stat(self._full(key), self._version(version_id))
-        return _GenerationStream(self, self._info(key, blob), blob)
-
-    def fetch_range(self, blob: Any, start: int, end: int) -> bytes | bytearray:
-        """Bytes [start, end) of one generation; a replaced object is _ObjectReplacedError."""
-        what = f"download {blob.name} bytes {start}-{end - 1}"
+    def _open(self, key: str, version_id: str | None) -> RangeReader:
+        blob = self._stat(self.full(key), self._version(version_id))
         generation = int(blob.generation)
-        try:
-            data: bytes | bytearray = self._retried(
-                what, lambda: self._download(blob.name, generation, start, end)
+
+        def fetch(offset: int, length: int) -> bytes | bytearray:
+            """Bytes of one generation; a replaced object is ObjectNotFoundError."""
+            what = f"download {blob.name} bytes {offset}-{offset + length - 1}"
+            return self.retried(
+                what, lambda: self._download(blob.name, generation, offset, offset + length)
             )
-        except ObjectNotFoundError as exc:
-            raise _ObjectReplacedError(
-                errno.ESTALE, f"{what}: the object was replaced or deleted while being read"
-            ) from exc
-        if len(data) != end - start:
-            raise StorageError(errno.EIO, f"{what}: got {len(data)} bytes")
-        return data
+
+        return RangeReader(
+            self._info(key, blob),
+            fetch,
+            pin=f"gs://{self.bucket}/{blob.name}#{generation}",
+            window=READ_WINDOW,
+            depth=self.read_concurrency,
+            executor=self.executor,
+            shared=self._ranges,
+        )
 
     def _download(self, name: str, generation: int, start: int, end: int) -> bytes | bytearray:
         """One ranged GET of a generation, read straight into a buffer in large reads.
@@ -456,7 +330,7 @@ class GCSDriver(ObjectStoreDriver):
         if version_id is not None and version_id.startswith(_MARKER_VERSION):
             return  # a synthetic delete marker: there is nothing stored to delete
         generation = self._version(version_id)
-        full = self._full(key)
+        full = self.full(key)
         if generation is not None and self.versioned and not self.exact_generation_deletes():
             try:
                 live = int(self._stat(full, None).generation)
@@ -481,8 +355,8 @@ class GCSDriver(ObjectStoreDriver):
 
     def _measure_generation_deletes(self) -> bool:
         probe = f"{self._uploads}.probe-deletes-{secrets.token_hex(6)}"  # hidden from list
-        first = self._retried(f"upload {probe}", lambda: self._upload(probe, b"1", None, None))
-        second = self._retried(f"upload {probe}", lambda: self._upload(probe, b"2", None, None))
+        first = self.retried(f"upload {probe}", lambda: self._upload(probe, b"1", None, None))
+        second = self.retried(f"upload {probe}", lambda: self._upload(probe, b"2", None, None))
         self._delete_full(probe, int(first.generation))
         try:
             exact = int(self._stat(probe, None).generation) == int(second.generation)
@@ -498,44 +372,33 @@ class GCSDriver(ObjectStoreDriver):
     def _delete_full(self, full: str, generation: int | None) -> None:
         blob = self._blob(full, generation)
         try:
-            self._retried(
+            self.retried(
                 f"objects.delete {full}", lambda: blob.delete(timeout=self.timeout, retry=None)
             )
         except ObjectNotFoundError:
             return  # deleting what is gone is not an error (S3's semantics)
 
     def _pages(self, what: str, **args: Any) -> Iterator[Any]:
-        """Every object a listing yields, each page request retried on its own (an iterator
-        that failed cannot be resumed: retrying it would end the listing early, and a short
-        listing would mislead GC and discovery)."""
-        token: str | None = None
-        while True:
+        """Every object a listing yields, each page request retried on its own."""
 
-            def page(token: str | None = token) -> tuple[list[Any], str | None]:
-                listing = self.client.list_blobs(
-                    self._bucket, page_token=token, retry=None, timeout=self.timeout, **args
-                )
-                blobs = list(next(listing.pages))
-                return blobs, listing.next_page_token
+        def page(token: str | None) -> tuple[list[Any], str | None]:
+            listing = self.client.list_blobs(
+                self._bucket, page_token=token, retry=None, timeout=self.timeout, **args
+            )
+            return list(next(listing.pages)), listing.next_page_token or None
 
-            blobs, following = self._retried(what, page)
-            yield from blobs
-            if not following:
-                return
-            if following == token:
-                raise StorageError(f"{self.url}: {what} repeats its page token")
-            token = following
+        return self.pages(what, page)
 
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
-        args: dict[str, Any] = {"prefix": self._full(prefix)}
+        args: dict[str, Any] = {"prefix": self.full(prefix)}
         if start_after is not None:
-            args["start_offset"] = self._full(start_after)  # inclusive: the equal key is skipped
+            args["start_offset"] = self.full(start_after)  # inclusive: the equal key is skipped
         for blob in self._pages(f"objects.list {prefix}", **args):
             if blob.name.startswith(self._uploads):
                 continue  # pieces of composite uploads: never checkpoint data
-            if start_after is not None and blob.name <= self._full(start_after):
+            if start_after is not None and blob.name <= self.full(start_after):
                 continue
-            yield self._info(self._relative(blob.name), blob, metadata=False)
+            yield self._info(self.relative(blob.name), blob, metadata=False)
 
     def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:
         """Every generation under ``prefix``, and a synthetic delete marker over each key that
@@ -548,12 +411,12 @@ class GCSDriver(ObjectStoreDriver):
         # ``versions="true"``, not True: the client would send ``versions=True``, which
         # fake-gcs-server ignores (GCS takes both); the JSON API's spelling is lowercase.
         versions: dict[str, list[Any]] = {}
-        for blob in self._pages(f"objects.list {prefix} (versions)", prefix=self._full(prefix),
+        for blob in self._pages(f"objects.list {prefix} (versions)", prefix=self.full(prefix),
                                 versions="true"):  # fmt: skip
             if not blob.name.startswith(self._uploads):
                 versions.setdefault(blob.name, []).append(blob)
         for full in sorted(versions):
-            key = self._relative(full)
+            key = self.relative(full)
             blobs = sorted(versions[full], key=lambda b: int(b.generation))
             for blob in blobs:
                 yield self._info(key, blob, metadata=False)
@@ -572,7 +435,7 @@ class GCSDriver(ObjectStoreDriver):
     def bucket_versioning(self) -> str:
         """``Enabled`` or ``""``; on a versioned bucket, also whether one generation can be
         deleted by number (``Capability.VERSION_DELETE``), measured once per bucket."""
-        self._retried("buckets.get", lambda: self._bucket.reload(timeout=self.timeout, retry=None))
+        self.retried("buckets.get", lambda: self._bucket.reload(timeout=self.timeout, retry=None))
         if not self._bucket.versioning_enabled:
             return ""
         if self.versioned and self.exact_generation_deletes():
@@ -590,7 +453,7 @@ class GCSDriver(ObjectStoreDriver):
             raise InvalidInputError(f"{key!r}: not a key an upload can complete to")
         upload_id = secrets.token_hex(10)
         marker = self._piece(key, upload_id, "init")
-        self._retried(
+        self.retried(
             f"upload {marker}", lambda: self._upload(marker, b"", metadata, None)
         )  # its user metadata is the object's, read at completion
         if metadata:
@@ -602,7 +465,7 @@ class GCSDriver(ObjectStoreDriver):
             raise InvalidInputError(f"part number {part_number} is not in 1..{self.max_parts}")
         body = bytes(data)
         piece = self._piece(key, upload_id, f"p{part_number:05d}")
-        blob = self._retried(f"upload {piece}", lambda: self._upload(piece, body, None, None))
+        blob = self.retried(f"upload {piece}", lambda: self._upload(piece, body, None, None))
         try:  # after the piece: an abort that raced it is seen, and its piece removed
             self._stat(self._piece(key, upload_id, "init"), None)
         except ObjectNotFoundError as exc:
@@ -613,13 +476,8 @@ class GCSDriver(ObjectStoreDriver):
         checksum = _crc32c_b64(body) if self.checksums else None
         return PartInfo(part_number, f'"{blob.generation}"', len(body), checksum)
 
-    def complete_multipart(
-        self,
-        key: str,
-        upload_id: str,
-        parts: Sequence[PartInfo],
-        *,
-        mode: PutMode = PutMode.OVERWRITE,
+    def complete(
+        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create: bool
     ) -> ObjectInfo:
         """Compose the pieces into ``key`` (a tree of 32-source composes), then delete them.
 
@@ -627,7 +485,6 @@ class GCSDriver(ObjectStoreDriver):
         With ``PutMode.CREATE`` the final compose carries ``ifGenerationMatch=0`` (GCS
         honours it; fake-gcs-server does not: ckptstore never relies on it).
         """
-        create = multipart_mode(mode).kind == "create"
         numbers = [part.part_number for part in parts]
         if not parts or numbers != sorted(set(numbers)):
             raise InvalidInputError(f"{key}: parts must be listed once each, in order")
@@ -649,7 +506,7 @@ class GCSDriver(ObjectStoreDriver):
                 )
                 for n, at in enumerate(range(0, len(sources), COMPOSE_SOURCES))
             ]
-            composed = self._each(
+            composed = self.each(
                 lambda group: self._compose(group[0], group[1], None, None), groups
             )
             sources = [
@@ -694,8 +551,8 @@ class GCSDriver(ObjectStoreDriver):
 
         what = f"objects.compose {full} ({len(sources)} sources)"
         if condition is None:
-            return self._retried(what, call)
-        return self._once(what, call)
+            return self.retried(what, call)
+        return self.once(what, call)
 
     def _compose_target(
         self,
@@ -705,7 +562,7 @@ class GCSDriver(ObjectStoreDriver):
         metadata: Mapping[str, str],
         create: bool,
     ) -> Any:
-        full = self._full(key)
+        full = self.full(key)
         if self.versioned and not create:
             # fake-gcs-server (1.54) composing over a live object of a versioned bucket keeps
             # the old bytes under the new generation, losing the generation a manifest pins.
@@ -714,26 +571,21 @@ class GCSDriver(ObjectStoreDriver):
             self._delete_full(full, None)
         if not create or self.raw_conditionals:
             return self._compose(full, sources, metadata, 0 if create else None)
-        in_doubt = False
 
-        def attempt() -> Any:
-            nonlocal in_doubt
+        def read_back() -> Any:  # the upload id in the object's metadata says whose it is
             try:
-                return self._compose(full, sources, metadata, 0)
-            except PreconditionFailedError:
-                if not in_doubt:
-                    raise
-            except TransientStorageError:
-                in_doubt = True
-            try:  # read back: the upload id in the object's metadata says whose it is
                 blob = self._stat(full, None)
             except ObjectNotFoundError:
-                raise TransientStorageError(errno.EAGAIN, f"compose {key}: not made") from None
+                return Holder.NOBODY
             if (blob.metadata or {}).get(UPLOAD_METADATA) != upload_id:
-                raise PreconditionInferredError(f"compose {key}: another writer created it")
+                return Holder.ANOTHER_WRITER
             return blob
 
-        return self._retrying(attempt)
+        return self.resolve_create(
+            f"compose {key} (ifGenerationMatch=0)",
+            lambda: self._compose(full, sources, metadata, 0),
+            read_back,
+        )
 
     def _remove_pieces(self, key: str, upload_id: str) -> int:
         """Delete every piece of an upload, the ``init`` marker last; return the bytes freed."""
@@ -743,18 +595,10 @@ class GCSDriver(ObjectStoreDriver):
         parts = [blob for blob in pieces if not blob.name.endswith(".init")]
         # One request per piece, at once (33 one after another cost a second on GCS per
         # 256 MiB shard); the marker only once every part is gone.
-        self._each(lambda blob: self._delete_full(blob.name, int(blob.generation)), parts)
+        self.each(lambda blob: self._delete_full(blob.name, int(blob.generation)), parts)
         for blob in markers:
             self._delete_full(blob.name, int(blob.generation))
         return sum(int(blob.size or 0) for blob in pieces)
-
-    def _each(self, call: Callable[[Any], T], items: Sequence[Any]) -> Sequence[T]:
-        """``call`` on every item, on the driver's threads when there are several; every
-        call is waited for, and the first failure raised."""
-        if len(items) < 2 or self.read_concurrency == 1:
-            return [call(item) for item in items]
-        futures = [self.read_executor().submit(call, item) for item in items]
-        return [future.result() for future in futures]
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         self._remove_pieces(key, upload_id)
@@ -786,7 +630,7 @@ class GCSDriver(ObjectStoreDriver):
 
     def _completed(self, key: str, upload_id: str) -> bool:
         try:
-            blob = self._stat(self._full(key), None)
+            blob = self._stat(self.full(key), None)
         except ObjectNotFoundError:
             return False
         return bool((blob.metadata or {}).get(UPLOAD_METADATA) == upload_id)
@@ -813,112 +657,15 @@ def _user_metadata(metadata: Mapping[str, str] | None) -> Mapping[str, str] | No
     return {k: v for k, v in metadata.items() if k != UPLOAD_METADATA}
 
 
-class _ObjectReplacedError(ObjectNotFoundError):
-    """The generation being read was replaced or deleted: its bytes are gone."""
-
-
-class _GenerationStream(io.RawIOBase):
-    """One generation of an object, read in ranged GETs pinned to that generation.
-
-    Sequential reads keep up to ``read_concurrency`` windows in flight ahead of the reader,
-    so a large shard streams in parallel; a seek drops the read-ahead. The bytes are always
-    the one generation's: a replaced object fails the read, never splices two objects.
-    """
-
-    def __init__(self, driver: GCSDriver, info: ObjectInfo, blob: Any) -> None:
-        super().__init__()
-        self._driver = driver
-        self.info = info
-        self._blob = blob
-        self._size = info.size
-        self._position = 0
-        self._next = 0  # where the next window to fetch starts
-        self._ahead: deque[tuple[int, Future[bytes | bytearray]]] = deque()
-        self._window: bytes | bytearray = b""
-        self._window_start = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_CUR:
-            position += self._position
-        elif whence == io.SEEK_END:
-            position += self._size
-        if position < 0:
-            raise ValueError("negative seek position")
-        if position != self._position:
-            self._drop_ahead()
-            self._position = self._next = position
-            self._window, self._window_start = b"", position
-        return position
-
-    def _drop_ahead(self) -> None:
-        for _, future in self._ahead:
-            future.cancel()
-        self._ahead.clear()
-
-    def _fill_ahead(self) -> None:
-        depth = self._driver.read_concurrency
-        while len(self._ahead) < depth and self._next < self._size:
-            start, end = self._next, min(self._size, self._next + READ_WINDOW)
-            if depth == 1:
-                future: Future[bytes | bytearray] = Future()
-                future.set_result(self._driver.fetch_range(self._blob, start, end))
-            else:
-                future = self._driver.read_executor().submit(
-                    self._driver.fetch_range, self._blob, start, end
-                )
-            self._ahead.append((start, future))
-            self._next = end
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        got = 0
-        while got < view.nbytes and self._position < self._size:
-            offset = self._position - self._window_start
-            if offset >= len(self._window):
-                self._fill_ahead()
-                start, future = self._ahead.popleft()
-                self._window, self._window_start = future.result(), start
-                self._fill_ahead()
-                continue
-            count = min(view.nbytes - got, len(self._window) - offset)
-            view[got : got + count] = self._window[offset : offset + count]
-            got += count
-            self._position += count
-        return got
-
-    def read(self, size: int | None = -1) -> bytes:
-        left = self._size - self._position
-        want = left if size is None or size < 0 else min(size, left)
-        buffer = bytearray(max(0, want))
-        got = self.readinto(buffer)
-        return bytes(buffer[:got]) if got != len(buffer) else bytes(buffer)
-
-    def readall(self) -> bytes:
-        return self.read()
-
-    def close(self) -> None:
-        if not self.closed:
-            self._drop_ahead()
-            self._window = b""
-        super().close()
-
-
 # -- opening -----------------------------------------------------------------------------
 
 _exact_deletes: dict[tuple[str, str], bool] = {}
 _exact_deletes_lock = threading.Lock()
-_clients: dict[tuple[tuple[str, str], ...], tuple[Any, Any]] = {}
-_clients_lock = threading.Lock()
 _CLIENT_OPTIONS = ("endpoint_url", "project", "credentials_file", "token", "concurrency")
+_clients: ClientCache[tuple[Any, Any]] = ClientCache(
+    _CLIENT_OPTIONS, ("token",), disconnect=lambda transport: transport[1].close()
+)
+"""Clients and their sessions by their options (``ckptstore.backends.client_cache``)."""
 
 
 def make_client(options: Mapping[str, object]) -> Any:
@@ -935,12 +682,7 @@ def make_transport(options: Mapping[str, object]) -> tuple[Any, Any]:
     ``STORAGE_EMULATOR_HOST`` is honoured as the client does. The client's own retries are
     off (every call passes ``retry=None``): ckptstore retries only what is safe to retry.
     """
-    key = tuple(sorted((k, str(options[k])) for k in _CLIENT_OPTIONS if options.get(k)))
-    with _clients_lock:
-        transport = _clients.get(key)
-        if transport is None:
-            transport = _clients[key] = _new_client(options)
-        return transport
+    return _clients.get(options, lambda: _new_client(options))
 
 
 def _new_client(options: Mapping[str, object]) -> tuple[Any, Any]:
@@ -1054,7 +796,8 @@ def _gcs_driver(
 ) -> tuple[GCSDriver, int, int]:
     url.reject_unknown(options, allowed=URL_OPTIONS)
     bucket, prefix = parse_location(url)
-    client, session = make_transport(options)
+    lease = _clients.lease(options, lambda: _new_client(options))
+    client, session = lease.client
     driver = GCSDriver(
         client,
         bucket,
@@ -1071,6 +814,7 @@ def _gcs_driver(
         read_concurrency=option_int(options, "read_concurrency", 8, minimum=1),
         http=session,
     )
+    driver.on_close(lease.release)  # the store's close lets go of the session's connections
     part_size = option_int(
         options, "part_size", max(DEFAULT_PART_SIZE, driver.min_part_size), minimum=1
     )

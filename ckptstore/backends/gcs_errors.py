@@ -22,60 +22,62 @@ import urllib3.exceptions
 from google.api_core import exceptions as api
 from google.cloud.storage import exceptions as storage_exceptions
 
+from ckptstore.backends.error_table import AnswerTable, Rules, broken, translating, unreachable
 from ckptstore.errors import (
     CkptStoreError,
-    IndeterminateOutcomeError,
-    ObjectNotFoundError,
-    PreconditionFailedError,
     StorageAccessDeniedError,
     StorageError,
-    StoreNotFoundError,
     TransientStorageError,
 )
 
-__all__ = ["translate_gcs_errors"]
+__all__ = ["GCS_RULES", "translate_gcs_errors"]
+
+ANSWERS = AnswerTable(
+    store_missing="{what}: bucket {store!r} does not exist (ckptstore never creates buckets)",
+    store_missing_codes=frozenset({"NoSuchBucket"}),
+)
+"""What the JSON API's statuses mean (it gives no error codes: see ``_answer``)."""
 
 
-@contextlib.contextmanager
-def translate_gcs_errors(what: str, *, bucket: str) -> Iterator[None]:
-    """Translate google-cloud-storage errors raised inside the block into ckptstore errors
-    naming ``what``."""
-    try:
-        yield
-    except CkptStoreError:
-        raise  # translated already (a nested block)
-    except api.GoogleAPICallError as exc:
-        raise _from_api_error(exc, what, bucket) from exc
-    except requests.exceptions.SSLError as exc:
-        raise StorageError(errno.EIO, f"{what}: TLS failed: {exc}") from exc
-    except (requests.exceptions.ConnectTimeout, requests.exceptions.ConnectionError) as exc:
-        if _not_sent(exc):
-            raise TransientStorageError(
-                errno.ECONNREFUSED, f"{what}: cannot reach the GCS endpoint: {exc}"
-            ) from exc
-        raise _broken(what, exc) from exc
-    except (
-        auth_errors.DefaultCredentialsError,
-        auth_errors.RefreshError,
-    ) as exc:
-        raise StorageAccessDeniedError(
-            errno.EACCES,
-            f"{what}: no usable Google credentials (Application Default Credentials, "
-            f"credentials_file=, or token=anonymous for an emulator): {exc}",
-        ) from exc
-    except auth_errors.TransportError as exc:
-        raise TransientStorageError(errno.ECONNREFUSED, f"{what}: {exc}") from exc
-    except storage_exceptions.DataCorruption as exc:  # a checksum of the answer did not match
-        raise _broken(what, exc) from exc
-    except _BROKEN as exc:
-        raise _broken(what, exc) from exc
-    except auth_errors.GoogleAuthError as exc:
-        raise StorageAccessDeniedError(errno.EACCES, f"{what}: {exc}") from exc
-    except OSError as exc:  # a socket error no library wrapped
-        raise _broken(what, exc) from exc
+def _answer(exc: BaseException, what: str, bucket: str) -> CkptStoreError:
+    status = int(getattr(exc, "code", 0) or 0)
+    message = str(getattr(exc, "message", ""))
+    missing = status == 404 and "specified bucket does not exist" in message.lower()  # GCS's
+    return ANSWERS.error(
+        what, bucket, code="NoSuchBucket" if missing else "", status=status, reason=message
+    )
+
+
+def _broken(exc: BaseException, what: str, _bucket: str) -> CkptStoreError:
+    timeout = isinstance(
+        exc, (requests.exceptions.Timeout, TimeoutError, urllib3.exceptions.TimeoutError)
+    )
+    return broken(what, exc, timeout=timeout)
+
+
+def _connection(exc: BaseException, what: str, bucket: str) -> CkptStoreError:
+    """Refused before it left (retrying cannot duplicate it), or broken after."""
+    if isinstance(exc, requests.exceptions.ConnectTimeout):
+        return unreachable(what, exc, "GCS")
+    reason: object = exc.args[0] if exc.args else None
+    reason = getattr(reason, "reason", reason)  # urllib3's MaxRetryError wraps the cause
+    if isinstance(
+        reason, (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError)
+    ):
+        return unreachable(what, exc, "GCS")
+    return _broken(exc, what, bucket)
+
+
+def _no_credentials(exc: BaseException, what: str, _bucket: str) -> CkptStoreError:
+    return StorageAccessDeniedError(
+        errno.EACCES,
+        f"{what}: no usable Google credentials (Application Default Credentials, "
+        f"credentials_file=, or token=anonymous for an emulator): {exc}",
+    )
 
 
 _BROKEN = (
+    storage_exceptions.DataCorruption,  # a checksum of the answer did not match
     requests.exceptions.RequestException,  # ReadTimeout, ChunkedEncodingError, ...
     urllib3.exceptions.HTTPError,  # ProtocolError, ReadTimeoutError when requests lets them by
     http.client.HTTPException,  # IncompleteRead, RemoteDisconnected
@@ -83,48 +85,31 @@ _BROKEN = (
 )
 """Failures after the request may have reached the server: the exchange broke."""
 
-
-def _not_sent(exc: requests.exceptions.RequestException) -> bool:
-    """True when the connection was never made (refused, unresolvable, connect timeout):
-    retrying cannot duplicate the request."""
-    if isinstance(exc, requests.exceptions.ConnectTimeout):
-        return True
-    reason: object = exc.args[0] if exc.args else None
-    reason = getattr(reason, "reason", reason)  # urllib3's MaxRetryError wraps the cause
-    return isinstance(
-        reason, (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError)
-    )
-
-
-def _broken(what: str, exc: BaseException) -> IndeterminateOutcomeError:
-    """The exchange broke after the request may have been sent: worth retrying where that is
-    safe, and for a conditional write an unknown outcome to resolve by reading back (I8)."""
-    timeout = isinstance(
-        exc, (requests.exceptions.Timeout, TimeoutError, urllib3.exceptions.TimeoutError)
-    )
-    code = errno.ETIMEDOUT if timeout else errno.ECONNRESET
-    return IndeterminateOutcomeError(
-        code, f"{what}: the connection broke ({exc}); the request may have taken effect"
-    )
+GCS_RULES: Rules = (
+    (api.GoogleAPICallError, _answer),
+    (
+        requests.exceptions.SSLError,
+        lambda exc, what, _: StorageError(errno.EIO, f"{what}: TLS failed: {exc}"),
+    ),
+    ((requests.exceptions.ConnectTimeout, requests.exceptions.ConnectionError), _connection),
+    ((auth_errors.DefaultCredentialsError, auth_errors.RefreshError), _no_credentials),
+    (
+        auth_errors.TransportError,
+        lambda exc, what, _: TransientStorageError(errno.ECONNREFUSED, f"{what}: {exc}"),
+    ),
+    (_BROKEN, _broken),
+    (
+        auth_errors.GoogleAuthError,
+        lambda exc, what, _: StorageAccessDeniedError(errno.EACCES, f"{what}: {exc}"),
+    ),
+    (OSError, _broken),  # a socket error no library wrapped
+)
+"""google-cloud-storage's, requests' and google-auth's exceptions, most specific first."""
 
 
-def _from_api_error(exc: api.GoogleAPICallError, what: str, bucket: str) -> CkptStoreError:
-    status = int(exc.code or 0)
-    message = f"{what}: {status}: {exc.message}"
-    if status == 404:
-        if "specified bucket does not exist" in str(exc.message).lower():  # GCS's own words
-            return StoreNotFoundError(
-                f"{what}: bucket {bucket!r} does not exist (ckptstore never creates buckets)"
-            )
-        return ObjectNotFoundError(errno.ENOENT, message, http_status=404)
-    if status == 412:
-        return PreconditionFailedError(message, http_status=412)
-    if status in (401, 403):
-        return StorageAccessDeniedError(
-            errno.EACCES,
-            f"{message} (check the credentials and their permissions on {bucket!r})",
-            http_status=status,
-        )
-    if status in (408, 429) or status >= 500:
-        return TransientStorageError(message, http_status=status)
-    return StorageError(message, http_status=status or None)
+@contextlib.contextmanager
+def translate_gcs_errors(what: str, *, bucket: str) -> Iterator[None]:
+    """Translate google-cloud-storage errors raised inside the block into ckptstore errors
+    naming ``what``."""
+    with translating(GCS_RULES, what, bucket):
+        yield
