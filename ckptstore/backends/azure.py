@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
-import hmac
 import logging
 import os
 import re
@@ -28,7 +26,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from email.utils import parsedate_to_datetime
@@ -37,28 +34,20 @@ from typing import Any, BinaryIO, TypeVar, cast
 from azure.core import MatchConditions
 from azure.core.exceptions import HttpResponseError
 from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient
-from tenacity import (
-    Retrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_exponential,
-    wait_random,
-)
 
-from ckptstore.backends.azure_errors import translate_azure_errors
-from ckptstore.backends.azure_read import READ_PIECE, BlobReader, ObjectReplacedError
+from ckptstore.backends.azure_errors import AZURE_RULES
+from ckptstore.backends.client_cache import ClientCache
+from ckptstore.backends.object_store import Holder, ObjectStoreBase, PutRequest
+from ckptstore.backends.range_reader import RangeReader, SharedRanges
 from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
 from ckptstore.driver import (
     Buffer,
     Capability,
     ObjectInfo,
-    ObjectStoreDriver,
     PartInfo,
     PutMode,
     UploadInfo,
     UploadProgress,
-    multipart_mode,
 )
 from ckptstore.errors import (
     BackendUnavailableError,
@@ -66,9 +55,7 @@ from ckptstore.errors import (
     InvalidURLError,
     ObjectNotFoundError,
     PreconditionFailedError,
-    PreconditionInferredError,
     StorageError,
-    StoreNotFoundError,
     TransientStorageError,
 )
 from ckptstore.urls import StoreURL, endpoint_option, option_bool, option_int, redact
@@ -82,6 +69,11 @@ MAX_SINGLE_PUT = 256 * 1024 * 1024
 """A put up to this size is one Put Blob request (larger ones: blocks, committed at once)."""
 BODY_PIECE = 1024 * 1024
 """Bytes per read of a response body."""
+READ_PIECE = 8 * 1024 * 1024
+"""Bytes per ranged GET of a large blob; ``concurrency`` of them are in flight per stream."""
+FIRST_PIECE = 1024 * 1024
+"""Bytes of the GET that opens a stream: a manifest in one request, and little read in vain
+by a stream that seeks away at once (the second half of a shard)."""
 POOL_HEADROOM = 32
 """Connections beyond ``concurrency`` transfers: other threads and stores sharing the client."""
 _CONTAINER_RE = re.compile(r"^(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
@@ -228,9 +220,15 @@ def _parse_block(block: Any) -> _Block | None:
     )
 
 
-class AzureBlobDriver(ObjectStoreDriver):
+class AzureBlobDriver(ObjectStoreBase):
     """Object-store primitives on one Azure Blob container under a name prefix."""
 
+    scheme = "az"
+    rules = AZURE_RULES
+    store_noun = "container"
+    store_hint = "create it, or check the account and endpoint"
+    refusal_status = 409  # Azurite's BlobAlreadyExists (Azure answers 412 ConditionNotMet)
+    reader_threads = "ckptstore-az-read"
     max_parts = AZURE_MAX_BLOCKS
 
     def __init__(
@@ -248,32 +246,25 @@ class AzureBlobDriver(ObjectStoreDriver):
         max_delay_s: float = 60.0,
         read_concurrency: int = 8,
     ) -> None:
+        super().__init__(
+            container,
+            prefix,
+            url=url,
+            endpoint=identity or str(client.url),
+            max_attempts=max_attempts,
+            max_delay_s=max_delay_s,
+            read_concurrency=read_concurrency,
+        )
         self.client = client
         self.container = container
-        self.bucket = identity or f"{client.url}"
-        """Which storage this is (account endpoint and container): the conditional-create
-        probe's outcome is remembered per bucket."""
-        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        self.url = url or f"az://{container}/{self.prefix}".rstrip("/")
         self.min_part_size = min_part_size
         self.checksums = checksums
-        self.max_attempts = max_attempts
         self.server_clock = clock or ServerClock()
         """Not ``clock``: a driver's ``clock`` stamps its writes (the memory driver's), and the
         conformance suite sets it to age leftovers; Azure stamps its own writes."""
-        self.read_concurrency = max(1, read_concurrency)
-        self._retrying = Retrying(
-            retry=retry_if_exception_type(TransientStorageError),
-            stop=stop_after_attempt(max_attempts) | stop_after_delay(max_delay_s),
-            wait=wait_exponential(multiplier=0.05, max=5.0) + wait_random(0, 0.1),
-            reraise=True,
-            before_sleep=lambda state: log.debug("retrying Azure call: %s", state.outcome),
-        )
-        self.raw_conditionals = False
-        """Send each conditional put, and a conditional commit, as one request and return what
-        the server answered: no read-back. For measuring the server (the conformance probes)."""
         self._metadata: dict[str, dict[str, str]] = {}
         self._metadata_lock = threading.Lock()
+        self._ranges = SharedRanges()
         self.capabilities = frozenset(
             {
                 Capability.CONDITIONAL_CREATE,
@@ -286,22 +277,8 @@ class AzureBlobDriver(ObjectStoreDriver):
 
     # -- plumbing ------------------------------------------------------------------------
 
-    def _full(self, key: str) -> str:
-        return self.prefix + key
-
-    def _relative(self, full: str) -> str:
-        return full[len(self.prefix) :]
-
     def _blob(self, key: str) -> Any:
-        return self.client.get_blob_client(self._full(key))
-
-    def _once(self, what: str, call: Callable[[], T]) -> T:
-        with translate_azure_errors(f"{what} az://{self.container}", container=self.container):
-            return call()
-
-    def _retried(self, what: str, call: Callable[[], T]) -> T:
-        result: T = self._retrying(self._once, what, call)
-        return result
+        return self.client.get_blob_client(self.full(key))
 
     def _validate(self) -> dict[str, Any]:
         """Content-MD5 on each request, which the service checks against the bytes it got."""
@@ -333,30 +310,12 @@ class AzureBlobDriver(ObjectStoreDriver):
 
     # -- the driver interface ------------------------------------------------------------
 
-    def check_bucket(self) -> None:
-        once = Retrying(
-            retry=retry_if_exception_type(TransientStorageError),
-            stop=stop_after_attempt(2),
-            wait=wait_exponential(multiplier=0.2, max=1.0) + wait_random(0, 0.1),
-            reraise=True,
-        )
-        try:
-            once(self._once, "GetContainerProperties", self.client.get_container_properties)
-        except ObjectNotFoundError as exc:
-            raise StoreNotFoundError(
-                f"{self.url}: container {self.container!r} does not exist (ckptstore never "
-                f"creates containers; create it, or check the account and endpoint)"
-            ) from exc
+    def probe_bucket(self) -> tuple[str, Callable[[], object]]:
+        return "GetContainerProperties", self.client.get_container_properties
 
-    def put(
-        self,
-        key: str,
-        data: Buffer,
-        *,
-        mode: PutMode = PutMode.OVERWRITE,
-        metadata: Mapping[str, str] | None = None,
-    ) -> ObjectInfo:
-        body = bytes(data)
+    def put_request(
+        self, key: str, body: bytes, mode: PutMode, metadata: Mapping[str, str] | None
+    ) -> PutRequest:
         args: dict[str, Any] = {"length": len(body), "overwrite": mode.kind != "create"}
         args.update(self._validate())
         if metadata:
@@ -368,81 +327,34 @@ class AzureBlobDriver(ObjectStoreDriver):
         what = f"PutBlob {key}"
         if mode.conditional:
             what += " (If-None-Match)" if mode.kind == "create" else " (If-Match)"
-        if mode.kind == "create" and not self.raw_conditionals:
-            return self._create(what, key, body, lambda: blob.upload_blob(body, **args))
-        call = self._once if mode.conditional else self._retried  # CAS in doubt: I8 reads back
-        response = call(what, lambda: blob.upload_blob(body, **args))
-        return self._info(key, response, len(body))
+        return PutRequest(what, lambda: self._info(key, blob.upload_blob(body, **args), len(body)))
 
-    def _create(
-        self, what: str, key: str, body: bytes, send: Callable[[], Mapping[str, Any]]
-    ) -> ObjectInfo:
-        """Put Blob If-None-Match: * retried until its outcome is known (I8).
-
-        After a transient failure, and after a refusal that follows one (our earlier try may be
-        what is there), the key is read back: absent, nothing was created and the conditional
-        put is safe to send again; holding our bytes, our put took effect; holding other
-        bytes, another writer created it first. Identical bytes count as ours: callers create
-        keys or contents unique to the writer.
-        """
-        in_doubt = False
-
-        def attempt() -> ObjectInfo:
-            nonlocal in_doubt
-            try:
-                return self._info(key, self._once(what, send), len(body))
-            except PreconditionFailedError:
-                if not in_doubt:
-                    raise
-                return self._created_by_us(what, key, body, refused=True)
-            except TransientStorageError as exc:
-                in_doubt = True
-                log.debug("%s: %s; reading back", what, exc)
-            return self._created_by_us(what, key, body, refused=False)
-
-        result: ObjectInfo = self._retrying(attempt)
-        return result
-
-    def _created_by_us(self, what: str, key: str, body: bytes, *, refused: bool) -> ObjectInfo:
-        try:
-            stored, info = self._read_whole(key, None)
-        except ObjectNotFoundError:
-            raise TransientStorageError(
-                errno.EAGAIN, f"{what}: not created; trying again"
-            ) from None
-        if stored != body:
-            if refused:
-                raise PreconditionFailedError(
-                    f"{what}: another writer created it first", http_status=409
-                )
-            raise PreconditionInferredError(
-                f"{what}: another writer created it first (read back; no refusal received)"
-            )
-        log.info("%s: the outcome of a broken call was read back: created", what)
-        return info
-
-    def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
-        """The whole object; read again whole if it was replaced between two ranges."""
-        for tries_left in reversed(range(self.max_attempts)):
-            try:
-                return self._read_whole(key, version_id)
-            except ObjectReplacedError:
-                if not tries_left:
-                    raise
-        raise AssertionError("unreachable")  # max_attempts >= 1
-
-    def _read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
+    def read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
         with self._open_stream(key, version_id) as stream:
-            data = stream.read()
-        return data, stream.info
+            return stream.read(), stream.info
 
     def open_read(self, key: str, *, version_id: str | None = None) -> BinaryIO:
         """A stream of the object that fetches ranges ahead in parallel, each pinned to the
         first answer's ETag (callers check the bytes end to end)."""
         return cast(BinaryIO, self._open_stream(key, version_id))
 
-    def _open_stream(self, key: str, version_id: str | None) -> BlobReader:
-        return BlobReader(self, key, version_id)
+    def _open_stream(self, key: str, version_id: str | None) -> RangeReader:
+        """Opened by one small ranged GET (a manifest arrives whole, and a stream that seeks
+        away at once reads little in vain); then ``READ_PIECE`` ranges on a fixed grid, each
+        with ``If-Match`` the first answer's ETag (or the version asked for)."""
+        first, properties = self.get_range(key, version_id, 0, FIRST_PIECE, None)
+        info = self.properties_info(key, properties)
+        etag = info.etag if version_id is None else None
+        return RangeReader(
+            info,
+            lambda offset, length: self.get_range(key, version_id, offset, length, etag)[0],
+            pin=f"{self.storage_identity[0]}/{self.full(key)}#{etag or version_id}",
+            window=READ_PIECE,
+            depth=self.read_concurrency,
+            executor=self.executor,
+            shared=self._ranges,
+            first=first,
+        )
 
     def get_range(
         self, key: str, version_id: str | None, offset: int, length: int, etag: str | None
@@ -465,22 +377,11 @@ class AzureBlobDriver(ObjectStoreDriver):
                 downloader = blob.download_blob(**{**args, "offset": None, "length": None})
             return downloader.readall(), downloader.properties  # an empty blob has no range 0-
 
-        return self._retried(f"GetBlob {key} [{offset}+{length}]", call)
-
-    def readers(self) -> ThreadPoolExecutor:
-        """The threads that fetch ranges ahead for streams (started on first use), shared by
-        every driver of the same ``concurrency``: stores opened and dropped leak no threads."""
-        with _readers_lock:
-            pool = _readers.get(self.read_concurrency)
-            if pool is None:
-                pool = _readers[self.read_concurrency] = ThreadPoolExecutor(
-                    self.read_concurrency, thread_name_prefix="ckptstore-az-read"
-                )
-            return pool
+        return self.retried(f"GetBlob {key} [{offset}+{length}]", call)
 
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
         blob = self._blob(key)
-        properties = self._retried(
+        properties = self.retried(
             f"GetBlobProperties {key}", lambda: blob.get_blob_properties(version_id=version_id)
         )
         return self.properties_info(key, properties)
@@ -488,13 +389,13 @@ class AzureBlobDriver(ObjectStoreDriver):
     def delete(self, key: str, *, version_id: str | None = None) -> None:
         blob = self._blob(key)
         with contextlib.suppress(ObjectNotFoundError):  # deleting what is gone is no error
-            self._retried(f"DeleteBlob {key}", lambda: blob.delete_blob(version_id=version_id))
+            self.retried(f"DeleteBlob {key}", lambda: blob.delete_blob(version_id=version_id))
 
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
         """Listed from ``start_after`` with ``startFrom`` (inclusive; a server that ignores it
         only costs time: names up to ``start_after`` are dropped here)."""
-        after = self._full(start_after) if start_after is not None else None
-        args: dict[str, Any] = {"name_starts_with": self._full(prefix)}
+        after = self.full(start_after) if start_after is not None else None
+        args: dict[str, Any] = {"name_starts_with": self.full(prefix)}
         if after is not None:
             args["start_from"] = after
         for item in self._pages("ListBlobs", args):
@@ -504,7 +405,7 @@ class AzureBlobDriver(ObjectStoreDriver):
 
     def _listed(self, item: Any) -> ObjectInfo:
         return ObjectInfo(
-            key=self._relative(item.name),
+            key=self.relative(item.name),
             size=int(item.size or 0),
             etag=_quoted(item.etag),
             last_modified=_timestamp(item.last_modified),
@@ -515,23 +416,14 @@ class AzureBlobDriver(ObjectStoreDriver):
         yield from self.list(prefix)
 
     def _pages(self, what: str, args: Mapping[str, Any]) -> Iterator[Any]:
-        """Every item of a listing; each page request is retried on its own (an iterator
-        that failed cannot be resumed, and a short listing would mislead GC and discovery)."""
-        token: str | None = None
-        while True:
+        """Every item of a listing, each page request retried on its own."""
 
-            def one_page(marker: str | None = token) -> tuple[_Items, str | None]:
-                pages: Any = self.client.list_blobs(**args).by_page(continuation_token=marker)
-                items = list(next(pages))
-                return items, pages.continuation_token
+        def page(marker: str | None) -> tuple[_Items, str | None]:
+            pages: Any = self.client.list_blobs(**args).by_page(continuation_token=marker)
+            items = list(next(pages))
+            return items, pages.continuation_token or None
 
-            items, following = self._retried(what, one_page)
-            yield from items
-            if not following:
-                return
-            if following == token:
-                raise StorageError(f"{self.url}: {what} repeats its continuation marker")
-            token = following
+        return self.pages(what, page)
 
     # -- multipart: blocks staged, then committed ----------------------------------------
 
@@ -550,25 +442,19 @@ class AzureBlobDriver(ObjectStoreDriver):
         name = block_id(upload_id, part_number, self.server_clock.now())
         blob = self._blob(key)
         validate = self._validate()
-        self._retried(
+        self.retried(
             f"PutBlock {key} #{part_number}",
             lambda: blob.stage_block(name, body, length=len(body), **validate),
         )
         return PartInfo(part_number, name, len(body))
 
-    def complete_multipart(
-        self,
-        key: str,
-        upload_id: str,
-        parts: Sequence[PartInfo],
-        *,
-        mode: PutMode = PutMode.OVERWRITE,
+    def complete(
+        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create: bool
     ) -> ObjectInfo:
         """Put Block List of the parts' blocks; a create sends ``If-None-Match: *``.
 
         Blocks that are gone (GC freed the upload) make it fail with ObjectNotFoundError.
         """
-        create = multipart_mode(mode).kind == "create"
         blocks = [BlobBlock(part.etag) for part in parts]
         with self._metadata_lock:
             metadata = self._metadata.get(upload_id)
@@ -580,13 +466,13 @@ class AzureBlobDriver(ObjectStoreDriver):
         size = sum(part.size for part in parts)
         ids = [part.etag for part in parts]
         if create and self.raw_conditionals:
-            response = self._once(what, lambda: blob.commit_block_list(blocks, **args))
+            response = self.once(what, lambda: blob.commit_block_list(blocks, **args))
             info = self._info(key, response, size)
         elif create:
             info = self._commit_create(what, key, ids, size, lambda: blob.commit_block_list(
                 blocks, **args))  # fmt: skip
         else:  # the same list committed again commits the same blocks: safe to retry
-            info = self._info(key, self._retried(
+            info = self._info(key, self.retried(
                 what, lambda: blob.commit_block_list(blocks, **args)), size)  # fmt: skip
         with self._metadata_lock:
             self._metadata.pop(upload_id, None)
@@ -597,37 +483,20 @@ class AzureBlobDriver(ObjectStoreDriver):
     ) -> ObjectInfo:
         """A conditional commit retried until its outcome is known (I8): after a broken call,
         the blob's committed block list says whether it is ours (our block ids are unique)."""
-        in_doubt = False
 
-        def attempt() -> ObjectInfo:
-            nonlocal in_doubt
-            try:
-                return self._info(key, self._once(what, send), size)
-            except PreconditionFailedError:
-                if not in_doubt:
-                    raise
-                refused = True
-            except TransientStorageError as exc:
-                in_doubt, refused = True, False
-                log.debug("%s: %s; reading back", what, exc)
+        def read_back() -> ObjectInfo | Holder:
             committed = self._committed_ids(key)
             if committed is None:
-                raise TransientStorageError(errno.EAGAIN, f"{what}: not committed; trying again")
-            if committed != ids:
-                if refused:
-                    raise PreconditionFailedError(f"{what}: another writer created it first")
-                raise PreconditionInferredError(f"{what}: another writer created it first")
-            log.info("%s: the outcome of a broken call was read back: committed", what)
-            return self.head(key)
+                return Holder.NOBODY
+            return self.head(key) if committed == ids else Holder.ANOTHER_WRITER
 
-        result: ObjectInfo = self._retrying(attempt)
-        return result
+        return self.resolve_create(what, lambda: self._info(key, send(), size), read_back)
 
     def _committed_ids(self, key: str) -> _Names | None:
         """The committed block ids of a blob; None if it has no committed content."""
         blob = self._blob(key)
         try:
-            committed, _ = self._retried(
+            committed, _ = self.retried(
                 f"GetBlockList {key}", lambda: blob.get_block_list("committed")
             )
         except ObjectNotFoundError:
@@ -637,7 +506,7 @@ class AzureBlobDriver(ObjectStoreDriver):
     def _blocks(self, key: str) -> tuple[bool, _Blocks]:
         """Whether the blob has committed content, and our uncommitted blocks on it."""
         blob = self._blob(key)
-        committed, uncommitted = self._retried(
+        committed, uncommitted = self.retried(
             f"GetBlockList {key}", lambda: blob.get_block_list("all")
         )
         parsed = [_parse_block(block) for block in uncommitted]
@@ -663,7 +532,7 @@ class AzureBlobDriver(ObjectStoreDriver):
         blob = self._blob(key)
         what = f"PutBlockList {key} (empty, If-None-Match: discards the upload's blocks)"
         try:
-            empty = self._once(
+            empty = self.once(
                 what, lambda: blob.commit_block_list([], match_condition=MatchConditions.IfMissing)
             )
         except PreconditionFailedError:
@@ -675,7 +544,7 @@ class AzureBlobDriver(ObjectStoreDriver):
             return
         etag = _quoted(empty.get("etag"))
         with contextlib.suppress(PreconditionFailedError, ObjectNotFoundError):
-            self._retried(
+            self.retried(
                 f"DeleteBlob {key} (If-Match)",
                 lambda: blob.delete_blob(etag=etag, match_condition=MatchConditions.IfNotModified),
             )
@@ -685,7 +554,7 @@ class AzureBlobDriver(ObjectStoreDriver):
             info = self.head(key)
             if info.size == 0:
                 blob = self._blob(key)
-                self._retried(
+                self.retried(
                     f"DeleteBlob {key} (If-Match)",
                     lambda: blob.delete_blob(
                         etag=info.etag, match_condition=MatchConditions.IfNotModified
@@ -696,7 +565,7 @@ class AzureBlobDriver(ObjectStoreDriver):
         """Blobs that hold uncommitted blocks of ours and no content: the names a listing
         with ``uncommittedblobs`` has and a plain listing has not; each one's block list says
         which uploads it holds and when each began."""
-        full = self._full(prefix)
+        full = self.full(prefix)
         plain = self._pages("ListBlobs", {"name_starts_with": full})
         committed = next(plain, None)
         for item in self._pages(
@@ -706,7 +575,7 @@ class AzureBlobDriver(ObjectStoreDriver):
                 committed = next(plain, None)
             if committed is not None and committed.name == item.name:
                 continue
-            key = self._relative(item.name)
+            key = self.relative(item.name)
             try:
                 has_content, blocks = self._blocks(key)
             except ObjectNotFoundError:
@@ -736,43 +605,33 @@ class AzureBlobDriver(ObjectStoreDriver):
             parts=len({block.part_number for block in ours}),
         )
 
-    def bucket_versioning(self) -> str:
-        """Never on: ckptstore does not use Azure blob versioning (docs/backends/azure.md)."""
-        return ""
-
 
 # -- opening: URL, credentials, client -------------------------------------------------------
 
-_readers: dict[int, ThreadPoolExecutor] = {}
-_readers_lock = threading.Lock()
-_clients: dict[tuple[tuple[str, str], ...], tuple[BlobServiceClient, ServerClock]] = {}
-_clients_lock = threading.Lock()
-_FINGERPRINT_KEY = secrets.token_bytes(32)
+
+@dataclass(frozen=True)
+class _Client:
+    """A BlobServiceClient, the clock its answers feed, and the session under it."""
+
+    service: BlobServiceClient
+    clock: ServerClock
+    session: Any
 
 
-def _fingerprint(option: str, value: object) -> str:
-    """``value``, or for a credential a keyed hash of it: no secret is kept as a cache key."""
-    if option not in CREDENTIAL_OPTIONS:
-        return str(value)
-    if option == "credential" and not isinstance(value, str):
-        return f"object:{id(value)}"
-    return hmac.new(_FINGERPRINT_KEY, str(value).encode(), hashlib.sha256).hexdigest()
+_clients: ClientCache[_Client] = ClientCache(
+    _CLIENT_OPTIONS, CREDENTIAL_OPTIONS, disconnect=lambda client: client.session.close()
+)
+"""Clients by their options (``ckptstore.backends.client_cache``)."""
 
 
 def make_client(options: Mapping[str, object]) -> tuple[BlobServiceClient, ServerClock]:
     """A BlobServiceClient (and the clock its answers feed) shared by stores opened with the
     same options. The SDK's own retries are off: ckptstore retries only what is safe."""
-    key = tuple(
-        sorted((k, _fingerprint(k, v)) for k, v in options.items() if k in _CLIENT_OPTIONS and v)
-    )
-    with _clients_lock:
-        made = _clients.get(key)
-        if made is None:
-            made = _clients[key] = _new_client(options)
-        return made
+    made = _clients.get(options, lambda: _new_client(options))
+    return made.service, made.clock
 
 
-def _new_client(options: Mapping[str, object]) -> tuple[BlobServiceClient, ServerClock]:
+def _new_client(options: Mapping[str, object]) -> _Client:
     import requests
     from azure.core.pipeline.transport import RequestsTransport
 
@@ -809,7 +668,7 @@ def _new_client(options: Mapping[str, object]) -> tuple[BlobServiceClient, Serve
             client = BlobServiceClient(endpoint, credential=credential, **settings)
     except ValueError as exc:  # a malformed connection string, endpoint or key
         raise InvalidOptionError(f"az:// client options: {exc}") from exc
-    return client, clock
+    return _Client(client, clock, session)
 
 
 @dataclass(frozen=True)
@@ -925,7 +784,8 @@ def open_azure(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCo
         merged["account_name"] = account
         if endpoint and not options.get("endpoint_url"):
             merged["endpoint_url"] = endpoint
-    client, clock = make_client(merged)
+    lease = _clients.lease(merged, lambda: _new_client(merged))
+    client, clock = lease.client.service, lease.client.clock
     concurrency = option_int(options, "concurrency", 8, minimum=1)
     min_part_size = option_int(options, "min_part_size", 1, minimum=1)
     driver = AzureBlobDriver(
@@ -940,5 +800,6 @@ def open_azure(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCo
         max_attempts=option_int(options, "max_attempts", 6, minimum=1),
         read_concurrency=concurrency,
     )
+    driver.on_close(lease.release)  # the store's close lets go of the session's connections
     part_size = option_int(options, "part_size", max(DEFAULT_PART_SIZE, min_part_size), minimum=1)
     return ConditionalPutCommit(driver, part_size=part_size, concurrency=concurrency)

@@ -27,97 +27,87 @@ from azure.core.exceptions import (
     ServiceResponseError,
 )
 
-from ckptstore.errors import (
-    CkptStoreError,
-    IndeterminateOutcomeError,
-    ObjectNotFoundError,
-    PreconditionFailedError,
-    StorageAccessDeniedError,
-    StorageError,
-    StoreNotFoundError,
-    TransientStorageError,
+from ckptstore.backends.error_table import (
+    AnswerTable,
+    Rules,
+    broken,
+    first_line,
+    translating,
+    unreachable,
 )
+from ckptstore.errors import CkptStoreError, StorageAccessDeniedError
 
-__all__ = ["translate_azure_errors"]
+__all__ = ["AZURE_RULES", "translate_azure_errors"]
 
-_NOT_FOUND = {"BlobNotFound", "ResourceNotFound", "InvalidBlockList", "BlockListTooLong"}
-_EXISTS = {"BlobAlreadyExists", "ConditionNotMet", "TargetConditionNotMet"}
-_DENIED = {
-    "AuthenticationFailed",
-    "AuthorizationFailure",
-    "AuthorizationPermissionMismatch",
-    "AuthorizationProtocolMismatch",
-    "AuthorizationResourceTypeMismatch",
-    "AuthorizationServiceMismatch",
-    "AuthorizationSourceIPMismatch",
-    "InsufficientAccountPermissions",
-    "AccountIsDisabled",
-    "NoAuthenticationInformation",
-}
-_TRANSIENT = {"ServerBusy", "OperationTimedOut", "InternalError", "IngressLimitExceeded"}
+ANSWERS = AnswerTable(
+    store_missing=(
+        "{what}: container {store!r} does not exist (ckptstore never creates containers; "
+        "create it, or check the account and endpoint)"
+    ),
+    store_missing_codes=frozenset({"ContainerNotFound"}),
+    not_found=frozenset(
+        {"BlobNotFound", "ResourceNotFound", "InvalidBlockList", "BlockListTooLong"}
+    ),
+    refused=frozenset({"BlobAlreadyExists", "ConditionNotMet", "TargetConditionNotMet"}),
+    denied=frozenset(
+        {
+            "AuthenticationFailed",
+            "AuthorizationFailure",
+            "AuthorizationPermissionMismatch",
+            "AuthorizationProtocolMismatch",
+            "AuthorizationResourceTypeMismatch",
+            "AuthorizationServiceMismatch",
+            "AuthorizationSourceIPMismatch",
+            "InsufficientAccountPermissions",
+            "AccountIsDisabled",
+            "NoAuthenticationInformation",
+        }
+    ),
+    transient=frozenset(
+        {"ServerBusy", "OperationTimedOut", "InternalError", "IngressLimitExceeded"}
+    ),
+)
+"""What Azure Blob's error codes mean."""
+
+
+def _answer(exc: BaseException, what: str, container: str) -> CkptStoreError:
+    raw = getattr(exc, "error_code", None)
+    reason = getattr(exc, "message", None) or getattr(exc, "reason", None) or ""
+    return ANSWERS.error(
+        what,
+        container,
+        code=str(getattr(raw, "value", raw) or ""),  # the SDK's StorageErrorCode, or a string
+        status=int(getattr(exc, "status_code", 0) or 0),
+        reason=str(reason).strip().split("\n", 1)[0],
+    )
+
+
+def _authentication(exc: BaseException, what: str, container: str) -> CkptStoreError:
+    """401/403, or a credential that got no token (no status)."""
+    if getattr(exc, "status_code", None):
+        return _answer(exc, what, container)
+    return StorageAccessDeniedError(
+        errno.EACCES, f"{what}: no usable Azure credentials: {first_line(exc)}"
+    )
+
+
+def _broken(exc: BaseException, what: str, _container: str) -> CkptStoreError:
+    text = str(exc).lower()
+    return broken(what, exc, timeout="timed out" in text or "timeout" in text)
+
+
+AZURE_RULES: Rules = (
+    (ClientAuthenticationError, _authentication),
+    (HttpResponseError, _answer),
+    (ServiceRequestError, lambda exc, what, _: unreachable(what, exc, "Azure Blob")),
+    ((ServiceResponseError, http.client.HTTPException, ConnectionError, TimeoutError), _broken),
+    (AzureError, _broken),  # a request the SDK refused to send, or a body that broke
+)
+"""azure-core's exceptions, most specific first."""
 
 
 @contextlib.contextmanager
 def translate_azure_errors(what: str, *, container: str) -> Iterator[None]:
     """Translate azure-core errors raised inside the block into ckptstore errors naming ``what``."""
-    try:
+    with translating(AZURE_RULES, what, container):
         yield
-    except CkptStoreError:
-        raise  # translated already (a nested block)
-    except ClientAuthenticationError as exc:  # 401/403, or a credential that got no token
-        if exc.status_code:
-            raise _from_response(exc, what, container) from exc
-        raise StorageAccessDeniedError(
-            errno.EACCES, f"{what}: no usable Azure credentials: {_first_line(exc)}"
-        ) from exc
-    except HttpResponseError as exc:
-        raise _from_response(exc, what, container) from exc
-    except ServiceRequestError as exc:
-        raise TransientStorageError(
-            errno.ECONNREFUSED, f"{what}: cannot reach the Azure Blob endpoint: {_first_line(exc)}"
-        ) from exc
-    except (ServiceResponseError, http.client.HTTPException, ConnectionError, TimeoutError) as exc:
-        raise _broken(what, exc) from exc
-    except AzureError as exc:  # a request the SDK refused to send, or a body that broke
-        raise _broken(what, exc) from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().split("\n", 1)[0]
-
-
-def _broken(what: str, exc: BaseException) -> IndeterminateOutcomeError:
-    """The exchange broke after the request may have been sent: worth retrying where that is
-    safe, and for a conditional write an unknown outcome to resolve by reading back (I8)."""
-    text = str(exc).lower()
-    code = errno.ETIMEDOUT if "timed out" in text or "timeout" in text else errno.ECONNRESET
-    return IndeterminateOutcomeError(
-        code,
-        f"{what}: the connection broke ({_first_line(exc)}); the request may have taken effect",
-    )
-
-
-def _from_response(exc: HttpResponseError, what: str, container: str) -> CkptStoreError:
-    raw = getattr(exc, "error_code", None)
-    code = str(getattr(raw, "value", raw) or "")  # the SDK's StorageErrorCode, or a string
-    status = int(exc.status_code or 0)
-    reason = str(exc.message or getattr(exc, "reason", None) or "").strip().split("\n", 1)[0]
-    message = f"{what}: {code or status}: {reason}".rstrip(": ")
-    if code == "ContainerNotFound":
-        return StoreNotFoundError(
-            f"{what}: container {container!r} does not exist (ckptstore never creates "
-            f"containers; create it, or check the account and endpoint)"
-        )
-    if code in _NOT_FOUND or status == 404:
-        return ObjectNotFoundError(errno.ENOENT, message, http_status=status or None)
-    if code in _EXISTS or status == 412:
-        return PreconditionFailedError(message, http_status=status or 412)
-    if code in _DENIED or status in (401, 403):
-        return StorageAccessDeniedError(
-            errno.EACCES,
-            f"{message} (check the credentials and their permissions on {container!r})",
-            http_status=status or None,
-        )
-    if code in _TRANSIENT or status >= 500 or status in (408, 429):
-        return TransientStorageError(message, http_status=status or None)
-    return StorageError(message, http_status=status or None)
