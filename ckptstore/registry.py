@@ -44,7 +44,7 @@ _BUILTIN: Mapping[str, tuple[str, str]] = MappingProxyType(
     }
 )
 _FAMILIES: Mapping[str, tuple[str, str]] = MappingProxyType(
-    {"fsspec+": ("ckptstore.backends.fsspec:open_fsspec", "pip install 'ckptstore[fsspec]'")}
+    {"fsspec+": ("ckptstore.backends.fsspec_open:open_fsspec", "pip install 'ckptstore[fsspec]'")}
 )
 """Scheme prefixes a built-in backend opens whatever follows: ``fsspec+<protocol>``."""
 _registered: dict[str, BackendFactory] = {}

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import errno
 import io
-import logging
 import re
 import threading
 import time
@@ -30,46 +29,29 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, BinaryIO, TypeVar, cast
 
-import fsspec
-from fsspec.registry import known_implementations
 from fsspec.spec import AbstractBufferedFile
-from tenacity import (
-    Retrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_exponential,
-    wait_random,
-)
 
-from ckptstore.backends.fsspec_errors import translate_fsspec_errors
-from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
+from ckptstore.backends.fsspec_errors import FSSPEC_RULES, translate_fsspec_errors
+from ckptstore.backends.object_store import ObjectStoreBase, PutRequest
+from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.driver import (
     Buffer,
     Capability,
     ObjectInfo,
-    ObjectStoreDriver,
     PartInfo,
     PutMode,
     UploadInfo,
     UploadProgress,
-    multipart_mode,
 )
 from ckptstore.errors import (
-    BackendUnavailableError,
     CapabilityError,
     InvalidInputError,
-    InvalidOptionError,
-    InvalidURLError,
     ObjectNotFoundError,
     StoreNotFoundError,
-    TransientStorageError,
-    UnknownSchemeError,
 )
-from ckptstore.urls import StoreURL, endpoint_option, option_bool, option_int, redact
 
-__all__ = ["ATOMIC_CREATE", "FsspecDriver", "FsspecReadOnlyCommit", "open_fsspec"]
+__all__ = ["ATOMIC_CREATE", "FsspecDriver", "FsspecReadOnlyCommit"]
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SCHEME_PREFIX = "fsspec+"
@@ -115,7 +97,7 @@ def object_time(value: Any) -> float:
     return time.time()
 
 
-class FsspecDriver(ObjectStoreDriver):
+class FsspecDriver(ObjectStoreBase):
     """Object-store primitives under one root of an fsspec file system.
 
     ``atomic_create``: ``pipe_file(mode="create")`` is a single conditional request on this
@@ -124,6 +106,11 @@ class FsspecDriver(ObjectStoreDriver):
     this process, its parts written in order (s3fs has S3's own: ``S3fsDriver``).
     """
 
+    scheme = "fsspec"
+    rules = FSSPEC_RULES
+    reads_back_creates = False
+    """One request, never retried here: the commit resolves a lost answer by reading back
+    (I8); an implementation may resend a request itself (s3fs on a broken connection)."""
     max_parts = 10_000
     default_min_part_size = 1
     extra_capabilities: frozenset[Capability] = frozenset()
@@ -143,22 +130,23 @@ class FsspecDriver(ObjectStoreDriver):
         min_part_size: int | None = None,
         max_attempts: int = 4,
     ) -> None:
+        super().__init__(
+            root.strip("/").split("/", 1)[0],
+            "",
+            url=url,
+            endpoint=endpoint,
+            max_attempts=max_attempts,
+            max_delay_s=None,
+            max_wait_s=2.0,
+        )
         self.fs = fs
         self.root = root.rstrip("/")
-        self.url = url
         self.endpoint = endpoint
-        self.bucket = self.root.lstrip("/").split("/", 1)[0]
         self.implementation = implementation_name(fs)
         self.atomic_create = atomic_create
         self.unsafe = unsafe and not atomic_create
         self.refusal = None if atomic_create or unsafe else _refusal(url, self.implementation)
         self.min_part_size = min_part_size or self.default_min_part_size
-        self._retrying = Retrying(
-            retry=retry_if_exception_type(TransientStorageError),
-            stop=stop_after_attempt(max_attempts),
-            wait=wait_exponential(multiplier=0.05, max=2.0) + wait_random(0, 0.1),
-            reraise=True,
-        )
         capabilities = {Capability.STRONG_LIST_AFTER_WRITE}
         if atomic_create or unsafe:
             capabilities.add(Capability.CONDITIONAL_CREATE)
@@ -185,13 +173,13 @@ class FsspecDriver(ObjectStoreDriver):
         body = path.lstrip("/")
         return body[len(stripped) + 1 :] if body.startswith(stripped + "/") else body
 
-    def _once(self, what: str, call: Callable[[], T], *, create: bool = False) -> T:
-        with translate_fsspec_errors(f"{what} {self.url}", create=create):
-            return call()
+    def where(self) -> str:
+        return self.url
 
-    def _retried(self, what: str, call: Callable[[], T]) -> T:
-        result: T = self._retrying(self._once, what, call)
-        return result
+    def _create_once(self, what: str, call: Callable[[], T]) -> T:
+        """``call()``, a conditional create: "exists" is the refusal PreconditionFailedError."""
+        with translate_fsspec_errors(f"{what} {self.url}", create=True):
+            return call()
 
     def _writable(self, what: str) -> None:
         if self.refusal is not None:
@@ -220,10 +208,10 @@ class FsspecDriver(ObjectStoreDriver):
         if not self.bucket or self.root.startswith("/"):
             return  # a local or memory root has no bucket: its directories come with writes
         try:  # first: exists() answers False (gcsfs) or True with a warning (adlfs) on denial
-            self._retried(f"info {self.root}", lambda: self.fs.info(self.root))
+            self.retried(f"info {self.root}", lambda: self.fs.info(self.root))
         except ObjectNotFoundError:
             pass  # an empty store, or no bucket: exists() tells
-        self._bucket_found(self._retried(f"checking {self.bucket}",
+        self._bucket_found(self.retried(f"checking {self.bucket}",
                                          lambda: bool(self.fs.exists(self.bucket))))  # fmt: skip
 
     def _bucket_found(self, found: bool) -> None:
@@ -233,14 +221,9 @@ class FsspecDriver(ObjectStoreDriver):
                 f"containers or root directories; create it, or check the name and endpoint)"
             )
 
-    def put(
-        self,
-        key: str,
-        data: Buffer,
-        *,
-        mode: PutMode = PutMode.OVERWRITE,
-        metadata: Mapping[str, str] | None = None,
-    ) -> ObjectInfo:
+    def put_request(
+        self, key: str, body: bytes, mode: PutMode, metadata: Mapping[str, str] | None
+    ) -> PutRequest:
         what = f"writing {key}"
         self._writable(what)
         if mode.kind == "update":
@@ -248,21 +231,24 @@ class FsspecDriver(ObjectStoreDriver):
                 f"{self.url}: fsspec has no compare-and-swap (If-Match); {key} cannot be "
                 f"updated conditionally"
             )
-        body = bytes(data)
         kwargs = {self.metadata_argument: dict(metadata)} if metadata else {}
         path = self._path(key, writing=True)
-        written: Any
         if mode.kind == "create":
-            # One request, never retried here: the commit resolves a lost answer by reading
-            # back (I8). Never open(path, "xb"): s3fs writes a 0-byte "xb" file with a plain
-            # PutObject that overwrites.
-            written = self._once(
+            # Never open(path, "xb"): s3fs writes a 0-byte "xb" file with a plain PutObject
+            # that overwrites.
+            return PutRequest(
                 f"{what} (create)",
-                lambda: self.fs.pipe_file(path, body, mode="create", **kwargs),
-                create=True,
-            )
-        else:
-            written = self._retried(what, lambda: self.fs.pipe_file(path, body, **kwargs))
+                lambda: self._written(key, body, self._create_once(
+                    f"{what} (create)",
+                    lambda: self.fs.pipe_file(path, body, mode="create", **kwargs),
+                )),
+            )  # fmt: skip
+        return PutRequest(
+            what, lambda: self._written(key, body, self.fs.pipe_file(path, body, **kwargs))
+        )
+
+    def _written(self, key: str, body: bytes, written: Any) -> ObjectInfo:
+        """What a write made, from its answer (s3fs, adlfs) or a HEAD after it."""
         if isinstance(written, Mapping) and (written.get("ETag") or written.get("etag")):
             return self._info(key, {**written, "size": len(body)})  # s3fs, adlfs: no HEAD
         try:
@@ -270,7 +256,7 @@ class FsspecDriver(ObjectStoreDriver):
         except ObjectNotFoundError:  # deleted meanwhile: what we wrote is still what we know
             return ObjectInfo(key, len(body), "", time.time())
 
-    def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
+    def read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
         self._no_versions(version_id)
         with self.open_read(key) as stream:
             data = stream.read()
@@ -283,7 +269,7 @@ class FsspecDriver(ObjectStoreDriver):
         self._no_versions(version_id)
         path = self._path(key)
         what = f"reading {key}"
-        handle = self._retried(what, lambda: self.fs.open(path, "rb"))
+        handle = self.retried(what, lambda: self.fs.open(path, "rb"))
         details = getattr(handle, "details", None)
         if isinstance(details, Mapping) and (
             details.get("type") == "directory" or details.get("size") is None
@@ -295,7 +281,7 @@ class FsspecDriver(ObjectStoreDriver):
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
         self._no_versions(version_id)
         path = self._path(key)
-        details = self._retried(f"info {key}", lambda: self.fs.info(path))
+        details = self.retried(f"info {key}", lambda: self.fs.info(path))
         if details.get("type") == "directory":
             if key.endswith("/"):  # gcsfs and adlfs show a marker object "x/" as a directory
                 return ObjectInfo(key, 0, "", object_time(details.get("updated")))
@@ -307,7 +293,7 @@ class FsspecDriver(ObjectStoreDriver):
         self._no_versions(version_id)
         path = self._path(key)
         try:
-            self._retried(f"deleting {key}", lambda: self.fs.rm_file(path))
+            self.retried(f"deleting {key}", lambda: self.fs.rm_file(path))
         except ObjectNotFoundError:
             return  # already gone: a delete is idempotent, as on S3
 
@@ -316,7 +302,7 @@ class FsspecDriver(ObjectStoreDriver):
         directory the prefix names, filtered (a listing, trusted only to say what to look at)."""
         directory = prefix.rpartition("/")[0]
         base = self._path(directory) if directory else self.root
-        found = self._retried(
+        found = self.retried(
             f"listing {prefix or '/'}", lambda: self.fs.find(base, detail=True, withdirs=False)
         )
         infos = []
@@ -340,9 +326,6 @@ class FsspecDriver(ObjectStoreDriver):
     def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:
         yield from self.list(prefix)  # no versions: each object is its only version
 
-    def bucket_versioning(self) -> str:
-        return ""
-
     @staticmethod
     def _no_versions(version_id: str | None) -> None:
         if version_id is not None:
@@ -354,7 +337,7 @@ class FsspecDriver(ObjectStoreDriver):
         self._writable(f"uploading {key}")
         path = self._path(key, writing=True)
         kwargs = {self.metadata_argument: dict(metadata)} if metadata else {}
-        handle = self._once(f"opening {key} for writing", lambda: self.fs.open(path, "wb",
+        handle = self.once(f"opening {key} for writing", lambda: self.fs.open(path, "wb",
                                                                              **kwargs))  # fmt: skip
         if isinstance(handle, AbstractBufferedFile):
             handle._unclosable = True  # noqa: SLF001  only complete_multipart commits it
@@ -384,22 +367,16 @@ class FsspecDriver(ObjectStoreDriver):
                     f"{self.url}/{key}: part {part_number} out of order (a stream takes its "
                     f"parts one after another; the next is {stream.parts + 1})"
                 )
-            self._once(f"writing {key} part {part_number}", lambda: stream.handle.write(data))
+            self.once(f"writing {key} part {part_number}", lambda: stream.handle.write(data))
             stream.parts += 1
             stream.size += len(data)
             stream.last_activity = time.time()
         return PartInfo(part_number, f"stream-{part_number}", len(data))
 
-    def complete_multipart(
-        self,
-        key: str,
-        upload_id: str,
-        parts: Sequence[PartInfo],
-        *,
-        mode: PutMode = PutMode.OVERWRITE,
+    def complete(
+        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create: bool
     ) -> ObjectInfo:
-        mode = multipart_mode(mode)
-        if mode.kind == "create":
+        if create:
             raise CapabilityError(
                 f"{self.url}: a streamed write through fsspec cannot be completed "
                 f"conditionally (no conditional multipart completion)"
@@ -410,14 +387,14 @@ class FsspecDriver(ObjectStoreDriver):
         with _STREAMS_LOCK:
             _STREAMS.pop(upload_id, None)
         stream.handle._unclosable = False  # noqa: SLF001
-        self._once(f"closing {key}", stream.handle.close)
+        self.once(f"closing {key}", stream.handle.close)
         return self.head(key)
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         stream = self._stream(key, upload_id)
         with _STREAMS_LOCK:
             _STREAMS.pop(upload_id, None)
-        self._once(f"abandoning the write of {key}", lambda: _discard(self.fs, stream))
+        self.once(f"abandoning the write of {key}", lambda: _discard(self.fs, stream))
 
     def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
         # a prefix, not a key: it may end in '/' (which no key may)
@@ -537,132 +514,3 @@ def _refusal(url: str, implementation: str) -> str:
         f"knowing that concurrent writers can overwrite each other's checkpoints, pass "
         f"{UNSAFE_OPTION}=true"
     )
-
-
-# -- opening ---------------------------------------------------------------------------
-
-
-def protocol_of(url: StoreURL) -> str:
-    """The fsspec protocol of an ``fsspec+<protocol>://`` URL, known to fsspec."""
-    protocol = url.scheme[len(SCHEME_PREFIX) :] if url.scheme.startswith(SCHEME_PREFIX) else ""
-    if not protocol:
-        raise InvalidURLError(f"{url.shown}: expected fsspec+<protocol>://..., e.g. fsspec+s3://")
-    if protocol not in fsspec.available_protocols():
-        raise UnknownSchemeError(
-            f"{url.shown}: fsspec knows no protocol {protocol!r}; fsspec's protocols: "
-            f"{', '.join(sorted(fsspec.available_protocols()))}"
-        )
-    return protocol
-
-
-def _filesystem_class(protocol: str) -> type:
-    try:
-        klass: type = fsspec.get_filesystem_class(protocol)
-    except ImportError as exc:
-        spec = known_implementations.get(protocol, {})
-        package = str(spec.get("class", protocol)).split(".", 1)[0]
-        raise BackendUnavailableError(
-            f"fsspec+{protocol}:// needs {package}, which is not installed: "
-            f"{INSTALL_HINT} {package} ({exc})"
-        ) from exc
-    return klass
-
-
-def _storage_options(url: StoreURL, options: Mapping[str, object], protocol: str) -> dict[str, Any]:
-    """What goes to ``fsspec.filesystem``: every option but ckptstore's own; URL strings
-    ``true``/``false`` and integers become bool and int. Listing caches are off (a cached
-    listing would hide other writers' objects)."""
-    leaked = sorted(set(url.query) & SECRET_OPTIONS)
-    if leaked:
-        raise InvalidOptionError(
-            f"credentials ({', '.join(leaked)}) do not belong in a URL, where they end up in "
-            f"logs; pass them as keyword arguments or through the implementation's own chain"
-        )
-    endpoint_option(options)  # an endpoint with user:password@: refused, never logged
-    storage: dict[str, Any] = {"use_listings_cache": False}
-    if protocol in ("file", "local"):
-        storage["auto_mkdir"] = True
-    if protocol in ("s3", "s3a") and "config_kwargs" not in options:
-        # botocore's own retries off (s3fs keeps its few): a conditional put resent blindly
-        # comes back as a refusal of our own write, and an unreachable endpoint fails fast.
-        storage["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"}}
-    for name, value in options.items():
-        if name in CKPTSTORE_OPTIONS:
-            continue
-        if name in url.query and isinstance(value, str):
-            lowered = value.lower()
-            if lowered in ("true", "false"):
-                value = lowered == "true"
-            elif value.isdigit():
-                value = int(value)
-        storage[name] = value
-    return storage
-
-
-def _endpoint(storage: Mapping[str, Any]) -> str:
-    for name in ("endpoint_url", "account_host", "account_name", "host"):
-        if storage.get(name):
-            return str(storage[name])
-    client_kwargs = storage.get("client_kwargs")
-    if isinstance(client_kwargs, Mapping) and client_kwargs.get("endpoint_url"):
-        return str(client_kwargs["endpoint_url"])
-    connection = str(storage.get("connection_string") or "")
-    for field in connection.split(";"):  # the endpoint only, never the key
-        if field.startswith("BlobEndpoint="):
-            return field.partition("=")[2]
-    return ""
-
-
-def make_driver(url: StoreURL, options: Mapping[str, object]) -> FsspecDriver:
-    """An FsspecDriver for an ``fsspec+<protocol>://`` URL and options."""
-    protocol = protocol_of(url)
-    _filesystem_class(protocol)  # a missing implementation package: its own clear error
-    storage = _storage_options(url, options, protocol)
-    try:
-        fs = fsspec.filesystem(protocol, **storage)
-    except (TypeError, ValueError) as exc:
-        raise InvalidOptionError(f"{url.shown}: storage options for {protocol}: {exc}") from exc
-    location = f"{url.netloc}{url.path}".rstrip("/")
-    root = str(fsspec.core.strip_protocol(f"{protocol}://{location}")).rstrip("/")
-    if not root.strip("/") and protocol not in ("file", "local", "memory"):
-        raise InvalidURLError(f"{url.shown}: no bucket or container in the URL")
-    implementation = implementation_name(fs)
-    unsafe = option_bool(options, UNSAFE_OPTION, False)
-    atomic = implementation in ATOMIC_CREATE
-    if unsafe and not atomic:
-        log.warning("%s: %s: writing although create-if-absent is not atomic there", url.shown,
-                    UNSAFE_OPTION)  # fmt: skip
-    min_part = options.get("min_part_size")
-    driver_class = FsspecDriver
-    if implementation == S3FS:
-        from ckptstore.backends.fsspec_s3 import S3fsDriver
-
-        driver_class = S3fsDriver
-    return driver_class(
-        fs,
-        root,
-        url=redact(f"{url.scheme}://{location}"),
-        endpoint=_endpoint(storage),
-        atomic_create=atomic,
-        unsafe=unsafe,
-        min_part_size=option_int(options, "min_part_size", 1, minimum=1) if min_part else None,
-        max_attempts=option_int(options, "max_attempts", 4, minimum=1),
-    )
-
-
-def open_fsspec(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:
-    """Open an ``fsspec+<protocol>://path`` store: FsspecDriver + ConditionalPutCommit.
-
-    Read-only (``FsspecReadOnlyCommit``) on an implementation whose create is not atomic,
-    unless ``unsafe_non_atomic_create=true``. Streamed shards (every implementation but s3fs)
-    are written one part after another: ``concurrency`` applies to s3fs's multipart only.
-    """
-    driver = make_driver(url, options)
-    part_size = option_int(
-        options, "part_size", max(DEFAULT_PART_SIZE, driver.min_part_size), minimum=1
-    )
-    concurrency = option_int(options, "concurrency", 8, minimum=1)
-    if Capability.MULTIPART not in driver.capabilities:
-        concurrency = 1  # a stream takes its parts in order
-    commit = FsspecReadOnlyCommit if driver.refusal is not None else ConditionalPutCommit
-    return commit(driver, part_size=part_size, concurrency=concurrency)

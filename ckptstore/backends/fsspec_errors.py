@@ -17,8 +17,8 @@ import contextlib
 import errno
 from collections.abc import Iterator
 
+from ckptstore.backends.error_table import Rules, translating
 from ckptstore.errors import (
-    CkptStoreError,
     IndeterminateOutcomeError,
     ObjectNotFoundError,
     PreconditionFailedError,
@@ -27,7 +27,7 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 
-__all__ = ["http_status", "translate_fsspec_errors"]
+__all__ = ["FSSPEC_RULES", "http_status", "translate_fsspec_errors"]
 
 _NOT_SENT = {
     "EndpointConnectionError",  # botocore (s3fs)
@@ -78,6 +78,11 @@ def http_status(exc: BaseException) -> int | None:
     return None
 
 
+FSSPEC_RULES: Rules = ((Exception, lambda exc, what, _: _translate(exc, what, create=False)),)
+"""Every exception, by what it says of itself (implementations are recognised by name)."""
+_CREATE_RULES: Rules = ((Exception, lambda exc, what, _: _translate(exc, what, create=True)),)
+
+
 @contextlib.contextmanager
 def translate_fsspec_errors(what: str, *, create: bool = False) -> Iterator[None]:
     """Translate an fsspec implementation's errors raised inside the block, naming ``what``.
@@ -85,15 +90,11 @@ def translate_fsspec_errors(what: str, *, create: bool = False) -> Iterator[None
     ``create``: the block is a conditional create, where "exists" (FileExistsError, HTTP 412, or
     Azure's 409 ``BlobAlreadyExists``) is the refusal ``PreconditionFailedError``.
     """
-    try:
+    with translating(_CREATE_RULES if create else FSSPEC_RULES, what, ""):
         yield
-    except CkptStoreError:
-        raise  # translated already; an OSError subclass, but not an implementation's
-    except Exception as exc:
-        raise _translate(exc, what, create) from exc
 
 
-def _translate(exc: Exception, what: str, create: bool) -> StorageError:
+def _translate(exc: BaseException, what: str, *, create: bool) -> StorageError:
     status = http_status(exc)
     names = set().union(*(_names(link) for link in _chain(exc)))
     message = f"{what}: {type(exc).__name__}: {exc}"

@@ -20,10 +20,8 @@ from ckptstore.driver import (
     Capability,
     ObjectInfo,
     PartInfo,
-    PutMode,
     UploadInfo,
     UploadProgress,
-    multipart_mode,
 )
 from ckptstore.errors import ObjectNotFoundError
 
@@ -52,7 +50,7 @@ class S3fsDriver(FsspecDriver):
     def check_bucket(self) -> None:
         """HeadBucket: s3fs's ``exists`` answers False for any error, bad credentials too."""
         try:
-            found = self._retried(
+            found = self.retried(
                 f"HeadBucket {self.bucket}",
                 lambda: bool(self.fs.call_s3("head_bucket", Bucket=self.bucket)),
             )
@@ -63,7 +61,7 @@ class S3fsDriver(FsspecDriver):
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
         self._no_versions(version_id)
         bucket, full = self._split(key)
-        answer = self._retried(
+        answer = self.retried(
             f"HeadObject {key}", lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=full)
         )
         return self._info(key, {**answer, "size": answer.get("ContentLength", 0)})
@@ -74,7 +72,7 @@ class S3fsDriver(FsspecDriver):
         if start_after is not None:
             args["StartAfter"] = self._split(start_after)[1]
         while True:
-            page = self._retried(
+            page = self.retried(
                 f"ListObjectsV2 {prefix}", lambda: self.fs.call_s3("list_objects_v2", **args)
             )
             for item in page.get("Contents", []):
@@ -90,7 +88,7 @@ class S3fsDriver(FsspecDriver):
         args: dict[str, Any] = {"Bucket": bucket, "Key": full}
         if metadata:
             args["Metadata"] = dict(metadata)
-        response = self._retried(
+        response = self.retried(
             f"CreateMultipartUpload {key}",
             lambda: self.fs.call_s3("create_multipart_upload", **args),
         )
@@ -99,38 +97,31 @@ class S3fsDriver(FsspecDriver):
     def upload_part(self, key: str, upload_id: str, part_number: int, data: Buffer) -> PartInfo:
         args = {**self._upload_args(key, upload_id), "PartNumber": part_number,
                 "Body": bytes(data)}  # fmt: skip
-        response = self._retried(
+        response = self.retried(
             f"UploadPart {key} #{part_number}", lambda: self.fs.call_s3("upload_part", **args)
         )
         return PartInfo(part_number, str(response["ETag"]), len(data))
 
-    def complete_multipart(
-        self,
-        key: str,
-        upload_id: str,
-        parts: Sequence[PartInfo],
-        *,
-        mode: PutMode = PutMode.OVERWRITE,
+    def complete(
+        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create: bool
     ) -> ObjectInfo:
         """CompleteMultipartUpload, once: a retry after a lost answer finds no upload; the
-        protocol reads back (I8). ``PutMode.CREATE`` sends ``If-None-Match: *``."""
-        mode = multipart_mode(mode)
+        protocol reads back (I8). A create sends ``If-None-Match: *``."""
         args = self._upload_args(key, upload_id)
         args["MultipartUpload"] = {
             "Parts": [{"PartNumber": p.part_number, "ETag": p.etag} for p in parts]
         }
-        if mode.kind == "create":
+        what = f"CompleteMultipartUpload {key}"
+        call = self.once
+        if create:
             args["IfNoneMatch"] = "*"
-        self._once(
-            f"CompleteMultipartUpload {key}",
-            lambda: self.fs.call_s3("complete_multipart_upload", **args),
-            create=mode.kind == "create",
-        )
+            call = self._create_once
+        call(what, lambda: self.fs.call_s3("complete_multipart_upload", **args))
         return self.head(key)
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         args = self._upload_args(key, upload_id)
-        self._retried(
+        self.retried(
             f"AbortMultipartUpload {key}",
             lambda: self.fs.call_s3("abort_multipart_upload", **args),
         )
@@ -139,7 +130,7 @@ class S3fsDriver(FsspecDriver):
         bucket, full = self._split(prefix)
         args: dict[str, Any] = {"Bucket": bucket, "Prefix": full}
         while True:
-            page = self._retried(
+            page = self.retried(
                 "ListMultipartUploads", lambda: self.fs.call_s3("list_multipart_uploads", **args)
             )
             for upload in page.get("Uploads", []):
@@ -157,7 +148,7 @@ class S3fsDriver(FsspecDriver):
         args: dict[str, Any] = self._upload_args(upload.key, upload.upload_id)
         newest, size, count = upload.initiated, 0, 0
         while True:
-            page = self._retried(
+            page = self.retried(
                 f"ListParts {upload.key}", lambda: self.fs.call_s3("list_parts", **args)
             )
             for part in page.get("Parts", []):

@@ -88,6 +88,9 @@ class ObjectStoreBase(ObjectStoreDriver):
     """The status of the storage's refusal of a conditional create."""
     reader_threads: ClassVar[str] = "ckptstore-read"
     """The name of the threads that read ahead (``executor``)."""
+    reads_back_creates: ClassVar[bool] = True
+    """A create whose outcome is unknown is resolved here by reading back (``resolve_create``);
+    False: it is sent once, and its IndeterminateOutcomeError left to the protocol (I8)."""
 
     def __init__(
         self,
@@ -131,9 +134,13 @@ class ObjectStoreBase(ObjectStoreDriver):
 
     # -- calls: translated, retried ------------------------------------------------------
 
+    def where(self) -> str:
+        """The storage, as errors name it."""
+        return f"{self.scheme}://{self.bucket}"
+
     def once(self, what: str, call: Callable[[], T]) -> T:
         """``call()`` once, its errors translated (naming ``what`` and the bucket)."""
-        with translating(self.rules, f"{what} {self.scheme}://{self.bucket}", self.bucket):
+        with translating(self.rules, f"{what} {self.where()}", self.bucket):
             return call()
 
     def retried(self, what: str, call: Callable[[], T]) -> T:
@@ -198,7 +205,7 @@ class ObjectStoreBase(ObjectStoreDriver):
         whose answer was lost surfaces as IndeterminateOutcomeError: the protocol reads back)."""
         body = bytes(data)
         request = self.put_request(key, body, mode, metadata)
-        if mode.kind == "create" and not self.raw_conditionals:
+        if mode.kind == "create" and self.reads_back_creates and not self.raw_conditionals:
             return self.resolve_create(
                 request.what, request.send, lambda: self.read_back(key, body)
             )
