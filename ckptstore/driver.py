@@ -35,9 +35,11 @@ __all__ = [  # the errors a driver raises are part of its interface
     "Buffer",
     "BytesLike",
     "Capability",
+    "ClosableDriver",
     "DriverFamily",
     "FileStat",
     "FileSystemDriver",
+    "IdentifiedStorage",
     "IndeterminateOutcomeError",
     "ObjectInfo",
     "ObjectNotFoundError",
@@ -367,6 +369,33 @@ class RangedReadDriver(ObjectStoreDriver, Protocol):
         the driver's attempts (TransientStorageError after them). A range past the object's
         end raises StorageError. Returns the object's info (``size``: the whole object's).
         """
+
+
+@runtime_checkable
+class IdentifiedStorage(Protocol):
+    """A driver that says which storage it writes to, whatever its key prefix.
+
+    Optional: what a process learns of a storage once (whether it honours conditional
+    create) is kept per ``(driver type, *storage_identity)``; a driver without it is known
+    by its URL, so such a fact is learnt again for every prefix.
+    """
+
+    storage_identity: tuple[str, str]
+    """(endpoint, bucket): where requests go, and the bucket (container) they name."""
+
+
+@runtime_checkable
+class ClosableDriver(Protocol):
+    """An object-store driver that holds resources (threads, a shared client's connections)
+    until it is closed.
+
+    Optional: the strategy over it closes it when closed itself (``Store.close`` ->
+    ``CommitStrategy.close`` -> ``close``), and the driver may be used again afterwards,
+    starting what it needs afresh. (A file-system driver's ``close`` closes a file handle.)
+    """
+
+    def close(self) -> None:
+        """Release the driver's resources."""
 
 
 def multipart_mode(mode: PutMode) -> PutMode:

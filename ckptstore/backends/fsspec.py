@@ -139,6 +139,7 @@ class FsspecDriver(ObjectStoreBase):
             max_delay_s=None,
             max_wait_s=2.0,
         )
+        self.bucket = self.bucket_name
         self.fs = fs
         self.root = root.rstrip("/")
         self.endpoint = endpoint

@@ -163,6 +163,7 @@ class GCSDriver(ObjectStoreBase):
             max_delay_s=max_delay_s,
             read_concurrency=read_concurrency,
         )
+        self.bucket = bucket
         self.client = client
         self.http = http
         """The authorized requests session the client uses, for ranged reads (None: the

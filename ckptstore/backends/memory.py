@@ -20,18 +20,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from ckptstore.backends.object_store import ObjectStoreBase, PutRequest
 from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
 from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.driver import (
     Buffer,
     Capability,
     ObjectInfo,
-    ObjectStoreDriver,
     PartInfo,
     PutMode,
     UploadInfo,
     UploadProgress,
-    multipart_mode,
 )
 from ckptstore.errors import (
     InvalidOptionError,
@@ -186,21 +185,22 @@ def drop_bucket(name: str) -> None:
         _BUCKETS.pop(name, None)
 
 
-class MemoryDriver(ObjectStoreDriver):
+class MemoryDriver(ObjectStoreBase):
     """Object-store primitives on a MemoryBucket under a key prefix."""
 
+    scheme = "memory"
     max_parts = S3_MAX_PARTS
     process_local = True
     """Its data lives in this process: another process that opens the URL sees an empty bucket."""
 
     def __init__(self, bucket: MemoryBucket, prefix: str = "") -> None:
+        super().__init__(bucket.name, prefix, url=None)
         self.bucket = bucket
+        self.storage_identity = ("", f"{bucket.name}#{id(bucket)}")  # in-process: this one
         self.clock: Clock | None = None
         """Where this driver's writes take their timestamps (None: the bucket's clock). The
         conformance suite sets its own, so that the time it makes pass passes for the storage
         too."""
-        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        self.url = f"memory://{bucket.name}/{self.prefix}".rstrip("/")
         if bucket.versioned:
             self.url = "memory+versioned" + self.url[len("memory") :]
         self.min_part_size = bucket.min_part_size
@@ -237,22 +237,19 @@ class MemoryDriver(ObjectStoreDriver):
             if _BUCKETS.get(self.bucket.name) is not self.bucket:
                 raise StoreNotFoundError(f"memory://{self.bucket.name}: bucket was dropped")
 
-    def put(
-        self,
-        key: str,
-        data: Buffer,
-        *,
-        mode: PutMode = PutMode.OVERWRITE,
-        metadata: Mapping[str, str] | None = None,
-    ) -> ObjectInfo:
-        body = bytes(data)
-        full = self.prefix + key
-        with self.bucket.lock:
-            self.bucket.check_conditions(full, mode)
-            stored = self.bucket.store(full, body, _etag(body), metadata, now=self._now())
-            return self._info(key, stored)
+    def put_request(
+        self, key: str, body: bytes, mode: PutMode, metadata: Mapping[str, str] | None
+    ) -> PutRequest:
+        def store() -> ObjectInfo:
+            full = self.full(key)
+            with self.bucket.lock:
+                self.bucket.check_conditions(full, mode)
+                stored = self.bucket.store(full, body, _etag(body), metadata, now=self._now())
+                return self._info(key, stored)
 
-    def get(self, key: str, *, version_id: str | None = None) -> tuple[bytes, ObjectInfo]:
+        return PutRequest(f"PutObject {key}", store)
+
+    def read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
         with self.bucket.lock:
             version = self.bucket.find(self.prefix + key, version_id)
             return version.data, self._info(key, version)
@@ -329,15 +326,10 @@ class MemoryDriver(ObjectStoreDriver):
             upload.part_times[part_number] = self._now()
         return PartInfo(part_number=part_number, etag=etag, size=len(body))
 
-    def complete_multipart(
-        self,
-        key: str,
-        upload_id: str,
-        parts: Sequence[PartInfo],
-        *,
-        mode: PutMode = PutMode.OVERWRITE,
+    def complete(
+        self, key: str, upload_id: str, parts: Sequence[PartInfo], *, create: bool
     ) -> ObjectInfo:
-        multipart_mode(mode)
+        mode = PutMode.CREATE if create else PutMode.OVERWRITE
         with self.bucket.lock:
             upload = self._upload(key, upload_id)
             numbers = [p.part_number for p in parts]

@@ -104,7 +104,7 @@ class ObjectStoreBase(ObjectStoreDriver):
         max_wait_s: float = 5.0,
         read_concurrency: int = 8,
     ) -> None:
-        self.bucket = bucket
+        self.bucket_name = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.url = url or f"{self.scheme}://{bucket}/{self.prefix}".rstrip("/")
         self.max_attempts = max_attempts
@@ -136,11 +136,11 @@ class ObjectStoreBase(ObjectStoreDriver):
 
     def where(self) -> str:
         """The storage, as errors name it."""
-        return f"{self.scheme}://{self.bucket}"
+        return f"{self.scheme}://{self.bucket_name}"
 
     def once(self, what: str, call: Callable[[], T]) -> T:
         """``call()`` once, its errors translated (naming ``what`` and the bucket)."""
-        with translating(self.rules, f"{what} {self.where()}", self.bucket):
+        with translating(self.rules, f"{what} {self.where()}", self.bucket_name):
             return call()
 
     def retried(self, what: str, call: Callable[[], T]) -> T:
@@ -183,7 +183,7 @@ class ObjectStoreBase(ObjectStoreDriver):
         except ObjectNotFoundError as exc:  # some answer a bare 404, without a code
             noun = self.store_noun
             raise StoreNotFoundError(
-                f"{self.url}: {noun} {self.bucket!r} does not exist (ckptstore never creates "
+                f"{self.url}: {noun} {self.bucket_name!r} does not exist (ckptstore never creates "
                 f"{noun}s; {self.store_hint})"
             ) from exc
 

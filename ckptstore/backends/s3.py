@@ -154,6 +154,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
             max_attempts=max_attempts,
             max_delay_s=max_delay_s,
         )
+        self.bucket = bucket
         self.client = client
         self.min_part_size = min_part_size
         self.checksums = checksums

@@ -40,10 +40,13 @@ from ckptstore.commit.base import (
 from ckptstore.driver import (
     Buffer,
     Capability,
+    ClosableDriver,
+    IdentifiedStorage,
     ObjectInfo,
     ObjectStoreDriver,
     PartInfo,
     PutMode,
+    RangedReadDriver,
     UploadInfo,
     UploadProgress,
 )
@@ -216,16 +219,13 @@ def _manifest_entry(key: str) -> list[tuple[int, int]]:
 
 
 def _storage_identity(driver: ObjectStoreDriver) -> tuple[str, str, str]:
-    """The storage a driver writes to: its type, its endpoint and its bucket."""
+    """The storage a driver writes to: its type, and its endpoint and bucket if it declares
+    them (``IdentifiedStorage``), else its URL."""
     kind = f"{type(driver).__module__}.{type(driver).__qualname__}"
-    bucket: object = getattr(driver, "bucket", None)
-    if bucket is None:
-        return kind, "", driver.url
-    client_meta = getattr(getattr(driver, "client", None), "meta", None)
-    endpoint = str(getattr(client_meta, "endpoint_url", "") or getattr(driver, "endpoint", ""))
-    if isinstance(bucket, str):
+    if isinstance(driver, IdentifiedStorage):
+        endpoint, bucket = driver.storage_identity
         return kind, endpoint, bucket
-    return kind, endpoint, f"{getattr(bucket, 'name', '')}#{id(bucket)}"  # in-process buckets
+    return kind, "", driver.url
 
 
 _CONDITIONAL_CREATE = _ConditionalCreateChecks()
@@ -460,11 +460,14 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         }
 
     def close(self) -> None:
-        """Wait for part uploads under way, then stop the upload threads."""
+        """Wait for part uploads under way, stop the upload threads, then close the driver
+        (``ClosableDriver``: its threads, its hold on a shared client's connections)."""
         with self._executor_lock:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        if isinstance(self.driver, ClosableDriver):
+            self.driver.close()
 
     def open_root(self, *, create: bool) -> None:
         """Check the bucket is there; writes nothing (read-only credentials can open).
@@ -916,9 +919,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     def open_shard_ranges(self, manifest: Manifest, record: ShardRecord) -> ShardRanges | None:
         """The shard's object pinned by its ETag (and version, if recorded) from one HEAD;
         None if the driver reads no ranges or the storage gives no ETag to pin by."""
-        read_range = getattr(self.driver, "read_range", None)
-        if read_range is None:
+        if not isinstance(self.driver, RangedReadDriver):
             return None
+        read_range = self.driver.read_range
         key, version = record.locator["key"], record.locator.get("version_id")
         try:
             info = self.driver.head(key, version_id=version)
