@@ -154,7 +154,8 @@ class Store:
         return f"<Store {self.url} ({self.strategy.name})>"
 
     def close(self) -> None:
-        """Release the threads this store holds (part uploads); never loses a checkpoint.
+        """Release what this store holds (upload and reader threads, its hold on a shared
+        client's connections: strategy, then driver); never loses a checkpoint.
 
         Call it when a pending checkpoint is no longer being written: a published checkpoint
         stays published, and an unpublished attempt is left for GC, as after a crash. A

@@ -1,19 +1,24 @@
-"""What a store holds is released: threads at close, no secret kept as a cache key, and a
-file system's renameat2 support known per file system, not per process."""
+"""What a store holds is released: threads and connections at close (a thousand stores opened
+and closed leave nothing behind), no secret kept as a cache key, and a file system's
+renameat2 support known per file system, not per process."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import gc
+import itertools
 import os
 import threading
+import tracemalloc
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.backends import s3
+from ckptstore.backends import memory, s3
 from ckptstore.backends.memory import drop_bucket
 from ckptstore.backends.posix import PosixDriver
 
@@ -112,3 +117,77 @@ def test_renameat2_support_is_known_per_file_system(
     assert PosixDriver._renameat2_works == {-101: False, -102: True}
     tried = [call.rsplit("/", 1)[-1] for call in fake.calls]
     assert tried == ["a", "a", "b"]  # refused once there, then not tried; tried here
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _held(prefix: str = "ckptstore") -> tuple[int, int]:
+    """Threads of ckptstore's, and open file descriptors (sockets among them)."""
+    gc.collect()
+    return _threads(prefix), _open_fds()
+
+
+def _open_and_close_stores(
+    url: str, options: dict[str, Any], count: int, save_every: int, steps: Iterator[int]
+) -> None:
+    for number in range(count):
+        store = ckptstore.open(url, **options)
+        try:
+            if number % save_every == 0:
+                _save_streamed(store, next(steps))  # upload threads, connections
+            else:
+                assert store.latest() is not None  # a read: a connection
+        finally:
+            store.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "count"),
+    [
+        ("file", 1000),
+        ("memory", 1000),
+        pytest.param("s3", 200, marks=pytest.mark.slow),
+        pytest.param("gs", 200, marks=pytest.mark.slow),  # keeps connections alive
+    ],
+)
+def test_opening_and_closing_stores_holds_nothing_more(
+    kind: str, count: int, tmp_path: Any, memory_url: str, request: pytest.FixtureRequest
+) -> None:
+    """Stores opened and closed one after another leave no thread, no socket or file, and
+    no memory behind: what a store's driver holds (a shared client's connections, reader
+    threads) is released by Store.close."""
+    options: dict[str, Any] = {}
+    if kind == "file":
+        url = f"file://{tmp_path}/store"
+    elif kind == "memory":
+        url = memory_url
+    elif kind == "gs":
+        url = request.getfixturevalue("fake_gcs").url(f"lifetimes-{os.getpid()}", concurrency=4)
+    else:
+        server = request.getfixturevalue("moto_s3")
+        url = server.url(f"lifetimes-{os.getpid()}", concurrency=4, part_size=server.min_part_size)
+        options = {"aws_access_key_id": "x", "aws_secret_access_key": "y"}
+    steps = itertools.count(1)
+    threads, fds = _held()
+    _open_and_close_stores(url, options, 10, 5, steps)  # caches filled, first-use work done
+    assert _held() == (threads, fds)  # a client outlives its stores, its connections do not
+    tracemalloc.start()
+    try:
+        _open_and_close_stores(url, options, 10, 5, steps)
+        before = tracemalloc.get_traced_memory()[0] - _bytes_in_memory_buckets()
+        _open_and_close_stores(url, options, count, 50, steps)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - _bytes_in_memory_buckets() - before
+    finally:
+        tracemalloc.stop()
+    assert _held() == (threads, fds)
+    assert grown < 64 * count, f"{grown} bytes more after {count} stores"
+
+
+def _bytes_in_memory_buckets() -> int:
+    """The checkpoints' bytes that memory:// buckets hold: data, not a leak."""
+    with memory._BUCKETS_LOCK:
+        buckets = list(memory._BUCKETS.values())
+    return sum(len(v.data) for b in buckets for vs in b.objects.values() for v in vs)
