@@ -16,12 +16,16 @@ from typing import Any, BinaryIO, cast
 from minimal_service import MinimalService, ServiceError, Stored
 
 from ckptstore.backends.error_table import AnswerTable, Rules, broken, translating
-from ckptstore.backends.object_store import ObjectReplacedError, ObjectStoreBase, PutRequest
+from ckptstore.backends.object_store import (
+    S3_LIKE,
+    ObjectReplacedError,
+    ObjectStoreBase,
+    PutRequest,
+)
 from ckptstore.backends.resuming_reader import ResumingReader
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.driver import (
     Buffer,
-    Capability,
     ObjectInfo,
     PartInfo,
     PutMode,
@@ -56,14 +60,7 @@ class MinimalDriver(ObjectStoreBase):
     rules = RULES
     max_parts = 10_000
     min_part_size = 1
-    capabilities = frozenset(
-        {
-            Capability.CONDITIONAL_CREATE,
-            Capability.COMPARE_AND_SWAP,
-            Capability.MULTIPART,
-            Capability.STRONG_LIST_AFTER_WRITE,
-        }
-    )
+    capabilities = S3_LIKE
 
     def __init__(self, service: MinimalService, bucket: str, prefix: str) -> None:
         super().__init__(bucket, prefix, url=None, max_attempts=5, max_delay_s=10.0)

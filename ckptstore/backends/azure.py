@@ -37,9 +37,15 @@ from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient
 
 from ckptstore.backends.azure_errors import AZURE_RULES
 from ckptstore.backends.client_cache import ClientCache
-from ckptstore.backends.object_store import Holder, ObjectStoreBase, PutRequest
+from ckptstore.backends.object_store import S3_LIKE, Holder, ObjectStoreBase, PutRequest
 from ckptstore.backends.range_reader import RangeReader, SharedRanges
-from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
+from ckptstore.backends.transfer_options import (
+    TRANSFER_OPTIONS,
+    TransferOptions,
+    pooled,
+    refuse_credentials_in_url,
+)
+from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.driver import (
     Buffer,
     Capability,
@@ -58,7 +64,7 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
-from ckptstore.urls import StoreURL, endpoint_option, option_bool, option_int, redact
+from ckptstore.urls import StoreURL, endpoint_option, redact
 
 __all__ = ["AzureBlobDriver", "open_azure", "parse_location"]
 
@@ -74,25 +80,13 @@ READ_PIECE = 8 * 1024 * 1024
 FIRST_PIECE = 1024 * 1024
 """Bytes of the GET that opens a stream: a manifest in one request, and little read in vain
 by a stream that seeks away at once (the second half of a shard)."""
-POOL_HEADROOM = 32
-"""Connections beyond ``concurrency`` transfers: other threads and stores sharing the client."""
 _CONTAINER_RE = re.compile(r"^(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 _ACCOUNT_RE = re.compile(r"^[a-z0-9]{3,24}$")
 _HOST_RE = re.compile(r"^(?P<account>[^.]+)\.(?:blob|dfs)\.(?P<suffix>.+)$")
 _BLOCK_RE = re.compile(r"^(?P<upload>[0-9a-f]{16})\.(?P<part>\d{5})\.(?P<stamp>\d{13})$")
 T = TypeVar("T")
 
-URL_OPTIONS = (
-    "endpoint_url",
-    "account_name",
-    "concurrency",
-    "part_size",
-    "min_part_size",
-    "max_attempts",
-    "checksums",
-    "connect_timeout",
-    "read_timeout",
-)
+URL_OPTIONS = (*TRANSFER_OPTIONS, "account_name")
 CREDENTIAL_OPTIONS = ("connection_string", "account_key", "sas_token", "credential")
 _CLIENT_OPTIONS = frozenset(
     {"endpoint_url", "account_name", "concurrency", "connect_timeout", "read_timeout",
@@ -265,15 +259,7 @@ class AzureBlobDriver(ObjectStoreBase):
         self._metadata: dict[str, dict[str, str]] = {}
         self._metadata_lock = threading.Lock()
         self._ranges = SharedRanges()
-        self.capabilities = frozenset(
-            {
-                Capability.CONDITIONAL_CREATE,
-                Capability.CONDITIONAL_MULTIPART_COMPLETE,
-                Capability.COMPARE_AND_SWAP,
-                Capability.MULTIPART,
-                Capability.STRONG_LIST_AFTER_WRITE,
-            }
-        )
+        self.capabilities = S3_LIKE | {Capability.CONDITIONAL_MULTIPART_COMPLETE}
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -636,16 +622,13 @@ def _new_client(options: Mapping[str, object]) -> _Client:
     from azure.core.pipeline.transport import RequestsTransport
 
     clock = ServerClock()
-    session = requests.Session()
-    pool = option_int(options, "concurrency", 8, minimum=1) + POOL_HEADROOM
-    adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=pool)
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
+    transfer = TransferOptions.read(options, min_part_size=1)
+    session = pooled(requests.Session(), transfer.pool_size)
     transport = RequestsTransport(
         session=session,
         session_owner=False,
-        connection_timeout=option_int(options, "connect_timeout", 5, minimum=1),
-        read_timeout=option_int(options, "read_timeout", 60, minimum=1),
+        connection_timeout=transfer.connect_timeout,
+        read_timeout=transfer.read_timeout,
         # azure-core reads bodies in pieces of this size (its own default is 4 KiB, the
         # storage SDK's 256 KiB): 4 KiB pieces cost a 8 MiB range 2,048 Python iterations.
         connection_data_block_size=BODY_PIECE,
@@ -766,12 +749,7 @@ def parse_location(url: StoreURL) -> tuple[str, str, str | None, str | None]:
 def open_azure(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:
     """Open an ``az://container/prefix`` store (also ``abfs[s]://container@account...``):
     AzureBlobDriver + ConditionalPutCommit."""
-    leaked = sorted(set(url.query) & set(CREDENTIAL_OPTIONS))
-    if leaked:
-        raise InvalidOptionError(
-            f"credentials ({', '.join(leaked)}) do not belong in a URL, where they end up in "
-            f"logs; pass them as keyword arguments or through the environment"
-        )
+    refuse_credentials_in_url(url, CREDENTIAL_OPTIONS, "the environment")
     url.reject_unknown(options, allowed=URL_OPTIONS + CREDENTIAL_OPTIONS)
     container, prefix, account, endpoint = parse_location(url)
     merged = dict(options)
@@ -784,10 +762,9 @@ def open_azure(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCo
         merged["account_name"] = account
         if endpoint and not options.get("endpoint_url"):
             merged["endpoint_url"] = endpoint
+    transfer = TransferOptions.read(options, min_part_size=1)
     lease = _clients.lease(merged, lambda: _new_client(merged))
     client, clock = lease.client.service, lease.client.clock
-    concurrency = option_int(options, "concurrency", 8, minimum=1)
-    min_part_size = option_int(options, "min_part_size", 1, minimum=1)
     driver = AzureBlobDriver(
         client.get_container_client(container),
         container,
@@ -795,11 +772,12 @@ def open_azure(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCo
         url=redact(f"{url.scheme}://{url.netloc}/{prefix}".rstrip("/")),
         identity=f"{client.url.rstrip('/')}/{container}",
         clock=clock,
-        min_part_size=min_part_size,
-        checksums=option_bool(options, "checksums", True),
-        max_attempts=option_int(options, "max_attempts", 6, minimum=1),
-        read_concurrency=concurrency,
+        min_part_size=transfer.min_part_size,
+        checksums=transfer.checksums,
+        max_attempts=transfer.max_attempts,
+        read_concurrency=transfer.concurrency,
     )
     driver.on_close(lease.release)  # the store's close lets go of the session's connections
-    part_size = option_int(options, "part_size", max(DEFAULT_PART_SIZE, min_part_size), minimum=1)
-    return ConditionalPutCommit(driver, part_size=part_size, concurrency=concurrency)
+    return ConditionalPutCommit(
+        driver, part_size=transfer.part_size, concurrency=transfer.concurrency
+    )

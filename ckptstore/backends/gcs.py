@@ -36,7 +36,6 @@ from datetime import datetime
 from typing import Any, BinaryIO, TypeVar, cast
 from urllib.parse import quote
 
-import requests.adapters
 from google.api_core import exceptions as api_exceptions
 from google.api_core.client_options import ClientOptions
 from google.auth.credentials import AnonymousCredentials
@@ -45,10 +44,11 @@ from google.cloud import storage
 
 from ckptstore.backends.client_cache import ClientCache
 from ckptstore.backends.gcs_errors import GCS_RULES, translate_gcs_errors
-from ckptstore.backends.object_store import Holder, ObjectStoreBase, PutRequest
+from ckptstore.backends.object_store import S3_LIKE, Holder, ObjectStoreBase, PutRequest
 from ckptstore.backends.range_reader import RangeReader, SharedRanges
+from ckptstore.backends.transfer_options import TRANSFER_OPTIONS, TransferOptions, pooled
 from ckptstore.checksum import crc32c_of
-from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
+from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.driver import (
     Buffer,
@@ -68,7 +68,7 @@ from ckptstore.errors import (
     PreconditionFailedError,
     StorageError,
 )
-from ckptstore.urls import StoreURL, endpoint_option, option_bool, option_int, redact
+from ckptstore.urls import StoreURL, endpoint_option, option_int, redact
 
 __all__ = ["GCSDriver", "open_gcs", "open_gcs_versioned"]
 
@@ -91,24 +91,10 @@ SINGLE_REQUEST_LIMIT = 8 * 1024 * 1024
 as a resumable upload (two requests or more)."""
 READ_WINDOW = 8 * 1024 * 1024
 """A stream reads ahead in ranged GETs of this size, several at once."""
-POOL_HEADROOM = 32
 _MARKER_VERSION = "deleted:"
 """Version ids of the synthetic delete markers (see ``list_versions``)."""
 
-URL_OPTIONS = (
-    "endpoint_url",
-    "project",
-    "credentials_file",
-    "token",
-    "concurrency",
-    "read_concurrency",
-    "part_size",
-    "min_part_size",
-    "max_attempts",
-    "checksums",
-    "connect_timeout",
-    "read_timeout",
-)
+URL_OPTIONS = (*TRANSFER_OPTIONS, "project", "credentials_file", "token", "read_concurrency")
 
 
 def _timestamp(value: Any) -> float:
@@ -176,15 +162,7 @@ class GCSDriver(ObjectStoreBase):
         self._uploads = self.prefix + UPLOADS
         self._metadata: dict[str, Mapping[str, str]] = {}
         self._ranges = SharedRanges()
-        self.capabilities = frozenset(
-            {
-                Capability.CONDITIONAL_CREATE,
-                Capability.COMPARE_AND_SWAP,
-                Capability.MULTIPART,
-                Capability.STRONG_LIST_AFTER_WRITE,
-                *([Capability.VERSIONING] if versioned else []),
-            }
-        )
+        self.capabilities = S3_LIKE | {Capability.VERSIONING} if versioned else S3_LIKE
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -725,11 +703,8 @@ def _new_client(options: Mapping[str, object]) -> tuple[Any, Any]:
         if isinstance(exc, StorageError):
             raise
         raise InvalidOptionError(f"gs:// credentials_file {credentials_file!r}: {exc}") from exc
-    session = AuthorizedSession(credentials)  # type: ignore[no-untyped-call]
-    pool = option_int(options, "concurrency", 8, minimum=1) + POOL_HEADROOM
-    adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=pool, max_retries=0)
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
+    pool = TransferOptions.read(options, min_part_size=1).pool_size
+    session = pooled(AuthorizedSession(credentials), pool, max_retries=0)  # type: ignore[no-untyped-call]
     client_options = ClientOptions(api_endpoint=endpoint) if endpoint else None
     client = storage.Client(
         project=project or "_",
@@ -797,6 +772,8 @@ def _gcs_driver(
 ) -> tuple[GCSDriver, int, int]:
     url.reject_unknown(options, allowed=URL_OPTIONS)
     bucket, prefix = parse_location(url)
+    transfer = TransferOptions.read(options, min_part_size=1)
+    read_concurrency = option_int(options, "read_concurrency", 8, minimum=1)
     lease = _clients.lease(options, lambda: _new_client(options))
     client, session = lease.client
     driver = GCSDriver(
@@ -804,19 +781,13 @@ def _gcs_driver(
         bucket,
         prefix,
         url=f"{url.scheme}://{bucket}/{prefix}".rstrip("/"),
-        min_part_size=option_int(options, "min_part_size", 1, minimum=1),
-        checksums=option_bool(options, "checksums", True),
-        max_attempts=option_int(options, "max_attempts", 6, minimum=1),
+        min_part_size=transfer.min_part_size,
+        checksums=transfer.checksums,
+        max_attempts=transfer.max_attempts,
         versioned=versioned,
-        timeout=(
-            float(option_int(options, "connect_timeout", 5, minimum=1)),
-            float(option_int(options, "read_timeout", 60, minimum=1)),
-        ),
-        read_concurrency=option_int(options, "read_concurrency", 8, minimum=1),
+        timeout=(float(transfer.connect_timeout), float(transfer.read_timeout)),
+        read_concurrency=read_concurrency,
         http=session,
     )
     driver.on_close(lease.release)  # the store's close lets go of the session's connections
-    part_size = option_int(
-        options, "part_size", max(DEFAULT_PART_SIZE, driver.min_part_size), minimum=1
-    )
-    return driver, part_size, option_int(options, "concurrency", 8, minimum=1)
+    return driver, transfer.part_size, transfer.concurrency

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from ckptstore.backends.object_store import ObjectStoreBase, PutRequest
+from ckptstore.backends.object_store import S3_LIKE, ObjectStoreBase, PutRequest
 from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
 from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.driver import (
@@ -204,16 +204,10 @@ class MemoryDriver(ObjectStoreBase):
         if bucket.versioned:
             self.url = "memory+versioned" + self.url[len("memory") :]
         self.min_part_size = bucket.min_part_size
-        caps = {
-            Capability.CONDITIONAL_CREATE,
-            Capability.CONDITIONAL_MULTIPART_COMPLETE,
-            Capability.COMPARE_AND_SWAP,
-            Capability.MULTIPART,
-            Capability.STRONG_LIST_AFTER_WRITE,
-        }
+        caps = {Capability.CONDITIONAL_MULTIPART_COMPLETE}
         if bucket.versioned:
             caps.update({Capability.VERSIONING, Capability.VERSION_DELETE})
-        self.capabilities = frozenset(caps)
+        self.capabilities = S3_LIKE | caps
 
     def _now(self) -> float:
         return (self.clock or self.bucket.clock)()

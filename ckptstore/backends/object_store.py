@@ -29,6 +29,7 @@ from ckptstore.backends.error_table import Rules, translating
 from ckptstore.backends.retry_policy import bucket_check_policy, retry_policy
 from ckptstore.driver import (
     Buffer,
+    Capability,
     ObjectInfo,
     ObjectStoreDriver,
     PartInfo,
@@ -44,11 +45,23 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 
-__all__ = ["Holder", "ObjectReplacedError", "ObjectStoreBase", "PutRequest"]
+__all__ = ["S3_LIKE", "Holder", "ObjectReplacedError", "ObjectStoreBase", "PutRequest"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+S3_LIKE = frozenset(
+    {
+        Capability.CONDITIONAL_CREATE,
+        Capability.COMPARE_AND_SWAP,
+        Capability.MULTIPART,
+        Capability.STRONG_LIST_AFTER_WRITE,
+    }
+)
+"""What an object store with S3's conditional writes offers: creates and compare-and-swaps that
+either take effect or are refused, multipart uploads, listings that show every completed write."""
 
 
 class ObjectReplacedError(ObjectNotFoundError):

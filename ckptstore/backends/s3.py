@@ -32,12 +32,21 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError
 
 from ckptstore.backends.client_cache import ClientCache
-from ckptstore.backends.object_store import ObjectReplacedError, ObjectStoreBase, PutRequest
+from ckptstore.backends.object_store import (
+    S3_LIKE,
+    ObjectReplacedError,
+    ObjectStoreBase,
+    PutRequest,
+)
 from ckptstore.backends.resuming_reader import READ_PIECE, ResumingReader
 from ckptstore.backends.s3_errors import S3_RULES, translate_s3_errors
+from ckptstore.backends.transfer_options import (
+    TRANSFER_OPTIONS,
+    TransferOptions,
+    refuse_credentials_in_url,
+)
 from ckptstore.checksum import crc32c_of
 from ckptstore.commit.conditional_put import (
-    DEFAULT_PART_SIZE,
     DEFAULT_READ_RANGE_SIZE,
     ConditionalPutCommit,
 )
@@ -62,7 +71,7 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
-from ckptstore.urls import StoreURL, endpoint_option, option_bool, option_int
+from ckptstore.urls import StoreURL, endpoint_option, option_int
 
 __all__ = ["S3Driver", "install_abort_incomplete_uploads_rule", "open_s3", "open_s3_versioned"]
 
@@ -70,30 +79,19 @@ log = logging.getLogger(__name__)
 
 S3_MIN_PART_SIZE = 5 * 1024 * 1024
 S3_MAX_PARTS = 10_000
-POOL_HEADROOM = 32
-"""Connections beyond ``concurrency`` part uploads: the threads that call a store (ranks in
-threads, async saves, readers) and other stores opened with the same options, which share the
-client. Unused slots cost nothing; a full pool discards connections with a warning."""
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 Markers = tuple[tuple[str, str], ...]
 """Request parameters that continue a listing after a truncated page."""
 
 URL_OPTIONS = (
-    "endpoint_url",
+    *TRANSFER_OPTIONS,
     "region",
     "profile",
     "addressing_style",
     "sse",
     "sse_kms_key_id",
-    "concurrency",
     "read_concurrency",
     "read_range_size",
-    "part_size",
-    "min_part_size",
-    "max_attempts",
-    "checksums",
-    "connect_timeout",
-    "read_timeout",
 )
 CREDENTIAL_OPTIONS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 _CLIENT_OPTIONS = frozenset(
@@ -165,15 +163,8 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
             self._encryption["SSEKMSKeyId"] = sse_kms_key_id
         self._quote_etags = True
         self._quote_read_etags = True
-        self.capabilities = frozenset(
-            {
-                Capability.CONDITIONAL_CREATE,
-                Capability.COMPARE_AND_SWAP,
-                Capability.MULTIPART,
-                Capability.STRONG_LIST_AFTER_WRITE,
-                *([Capability.VERSIONING, Capability.VERSION_DELETE] if versioned else []),
-            }
-        )
+        versions = {Capability.VERSIONING, Capability.VERSION_DELETE}
+        self.capabilities = S3_LIKE | versions if versioned else S3_LIKE
 
     def _info(self, key: str, response: Mapping[str, Any], size: int) -> ObjectInfo:
         return ObjectInfo(
@@ -625,16 +616,17 @@ def _new_client(options: Mapping[str, object]) -> Any:
         raise InvalidOptionError(
             f"addressing_style must be auto, path or virtual, not {addressing}"
         )
+    transfer = TransferOptions.read(options, min_part_size=S3_MIN_PART_SIZE)
     config = Config(
         s3={"addressing_style": addressing},
         # One attempt in all: botocore's ``max_attempts`` counts retries and 1 would resend a
         # conditional put blindly (a lost answer then comes back as a 412 for our own write).
         retries={"total_max_attempts": 1, "mode": "standard"},
-        connect_timeout=option_int(options, "connect_timeout", 5, minimum=1),
-        read_timeout=option_int(options, "read_timeout", 60, minimum=1),
+        connect_timeout=transfer.connect_timeout,
+        read_timeout=transfer.read_timeout,
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
-        max_pool_connections=option_int(options, "concurrency", 8, minimum=1) + POOL_HEADROOM,
+        max_pool_connections=transfer.pool_size,
     )
     endpoint = endpoint_option(options) or None
     given = [name for name in CREDENTIAL_OPTIONS if options.get(name)]
@@ -712,31 +704,25 @@ def _read_options(options: Mapping[str, object], concurrency: int) -> tuple[int,
 def _s3_driver(
     url: StoreURL, options: Mapping[str, object], *, versioned: bool
 ) -> tuple[S3Driver, int, int]:
-    leaked = sorted(set(url.query) & set(CREDENTIAL_OPTIONS))
-    if leaked:
-        raise InvalidOptionError(
-            f"credentials ({', '.join(leaked)}) do not belong in a URL, where they end up in "
-            f"logs; pass them as keyword arguments or through the AWS credential chain"
-        )
+    refuse_credentials_in_url(url, CREDENTIAL_OPTIONS, "the AWS credential chain")
     url.reject_unknown(options, allowed=URL_OPTIONS + CREDENTIAL_OPTIONS)
     bucket, prefix = parse_location(url)
-    min_part_size = option_int(options, "min_part_size", S3_MIN_PART_SIZE, minimum=1)
+    transfer = TransferOptions.read(options, min_part_size=S3_MIN_PART_SIZE)
     lease = _clients.lease(options, lambda: _new_client(options))
     driver = S3Driver(
         lease.client,
         bucket,
         prefix,
         url=f"{url.scheme}://{bucket}/{prefix}".rstrip("/"),
-        min_part_size=min_part_size,
+        min_part_size=transfer.min_part_size,
         sse=str(options["sse"]) if options.get("sse") else None,
         sse_kms_key_id=str(options["sse_kms_key_id"]) if options.get("sse_kms_key_id") else None,
-        checksums=option_bool(options, "checksums", True),
-        max_attempts=option_int(options, "max_attempts", 6, minimum=1),
+        checksums=transfer.checksums,
+        max_attempts=transfer.max_attempts,
         versioned=versioned,
     )
     driver.on_close(lease.release)  # the store's close lets go of the client's connections
-    part_size = option_int(options, "part_size", max(DEFAULT_PART_SIZE, min_part_size), minimum=1)
-    return driver, part_size, option_int(options, "concurrency", 8, minimum=1)
+    return driver, transfer.part_size, transfer.concurrency
 
 
 def install_abort_incomplete_uploads_rule(
