@@ -129,6 +129,13 @@ def _held(prefix: str = "ckptstore") -> tuple[int, int]:
     return _threads(prefix), _open_fds()
 
 
+def _no_more_than(before: tuple[int, int]) -> None:
+    """Nothing more held than ``before`` (less is fine: idle connections that stores of an
+    earlier test left in a shared client are closed when the last store using it closes)."""
+    threads, fds = _held()
+    assert threads <= before[0] and fds <= before[1], ((threads, fds), before)
+
+
 def _open_and_close_stores(
     url: str, options: dict[str, Any], count: int, save_every: int, steps: Iterator[int]
 ) -> None:
@@ -170,9 +177,9 @@ def test_opening_and_closing_stores_holds_nothing_more(
         url = server.url(f"lifetimes-{os.getpid()}", concurrency=4, part_size=server.min_part_size)
         options = {"aws_access_key_id": "x", "aws_secret_access_key": "y"}
     steps = itertools.count(1)
-    threads, fds = _held()
+    held = _held()
     _open_and_close_stores(url, options, 10, 5, steps)  # caches filled, first-use work done
-    assert _held() == (threads, fds)  # a client outlives its stores, its connections do not
+    _no_more_than(held)  # a client outlives its stores, its connections do not
     tracemalloc.start()
     try:
         _open_and_close_stores(url, options, 10, 5, steps)
@@ -182,7 +189,7 @@ def test_opening_and_closing_stores_holds_nothing_more(
         grown = tracemalloc.get_traced_memory()[0] - _bytes_in_memory_buckets() - before
     finally:
         tracemalloc.stop()
-    assert _held() == (threads, fds)
+    _no_more_than(held)
     assert grown < 64 * count, f"{grown} bytes more after {count} stores"
 
 
