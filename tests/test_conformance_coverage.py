@@ -193,7 +193,7 @@ def _machine_report(url: str, multipart_size: int, examples: int = 150) -> Backe
         phases=[Phase.explicit, Phase.generate],
     )
     report = BackendReport(url=url, strategy="broken")
-    runner._run_machine(report, machine, found, runner._Until(None))
+    runner._run_machine(report, machine, found, None)
     return report
 
 

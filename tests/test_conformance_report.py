@@ -27,6 +27,7 @@ from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine
 from ckptstore.conformance.model import Model, Saved, check_invariants
 from ckptstore.conformance.report import BackendReport, render_text, to_json, to_junit
+from ckptstore.conformance.shrinking import shrinking_stops_at
 from ckptstore.conformance.workload import run_crash_points
 from ckptstore.driver import PutMode
 from ckptstore.errors import (
@@ -203,8 +204,7 @@ def test_a_state_machine_violation_shows_the_shrunk_steps(scheme: Any) -> None:
     url = scheme("greedy-gc", strategy=GreedyGcCommit)
     report = BackendReport(url=url, strategy="conditional-put")
     machine = make_state_machine(LocationFactory(url), multipart_size=0)
-    until = runner._Until(time.monotonic() + 20)
-    runner._run_machine(report, machine, _machine_settings(), until)
+    runner._run_machine(report, machine, _machine_settings(), time.monotonic() + 20)
     evidence = report.invariants["I7"].evidence[0]
     assert "shrunk failing sequence:" in evidence
     assert "state = CheckpointStoreMachine()" in evidence
@@ -228,12 +228,28 @@ def test_shrinking_stops_at_the_budget() -> None:
         assert sum(values) < 3000
 
     started = time.monotonic()
-    with pytest.raises(AssertionError), runner._Until(started + 1.5).shrinking():
+    with pytest.raises(AssertionError), shrinking_stops_at(started + 1.5):
         slow_to_shrink()
     assert time.monotonic() - started < 4.0, calls
     from hypothesis.internal.conjecture import engine
 
     assert engine.MAX_SHRINKING_SECONDS == 300  # restored
+
+
+def test_canary_hypothesis_still_limits_shrinking_as_the_suite_moves_it() -> None:
+    """Fails on a hypothesis whose engine no longer reads its shrinking limit as
+    ``time.perf_counter() + MAX_SHRINKING_SECONDS`` when shrinking starts: then
+    ``shrinking_stops_at`` bounds nothing, and ``ckptstore.conformance.shrinking`` and the
+    pin in pyproject.toml must follow the new engine."""
+    import inspect
+
+    import hypothesis
+    from hypothesis.internal.conjecture import engine
+
+    version = hypothesis.__version__
+    assert isinstance(getattr(engine, "MAX_SHRINKING_SECONDS", None), int), version
+    source = inspect.getsource(engine.ConjectureRunner.shrink_interesting_test_cases)
+    assert "time.perf_counter() + MAX_SHRINKING_SECONDS" in source, version
 
 
 # -- every layer runs and is reported, whatever another one found ---------------------------

@@ -581,7 +581,7 @@ def test_the_runner_report_prints_the_shrunk_steps(tmp_path: Any, scheme: Any) -
         derandomize=True,
         phases=[Phase.explicit, Phase.generate],
     )
-    runner._run_machine(report, test, profile, runner._Until(None))
+    runner._run_machine(report, test, profile, None)
     assert "state.concurrent_writers(" in "\n".join(report.invariants["I5"].evidence)
 
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hypothesis
-from hypothesis.internal.conjecture import engine
 from hypothesis.reporting import with_reporter
 
 from ckptstore.conformance.location import LocationFactory, open_for_measuring
@@ -29,6 +28,7 @@ from ckptstore.conformance.powerloss import run_power_loss
 from ckptstore.conformance.probes import run_probes
 from ckptstore.conformance.races import RACE_PROFILES, run_races
 from ckptstore.conformance.report import INTERRUPTED, VIOLATED_STATUS, BackendReport
+from ckptstore.conformance.shrinking import shrinking_stops_at
 from ckptstore.conformance.syscalls import TRACE_INVARIANTS, report_syscall_layers
 from ckptstore.conformance.workload import (
     CrashPointResult,
@@ -415,8 +415,7 @@ def _state_machine(
         examples = max(5, min(settings.max_examples, affordable))
         settings = hypothesis.settings(settings, max_examples=examples)
     say(f"property-based crash injection (profile {profile}, {settings.max_examples} examples)")
-    until = _Until(deadline)
-    note = _run_machine(report, machine, settings, until)
+    note = _run_machine(report, machine, settings, deadline)
     report.checked(*MACHINE_INVARIANTS)
     report.coverage["property-based"] = (
         f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps"
@@ -436,51 +435,15 @@ def _machine_completions(machine: Any, multipart: int) -> str:
     )
 
 
-class _Until:
-    """The property-based layer's deadline: hypothesis stops shrinking there, and reports the
-    smallest failing sequence it has found so far."""
-
-    def __init__(self, deadline: float | None) -> None:
-        self.deadline = deadline
-
-    @contextlib.contextmanager
-    def shrinking(self) -> Iterator[None]:
-        """Hypothesis's own limit on shrinking (five minutes from its start), moved to the
-        deadline: ``engine`` reads it as ``time.perf_counter() + MAX_SHRINKING_SECONDS``."""
-        if self.deadline is None:
-            yield
-            return
-        saved = engine.MAX_SHRINKING_SECONDS
-        left = self.deadline - time.monotonic()
-        engine.MAX_SHRINKING_SECONDS = _AtDeadline(time.perf_counter() + left)  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            engine.MAX_SHRINKING_SECONDS = saved
-
-
-class _AtDeadline(float):
-    """A number of seconds that, added to the time shrinking starts, gives the deadline."""
-
-    at: float
-
-    def __new__(cls, at: float) -> _AtDeadline:
-        seconds = super().__new__(cls, max(at - time.perf_counter(), 0.0))
-        seconds.at = at
-        return seconds
-
-    def __radd__(self, now: object) -> float:
-        return self.at
-
-
 def _run_machine(
-    report: BackendReport, machine: Any, settings: hypothesis.settings, until: _Until
+    report: BackendReport, machine: Any, settings: hypothesis.settings, deadline: float | None
 ) -> str:
-    """Run the state machine, recording what it found; a note for the coverage line."""
+    """Run the state machine, recording what it found; a note for the coverage line.
+    Shrinking stops at ``deadline`` (``time.monotonic()``; None: at hypothesis's own limit)."""
     undecided = "; stopped by the storage's failure on every run (undecided)"
     printed: list[str] = []
     try:
-        with until.shrinking(), with_reporter(lambda value: printed.append(str(value))):
+        with shrinking_stops_at(deadline), with_reporter(lambda value: printed.append(str(value))):
             run_state_machine(machine, settings)
     except StorageFailure as failure:  # on every run: undecided, neither held nor violated
         report.storage_error(MACHINE_INVARIANTS, f"property-based: {failure}")

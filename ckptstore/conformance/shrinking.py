@@ -1,0 +1,70 @@
+"""Hypothesis stops shrinking at the suite's deadline: the one place the suite moves a limit
+inside hypothesis's engine.
+
+Hypothesis gives up shrinking five minutes after it began: its engine reads
+``time.perf_counter() + MAX_SHRINKING_SECONDS`` (``hypothesis.internal.conjecture.engine``)
+when shrinking starts. No public API bounds that time: the settings bound the number of
+examples (``max_examples``), each example's time (``deadline``) and which phases run
+(``phases``; without ``Phase.shrink`` nothing is shrunk, and the report would show the
+unshrunk sequence), and ``hypothesis.stateful.run_state_machine_as_test`` takes only settings.
+Its maintainers chose not to make the limit a setting (HypothesisWorks/hypothesis#3400). The
+suite's time budget must cover shrinking, so ``shrinking_stops_at`` moves that private
+constant, and nothing else does. ``tests/test_conformance_report.py`` holds the canary that
+fails on a hypothesis whose engine no longer reads it so; pyproject.toml pins the range of
+hypothesis versions it was checked on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+__all__ = ["shrinking_stops_at"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def shrinking_stops_at(deadline: float | None) -> Iterator[None]:
+    """While entered, hypothesis stops shrinking at ``deadline`` (``time.monotonic()``; None:
+    at its own limit) and reports the smallest failing example found by then.
+
+    On a hypothesis without the limit this module moves, shrinking is not bounded (the run
+    is still right, only maybe longer) and a warning says so.
+    """
+    if deadline is None:
+        yield
+        return
+    from hypothesis.internal.conjecture import engine
+
+    saved = getattr(engine, "MAX_SHRINKING_SECONDS", None)
+    if not isinstance(saved, (int, float)):
+        log.warning(
+            "this hypothesis has no engine.MAX_SHRINKING_SECONDS: shrinking is not bounded "
+            "by the conformance budget (see ckptstore.conformance.shrinking)"
+        )
+        yield
+        return
+    left = deadline - time.monotonic()
+    engine.MAX_SHRINKING_SECONDS = _AtDeadline(time.perf_counter() + left)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        engine.MAX_SHRINKING_SECONDS = saved  # type: ignore[assignment]
+
+
+class _AtDeadline(float):
+    """A number of seconds that, added to the time shrinking starts, gives the deadline: the
+    engine adds it to ``time.perf_counter()`` then, not now."""
+
+    at: float
+
+    def __new__(cls, at: float) -> _AtDeadline:
+        seconds = super().__new__(cls, max(at - time.perf_counter(), 0.0))
+        seconds.at = at
+        return seconds
+
+    def __radd__(self, now: object) -> float:
+        return self.at
