@@ -23,12 +23,12 @@ from ckptstore.checkpoint import ShardReader
 from ckptstore.cli import main
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.conformance import outcomes, runner
+from ckptstore.conformance.crash_points import run_crash_points
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine
 from ckptstore.conformance.model import Model, Saved, check_invariants
 from ckptstore.conformance.report import BackendReport, render_text, to_json, to_junit
 from ckptstore.conformance.shrinking import shrinking_stops_at
-from ckptstore.conformance.workload import run_crash_points
 from ckptstore.driver import PutMode
 from ckptstore.errors import (
     CheckpointExistsError,

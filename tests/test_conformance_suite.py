@@ -28,6 +28,8 @@ from ckptstore.cli import main
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import DATA_DIR, MANIFEST_NAME, RenameCommit, directories_of
 from ckptstore.conformance import outcomes
+from ckptstore.conformance.cases import crash_cases
+from ckptstore.conformance.crash_points import run_crash_points
 from ckptstore.conformance.faults import (
     CrashMode,
     FaultInjector,
@@ -42,12 +44,7 @@ from ckptstore.conformance.model import InvariantViolation, Model
 from ckptstore.conformance.outcomes import StorageFailure, storage_failure
 from ckptstore.conformance.powerloss import run_power_loss
 from ckptstore.conformance.probes import VIOLATED, run_probes
-from ckptstore.conformance.workload import (
-    big_shard_size,
-    crash_cases,
-    run_crash_points,
-    standard_workload,
-)
+from ckptstore.conformance.workload import big_shard_size, standard_workload
 from ckptstore.errors import (
     CkptStoreError,
     ObjectNotFoundError,

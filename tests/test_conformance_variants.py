@@ -31,6 +31,7 @@ from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import RenameCommit
 from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.conformance import runner
+from ckptstore.conformance.crash_points import _crash_case, run_crash_points
 from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine
@@ -41,13 +42,8 @@ from ckptstore.conformance.report import BackendReport, render_text
 from ckptstore.conformance.runner import CRASH_POINT_INVARIANTS, MACHINE_INVARIANTS
 from ckptstore.conformance.syscalls import TRACE_INVARIANTS, run_syscall_trace
 from ckptstore.conformance.syscalltrace import TracerUnavailable
-from ckptstore.conformance.workload import (
-    _crash_case,
-    big_shard_size,
-    run_crash_points,
-    run_indeterminate_outcomes,
-    standard_workload,
-)
+from ckptstore.conformance.unknown_outcomes import run_indeterminate_outcomes
+from ckptstore.conformance.workload import big_shard_size, standard_workload
 from ckptstore.store import Store
 
 PART = 1024

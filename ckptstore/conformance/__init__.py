@@ -7,8 +7,9 @@ Three ways to run it (see README, "Conformance"):
 - ``class TestMine(ckptstore.conformance.mixins.ConformanceTests)``: as test classes a
   backend subclasses, overriding the ``ckpt_url`` fixture.
 
-Layers: capability probes (``probes``), exhaustive crash points (``workload``), unknown
-outcomes of conditional writes (``workload``), power loss on a simulated file system
+Layers: capability probes (``probes``), exhaustive crash points of the standard workload
+(``crash_points``, ``workload``), crash points of a takeover (``takeover``), unknown
+outcomes of conditional writes (``unknown_outcomes``), power loss on a simulated file system
 (``simfs``, ``powerloss``), writers racing in threads and processes (``races``),
 property-based crash injection (``machine``); the model and the
 invariant checks they share are in ``model``, fault injection in ``faults``, and how a failure

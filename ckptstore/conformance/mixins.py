@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from ckptstore.conformance.cases import CaseFailure, CrashPointResult
+from ckptstore.conformance.crash_points import run_crash_points
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine, run_state_machine
 from ckptstore.conformance.outcomes import STORAGE_ERROR, StorageFailure
@@ -32,14 +34,9 @@ from ckptstore.conformance.probes import HELD, NOT_MEASURED, run_probes
 from ckptstore.conformance.races import RACE_PROFILES, run_races
 from ckptstore.conformance.syscalls import run_syscall_trace
 from ckptstore.conformance.syscalltrace import TracerUnavailable
-from ckptstore.conformance.workload import (
-    CaseFailure,
-    CrashPointResult,
-    big_shard_size,
-    run_crash_points,
-    run_indeterminate_outcomes,
-    run_takeover_crash_points,
-)
+from ckptstore.conformance.takeover import run_takeover_crash_points
+from ckptstore.conformance.unknown_outcomes import run_indeterminate_outcomes
+from ckptstore.conformance.workload import big_shard_size
 from ckptstore.driver import DriverFamily, driver_family
 
 __all__ = [

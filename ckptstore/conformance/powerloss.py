@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
+from ckptstore.conformance.cases import CaseFailure
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
 from ckptstore.conformance.location import Clock
 from ckptstore.conformance.model import InvariantViolation, Model, check_invariants
 from ckptstore.conformance.simfs import SimulatedFileSystem
-from ckptstore.conformance.workload import CaseFailure, standard_workload
+from ckptstore.conformance.workload import standard_workload
 from ckptstore.errors import CkptStoreError
 from ckptstore.retention import RetentionPolicy
 from ckptstore.store import Store

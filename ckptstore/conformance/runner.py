@@ -20,6 +20,8 @@ from typing import Any
 import hypothesis
 from hypothesis.reporting import with_reporter
 
+from ckptstore.conformance.cases import CrashPointResult
+from ckptstore.conformance.crash_points import run_crash_points
 from ckptstore.conformance.location import LocationFactory, open_for_measuring
 from ckptstore.conformance.machine import PROFILES, make_state_machine, run_state_machine
 from ckptstore.conformance.model import InvariantViolation
@@ -30,13 +32,9 @@ from ckptstore.conformance.races import RACE_PROFILES, run_races
 from ckptstore.conformance.report import INTERRUPTED, VIOLATED_STATUS, BackendReport
 from ckptstore.conformance.shrinking import shrinking_stops_at
 from ckptstore.conformance.syscalls import TRACE_INVARIANTS, report_syscall_layers
-from ckptstore.conformance.workload import (
-    CrashPointResult,
-    big_shard_size,
-    run_crash_points,
-    run_indeterminate_outcomes,
-    run_takeover_crash_points,
-)
+from ckptstore.conformance.takeover import run_takeover_crash_points
+from ckptstore.conformance.unknown_outcomes import run_indeterminate_outcomes
+from ckptstore.conformance.workload import big_shard_size
 from ckptstore.driver import DriverFamily, driver_family
 from ckptstore.errors import InvalidOptionError, RefusedError
 from ckptstore.store import Store

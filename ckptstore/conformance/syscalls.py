@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from ckptstore.conformance.crash_points import run_crash_points
 from ckptstore.conformance.fsimages import IMAGE_TYPES, ImageUnavailable, image_url, mounted_image
 from ckptstore.conformance.location import Location, LocationFactory, original_class
 from ckptstore.conformance.probes import HELD, NOT_MEASURED, STORAGE_ERROR, run_probes
@@ -31,7 +32,6 @@ from ckptstore.conformance.report import BackendReport
 from ckptstore.conformance.syscalltrace import TracerUnavailable, parse_trace, trace_command
 from ckptstore.conformance.tracechild import TraceOutcome
 from ckptstore.conformance.tracereplay import ReplayResult, replay_trace
-from ckptstore.conformance.workload import run_crash_points
 
 __all__ = ["SyscallTraceResult", "report_syscall_layers", "run_syscall_trace"]
 

@@ -7,7 +7,7 @@ checkpoints, replicates them, saves a third (the fast tier's retention then remo
 durable and keeps what is owed), replicates it (the durable tier's retention removes the
 oldest copy), reads the newest across tiers and collects garbage in both. It is run once to
 count the calls of each driver; then, for every call of either, again with the process dying
-before it, and after it took effect (as ``workload.crash_cases`` chooses them). The process
+before it, and after it took effect (as ``cases.crash_cases`` chooses them). The process
 dies for both stores at once: a death at a durable call stops the fast driver too.
 
 After each crash a restarted trainer (a new TieredStore, so a new replicator) is checked:
@@ -32,6 +32,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from ckptstore.conformance.cases import (
+    LONG_AGE,
+    Case,
+    CrashPointResult,
+    collectable_leftovers,
+    crash_cases,
+    retried,
+    run_case,
+    run_in_fresh,
+    undecided,
+)
 from ckptstore.conformance.faults import (
     CallRecord,
     CrashMode,
@@ -41,19 +52,7 @@ from ckptstore.conformance.faults import (
 )
 from ckptstore.conformance.location import Location, LocationFactory
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
-from ckptstore.conformance.workload import (
-    _AGE,
-    GRACE,
-    LONG_AGE,
-    CrashPointResult,
-    _retried,
-    _run_case,
-    _undecided,
-    crash_cases,
-    pattern,
-    save,
-)
-from ckptstore.driver import Capability
+from ckptstore.conformance.workload import AGE_PAST_GRACE, GRACE, big_shard_size, pattern, save
 from ckptstore.errors import CkptStoreError
 from ckptstore.manifest import Manifest
 from ckptstore.replication import ReplicateAll, ReplicationPolicy, Replicator
@@ -180,13 +179,6 @@ def _shards(step: int, big: int) -> dict[str, bytes]:
     return shards
 
 
-def _big(location: Location) -> int:
-    """A shard of two parts where the durable storage has multipart uploads."""
-    strategy = location.base
-    part = int(getattr(strategy, "part_size", 0) or 0)
-    return part + 123 if part and Capability.MULTIPART in strategy.capabilities else 0
-
-
 def tiered_workload(
     pair: TieredPair,
     plans: dict[str, FaultPlan],
@@ -197,7 +189,7 @@ def tiered_workload(
     newest read across tiers; GC of both tiers, past the grace period."""
     store = pair.open(plans)
     fast_model, durable_model = pair.models["fast"], pair.models["durable"]
-    big = _big(pair.durable)
+    big = big_shard_size(pair.durable)
     for step in (1, 2):
         save(store.fast, fast_model, Saved(step, _shards(step, big), {"step": step}))
     on_first_pass()
@@ -211,7 +203,7 @@ def tiered_workload(
         for name in latest.names:
             latest.read(name)
     for location, model in ((pair.fast, fast_model), (pair.durable, durable_model)):
-        location.clock.advance(_AGE)
+        location.clock.advance(AGE_PAST_GRACE)
         model.gc_started()
     store.gc(grace=GRACE)
     return store
@@ -240,7 +232,7 @@ def recover_and_check(pair: TieredPair) -> None:
     fast_model.removal_started(set(store.fast.steps()), explicit=False)  # KeepLast(1) below
     durable_model.removal_started(set(store.durable.steps()), explicit=False)  # KeepLast(2)
     for location, model in ((pair.fast, fast_model), (pair.durable, durable_model)):
-        location.clock.advance(_AGE)
+        location.clock.advance(AGE_PAST_GRACE)
         model.gc_started()
     store.gc(grace=GRACE)
     check_invariants(store.fast, fast_model)
@@ -280,7 +272,7 @@ def _check_sources(store: TieredStore) -> None:
 
 def _audit(pair: TieredPair, store: TieredStore) -> None:
     """After GC past the grace period, neither tier holds what a crash left (I7); a storage
-    whose clock is ahead may need longer (``workload.LONG_AGE``)."""
+    whose clock is ahead may need longer (``cases.LONG_AGE``)."""
     for tier, location, model in (
         ("fast", pair.fast, pair.models["fast"]),
         ("durable", pair.durable, pair.models["durable"]),
@@ -290,10 +282,7 @@ def _audit(pair: TieredPair, store: TieredStore) -> None:
         location.clock.advance(LONG_AGE)
         model.gc_started()
         (store.fast if tier == "fast" else store.durable).gc(grace=GRACE)
-        leftovers = location.leftovers()
-        capabilities = location.base.driver.capabilities
-        if Capability.VERSIONING in capabilities and Capability.VERSION_DELETE not in capabilities:
-            leftovers = set()
+        leftovers = collectable_leftovers(location)
         if leftovers:
             raise InvariantViolation(
                 "I7", f"GC of the {tier} tier never collected: {sorted(leftovers)[:5]}"
@@ -310,14 +299,14 @@ def run_partitioned(factory: TieredPairFactory) -> CrashPointResult:
     try:
         pair = factory()
     except CkptStoreError as exc:
-        return _undecided(result, name, exc)
+        return undecided(result, name, exc)
     try:
         other = factory.fast()
     except CkptStoreError as exc:
         pair.destroy()
-        return _undecided(result, name, exc)
+        return undecided(result, name, exc)
     try:
-        _run_case(result, name, lambda: _partitioned(pair, other))
+        run_case(result, name, lambda: _partitioned(pair, other))
         result.invariants_checked.update(PARTITION_INVARIANTS)
     finally:
         pair.destroy()
@@ -418,7 +407,7 @@ def run_tiered_crash_points(
     cases = _cases(records, order, first_pass)[:limit]
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="tiered-case") as pool:
         for outcome in pool.map(
-            lambda case: _retried(functools.partial(_crash_case, new_pair, *case)), cases
+            lambda case: retried(functools.partial(_crash_case, new_pair, *case)), cases
         ):
             result.add(outcome)
     return result
@@ -427,7 +416,7 @@ def run_tiered_crash_points(
 def _cases(
     records: dict[str, list[CallRecord]], order: list[tuple[str, int]], first_pass: int
 ) -> list[tuple[str, int, CrashMode]]:
-    """The crashes that leave distinct states, as ``workload.crash_cases`` chooses them over
+    """The crashes that leave distinct states, as ``cases.crash_cases`` chooses them over
     both drivers' calls in the order they were made (one at a time: dying after a call leaves
     what dying before the next one, of either driver, does). The fast tier's calls before the
     first replication pass are the trainer's own saves, which the suite's run on the fast
@@ -447,12 +436,9 @@ Baseline = tuple[dict[str, list[CallRecord]], list[tuple[str, int]], int]
 
 
 def _baseline(new_pair: PairMaker) -> tuple[CrashPointResult, Baseline | None]:
-    result = CrashPointResult()
-    try:
-        pair = new_pair()
-    except CkptStoreError as exc:
-        return _undecided(result, "no crash", exc), None
-    try:
+    found: list[Baseline] = []
+
+    def run(pair: TieredPair, case: Case) -> None:
         order: list[tuple[str, int]] = []
         counts = dict.fromkeys(TIERS, 0)
         first_pass: list[int] = []
@@ -466,37 +452,25 @@ def _baseline(new_pair: PairMaker) -> tuple[CrashPointResult, Baseline | None]:
             return observe
 
         plans = {tier: FaultPlan(observe=observer(tier)) for tier in TIERS}
-        try:
-            store = tiered_workload(
-                pair, plans, on_first_pass=lambda: first_pass.append(counts["fast"])
-            )
-        except CkptStoreError as exc:
-            return _undecided(result, "no crash", exc), None
+        store = tiered_workload(
+            pair, plans, on_first_pass=lambda: first_pass.append(counts["fast"])
+        )
         records = {tier: list(i.calls) for tier, i in pair.injectors(store).items()}
-        _run_case(result, "no crash", lambda: recover_and_check(pair))
-    finally:
-        pair.destroy()
-    return result, (records, order, first_pass[0])
+        run_case(case.result, case.name, lambda: recover_and_check(pair))
+        found.append((records, order, first_pass[0]))
+
+    result = run_in_fresh(new_pair, "no crash", run)
+    return result, (found[0] if found else None)
 
 
 def _crash_case(new_pair: PairMaker, tier: str, index: int, mode: CrashMode) -> CrashPointResult:
-    result = CrashPointResult()
-    name = f"crash {mode.value} {tier} call {index}"
-    try:
-        pair = new_pair()
-    except CkptStoreError as exc:
-        return _undecided(result, name, exc)
-    try:
+    def run(pair: TieredPair, case: Case) -> None:
         plan = FaultPlan(crash_at=index, crash_mode=mode, observe=pair.observe)
         try:
             tiered_workload(pair, {tier: plan})
-            name += " (not reached)"
+            case.name += " (not reached)"
         except SimulatedCrash as crash:
-            died = f"crash at {tier} call {crash.record}" if crash.record is not None else ""
-            name = f"{name}: {died or crash}"
-        except CkptStoreError as exc:
-            return _undecided(result, name, exc)
-        _run_case(result, name, lambda: recover_and_check(pair))
-    finally:
-        pair.destroy()
-    return result
+            case.died(crash, where=f"{tier} call")
+        run_case(case.result, case.name, lambda: recover_and_check(pair))
+
+    return run_in_fresh(new_pair, f"crash {mode.value} {tier} call {index}", run)

@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
+from ckptstore.conformance.cases import CaseFailure
 from ckptstore.conformance.location import Clock
 from ckptstore.conformance.model import InvariantViolation, Model, check_invariants
 from ckptstore.conformance.simfs import SimulatedFileSystem
 from ckptstore.conformance.syscalltrace import Syscall, decode_string
 from ckptstore.conformance.tracechild import MARK, DriverCall, TraceOutcome
-from ckptstore.conformance.workload import CaseFailure
 from ckptstore.errors import CkptStoreError
 from ckptstore.store import Store
 

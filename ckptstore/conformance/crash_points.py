@@ -1,0 +1,146 @@
+"""Exhaustive crash points: the standard workload, crashed at every storage call, both ways.
+
+The standard workload (``workload``) is run once to count its storage calls; then, for every
+call k, it is run again with the process dying before call k, and again with it dying after
+call k took effect (``cases.crash_cases`` keeps the crashes that leave distinct states). After
+each crash a fresh store (a restarted trainer) is checked against the model, cleaned by GC,
+checked again, audited for leftovers, and used for one more save.
+"""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+from ckptstore.conformance.cases import (
+    LONG_AGE,
+    Case,
+    CrashPointResult,
+    aged_gc,
+    collectable_leftovers,
+    crash_cases,
+    retried,
+    run_case,
+    run_in_fresh,
+)
+from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan, SimulatedCrash
+from ckptstore.conformance.location import Location
+from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
+from ckptstore.conformance.workload import (
+    MULTIPART_COMPLETION,
+    LocationMaker,
+    big_shard_size,
+    pattern,
+    save,
+    standard_workload,
+)
+
+__all__ = ["recover_and_check", "run_crash_points"]
+
+
+def recover_and_check(location: Location, model: Model) -> bool:
+    """A restarted trainer: check, GC the dead process's leftovers, check, audit, save again.
+
+    Returns whether GC kept dead attempts past the grace period and collected them only when
+    they were much older (a slower cleanup, allowed: e.g. the storage's clock is ahead).
+    """
+    store, _ = location.open()
+    check_invariants(store, model)
+    aged_gc(location, store, model)
+    slower = bool(location.leftovers())
+    if slower:  # kept longer than the grace: allowed, if they go when much older
+        aged_gc(location, store, model, LONG_AGE)
+        leftovers = collectable_leftovers(location)
+        if leftovers:
+            raise InvariantViolation(
+                "I7",
+                f"GC never collected dead attempts' data, even {LONG_AGE / 86400:.0f} days "
+                f"past the grace period: {sorted(leftovers)[:5]}",
+            )
+    steps = store.steps()
+    following = (steps[-1] if steps else 0) + 10
+    save(store, model, Saved(following, {"after-recovery": pattern(100, following)}, {}))
+    latest = store.latest()
+    if latest is None or latest.step != following:
+        raise InvariantViolation("I4", f"a save after recovery is not the latest: {latest}")
+    return slower
+
+
+def run_crash_points(
+    new_location: LocationMaker,
+    *,
+    limit: int | None = None,
+    workers: int = 4,
+    around: str | None = None,
+) -> CrashPointResult:
+    """Crash the standard workload at every storage call, before and after it took effect.
+
+    Cases are independent (each has a location of its own), so ``workers`` run at once: on
+    networked storage most of a case is waiting for answers. ``limit``: only the first calls;
+    ``around``: only just before and just after the calls of that name (a cheap test).
+    """
+    result = CrashPointResult()
+    baseline = retried(functools.partial(_baseline, new_location))
+    result.add(baseline)
+    if baseline.storage_errors:  # the workload never ran through: no call to crash at
+        return result
+    result.calls = baseline.calls
+    result.call_names = baseline.call_names
+    result.overlapped = baseline.overlapped
+    result.records = baseline.records
+    result.reads = sum(record.reads_only for record in baseline.records)
+    result.completions = baseline.completions
+    reached = baseline.calls if limit is None else min(baseline.calls, limit)
+    names = baseline.call_names
+    cases = [
+        (index, mode)
+        for index, mode in crash_cases(baseline.records[:reached], overlapped=baseline.overlapped)
+        if around is None or around in names[max(0, index - 1) : index + 1]
+    ]
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="crash-case") as pool:
+        outcomes = pool.map(
+            lambda case: retried(functools.partial(_crash_case, new_location, *case)), cases
+        )
+        for outcome in outcomes:  # in case order, so that reports are deterministic
+            result.add(outcome)
+    return result
+
+
+def _baseline(new_location: LocationMaker) -> CrashPointResult:
+    """The workload without a crash, then checked: counts the storage calls to crash at."""
+
+    def run(location: Location, case: Case) -> None:
+        result, model = case.result, Model()
+        clock = location.clock
+        plan = FaultPlan(observe=lambda: (model.events, clock.offset))
+        store = standard_workload(location, plan, model, big_shard_size(location))
+        injector = store.strategy.driver
+        assert isinstance(injector, FaultInjector)  # Location.open puts one under every store
+        result.calls = len(injector.calls)
+        result.records = list(injector.calls)
+        result.call_names = [call.name for call in injector.calls]
+        result.overlapped = injector.overlapped
+        result.completions = result.call_names.count(MULTIPART_COMPLETION)
+        run_case(result, case.name, lambda: _recover(result, location, model))
+
+    return run_in_fresh(new_location, "no crash", run)
+
+
+def _crash_case(new_location: LocationMaker, index: int, mode: CrashMode) -> CrashPointResult:
+    def run(location: Location, case: Case) -> None:
+        model = Model()
+        plan = FaultPlan(crash_at=index, crash_mode=mode)
+        try:
+            standard_workload(location, plan, model, big_shard_size(location))
+            case.name += " (not reached)"
+        except SimulatedCrash as crash:
+            case.died(crash)
+            case.result.crashed_at(crash)
+        run_case(case.result, case.name, lambda: _recover(case.result, location, model))
+
+    return run_in_fresh(new_location, f"crash {mode.value} call {index}", run)
+
+
+def _recover(result: CrashPointResult, location: Location, model: Model) -> None:
+    if recover_and_check(location, model):
+        result.slow_cleanups += 1

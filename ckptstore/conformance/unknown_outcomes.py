@@ -1,0 +1,179 @@
+"""Unknown outcomes (object stores): a 503 before, or a timeout after, each commit point.
+
+Two saves, with one storage call failed per case, a 503 before it reached storage or a timeout
+after it took effect, at every commit point; the save must retry or fail cleanly, and what it
+reports must match what it published (I8).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from ckptstore.conformance.cases import (
+    Case,
+    CaseFailure,
+    CrashPointResult,
+    retried,
+    run_case,
+    run_in_fresh,
+)
+from ckptstore.conformance.faults import CallRecord, CrashMode, FaultInjector, FaultPlan
+from ckptstore.conformance.location import Location
+from ckptstore.conformance.model import Model, Saved, check_invariants
+from ckptstore.conformance.outcomes import storage_failure
+from ckptstore.conformance.workload import (
+    MULTIPART_COMPLETION,
+    LocationMaker,
+    big_shard_size,
+    save,
+    standard_shards,
+)
+from ckptstore.errors import CheckpointExistsError, CkptStoreError
+from ckptstore.store import Store
+
+__all__ = ["commit_point_label", "run_indeterminate_outcomes"]
+
+
+def run_indeterminate_outcomes(
+    new_location: LocationMaker, *, before_every_call: bool = False
+) -> CrashPointResult:
+    """Fail storage calls of two saves, one per case; then read back (I8) and check.
+
+    The first save creates LATEST, the second moves it by compare-and-swap. Every commit point
+    of both (a conditional call, a multipart completion) fails with a 503 before it reached
+    storage, and times out after it took effect; every other call of the first save times out
+    after it took effect; with ``before_every_call``, every call of both fails both ways. A
+    save whose publish took effect must not report failure, nor mistake its own earlier write
+    for another writer's (CheckpointExistsError); a save that reports success must have
+    published; whatever the saves left must satisfy the invariants.
+    """
+    result = CrashPointResult()
+    baseline = retried(functools.partial(_count_save_calls, new_location))
+    result.add(baseline)
+    if baseline.storage_errors:
+        return result
+    result.calls, result.first_save_calls = baseline.calls, baseline.first_save_calls
+    for index, label in enumerate(baseline.call_names):
+        commit_point = commit_point_label(label) is not None
+        every = before_every_call or commit_point
+        modes = [CrashMode.BEFORE] if every else []
+        if every or index < baseline.first_save_calls:
+            modes.append(CrashMode.AFTER)
+        for mode in modes:
+            saves = 1 if index < baseline.first_save_calls else 2
+            case = functools.partial(_transient_case, new_location, index, mode, saves)
+            result.add(retried(case))
+    return result
+
+
+def commit_point_label(record: CallRecord | str) -> str | None:
+    """How the report names a commit point (``If-Match put LATEST``), or None for another
+    call. ``record`` may be a label from ``_call_label`` already."""
+    label = record if isinstance(record, str) else _call_label(record)
+    if label.startswith(("If-None-Match ", "If-Match ")) or MULTIPART_COMPLETION in label:
+        return label
+    return None
+
+
+def _call_label(record: CallRecord) -> str:
+    """A call's name, condition and key, with step numbers and attempt ids left out."""
+    key = _STEP_DIGITS.sub("step-N", record.args[0]) if record.args else ""
+    key = _ATTEMPT_TAIL.sub(".<attempt>/", key)
+    condition = f"{record.condition} " if record.condition else ""
+    return f"{condition}{record.name} {key}".rstrip()
+
+
+_STEP_DIGITS = re.compile(r"step-\d+")
+_ATTEMPT_TAIL = re.compile(r"\.[0-9a-z]{6,}/")
+
+
+def _count_save_calls(new_location: LocationMaker) -> CrashPointResult:
+    """The two saves without faults, to list their storage calls (not itself a case)."""
+
+    def run(location: Location, case: Case) -> None:
+        result = case.result
+        store, injector = location.open()
+        model, big = Model(), big_shard_size(location)
+        for step in (1, 2):
+            save(store, model, Saved(step, standard_shards(step, big), {}))
+            result.first_save_calls = result.first_save_calls or injector.count
+        result.calls = injector.count
+        result.call_names = [_call_label(call) for call in injector.calls]
+
+    return run_in_fresh(new_location, "two saves without faults", run)
+
+
+def _transient_case(
+    new_location: LocationMaker, index: int, mode: CrashMode, saves: int
+) -> CrashPointResult:
+    how = "503 before" if mode is CrashMode.BEFORE else "timeout after"
+
+    def run(location: Location, case: Case) -> None:
+        _fail_once(case.result, location, index, mode, case.name, saves)
+
+    return run_in_fresh(new_location, f"{how} call {index}", run, invariant="I8")
+
+
+def _fail_once(
+    result: CrashPointResult,
+    location: Location,
+    index: int,
+    mode: CrashMode,
+    name: str,
+    saves: int,
+) -> None:
+    """Run ``saves`` saves with one fault; judge what they reported, and what they left."""
+    model, big = Model(), big_shard_size(location)
+    store, injector = location.open(FaultPlan(transient={index: mode}))
+    reported: dict[int, CkptStoreError | None] = {}
+    for step in range(1, saves + 1):
+        try:
+            save(store, model, Saved(step, standard_shards(step, big), {}))
+            reported[step] = None
+        except CheckpointExistsError as exc:  # the only writer: its own publish, mistaken
+            _i8(result, f"{name} {_faulted(injector)}", f"own publish taken for another's: {exc}")
+            return
+        except CkptStoreError as exc:
+            if storage_failure(exc) is not None:
+                raise  # the storage failed the save, not the injected fault: nothing to judge
+            reported[step] = exc
+    record = injector.transient_injected[0] if injector.transient_injected else None
+    if record is not None:
+        name = f"{name}: {record}"
+        label = commit_point_label(record)
+        if label is not None:
+            result.faulted[f"{mode.value} {label}"] += 1
+        if record.conditional:
+            result.invariants_checked.add("I8")
+    clean, _ = location.open()
+    visible = set(clean.steps())
+    for step, error in reported.items():
+        if error is not None and step in visible and _holds_own(clean, model, step):
+            message = f"step {step}'s publish took effect but the save reported failure"
+            _i8(result, name, f"{message}: {error!r}")
+            return
+        if error is None and step not in visible:
+            message = f"the save of step {step} reported success but nothing was published"
+            _i8(result, name, f"{message} (an unknown outcome guessed)")
+            return
+    run_case(result, name, lambda: check_invariants(clean, model))
+
+
+def _i8(result: CrashPointResult, name: str, message: str) -> None:
+    result.cases += 1
+    result.failures.append(CaseFailure(name, "I8", message))
+
+
+def _holds_own(store: Store, model: Model, step: int) -> bool:
+    """Whether ``step`` is published with what this (the only) writer saved there."""
+    try:
+        checkpoint = store.get(step)
+    except CkptStoreError:
+        return False
+    saves = [*model.in_doubt.get(step, []), *filter(None, [model.committed.get(step)])]
+    return any(saved.matches(checkpoint) for saved in saves)
+
+
+def _faulted(injector: FaultInjector) -> str:
+    return str(injector.transient_injected[0]) if injector.transient_injected else ""
