@@ -20,15 +20,15 @@ from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import DATA_DIR, RenameCommit
 from ckptstore.conformance import runner
-from ckptstore.conformance.crash_points import run_crash_points
 from ckptstore.conformance.faults import CrashMode
+from ckptstore.conformance.layers.crash_points import run_crash_points
+from ckptstore.conformance.layers.probes import VIOLATED, run_probes
+from ckptstore.conformance.layers.unknown_outcomes import run_indeterminate_outcomes
+from ckptstore.conformance.layers.workload import MULTIPART_COMPLETION, pattern
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine
 from ckptstore.conformance.model import InvariantViolation
-from ckptstore.conformance.probes import VIOLATED, run_probes
 from ckptstore.conformance.report import BackendReport, render_text
-from ckptstore.conformance.unknown_outcomes import run_indeterminate_outcomes
-from ckptstore.conformance.workload import MULTIPART_COMPLETION, pattern
 from ckptstore.driver import PutMode
 from ckptstore.errors import PreconditionFailedError, TargetExistsError, TransientStorageError
 from ckptstore.manifest import Manifest

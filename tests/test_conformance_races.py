@@ -16,10 +16,10 @@ from ckptstore.backends.memory import MemoryDriver, get_bucket
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import RenameCommit
-from ckptstore.conformance import probes, runner
-from ckptstore.conformance.location import Location, LocationFactory
-from ckptstore.conformance.probes import HELD, VIOLATED, run_probes
-from ckptstore.conformance.races import (
+from ckptstore.conformance import runner
+from ckptstore.conformance.layers import probes
+from ckptstore.conformance.layers.probes import HELD, VIOLATED, run_probes
+from ckptstore.conformance.layers.races import (
     POINTER,
     Crew,
     Outcome,
@@ -29,6 +29,7 @@ from ckptstore.conformance.races import (
     _Judge,
     run_races,
 )
+from ckptstore.conformance.location import Location, LocationFactory
 from ckptstore.conformance.report import BackendReport, render_text
 from ckptstore.driver import Buffer, ObjectInfo, PutMode
 from ckptstore.errors import TargetExistsError

@@ -23,12 +23,12 @@ from ckptstore.checkpoint import ShardReader
 from ckptstore.cli import main
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.conformance import outcomes, runner
-from ckptstore.conformance.crash_points import run_crash_points
+from ckptstore.conformance.layers.crash_points import run_crash_points
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine
+from ckptstore.conformance.machine.shrinking import shrinking_stops_at
 from ckptstore.conformance.model import Model, Saved, check_invariants
 from ckptstore.conformance.report import BackendReport, render_text, to_json, to_junit
-from ckptstore.conformance.shrinking import shrinking_stops_at
 from ckptstore.driver import PutMode
 from ckptstore.errors import (
     CheckpointExistsError,
@@ -239,7 +239,7 @@ def test_shrinking_stops_at_the_budget() -> None:
 def test_canary_hypothesis_still_limits_shrinking_as_the_suite_moves_it() -> None:
     """Fails on a hypothesis whose engine no longer reads its shrinking limit as
     ``time.perf_counter() + MAX_SHRINKING_SECONDS`` when shrinking starts: then
-    ``shrinking_stops_at`` bounds nothing, and ``ckptstore.conformance.shrinking`` and the
+    ``shrinking_stops_at`` bounds nothing, and ``ckptstore.conformance.machine.shrinking`` and the
     pin in pyproject.toml must follow the new engine."""
     import inspect
 

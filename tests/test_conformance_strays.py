@@ -29,13 +29,13 @@ from ckptstore.backends.posix import PosixDriver
 from ckptstore.cli import main
 from ckptstore.commit import conditional_put, rename
 from ckptstore.commit.rename import PENDING_MARK, TRASH_PREFIX, RenameCommit
+from ckptstore.conformance.faults.strays import FifoGuard
+from ckptstore.conformance.layers.probes import run_probes
 from ckptstore.conformance.location import LocationFactory, open_for_measuring
 from ckptstore.conformance.machine import PROFILES, make_state_machine
 from ckptstore.conformance.model import InvariantViolation
-from ckptstore.conformance.probes import run_probes
 from ckptstore.conformance.report import render_text
 from ckptstore.conformance.reproducible import same_examples
-from ckptstore.conformance.strays import FifoGuard
 from ckptstore.errors import (
     CapabilityError,
     CheckpointNotFoundError,
@@ -436,7 +436,7 @@ def test_the_rules_hold_on_todays_backends(tmp_path: Any, scheme: str) -> None:
 
 def test_leftovers_are_not_the_strays_the_suite_planted(tmp_path: Any) -> None:
     location = LocationFactory(f"file://{tmp_path}/s")()
-    from ckptstore.conformance.strays import plant
+    from ckptstore.conformance.faults.strays import plant
 
     kinds = ("empty directory", "partial copy", "staging-like copy", "non-ASCII digits")
     for step, kind in enumerate(kinds, start=7):

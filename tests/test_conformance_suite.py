@@ -28,8 +28,6 @@ from ckptstore.cli import main
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import DATA_DIR, MANIFEST_NAME, RenameCommit, directories_of
 from ckptstore.conformance import outcomes
-from ckptstore.conformance.cases import crash_cases
-from ckptstore.conformance.crash_points import run_crash_points
 from ckptstore.conformance.faults import (
     CrashMode,
     FaultInjector,
@@ -37,14 +35,16 @@ from ckptstore.conformance.faults import (
     InjectedTimeoutError,
     SimulatedCrash,
 )
+from ckptstore.conformance.layers.cases import crash_cases
+from ckptstore.conformance.layers.crash_points import run_crash_points
+from ckptstore.conformance.layers.power_loss import run_power_loss
+from ckptstore.conformance.layers.probes import VIOLATED, run_probes
+from ckptstore.conformance.layers.workload import big_shard_size, standard_workload
 from ckptstore.conformance.location import Location, LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine, run_state_machine
 from ckptstore.conformance.mixins import ConformanceTests
 from ckptstore.conformance.model import InvariantViolation, Model
 from ckptstore.conformance.outcomes import StorageFailure, storage_failure
-from ckptstore.conformance.powerloss import run_power_loss
-from ckptstore.conformance.probes import VIOLATED, run_probes
-from ckptstore.conformance.workload import big_shard_size, standard_workload
 from ckptstore.errors import (
     CkptStoreError,
     ObjectNotFoundError,

@@ -18,16 +18,17 @@ import pytest
 
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.rename import DATA_DIR, MANIFEST_NAME, RenameCommit, directories_of
-from ckptstore.conformance import fsimages, syscalls
-from ckptstore.conformance.fsimages import ImageUnavailable, image_url, mounted_image
-from ckptstore.conformance.location import LocationFactory
-from ckptstore.conformance.report import BackendReport, render_text
-from ckptstore.conformance.syscalls import (
+from ckptstore.conformance.layers import syscall_trace
+from ckptstore.conformance.layers.syscall_trace import (
     SyscallTraceResult,
     report_syscall_layers,
     run_syscall_trace,
 )
-from ckptstore.conformance.syscalltrace import (
+from ckptstore.conformance.location import LocationFactory
+from ckptstore.conformance.report import BackendReport, render_text
+from ckptstore.conformance.tracing import images
+from ckptstore.conformance.tracing.images import ImageUnavailable, image_url, mounted_image
+from ckptstore.conformance.tracing.strace import (
     TracerUnavailable,
     decode_string,
     parse_trace,
@@ -241,13 +242,13 @@ def test_an_image_type_without_its_mkfs_is_skipped_with_the_reason(
 ) -> None:
     real = shutil.which
     monkeypatch.setattr(
-        fsimages.shutil, "which", lambda name: None if name == "mkfs.xfs" else real(name)
+        images.shutil, "which", lambda name: None if name == "mkfs.xfs" else real(name)
     )
-    monkeypatch.setattr(fsimages.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(images.os, "geteuid", lambda: 0)
     missing = pytest.raises(ImageUnavailable, match=r"^mkfs\.xfs is not installed$")
     with missing, mounted_image("xfs"):
         pass
-    monkeypatch.setattr(fsimages.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(images.os, "geteuid", lambda: 1000)
     with pytest.raises(ImageUnavailable, match="loop devices need root"), mounted_image("ext4"):
         pass
 
@@ -255,8 +256,8 @@ def test_an_image_type_without_its_mkfs_is_skipped_with_the_reason(
 def test_the_thorough_profile_reports_each_image_or_why_it_was_skipped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fsimages.os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(syscalls, "run_syscall_trace", _no_tracer)
+    monkeypatch.setattr(images.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(syscall_trace, "run_syscall_trace", _no_tracer)
     report = BackendReport(url=f"file://{tmp_path}/store", strategy="posix-rename")
     said: list[str] = []
     report_syscall_layers(report, LocationFactory(report.url), "thorough", said.append)

@@ -13,13 +13,13 @@ from pathlib import Path
 from broken_variants import HistoryBlindReplicator
 from conftest import extended_conformance
 
-from ckptstore.conformance.location import LocationFactory
-from ckptstore.conformance.runner import run_tiered
-from ckptstore.conformance.tiers import (
+from ckptstore.conformance.layers.tiers import (
     TieredPairFactory,
     run_partitioned,
     run_tiered_crash_points,
 )
+from ckptstore.conformance.location import LocationFactory
+from ckptstore.conformance.runner import run_tiered
 from ckptstore.replication import ReplicateAll, ReplicationPolicy
 from ckptstore.tools.embedded import EmbeddedS3
 

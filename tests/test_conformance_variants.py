@@ -31,19 +31,19 @@ from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import RenameCommit
 from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.conformance import runner
-from ckptstore.conformance.crash_points import _crash_case, run_crash_points
 from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan
+from ckptstore.conformance.layers.crash_points import _crash_case, run_crash_points
+from ckptstore.conformance.layers.power_loss import run_power_loss
+from ckptstore.conformance.layers.probes import run_probes
+from ckptstore.conformance.layers.syscall_trace import TRACE_INVARIANTS, run_syscall_trace
+from ckptstore.conformance.layers.unknown_outcomes import run_indeterminate_outcomes
+from ckptstore.conformance.layers.workload import big_shard_size, standard_workload
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine
 from ckptstore.conformance.model import InvariantViolation, Model
-from ckptstore.conformance.powerloss import run_power_loss
-from ckptstore.conformance.probes import run_probes
 from ckptstore.conformance.report import BackendReport, render_text
 from ckptstore.conformance.runner import CRASH_POINT_INVARIANTS, MACHINE_INVARIANTS
-from ckptstore.conformance.syscalls import TRACE_INVARIANTS, run_syscall_trace
-from ckptstore.conformance.syscalltrace import TracerUnavailable
-from ckptstore.conformance.unknown_outcomes import run_indeterminate_outcomes
-from ckptstore.conformance.workload import big_shard_size, standard_workload
+from ckptstore.conformance.tracing.strace import TracerUnavailable
 from ckptstore.store import Store
 
 PART = 1024
@@ -512,7 +512,7 @@ def needs(branch: str, feature: str) -> pytest.MarkDecorator:
 
 def race_findings(url: str) -> set[str]:
     """The invariants the race layer finds broken on ``url``, threads only."""
-    races = importlib.import_module("ckptstore.conformance.races")
+    races = importlib.import_module("ckptstore.conformance.layers.races")
     result = races.run_races(LocationFactory(url), races.RACE_PROFILES["ci"], processes=False)
     return {failure.invariant for failure in result.failures}
 

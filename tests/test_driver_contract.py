@@ -22,7 +22,7 @@ import ckptstore
 from ckptstore.backends.lustre import LustreDriver
 from ckptstore.backends.memory import MemoryBucket, MemoryDriver
 from ckptstore.backends.posix import PosixDriver
-from ckptstore.conformance.simfs import SimulatedFileSystem
+from ckptstore.conformance.models.simfs import SimulatedFileSystem
 from ckptstore.driver import (
     Capability,
     DriverFamily,

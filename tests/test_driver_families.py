@@ -15,7 +15,7 @@ from ckptstore.backends.memory import MemoryDriver
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.backends.s3 import S3Driver
 from ckptstore.conformance.faults import FaultInjector
-from ckptstore.conformance.simfs import SimulatedFileSystem
+from ckptstore.conformance.models.simfs import SimulatedFileSystem
 from ckptstore.driver import (
     DriverFamily,
     FileSystemDriver,

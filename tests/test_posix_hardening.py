@@ -21,7 +21,7 @@ from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.rename import GC_CLOCK_PREFIX, RenameCommit
 from ckptstore.commit.unsynced import HELD_DESCRIPTORS
 from ckptstore.conformance.audit import audit_of
-from ckptstore.conformance.simfs import SimulatedFileSystem
+from ckptstore.conformance.models.simfs import SimulatedFileSystem
 from ckptstore.errors import ManifestCorruptError, ObjectNotFoundError, StorageError
 from ckptstore.store import Store
 

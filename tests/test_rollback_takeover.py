@@ -20,7 +20,7 @@ import pytest
 from conftest import BackendUnderTest
 
 from ckptstore.cli import main
-from ckptstore.conformance.operators import CallHook
+from ckptstore.conformance.faults.operators import CallHook
 from ckptstore.driver import storage_calls
 from ckptstore.errors import (
     CheckpointNotFoundError,

@@ -7,14 +7,17 @@ Three ways to run it (see README, "Conformance"):
 - ``class TestMine(ckptstore.conformance.mixins.ConformanceTests)``: as test classes a
   backend subclasses, overriding the ``ckpt_url`` fixture.
 
-Layers: capability probes (``probes``), exhaustive crash points of the standard workload
-(``crash_points``, ``workload``), crash points of a takeover (``takeover``), unknown
-outcomes of conditional writes (``unknown_outcomes``), power loss on a simulated file system
-(``simfs``, ``powerloss``), writers racing in threads and processes (``races``),
-property-based crash injection (``machine``); the model and the
-invariant checks they share are in ``model``, fault injection in ``faults``, and how a failure
-of the storage itself is told apart from a violation (a third outcome, "storage error") in
-``outcomes``.
+The layers, one module each under ``layers/``: capability probes (``probes``), exhaustive
+crash points of the standard workload (``crash_points``, ``workload``, ``cases``), crash
+points of a takeover (``takeover``), unknown outcomes of conditional writes
+(``unknown_outcomes``), power loss on a simulated file system (``power_loss``, over
+``models.simfs``), the real driver's system calls (``syscall_trace``, over ``tracing``),
+writers racing in threads and processes (``races``), property-based crash injection (the
+state machine in ``machine``), and a tiered pair's replication (``tiers``). The model and
+the invariant checks they share are in ``model``, fault injection in ``faults``, and how a
+failure of the storage itself is told apart from a violation (a third outcome, "storage
+error") in ``outcomes``. The command line runs the layers through ``runner``, pytest through
+``mixins``.
 """
 
 from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan, SimulatedCrash

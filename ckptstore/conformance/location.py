@@ -18,7 +18,7 @@ from ckptstore.commit.base import CommitStrategy
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.conformance.audit import StorageAudit, audit_of
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
-from ckptstore.conformance.strays import Stray
+from ckptstore.conformance.faults.strays import Stray
 from ckptstore.driver import Capability, DriverFamily, driver_family
 from ckptstore.errors import (
     CapabilityError,
@@ -208,7 +208,7 @@ class Location:
 
     def leftovers(self) -> set[str]:
         """Raw names that belong to no published checkpoint (nor to the store itself), apart
-        from the foreign entries the suite planted (``strays``)."""
+        from the foreign entries the suite planted (``faults.strays``)."""
         owned: set[str] = set(self.audit.fixed_names) | self.audit.lineage_names()
         for step, epoch in self.base.published_checkpoints():
             try:

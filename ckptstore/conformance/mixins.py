@@ -24,19 +24,19 @@ from typing import Any
 
 import pytest
 
-from ckptstore.conformance.cases import CaseFailure, CrashPointResult
-from ckptstore.conformance.crash_points import run_crash_points
+from ckptstore.conformance.layers.cases import CaseFailure, CrashPointResult
+from ckptstore.conformance.layers.crash_points import run_crash_points
+from ckptstore.conformance.layers.power_loss import run_power_loss
+from ckptstore.conformance.layers.probes import HELD, NOT_MEASURED, run_probes
+from ckptstore.conformance.layers.races import RACE_PROFILES, run_races
+from ckptstore.conformance.layers.syscall_trace import run_syscall_trace
+from ckptstore.conformance.layers.takeover import run_takeover_crash_points
+from ckptstore.conformance.layers.unknown_outcomes import run_indeterminate_outcomes
+from ckptstore.conformance.layers.workload import big_shard_size
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine, run_state_machine
 from ckptstore.conformance.outcomes import STORAGE_ERROR, StorageFailure
-from ckptstore.conformance.powerloss import run_power_loss
-from ckptstore.conformance.probes import HELD, NOT_MEASURED, run_probes
-from ckptstore.conformance.races import RACE_PROFILES, run_races
-from ckptstore.conformance.syscalls import run_syscall_trace
-from ckptstore.conformance.syscalltrace import TracerUnavailable
-from ckptstore.conformance.takeover import run_takeover_crash_points
-from ckptstore.conformance.unknown_outcomes import run_indeterminate_outcomes
-from ckptstore.conformance.workload import big_shard_size
+from ckptstore.conformance.tracing.strace import TracerUnavailable
 from ckptstore.driver import DriverFamily, driver_family
 
 __all__ = [
@@ -173,7 +173,7 @@ class PowerLossTests(ConformanceFixtures):
         self, ckpt_locations: LocationFactory, ckpt_profile: str
     ) -> None:
         """The driver's own system calls, traced: durability calls on the right objects, and
-        every power-loss state of the recorded trace (``syscalls``)."""
+        every power-loss state of the recorded trace (``layers.syscall_trace``)."""
         location = ckpt_locations()
         try:
             if driver_family(location.base.driver) is not DriverFamily.FILE_SYSTEM:

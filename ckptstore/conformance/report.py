@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from xml.etree import ElementTree
 
+from ckptstore.conformance.layers.probes import HELD, NOT_MEASURED, ProbeResult
 from ckptstore.conformance.model import INVARIANTS
 from ckptstore.conformance.outcomes import STORAGE_ERROR
-from ckptstore.conformance.probes import HELD, NOT_MEASURED, ProbeResult
 from ckptstore.urls import redact
 
 __all__ = ["BackendReport", "InvariantResult", "LayerError", "render_text", "to_json", "to_junit"]

@@ -20,21 +20,21 @@ from typing import Any
 import hypothesis
 from hypothesis.reporting import with_reporter
 
-from ckptstore.conformance.cases import CrashPointResult
-from ckptstore.conformance.crash_points import run_crash_points
+from ckptstore.conformance.layers.cases import CrashPointResult
+from ckptstore.conformance.layers.crash_points import run_crash_points
+from ckptstore.conformance.layers.power_loss import run_power_loss
+from ckptstore.conformance.layers.probes import run_probes
+from ckptstore.conformance.layers.races import RACE_PROFILES, run_races
+from ckptstore.conformance.layers.syscall_trace import TRACE_INVARIANTS, report_syscall_layers
+from ckptstore.conformance.layers.takeover import run_takeover_crash_points
+from ckptstore.conformance.layers.unknown_outcomes import run_indeterminate_outcomes
+from ckptstore.conformance.layers.workload import big_shard_size
 from ckptstore.conformance.location import LocationFactory, open_for_measuring
 from ckptstore.conformance.machine import PROFILES, make_state_machine, run_state_machine
+from ckptstore.conformance.machine.shrinking import shrinking_stops_at
 from ckptstore.conformance.model import InvariantViolation
 from ckptstore.conformance.outcomes import STORAGE_ERROR, StorageFailure, storage_failure
-from ckptstore.conformance.powerloss import run_power_loss
-from ckptstore.conformance.probes import run_probes
-from ckptstore.conformance.races import RACE_PROFILES, run_races
 from ckptstore.conformance.report import INTERRUPTED, VIOLATED_STATUS, BackendReport
-from ckptstore.conformance.shrinking import shrinking_stops_at
-from ckptstore.conformance.syscalls import TRACE_INVARIANTS, report_syscall_layers
-from ckptstore.conformance.takeover import run_takeover_crash_points
-from ckptstore.conformance.unknown_outcomes import run_indeterminate_outcomes
-from ckptstore.conformance.workload import big_shard_size
 from ckptstore.driver import DriverFamily, driver_family
 from ckptstore.errors import InvalidOptionError, RefusedError
 from ckptstore.store import Store
@@ -531,7 +531,7 @@ def run_tiered(
     applicable here (each store's own run checks
     them; a copy is an ordinary save of the durable store's protocol).
     """
-    from ckptstore.conformance.tiers import (
+    from ckptstore.conformance.layers.tiers import (
         PARTITION_INVARIANTS,
         TIERED_INVARIANTS,
         TieredPairFactory,

@@ -32,7 +32,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from ckptstore.conformance.cases import (
+from ckptstore.conformance.faults import (
+    CallRecord,
+    CrashMode,
+    FaultInjector,
+    FaultPlan,
+    SimulatedCrash,
+)
+from ckptstore.conformance.layers.cases import (
     LONG_AGE,
     Case,
     CrashPointResult,
@@ -43,16 +50,15 @@ from ckptstore.conformance.cases import (
     run_in_fresh,
     undecided,
 )
-from ckptstore.conformance.faults import (
-    CallRecord,
-    CrashMode,
-    FaultInjector,
-    FaultPlan,
-    SimulatedCrash,
+from ckptstore.conformance.layers.workload import (
+    AGE_PAST_GRACE,
+    GRACE,
+    big_shard_size,
+    pattern,
+    save,
 )
 from ckptstore.conformance.location import Location, LocationFactory
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
-from ckptstore.conformance.workload import AGE_PAST_GRACE, GRACE, big_shard_size, pattern, save
 from ckptstore.errors import CkptStoreError
 from ckptstore.manifest import Manifest
 from ckptstore.replication import ReplicateAll, ReplicationPolicy, Replicator

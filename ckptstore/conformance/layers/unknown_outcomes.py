@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import re
 
-from ckptstore.conformance.cases import (
+from ckptstore.conformance.faults import CallRecord, CrashMode, FaultInjector, FaultPlan
+from ckptstore.conformance.layers.cases import (
     Case,
     CaseFailure,
     CrashPointResult,
@@ -18,17 +19,16 @@ from ckptstore.conformance.cases import (
     run_case,
     run_in_fresh,
 )
-from ckptstore.conformance.faults import CallRecord, CrashMode, FaultInjector, FaultPlan
-from ckptstore.conformance.location import Location
-from ckptstore.conformance.model import Model, Saved, check_invariants
-from ckptstore.conformance.outcomes import storage_failure
-from ckptstore.conformance.workload import (
+from ckptstore.conformance.layers.workload import (
     MULTIPART_COMPLETION,
     LocationMaker,
     big_shard_size,
     save,
     standard_shards,
 )
+from ckptstore.conformance.location import Location
+from ckptstore.conformance.model import Model, Saved, check_invariants
+from ckptstore.conformance.outcomes import storage_failure
 from ckptstore.errors import CheckpointExistsError, CkptStoreError
 from ckptstore.store import Store
 

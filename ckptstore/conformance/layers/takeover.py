@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 
-from ckptstore.conformance.cases import (
+from ckptstore.conformance.faults import CrashMode, FaultPlan, SimulatedCrash
+from ckptstore.conformance.layers.cases import (
     Case,
     CrashPointResult,
     aged_gc,
@@ -21,10 +22,9 @@ from ckptstore.conformance.cases import (
     run_case,
     run_in_fresh,
 )
-from ckptstore.conformance.faults import CrashMode, FaultPlan, SimulatedCrash
+from ckptstore.conformance.layers.workload import LocationMaker, pattern, save
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
-from ckptstore.conformance.workload import LocationMaker, pattern, save
 from ckptstore.errors import SupersededError
 from ckptstore.store import Store
 

@@ -3,14 +3,14 @@
 ``ForeignEntryRules`` is a group of rules that ``make_state_machine`` mixes into its machine:
 
 - ``plant_a_stray``: an entry the protocol did not make, named like a step the suite never
-  saves (``strays``): an empty directory, a file, a partial copy without a manifest, odd
+  saves (``faults.strays``): an empty directory, a file, a partial copy without a manifest, odd
   digits, a directory or a FIFO where a manifest belongs; on object stores the same as keys
   and "directory marker" keys. The model is told, so a stray taken for a checkpoint is I1;
 - ``plant_a_pointer``: a corrupt LATEST pointer (bytes that are no step, a step past every
   checkpoint, one never published, a directory, a FIFO), which the protocol must ignore;
 - ``operator_deletes_under_a_reader`` (with and without ``--force``), ``..._rolls_back_...``,
   ``..._applies_retention_...``: an operator's action at any storage call of a resuming
-  trainer's ``latest()`` and reads (``operators``).
+  trainer's ``latest()`` and reads (``faults.operators``).
 
 After every step: no planted entry is gone or changed (I7: "entries the protocol did not make
 are never removed"), and no reader blocked on a planted FIFO (I4: a resume that never
@@ -24,11 +24,8 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ckptstore.conformance.location import Location
-from ckptstore.conformance.model import InvariantViolation, Model
-from ckptstore.conformance.operators import OperatorAction, race_a_reader
-from ckptstore.conformance.outcomes import abort_on_storage_failure
-from ckptstore.conformance.strays import (
+from ckptstore.conformance.faults.operators import OperatorAction, race_a_reader
+from ckptstore.conformance.faults.strays import (
     FILE_SYSTEM_KINDS,
     OBJECT_STORE_KINDS,
     POINTER_KINDS,
@@ -39,6 +36,9 @@ from ckptstore.conformance.strays import (
     plant,
     plant_pointer,
 )
+from ckptstore.conformance.location import Location
+from ckptstore.conformance.model import InvariantViolation, Model
+from ckptstore.conformance.outcomes import abort_on_storage_failure
 from ckptstore.driver import DriverFamily, driver_family
 from ckptstore.names import MAX_STEP
 from ckptstore.store import Store

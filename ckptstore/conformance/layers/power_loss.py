@@ -1,7 +1,7 @@
 """Power loss: the standard workload on a simulated file system, cut at every change.
 
 After every storage call that changes the simulated file system, every state a power loss
-could leave (see ``simfs``) is materialised, opened by a fresh store, and checked against the
+could leave (see ``models.simfs``) is materialised, opened by a fresh store, and checked against the
 model as it stood at that instant: committed checkpoints must have survived (I2), anything
 visible must be complete and exactly as saved (I1), and so on.
 """
@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
-from ckptstore.conformance.cases import CaseFailure
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
+from ckptstore.conformance.layers.cases import CaseFailure
+from ckptstore.conformance.layers.workload import standard_workload
 from ckptstore.conformance.location import Clock
 from ckptstore.conformance.model import InvariantViolation, Model, check_invariants
-from ckptstore.conformance.simfs import SimulatedFileSystem
-from ckptstore.conformance.workload import standard_workload
+from ckptstore.conformance.models.simfs import SimulatedFileSystem
 from ckptstore.errors import CkptStoreError
 from ckptstore.retention import RetentionPolicy
 from ckptstore.store import Store

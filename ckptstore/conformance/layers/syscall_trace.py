@@ -4,13 +4,13 @@ The power-loss layer runs the strategy on a simulated file system, so it cannot 
 driver itself asks of the kernel: an ``fsync`` that does nothing, or syncs the wrong
 descriptor, or a no-replace rename done with plain ``rename(2)``, all pass it. This layer runs
 the standard workload through the backend's own driver, on its real directory, in a child
-process under strace (``syscalltrace``, ``tracechild``), maps each recorded system call back to
-the driver call that made it, and judges the trace (``tracereplay``): every durability call
+process under strace (``tracing.strace``, ``tracing.child``), maps each recorded system call back to
+the driver call that made it, and judges the trace (``tracing.replay``): every durability call
 must reach the kernel on the right file or directory, and every power-loss state of the
 *recorded* system calls must satisfy the invariants.
 
 In the ``thorough`` profile the layers that touch the real file system (probes, crash points,
-this one) run again on ext4, xfs and btrfs images on loop devices (``fsimages``), where the
+this one) run again on ext4, xfs and btrfs images on loop devices (``tracing.images``), where the
 machine allows it.
 """
 
@@ -24,14 +24,19 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ckptstore.conformance.crash_points import run_crash_points
-from ckptstore.conformance.fsimages import IMAGE_TYPES, ImageUnavailable, image_url, mounted_image
+from ckptstore.conformance.layers.crash_points import run_crash_points
+from ckptstore.conformance.layers.probes import HELD, NOT_MEASURED, STORAGE_ERROR, run_probes
 from ckptstore.conformance.location import Location, LocationFactory, original_class
-from ckptstore.conformance.probes import HELD, NOT_MEASURED, STORAGE_ERROR, run_probes
 from ckptstore.conformance.report import BackendReport
-from ckptstore.conformance.syscalltrace import TracerUnavailable, parse_trace, trace_command
-from ckptstore.conformance.tracechild import TraceOutcome
-from ckptstore.conformance.tracereplay import ReplayResult, replay_trace
+from ckptstore.conformance.tracing.child import TraceOutcome
+from ckptstore.conformance.tracing.images import (
+    IMAGE_TYPES,
+    ImageUnavailable,
+    image_url,
+    mounted_image,
+)
+from ckptstore.conformance.tracing.replay import ReplayResult, replay_trace
+from ckptstore.conformance.tracing.strace import TracerUnavailable, parse_trace, trace_command
 
 __all__ = ["SyscallTraceResult", "report_syscall_layers", "run_syscall_trace"]
 
@@ -82,7 +87,7 @@ def run_syscall_trace(location: Location, *, depth: int = 1) -> SyscallTraceResu
             stream.write(recipe)
         env = dict(os.environ)  # the child finds what this process imported, test modules too
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)
-        argv = [sys.executable, "-m", "ckptstore.conformance.tracechild", recipe_path]
+        argv = [sys.executable, "-m", "ckptstore.conformance.tracing.child", recipe_path]
         try:
             completed = trace_command(
                 [*argv, outcome_path], trace_path, cwd=scratch, env=env, timeout_s=TRACE_TIMEOUT_S

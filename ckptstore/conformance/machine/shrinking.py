@@ -43,7 +43,7 @@ def shrinking_stops_at(deadline: float | None) -> Iterator[None]:
     if not isinstance(saved, (int, float)):
         log.warning(
             "this hypothesis has no engine.MAX_SHRINKING_SECONDS: shrinking is not bounded "
-            "by the conformance budget (see ckptstore.conformance.shrinking)"
+            "by the conformance budget (see ckptstore.conformance.machine.shrinking)"
         )
         yield
         return

@@ -152,7 +152,7 @@ class SimulatedFileSystem(FileSystemDriver):
     def fsync(self, handle: int) -> None:
         inode = self.handles[handle]
         node = self.inodes[inode]
-        if node.is_dir:  # a traced fsync of a directory's descriptor (``tracereplay``)
+        if node.is_dir:  # a traced fsync of a directory's descriptor (``tracing.replay``)
             self._sync_entries(inode)
         else:
             node.durable = bytes(node.data)
@@ -230,7 +230,7 @@ class SimulatedFileSystem(FileSystemDriver):
         del self.inodes[parent].entries[name]
         self._record("rmdir", removes=((parent, name),))
 
-    # -- replaying a recorded trace (``tracereplay``) ------------------------------------
+    # -- replaying a recorded trace (``tracing.replay``) ------------------------------------
 
     def open_existing(self, path: str) -> int:
         """A handle on an existing file or directory, as a traced ``open`` of it returned."""

@@ -1,7 +1,7 @@
 """The traced process: the standard workload on the real driver, each driver call marked.
 
-Run as ``python -m ckptstore.conformance.tracechild RECIPE RESULT`` under strace
-(``syscalls``). RECIPE is a pickle of the strategy's class, its settings and its driver.
+Run as ``python -m ckptstore.conformance.tracing.child RECIPE RESULT`` under strace
+(``layers.syscall_trace``). RECIPE is a pickle of the strategy's class, its settings and its driver.
 Before and after every driver call the calling thread writes a marker line
 (``ckptstore-syscall-mark begin 12``) to a descriptor open on /dev/null: a harmless system
 call the trace shows in place, so every recorded system call can be mapped back to the
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
+from ckptstore.conformance.layers.workload import big_shard_size, standard_workload
 from ckptstore.conformance.location import Clock, measuring_class
 from ckptstore.conformance.model import Model
 from ckptstore.conformance.outcomes import storage_failure
-from ckptstore.conformance.workload import big_shard_size, standard_workload
 from ckptstore.driver import storage_calls
 from ckptstore.retention import RetentionPolicy
 from ckptstore.store import Store
@@ -179,6 +179,6 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     # Run the module under its own name, so that what it pickles is found by the parent.
-    from ckptstore.conformance import tracechild
+    from ckptstore.conformance.tracing import child
 
-    sys.exit(tracechild.main(sys.argv[1:]))
+    sys.exit(child.main(sys.argv[1:]))

@@ -4,8 +4,8 @@ It saves two checkpoints of several shards (one multipart-sized where the storag
 multipart uploads), leaves a dead attempt behind, lets it age past the grace period, runs a
 retention pass that deletes, a GC that removes the dead attempt, and reads the latest
 checkpoint back. The crash-point layer crashes it at every storage call (``crash_points``), the
-power-loss layer cuts power at every change it makes (``powerloss``), the syscall trace records
-what its driver asks of the kernel (``syscalls``); ``save`` and ``pattern`` serve every layer
+power-loss layer cuts power at every change it makes (``power_loss``), the syscall trace records
+what its driver asks of the kernel (``syscall_trace``); ``save`` and ``pattern`` serve every layer
 that saves.
 """
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 from concurrent.futures import ThreadPoolExecutor
 
-from ckptstore.conformance.cases import (
+from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan, SimulatedCrash
+from ckptstore.conformance.layers.cases import (
     LONG_AGE,
     Case,
     CrashPointResult,
@@ -23,10 +24,7 @@ from ckptstore.conformance.cases import (
     run_case,
     run_in_fresh,
 )
-from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan, SimulatedCrash
-from ckptstore.conformance.location import Location
-from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
-from ckptstore.conformance.workload import (
+from ckptstore.conformance.layers.workload import (
     MULTIPART_COMPLETION,
     LocationMaker,
     big_shard_size,
@@ -34,6 +32,8 @@ from ckptstore.conformance.workload import (
     save,
     standard_workload,
 )
+from ckptstore.conformance.location import Location
+from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
 
 __all__ = ["recover_and_check", "run_crash_points"]
 

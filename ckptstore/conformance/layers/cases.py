@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from ckptstore.conformance.faults import CallRecord, CrashMode, SimulatedCrash
+from ckptstore.conformance.layers.workload import AGE_PAST_GRACE, GRACE, MULTIPART_COMPLETION
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, check_invariants
 from ckptstore.conformance.outcomes import (
@@ -23,7 +24,6 @@ from ckptstore.conformance.outcomes import (
     retry_storage_failures,
     storage_failure,
 )
-from ckptstore.conformance.workload import AGE_PAST_GRACE, GRACE, MULTIPART_COMPLETION
 from ckptstore.driver import Capability
 from ckptstore.errors import CkptStoreError
 from ckptstore.store import Store

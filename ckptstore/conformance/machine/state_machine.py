@@ -35,8 +35,9 @@ from hypothesis.stateful import (
 )
 
 from ckptstore.conformance.faults import CrashMode, FaultPlan, SimulatedCrash
-from ckptstore.conformance.foreign import ForeignEntryRules
+from ckptstore.conformance.layers.workload import GRACE, MULTIPART_COMPLETION, pattern, save
 from ckptstore.conformance.location import Location
+from ckptstore.conformance.machine.foreign import ForeignEntryRules
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
 from ckptstore.conformance.outcomes import (
     StorageFailure,
@@ -44,7 +45,6 @@ from ckptstore.conformance.outcomes import (
     retry_storage_failures,
     storage_failure,
 )
-from ckptstore.conformance.workload import GRACE, MULTIPART_COMPLETION, pattern, save
 from ckptstore.errors import (
     CheckpointExistsError,
     CkptStoreError,

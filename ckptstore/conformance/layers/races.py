@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
+from ckptstore.conformance.layers.workload import pattern
 from ckptstore.conformance.location import Location, open_for_measuring
 from ckptstore.conformance.outcomes import storage_failure
-from ckptstore.conformance.workload import pattern
 from ckptstore.driver import Capability, DriverFamily, PutMode, driver_family, storage_calls
 from ckptstore.errors import CheckpointExistsError, CkptStoreError
 from ckptstore.store import Store
@@ -408,7 +408,11 @@ def _plan(rounds: int, writers: int) -> list[Round]:
     return plan
 
 
-PRELOAD = ["ckptstore.conformance.races", "ckptstore.backends.posix", "ckptstore.backends.s3"]
+PRELOAD = [
+    "ckptstore.conformance.layers.races",
+    "ckptstore.backends.posix",
+    "ckptstore.backends.s3",
+]
 """What the fork server imports once, so that each racer process starts in milliseconds."""
 
 

@@ -1,7 +1,7 @@
 """A recorded trace judged twice: each durability call against what reached the kernel, and
 every power-loss state of the recorded system calls against the model.
 
-The trace (``syscalltrace``) is replayed, in order, into a ``SimulatedFileSystem`` rooted at
+The trace (``strace``) is replayed, in order, into a ``SimulatedFileSystem`` rooted at
 the store: every open is resolved to a simulated inode (through ``openat``'s directory
 descriptor, ``dup`` and ``close``), every write, ``mkdir``, rename and unlink is applied, and
 an ``fsync`` takes effect only on the inode its descriptor refers to. Two checks follow.
@@ -15,7 +15,7 @@ rename of a directory once the kernel refused the flag (EINVAL, ENOSYS), is acce
 
 (b) As ALICE does (Pillai et al., OSDI '14), the file system is cut before every recorded
 ``fsync`` and rename and at the end, and every state a power loss may leave there
-(``simfs.crash_states``) is checked with ``check_invariants`` against the model as it stood
+(``models.simfs.crash_states``) is checked with ``check_invariants`` against the model as it stood
 (the traced process records it at each driver call).
 
 The replay stops where the trace leaves the model: a system call it does not model on the
@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
-from ckptstore.conformance.cases import CaseFailure
+from ckptstore.conformance.layers.cases import CaseFailure
 from ckptstore.conformance.location import Clock
 from ckptstore.conformance.model import InvariantViolation, Model, check_invariants
-from ckptstore.conformance.simfs import SimulatedFileSystem
-from ckptstore.conformance.syscalltrace import Syscall, decode_string
-from ckptstore.conformance.tracechild import MARK, DriverCall, TraceOutcome
+from ckptstore.conformance.models.simfs import SimulatedFileSystem
+from ckptstore.conformance.tracing.child import MARK, DriverCall, TraceOutcome
+from ckptstore.conformance.tracing.strace import Syscall, decode_string
 from ckptstore.errors import CkptStoreError
 from ckptstore.store import Store
 
