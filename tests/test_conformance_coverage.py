@@ -21,8 +21,10 @@ from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import DATA_DIR, RenameCommit
 from ckptstore.conformance import runner
 from ckptstore.conformance.faults import CrashMode
-from ckptstore.conformance.layers.crash_points import run_crash_points
+from ckptstore.conformance.layers.crash_points import completions_note, run_crash_points
+from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.probes import VIOLATED, run_probes
+from ckptstore.conformance.layers.property_based import machine_completions, machine_findings
 from ckptstore.conformance.layers.unknown_outcomes import run_indeterminate_outcomes
 from ckptstore.conformance.layers.workload import MULTIPART_COMPLETION, pattern
 from ckptstore.conformance.location import LocationFactory
@@ -85,7 +87,7 @@ def test_a_small_part_size_is_honoured_for_a_shard_of_known_size(memory_url: str
 
 def test_the_crash_points_crash_around_every_multipart_completion(memory_url: str) -> None:
     report = BackendReport(url=memory_url, strategy="conditional-put")
-    runner._crash_points(report, LocationFactory(memory_url))
+    runner.run_layer(report, "crash points", SuiteRun(LocationFactory(memory_url)))
     line = report.coverage["crash points"]
     assert "2 multipart completions crashed around (before and after each; 2 in the workload)" in (
         line
@@ -99,7 +101,7 @@ def test_the_count_comes_from_the_crashes_the_injector_recorded(
     factory = LocationFactory(memory_url)
     early = run_crash_points(factory, limit=5)  # crashes before any upload began
     assert early.completions == 2 and early.completions_crashed_around == 0
-    assert "; 0 multipart completions crashed around" in runner._completions_note(early)
+    assert "; 0 multipart completions crashed around" in completions_note(early)
     around = run_crash_points(factory, around=MULTIPART_COMPLETION)
     assert around.failures == [] and around.storage_errors == []
     assert around.cases == 1 + 4  # no crash; before each completion and before the next call
@@ -107,7 +109,7 @@ def test_the_count_comes_from_the_crashes_the_injector_recorded(
     completions = [i for i, n in enumerate(around.call_names) if n == MULTIPART_COMPLETION]
     assert sorted(around.completions_before) == completions
     files = run_crash_points(LocationFactory(f"file://{tmp_path}/fs"), limit=3)
-    assert files.completions == 0 and runner._completions_note(files) == ""
+    assert files.completions == 0 and completions_note(files) == ""
 
 
 def test_on_s3_the_crash_points_crash_around_multipart_completions(moto_s3: EmbeddedS3) -> None:
@@ -136,7 +138,7 @@ def test_the_state_machine_counts_its_crashes_around_completions(memory_url: str
     finally:
         machine.teardown()
     assert machine_class.completion_crashes == Counter(before=1, after=3)
-    assert runner._machine_completions(machine_class, size) == (
+    assert machine_completions(machine_class, size) == (
         "; crashes around multipart completions: 1 before, 3 after"
     )
 
@@ -190,7 +192,9 @@ def _machine_report(url: str, multipart_size: int, examples: int = 150) -> Backe
         phases=[Phase.explicit, Phase.generate],
     )
     report = BackendReport(url=url, strategy="broken")
-    runner._run_machine(report, machine, found, None)
+    findings = Findings()
+    machine_findings(findings, machine, found, None)
+    runner.record(report, findings)
     return report
 
 
@@ -294,7 +298,7 @@ def test_the_real_backends_pass_the_new_rules(kind: str, tmp_path: Any, request:
 
 def test_every_commit_point_is_failed_before_and_after(memory_url: str) -> None:
     report = BackendReport(url=memory_url, strategy="conditional-put")
-    runner._indeterminate(report, LocationFactory(memory_url))
+    runner.run_layer(report, "unknown outcomes", SuiteRun(LocationFactory(memory_url)))
     line = report.coverage["unknown outcomes"]
     for point in (
         "If-None-Match put manifests/step-N.json (2 before, 2 after)",

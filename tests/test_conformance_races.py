@@ -18,6 +18,7 @@ from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import RenameCommit
 from ckptstore.conformance import runner
 from ckptstore.conformance.layers import probes
+from ckptstore.conformance.layers.layer import SuiteRun
 from ckptstore.conformance.layers.probes import HELD, VIOLATED, run_probes
 from ckptstore.conformance.layers.races import (
     POINTER,
@@ -151,7 +152,7 @@ def test_races_catch_two_writers_publishing_one_step() -> None:
 
 def test_the_runner_reports_races_as_invariants_and_coverage() -> None:
     report = BackendReport(url="memory://broken", strategy="conditional put")
-    runner._races(report, _broken_memory, "ci")
+    runner.run_layer(report, "parallel races", SuiteRun(_broken_memory))  # type: ignore[arg-type]
     assert report.invariants["I5"].status == "violated"
     text = render_text([report])
     assert "were told they published it" in text

@@ -23,7 +23,10 @@ from ckptstore.checkpoint import ShardReader
 from ckptstore.cli import main
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.conformance import outcomes, runner
+from ckptstore.conformance.layers import crash_points, unknown_outcomes
 from ckptstore.conformance.layers.crash_points import run_crash_points
+from ckptstore.conformance.layers.layer import Findings, SuiteRun
+from ckptstore.conformance.layers.property_based import machine_findings
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine
 from ckptstore.conformance.machine.shrinking import shrinking_stops_at
@@ -177,9 +180,11 @@ def _machine_settings(examples: int = 150) -> Any:
 def _run(url: str, budget: float, monkeypatch: pytest.MonkeyPatch, crash_cases: int = 3) -> Any:
     """``run_backend`` with a short budget and a few crash cases (the report is under test,
     not the coverage)."""
-    real = runner.run_crash_points
+    real = crash_points.run_crash_points
     monkeypatch.setattr(
-        runner, "run_crash_points", lambda factory, **kw: real(factory, limit=crash_cases, **kw)
+        crash_points,
+        "run_crash_points",
+        lambda factory, **kw: real(factory, limit=crash_cases, **kw),
     )
     return runner.run_backend(url, budget_s=budget)
 
@@ -204,7 +209,9 @@ def test_a_state_machine_violation_shows_the_shrunk_steps(scheme: Any) -> None:
     url = scheme("greedy-gc", strategy=GreedyGcCommit)
     report = BackendReport(url=url, strategy="conditional-put")
     machine = make_state_machine(LocationFactory(url), multipart_size=0)
-    runner._run_machine(report, machine, _machine_settings(), time.monotonic() + 20)
+    found = Findings()
+    machine_findings(found, machine, _machine_settings(), time.monotonic() + 20)
+    runner.record(report, found)
     evidence = report.invariants["I7"].evidence[0]
     assert "shrunk failing sequence:" in evidence
     assert "state = CheckpointStoreMachine()" in evidence
@@ -304,9 +311,9 @@ def test_the_report_files_are_written_after_each_layer(
     def interrupted(*args: Any, **kwargs: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner, "run_indeterminate_outcomes", interrupted)
-    real = runner.run_crash_points
-    monkeypatch.setattr(runner, "run_crash_points", lambda f, **kw: real(f, limit=2, **kw))
+    monkeypatch.setattr(unknown_outcomes, "run_indeterminate_outcomes", interrupted)
+    real = crash_points.run_crash_points
+    monkeypatch.setattr(crash_points, "run_crash_points", lambda f, **kw: real(f, limit=2, **kw))
     status = main(["conformance", url, "--json-file", str(tmp_path / "r.json")], io.StringIO())
     assert status not in (0, 1)  # the command line reports the interruption
     backend = json.loads((tmp_path / "r.json").read_text())["backends"][0]
@@ -322,7 +329,7 @@ def test_an_unexpected_error_in_a_layer_is_recorded_and_the_next_layers_run(
     def broken(*args: Any, **kwargs: Any) -> None:
         raise InvalidOptionError("a bug in a layer")
 
-    monkeypatch.setattr(runner, "run_indeterminate_outcomes", broken)
+    monkeypatch.setattr(unknown_outcomes, "run_indeterminate_outcomes", broken)
     report = _run(scheme("buggy-layer"), 5, monkeypatch)
     assert report.outcome == "violated"
     assert report.invariants["I8"].status == "violated"
@@ -418,8 +425,8 @@ def test_gc_keeping_dead_attempts_longer_is_allowed_and_noted(
     assert result.failures == [] and result.storage_errors == []
     assert result.slow_cleanups > 0
     report = BackendReport(url=url, strategy="conditional-put")
-    monkeypatch.setattr(runner, "run_crash_points", lambda factory, **kw: result)
-    runner._crash_points(report, LocationFactory(url))
+    monkeypatch.setattr(crash_points, "run_crash_points", lambda factory, **kw: result)
+    runner.run_layer(report, "crash points", SuiteRun(LocationFactory(url)))
     assert report.invariants["I7"].status == "held"
     assert "GC kept dead attempts longer than the grace period" in render_text([report])
 

@@ -18,10 +18,11 @@ import pytest
 
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.rename import DATA_DIR, MANIFEST_NAME, RenameCommit, directories_of
+from ckptstore.conformance import runner
 from ckptstore.conformance.layers import syscall_trace
+from ckptstore.conformance.layers.layer import SuiteRun, TargetKind
 from ckptstore.conformance.layers.syscall_trace import (
     SyscallTraceResult,
-    report_syscall_layers,
     run_syscall_trace,
 )
 from ckptstore.conformance.location import LocationFactory
@@ -140,7 +141,9 @@ def _trace(url: str) -> SyscallTraceResult:
 
 def _report(url: str) -> tuple[BackendReport, str]:
     report = BackendReport(url=url, strategy="posix-rename")
-    report_syscall_layers(report, LocationFactory(url), "ci", lambda message: None)
+    runner.run_layer(
+        report, "syscall trace", SuiteRun(LocationFactory(url), kind=TargetKind.FILE_SYSTEM)
+    )
     return report, render_text([report])
 
 
@@ -260,7 +263,8 @@ def test_the_thorough_profile_reports_each_image_or_why_it_was_skipped(
     monkeypatch.setattr(syscall_trace, "run_syscall_trace", _no_tracer)
     report = BackendReport(url=f"file://{tmp_path}/store", strategy="posix-rename")
     said: list[str] = []
-    report_syscall_layers(report, LocationFactory(report.url), "thorough", said.append)
+    run = SuiteRun(LocationFactory(report.url), "thorough", TargetKind.FILE_SYSTEM, say=said.append)
+    runner.run_layer(report, "syscall trace", run)
     assert report.coverage == {
         "syscall trace": "skipped: no tracer in this test",
         "ext4 image": "skipped: loop devices need root",

@@ -32,17 +32,21 @@ from ckptstore.commit.rename import RenameCommit
 from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.conformance import runner
 from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan
+from ckptstore.conformance.layers.crash_points import INVARIANTS as CRASH_POINT_INVARIANTS
 from ckptstore.conformance.layers.crash_points import _crash_case, run_crash_points
+from ckptstore.conformance.layers.layer import Findings
 from ckptstore.conformance.layers.power_loss import run_power_loss
 from ckptstore.conformance.layers.probes import run_probes
-from ckptstore.conformance.layers.syscall_trace import TRACE_INVARIANTS, run_syscall_trace
+from ckptstore.conformance.layers.property_based import INVARIANTS as MACHINE_INVARIANTS
+from ckptstore.conformance.layers.property_based import machine_findings
+from ckptstore.conformance.layers.syscall_trace import INVARIANTS as TRACE_INVARIANTS
+from ckptstore.conformance.layers.syscall_trace import run_syscall_trace
 from ckptstore.conformance.layers.unknown_outcomes import run_indeterminate_outcomes
 from ckptstore.conformance.layers.workload import big_shard_size, standard_workload
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine
 from ckptstore.conformance.model import InvariantViolation, Model
 from ckptstore.conformance.report import BackendReport, render_text
-from ckptstore.conformance.runner import CRASH_POINT_INVARIANTS, MACHINE_INVARIANTS
 from ckptstore.conformance.tracing.strace import TracerUnavailable
 from ckptstore.store import Store
 
@@ -577,7 +581,9 @@ def test_the_runner_report_prints_the_shrunk_steps(tmp_path: Any, scheme: Any) -
         derandomize=True,
         phases=[Phase.explicit, Phase.generate],
     )
-    runner._run_machine(report, test, profile, None)
+    found = Findings()
+    machine_findings(found, test, profile, None)
+    runner.record(report, found)
     assert "state.concurrent_writers(" in "\n".join(report.invariants["I5"].evidence)
 
 

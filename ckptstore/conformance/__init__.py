@@ -12,12 +12,12 @@ crash points of the standard workload (``crash_points``, ``workload``, ``cases``
 points of a takeover (``takeover``), unknown outcomes of conditional writes
 (``unknown_outcomes``), power loss on a simulated file system (``power_loss``, over
 ``models.simfs``), the real driver's system calls (``syscall_trace``, over ``tracing``),
-writers racing in threads and processes (``races``), property-based crash injection (the
-state machine in ``machine``), and a tiered pair's replication (``tiers``). The model and
-the invariant checks they share are in ``model``, fault injection in ``faults``, and how a
-failure of the storage itself is told apart from a violation (a third outcome, "storage
-error") in ``outcomes``. The command line runs the layers through ``runner``, pytest through
-``mixins``.
+writers racing in threads and processes (``races``), property-based crash injection
+(``property_based``, over the state machine in ``machine``), and a tiered pair's replication
+(``tiers``). ``layers.registry`` lists them once: the command line runs them through
+``runner``, pytest through ``mixins``. The model and the invariant checks they share are in
+``model``, fault injection in ``faults``, and how a failure of the storage itself is told
+apart from a violation (a third outcome, "storage error") in ``outcomes``.
 """
 
 from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan, SimulatedCrash

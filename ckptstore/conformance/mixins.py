@@ -11,7 +11,9 @@ As with fsspec's abstract test suite, a backend enables everything in a few line
 
 ``ckpt_url`` (required) is a location the suite may write and delete under; it creates its
 own sub-locations there. ``ckpt_options`` (backend options) and ``ckpt_profile`` (``ci`` or
-``thorough``) may be overridden too. Each layer is also a class of its own, to pick from.
+``thorough``) may be overridden too. Each layer is also a test of its own, on a class of its
+own to pick from: its tests are made from the suite's list of layers
+(``layers.registry.LAYERS``, which the command line runs too), one test per layer.
 
 A case the storage fails (a 5xx after the driver's retries) is run again; if the storage keeps
 failing it, the test fails with "storage error", never as an invariant violation.
@@ -19,24 +21,16 @@ failing it, the test fails with "storage error", never as an invariant violation
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from ckptstore.conformance.layers.cases import CaseFailure, CrashPointResult
-from ckptstore.conformance.layers.crash_points import run_crash_points
-from ckptstore.conformance.layers.power_loss import run_power_loss
-from ckptstore.conformance.layers.probes import HELD, NOT_MEASURED, run_probes
-from ckptstore.conformance.layers.races import RACE_PROFILES, run_races
-from ckptstore.conformance.layers.syscall_trace import run_syscall_trace
-from ckptstore.conformance.layers.takeover import run_takeover_crash_points
-from ckptstore.conformance.layers.unknown_outcomes import run_indeterminate_outcomes
-from ckptstore.conformance.layers.workload import big_shard_size
+from ckptstore.conformance.layers.layer import Findings, Layer, SuiteRun, TargetKind
+from ckptstore.conformance.layers.probes import HELD, NOT_MEASURED
+from ckptstore.conformance.layers.registry import LAYERS
 from ckptstore.conformance.location import LocationFactory
-from ckptstore.conformance.machine import PROFILES, make_state_machine, run_state_machine
-from ckptstore.conformance.outcomes import STORAGE_ERROR, StorageFailure
-from ckptstore.conformance.tracing.strace import TracerUnavailable
+from ckptstore.conformance.outcomes import STORAGE_ERROR
 from ckptstore.driver import DriverFamily, driver_family
 
 __all__ = [
@@ -50,28 +44,8 @@ __all__ = [
     "UnknownOutcomeTests",
 ]
 
-
-def _fail_on(failures: Sequence[CaseFailure]) -> None:
-    if failures:
-        lines = [f"{f.invariant}: {f.case}: {f.message}" for f in failures[:10]]
-        more = f"\n... and {len(failures) - 10} more" if len(failures) > 10 else ""
-        pytest.fail("\n".join(lines) + more, pytrace=False)
-
-
-def _fail_on_result(result: CrashPointResult) -> None:
-    """Violations first; then cases the storage kept failing, said to be no violation."""
-    _fail_on(result.failures)
-    if result.storage_errors:
-        heading = f"{STORAGE_ERROR} (the storage kept failing; not an invariant violation)"
-        _fail_on([CaseFailure(f.case, heading, f.message) for f in result.storage_errors])
-
-
-def _is_file_system(locations: LocationFactory) -> bool:
-    location = locations()
-    try:
-        return driver_family(location.base.driver) is DriverFamily.FILE_SYSTEM
-    finally:
-        location.destroy()
+MAX_LINES = 10
+"""Findings a failing test lists before it says how many more there are."""
 
 
 class ConformanceFixtures:
@@ -101,121 +75,29 @@ class ConformanceFixtures:
 class CapabilityProbeTests(ConformanceFixtures):
     """Every capability the driver declares is present on the real system."""
 
-    def test_declared_capabilities_are_present(self, ckpt_locations: LocationFactory) -> None:
-        location = ckpt_locations()
-        try:
-            results = run_probes(location)
-        finally:
-            location.destroy()
-        undecided = [r for r in results if r.measured == STORAGE_ERROR]
-        missing = [
-            r
-            for r in results
-            if r.declared and r.measured not in (HELD, NOT_MEASURED, STORAGE_ERROR)
-        ]
-        assert not missing, "declared but not found: " + "; ".join(
-            f"{r.capability}: {r.detail}" for r in missing
-        )
-        assert not undecided, f"{STORAGE_ERROR} (not a missing capability): " + "; ".join(
-            f"{r.capability}: {r.detail}" for r in undecided
-        )
-
 
 class CrashPointTests(ConformanceFixtures):
-    """A crash before and after every storage call of the standard workload is recovered."""
-
-    def test_every_crash_point_recovers(self, ckpt_locations: LocationFactory) -> None:
-        result = run_crash_points(ckpt_locations)
-        _fail_on_result(result)
-        assert result.calls > 0
-
-    def test_every_takeover_crash_point_recovers(self, ckpt_locations: LocationFactory) -> None:
-        """A takeover crashed at each of its storage calls, the old writer alive: the epoch
-        exists whole or not at all, GC takes the staging, one history (I9)."""
-        result = run_takeover_crash_points(ckpt_locations)
-        if result.not_applicable:
-            pytest.skip(result.not_applicable)
-        _fail_on_result(result)
-        assert result.calls > 0
-        assert "I9" in result.invariants_checked
+    """A crash before and after every storage call of the standard workload, and of a
+    takeover, is recovered."""
 
 
 class UnknownOutcomeTests(ConformanceFixtures):
     """A 503 before, or a timeout after, a commit point is retried or read back (I8)."""
 
-    def test_unknown_outcomes_are_read_back(
-        self, ckpt_locations: LocationFactory, ckpt_profile: str
-    ) -> None:
-        if _is_file_system(ckpt_locations):
-            pytest.skip("file-system calls have no unknown outcomes")
-        result = run_indeterminate_outcomes(ckpt_locations, before_every_call=ckpt_profile != "ci")
-        _fail_on_result(result)
-        assert "I8" in result.invariants_checked, "no conditional write was exercised"
-
 
 class PowerLossTests(ConformanceFixtures):
-    """Every state a power loss may leave satisfies the invariants (file systems)."""
-
-    def test_every_power_loss_state(
-        self, ckpt_locations: LocationFactory, ckpt_profile: str
-    ) -> None:
-        location = ckpt_locations()
-        try:
-            if driver_family(location.base.driver) is not DriverFamily.FILE_SYSTEM:
-                pytest.skip("power loss is simulated for file systems only")
-            result = run_power_loss(location.base, depth=1 if ckpt_profile == "ci" else 2)
-        finally:
-            location.destroy()
-        assert result.states > 0
-        _fail_on(result.failures)
-
-    def test_real_driver_system_calls(
-        self, ckpt_locations: LocationFactory, ckpt_profile: str
-    ) -> None:
-        """The driver's own system calls, traced: durability calls on the right objects, and
-        every power-loss state of the recorded trace (``layers.syscall_trace``)."""
-        location = ckpt_locations()
-        try:
-            if driver_family(location.base.driver) is not DriverFamily.FILE_SYSTEM:
-                pytest.skip("system calls are traced for file systems only")
-            try:
-                result = run_syscall_trace(location, depth=1 if ckpt_profile == "ci" else 2)
-            except TracerUnavailable as exc:
-                pytest.skip(f"syscall trace: {exc}")
-        finally:
-            location.destroy()
-        _fail_on(result.failures)
-        assert result.workload_error is None, result.workload_error
-        assert result.durability_calls > 0
+    """Every state a power loss may leave satisfies the invariants, on the simulated file
+    system and in the real driver's traced system calls (file systems)."""
 
 
 class StateMachineTests(ConformanceFixtures):
     """Property-based crash injection: random saves, crashes, GC, corruption, races, and
     takeovers with the old writer still saving (I9)."""
 
-    def test_state_machine(self, ckpt_locations: LocationFactory, ckpt_profile: str) -> None:
-        location = ckpt_locations()
-        try:
-            multipart = big_shard_size(location)
-        finally:
-            location.destroy()
-        machine = make_state_machine(ckpt_locations, multipart_size=multipart)
-        try:
-            run_state_machine(machine, PROFILES[ckpt_profile])
-        except StorageFailure as failure:
-            pytest.fail(str(failure), pytrace=False)
-
 
 class ParallelRaceTests(ConformanceFixtures):
     """Writers released together at the publish and at the LATEST update: one winner per step
     with its own data (I5); LATEST names a published step, never going back (I1, I4)."""
-
-    def test_parallel_races(self, ckpt_locations: LocationFactory, ckpt_profile: str) -> None:
-        result = run_races(ckpt_locations, RACE_PROFILES[ckpt_profile])
-        _fail_on([CaseFailure(f.case, f.invariant, f.message) for f in result.failures])
-        if result.storage_errors:
-            heading = f"{STORAGE_ERROR} (the storage kept failing; not an invariant violation)"
-            _fail_on([CaseFailure(f.case, heading, f.message) for f in result.storage_errors])
 
 
 class ConformanceTests(
@@ -227,3 +109,62 @@ class ConformanceTests(
     StateMachineTests,
 ):
     """The whole conformance suite."""
+
+
+def _kind(locations: LocationFactory) -> TargetKind:
+    location = locations()
+    try:
+        family = driver_family(location.base.driver)
+    finally:
+        location.destroy()
+    return TargetKind.FILE_SYSTEM if family is DriverFamily.FILE_SYSTEM else TargetKind.OBJECT_STORE
+
+
+def _fail_on(lines: list[str]) -> None:
+    if lines:
+        more = len(lines) - MAX_LINES
+        tail = f"\n... and {more} more" if more > 0 else ""
+        pytest.fail("\n".join(lines[:MAX_LINES]) + tail, pytrace=False)
+
+
+def judge(found: Findings) -> None:
+    """Fail the running test on what a layer found (skip it where the layer did not run):
+    capabilities declared but missing, violations, then what the storage kept failing (said
+    to be no violation), then a run that proved nothing."""
+    missing = [
+        c
+        for c in found.capabilities
+        if c.declared and c.measured not in (HELD, NOT_MEASURED, STORAGE_ERROR)
+    ]
+    assert not missing, "declared but not found: " + "; ".join(
+        f"{c.capability}: {c.detail}" for c in missing
+    )
+    unmeasured = [c for c in found.capabilities if c.measured == STORAGE_ERROR]
+    assert not unmeasured, f"{STORAGE_ERROR} (not a missing capability): " + "; ".join(
+        f"{c.capability}: {c.detail}" for c in unmeasured
+    )
+    _fail_on([f"{invariant}: {evidence}" for invariant, evidence in found.violations])
+    heading = f"{STORAGE_ERROR} (the storage kept failing; not an invariant violation)"
+    _fail_on([f"{heading}: {evidence}" for _, evidence in found.undecided])
+    if found.skipped:
+        pytest.skip(found.skipped)
+    assert not found.vacuous, found.vacuous
+
+
+def _test_of(layer: Layer) -> Callable[..., None]:
+    """The pytest test that runs ``layer`` on the storage under test."""
+
+    def test(self: ConformanceFixtures, ckpt_locations: LocationFactory, ckpt_profile: str) -> None:
+        run = SuiteRun(ckpt_locations, ckpt_profile, _kind(ckpt_locations))
+        judge(layer.findings(run))
+
+    assert layer.pytest is not None
+    test.__name__ = test.__qualname__ = layer.pytest.test
+    test.__doc__ = layer.doc
+    return test
+
+
+_MIXINS = {mixin.__name__: mixin for mixin in ConformanceTests.__bases__}
+for _layer in LAYERS:
+    if _layer.pytest is not None:
+        setattr(_MIXINS[_layer.pytest.mixin], _layer.pytest.test, _test_of(_layer))

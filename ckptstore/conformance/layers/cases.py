@@ -105,6 +105,25 @@ class CrashPointResult:
         self.completions_after |= other.completions_after
         self.faulted.update(other.faulted)
 
+    def crash_states_note(self) -> str:
+        """How the crashes were chosen, for the coverage line."""
+        if self.overlapped:
+            return "made concurrently: a crash before and after each"
+        return (
+            f"made one at a time: a crash before each and after the last (a call that only "
+            f"reads shares its crash with the next: {self.reads} of them)"
+        )
+
+    def retries_note(self) -> str:
+        """Cases run again after a storage error, and cases left undecided, for the coverage
+        line (empty if none)."""
+        notes = []
+        if self.retried:
+            notes.append(f"{self.retried} run(s) of a case repeated after a storage error")
+        if self.storage_errors:
+            notes.append(f"{len(self.storage_errors)} case(s) undecided (storage error)")
+        return "".join(f"; {note}" for note in notes)
+
     def crashed_at(self, crash: SimulatedCrash) -> None:
         """Note the multipart completion ``crash`` died before or after, if any."""
         record, previous = crash.record, crash.previous

@@ -10,6 +10,7 @@ checked again, audited for leftovers, and used for one more save.
 from __future__ import annotations
 
 import functools
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan, SimulatedCrash
@@ -24,6 +25,7 @@ from ckptstore.conformance.layers.cases import (
     run_case,
     run_in_fresh,
 )
+from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.workload import (
     MULTIPART_COMPLETION,
     LocationMaker,
@@ -35,7 +37,17 @@ from ckptstore.conformance.layers.workload import (
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
 
-__all__ = ["recover_and_check", "run_crash_points"]
+__all__ = [
+    "CRASH_WORKERS",
+    "INVARIANTS",
+    "completions_note",
+    "recover_and_check",
+    "run_crash_points",
+    "run_layer",
+]
+
+INVARIANTS = ("I1", "I2", "I3", "I4", "I7")
+CRASH_WORKERS = 4
 
 
 def recover_and_check(location: Location, model: Model) -> bool:
@@ -144,3 +156,42 @@ def _crash_case(new_location: LocationMaker, index: int, mode: CrashMode) -> Cra
 def _recover(result: CrashPointResult, location: Location, model: Model) -> None:
     if recover_and_check(location, model):
         result.slow_cleanups += 1
+
+
+def run_layer(run: SuiteRun, found: Findings) -> None:
+    """The layer on ``run``'s target; it measures what one crash case costs, run alone (the
+    property-based layer fits its examples to that)."""
+    started = time.monotonic()
+    result = run_crash_points(run.locations, workers=CRASH_WORKERS)
+    # What one case costs when run alone (the state machine runs one thing at a time).
+    run.per_case_s = (time.monotonic() - started) * CRASH_WORKERS / max(result.cases, 1)
+    found.check(*INVARIANTS)
+    found.cases(INVARIANTS, result)
+    found.coverage["crash points"] = (
+        f"{result.calls} storage calls, {result.crash_states_note()}: "
+        f"{max(result.cases - 1, 0)} crashes, each recovered, GC'd and checked"
+        + completions_note(result)
+        + result.retries_note()
+        + _slow_cleanup_note(result)
+    )
+    if result.calls == 0:
+        found.vacuous = "the workload made no storage call"
+
+
+def completions_note(result: CrashPointResult) -> str:
+    """How many multipart completions the crashes surrounded, as the injector recorded them."""
+    if not result.completions:
+        return ""
+    return (
+        f"; {result.completions_crashed_around} multipart completions crashed around (before "
+        f"and after each; {result.completions} in the workload)"
+    )
+
+
+def _slow_cleanup_note(result: CrashPointResult) -> str:
+    if not result.slow_cleanups:
+        return ""
+    return (
+        f"; in {result.slow_cleanups} case(s) GC kept dead attempts longer than the grace "
+        f"period, and collected them later (allowed: the storage's clock may be ahead)"
+    )

@@ -15,6 +15,7 @@ from typing import Any
 from ckptstore.commit.base import CommitStrategy
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
 from ckptstore.conformance.layers.cases import CaseFailure
+from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.workload import standard_workload
 from ckptstore.conformance.location import Clock
 from ckptstore.conformance.model import InvariantViolation, Model, check_invariants
@@ -23,7 +24,9 @@ from ckptstore.errors import CkptStoreError
 from ckptstore.retention import RetentionPolicy
 from ckptstore.store import Store
 
-__all__ = ["PowerLossResult", "run_power_loss"]
+__all__ = ["INVARIANTS", "PowerLossResult", "run_layer", "run_power_loss"]
+
+INVARIANTS = ("I1", "I2", "I3", "I4")
 
 MAX_FAILURES = 20
 
@@ -84,3 +87,21 @@ def run_power_loss(template: CommitStrategy[Any], *, depth: int = 1) -> PowerLos
     standard_workload(_SimulatedLocation(strategy, clock), FaultPlan(), model, 0)  # type: ignore[arg-type]
     simulated.on_change = None
     return result
+
+
+def run_layer(run: SuiteRun, found: Findings) -> None:
+    """The layer on ``run``'s target: the strategy of a fresh location, on a simulated file
+    system (one choice from the extreme states in ``ci``, two otherwise)."""
+    location = run.locations()
+    try:
+        result = run_power_loss(location.base, depth=1 if run.profile == "ci" else 2)
+    finally:
+        location.destroy()
+    found.check(*INVARIANTS)
+    for failure in result.failures:
+        found.violated(failure.invariant, f"{failure.case}: {failure.message}")
+    found.coverage["power loss"] = (
+        f"{result.states} file-system states checked at {result.points} instants"
+    )
+    if result.states == 0:
+        found.vacuous = "no file-system state was checked"

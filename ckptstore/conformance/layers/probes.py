@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ckptstore.conformance.layers.layer import Findings, SuiteRun
+from ckptstore.conformance.layers.workload import big_shard_size
 from ckptstore.conformance.location import Location, refused_at_open
 from ckptstore.conformance.outcomes import STORAGE_ERROR, retry_storage_failures, storage_failure
 from ckptstore.driver import Capability, DriverFamily, PutMode, driver_family
@@ -29,7 +31,15 @@ from ckptstore.errors import (
     TargetExistsError,
 )
 
-__all__ = ["HELD", "NOT_MEASURED", "STORAGE_ERROR", "VIOLATED", "ProbeResult", "run_probes"]
+__all__ = [
+    "HELD",
+    "NOT_MEASURED",
+    "STORAGE_ERROR",
+    "VIOLATED",
+    "ProbeResult",
+    "run_layer",
+    "run_probes",
+]
 
 HELD, VIOLATED, NOT_MEASURED = "held", "violated", "not measured"
 RACE_ROUNDS = 3
@@ -48,6 +58,17 @@ class ProbeResult:
     required: bool = False
     """The store's commit protocol needs it: ckptstore refuses storage whose driver does not
     declare it (the suite measures such storage all the same, and reports it missing)."""
+
+
+def run_layer(run: SuiteRun, found: Findings) -> None:
+    """The probes on a fresh location of ``run``'s target; it measures the multipart size the
+    later layers use."""
+    location = run.locations()
+    try:
+        found.capabilities.extend(run_probes(location))
+        run.multipart_size = big_shard_size(location)
+    finally:
+        location.destroy()
 
 
 def run_probes(location: Location) -> list[ProbeResult]:
@@ -438,36 +459,45 @@ def _race_swaps(store: Any, key: str, form: Callable[[str], str]) -> str | None:
     return None
 
 
-def _probe_versioning(store: Any) -> tuple[str, str]:
+NO_VERSIONS = "puts return no distinct version ids (versioning off?)"
+
+
+@contextlib.contextmanager
+def _two_versions(store: Any) -> Iterator[tuple[str, str | None]]:
+    """A fresh key written twice (b"1", then b"2"): the key, and the first write's version id
+    (None unless the writes got distinct ids); every version of the key is deleted after."""
     key = _name()
     first = store.put(key, b"1")
     second = store.put(key, b"2")
     try:
-        if first.version_id is None or first.version_id == second.version_id:
-            return VIOLATED, "puts return no distinct version ids (versioning off?)"
-        if store.get(key, version_id=first.version_id)[0] != b"1":
+        distinct = first.version_id is not None and first.version_id != second.version_id
+        yield key, first.version_id if distinct else None
+    finally:
+        for version in list(store.list_versions(key)):
+            store.delete(key, version_id=version.version_id)
+
+
+def _probe_versioning(store: Any) -> tuple[str, str]:
+    with _two_versions(store) as (key, old):
+        if old is None:
+            return VIOLATED, NO_VERSIONS
+        if store.get(key, version_id=old)[0] != b"1":
             return VIOLATED, "reading an old version by id returned other bytes"
         store.delete(key)
         markers = [v for v in store.list_versions(key) if v.is_delete_marker]
         if not markers:
             return VIOLATED, "a plain DELETE removed the object instead of adding a delete marker"
         return HELD, "version ids on put, read by version after overwrite, delete markers"
-    finally:
-        for version in list(store.list_versions(key)):
-            store.delete(key, version_id=version.version_id)
 
 
 def _probe_version_delete(store: Any) -> tuple[str, str]:
     """Delete an old version by its id: exactly it must go, and the current one stay."""
-    key = _name()
-    first = store.put(key, b"1")
-    second = store.put(key, b"2")
-    try:
-        if first.version_id is None or first.version_id == second.version_id:
-            return NOT_MEASURED, "puts return no distinct version ids (versioning off?)"
-        store.delete(key, version_id=first.version_id)
+    with _two_versions(store) as (key, old):
+        if old is None:
+            return NOT_MEASURED, NO_VERSIONS
+        store.delete(key, version_id=old)
         try:
-            store.get(key, version_id=first.version_id)
+            store.get(key, version_id=old)
             gone = False
         except ObjectNotFoundError:
             gone = True
@@ -482,9 +512,6 @@ def _probe_version_delete(store: Any) -> tuple[str, str]:
             f"; the current version {'stayed' if current else 'is gone'} (old versions cannot "
             f"be freed: GC and retention leave them)"
         )
-    finally:
-        for version in list(store.list_versions(key)):
-            store.delete(key, version_id=version.version_id)
 
 
 def _probe_multipart(store: Any) -> tuple[str, str]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
+from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.workload import pattern
 from ckptstore.conformance.location import Location, open_for_measuring
 from ckptstore.conformance.outcomes import storage_failure
@@ -39,7 +40,17 @@ from ckptstore.driver import Capability, DriverFamily, PutMode, driver_family, s
 from ckptstore.errors import CheckpointExistsError, CkptStoreError
 from ckptstore.store import Store
 
-__all__ = ["RACE_PROFILES", "RaceGate", "RaceProfile", "RaceResult", "run_races"]
+__all__ = [
+    "INVARIANTS",
+    "RACE_PROFILES",
+    "RaceGate",
+    "RaceProfile",
+    "RaceResult",
+    "run_layer",
+    "run_races",
+]
+
+INVARIANTS = ("I5", "I1", "I4")
 
 PUBLISH, POINTER = "publish", "pointer"
 POINTER_NAME = "LATEST"
@@ -583,3 +594,14 @@ def _undecided_on_storage_failure(
             raise
         result.storage_errors.append(RaceFinding("I5", how, f"the storage failed: {failure!r}"))
         return None
+
+
+def run_layer(run: SuiteRun, found: Findings) -> None:
+    """The layer on ``run``'s target, as hard as its profile says (``RACE_PROFILES``)."""
+    result = run_races(run.locations, RACE_PROFILES[run.profile])
+    found.check("I1", "I4", "I5")
+    for failure in result.failures:
+        found.violated(failure.invariant, f"{failure.case}: {failure.message}")
+    for error in result.storage_errors:
+        found.storage_error((error.invariant,), f"{error.case}: {error.message}")
+    found.coverage["parallel races"] = result.coverage()

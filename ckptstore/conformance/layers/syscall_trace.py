@@ -21,13 +21,12 @@ import pickle
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ckptstore.conformance.layers.crash_points import run_crash_points
+from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.probes import HELD, NOT_MEASURED, STORAGE_ERROR, run_probes
 from ckptstore.conformance.location import Location, LocationFactory, original_class
-from ckptstore.conformance.report import BackendReport
 from ckptstore.conformance.tracing.child import TraceOutcome
 from ckptstore.conformance.tracing.images import (
     IMAGE_TYPES,
@@ -38,12 +37,11 @@ from ckptstore.conformance.tracing.images import (
 from ckptstore.conformance.tracing.replay import ReplayResult, replay_trace
 from ckptstore.conformance.tracing.strace import TracerUnavailable, parse_trace, trace_command
 
-__all__ = ["SyscallTraceResult", "report_syscall_layers", "run_syscall_trace"]
+__all__ = ["INVARIANTS", "SyscallTraceResult", "run_layer", "run_syscall_trace"]
 
 TRACE_TIMEOUT_S = 300.0
-TRACE_INVARIANTS = ("I1", "I2", "I3", "I4", "I5")
+INVARIANTS = ("I1", "I2", "I3", "I4", "I5")
 CRASH_INVARIANTS = ("I1", "I2", "I3", "I4", "I7")
-Progress = Callable[[str], None]
 
 
 @dataclass
@@ -110,50 +108,53 @@ def run_syscall_trace(location: Location, *, depth: int = 1) -> SyscallTraceResu
     return result
 
 
-def report_syscall_layers(
-    report: BackendReport, factory: LocationFactory, profile: str, say: Progress
-) -> None:
-    """Run this layer into ``report``; in ``thorough``, the file-system layers on images too."""
-    say("system calls of the real driver (strace)")
-    depth = 1 if profile == "ci" else 2
-    report.coverage["syscall trace"] = _trace_into(report, factory, depth, "")
-    if profile != "thorough":
+def run_layer(run: SuiteRun, found: Findings) -> None:
+    """The layer on ``run``'s target; in ``thorough``, the file-system layers on images too."""
+    run.say("system calls of the real driver (strace)")
+    depth = 1 if run.profile == "ci" else 2
+    found.coverage["syscall trace"] = _trace_into(found, run.locations, depth, "")
+    if run.profile != "thorough":
         return
     for fs_type in IMAGE_TYPES:
-        say(f"file-system layers on {fs_type} (an image on a loop device)")
+        run.say(f"file-system layers on {fs_type} (an image on a loop device)")
         try:
             with mounted_image(fs_type) as mount_point:
+                factory = run.locations
                 images = LocationFactory(image_url(factory.base_url, mount_point), factory.options)
-                line = _image_layers(report, images, depth, fs_type)
+                line = _image_layers(found, images, depth, fs_type)
         except ImageUnavailable as exc:
             line = f"skipped: {exc}"
-        report.coverage[f"{fs_type} image"] = line
+        found.coverage[f"{fs_type} image"] = line
 
 
-def _trace_into(report: BackendReport, factory: LocationFactory, depth: int, where: str) -> str:
-    """Trace a fresh location into ``report``; the coverage line (or why it was skipped)."""
+def _trace_into(found: Findings, factory: LocationFactory, depth: int, where: str) -> str:
+    """Trace a fresh location into ``found``; the coverage line (or why it was skipped)."""
     location = factory()
     try:
         result = run_syscall_trace(location, depth=depth)
     except TracerUnavailable as exc:
+        found.skipped = found.skipped or f"syscall trace: {exc}"
         return f"skipped: {exc}"
     except Exception as exc:  # the suite's own failure must not end the other layers' report
-        return f"skipped: the trace could not be judged (a bug in the suite): {exc!r}"
+        found.vacuous = f"the trace could not be judged (a bug in the suite): {exc!r}"
+        return f"skipped: {found.vacuous}"
     finally:
         location.destroy()
-    report.checked(*TRACE_INVARIANTS)
+    found.check(*INVARIANTS)
     for failure in result.failures:
-        report.violated(failure.invariant, f"{where}{failure.case}: {failure.message}")
+        found.violated(failure.invariant, f"{where}{failure.case}: {failure.message}")
     if result.workload_error is not None:
         message = f"{where}syscall trace: the traced workload failed: {result.workload_error}"
         if result.storage_failed:
-            report.storage_error(TRACE_INVARIANTS, message)
+            found.storage_error(INVARIANTS, message)
         else:
-            report.violated("I1", message)
+            found.violated("I1", message)
+    if result.durability_calls == 0:
+        found.vacuous = f"{where}no durability call of the driver was judged"
     return result.summary()
 
 
-def _image_layers(report: BackendReport, factory: LocationFactory, depth: int, fs_type: str) -> str:
+def _image_layers(found: Findings, factory: LocationFactory, depth: int, fs_type: str) -> str:
     """Probes, crash points and the syscall trace on a mounted image; its coverage line."""
     where = f"on {fs_type}: "
     location = factory()
@@ -165,13 +166,10 @@ def _image_layers(report: BackendReport, factory: LocationFactory, depth: int, f
         p for p in probes if p.declared and p.measured not in (HELD, NOT_MEASURED, STORAGE_ERROR)
     ]
     for probe in missing:  # shown in the capability table, and counted as a mismatch
-        report.capabilities.append(replace(probe, capability=f"{probe.capability} ({fs_type})"))
+        found.capabilities.append(replace(probe, capability=f"{probe.capability} ({fs_type})"))
     crashes = run_crash_points(factory)
-    report.checked(*CRASH_INVARIANTS)
-    for failure in crashes.failures:
-        report.violated(failure.invariant, f"{where}{failure.case}: {failure.message}")
-    for error in crashes.storage_errors:
-        report.storage_error(CRASH_INVARIANTS, f"{where}{error.case}: {error.message}")
-    traced = _trace_into(report, factory, depth, where)
+    found.check(*CRASH_INVARIANTS)
+    found.cases(CRASH_INVARIANTS, crashes, where)
+    traced = _trace_into(found, factory, depth, where)
     held = "declared capabilities held" if not missing else f"{len(missing)} capabilities MISSING"
     return f"probes: {held}; crash points: {crashes.cases - 1} crashes; syscall trace: {traced}"

@@ -22,13 +22,16 @@ from ckptstore.conformance.layers.cases import (
     run_case,
     run_in_fresh,
 )
+from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.workload import LocationMaker, pattern, save
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
 from ckptstore.errors import SupersededError
 from ckptstore.store import Store
 
-__all__ = ["run_takeover_crash_points"]
+__all__ = ["INVARIANTS", "run_layer", "run_takeover_crash_points"]
+
+INVARIANTS = ("I9", "I1", "I4", "I7")
 
 
 def run_takeover_crash_points(new_location: LocationMaker) -> CrashPointResult:
@@ -125,3 +128,23 @@ def _recover_takeover(location: Location, model: Model, old: Store, crashed: int
     latest = store.latest()
     if latest is None or (latest.step, latest.manifest.epoch) != (2, 1):
         raise InvariantViolation("I9", f"after the takeover latest() is {latest}, not step 2 of 1")
+
+
+def run_layer(run: SuiteRun, found: Findings) -> None:
+    """The layer on ``run``'s target (not run where the strategy keeps no lineages)."""
+    result = run_takeover_crash_points(run.locations)
+    if result.not_applicable:
+        found.coverage["takeover crash points"] = f"not run: {result.not_applicable}"
+        found.skipped = result.not_applicable
+        return
+    if "I9" in result.invariants_checked:
+        found.check(*INVARIANTS)
+    found.cases(INVARIANTS, result)
+    found.coverage["takeover crash points"] = (
+        f"{result.calls} storage calls of a takeover (the old writer alive), "
+        f"{result.crash_states_note()}: {max(result.cases - 1, 0)} crashes, each checked: the "
+        f"epoch whole or absent, the staging GC'd, the old writer refused, the step saved "
+        f"anew" + result.retries_note()
+    )
+    if result.calls == 0 or "I9" not in result.invariants_checked:
+        found.vacuous = "no takeover was crashed and checked (I9 unchecked)"

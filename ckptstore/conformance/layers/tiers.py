@@ -50,6 +50,8 @@ from ckptstore.conformance.layers.cases import (
     run_in_fresh,
     undecided,
 )
+from ckptstore.conformance.layers.crash_points import CRASH_WORKERS
+from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.workload import (
     AGE_PAST_GRACE,
     GRACE,
@@ -70,7 +72,9 @@ __all__ = [
     "TIERED_INVARIANTS",
     "TieredPair",
     "TieredPairFactory",
+    "run_crash_points_layer",
     "run_partitioned",
+    "run_partitioned_layer",
     "run_tiered_crash_points",
 ]
 
@@ -480,3 +484,30 @@ def _crash_case(new_pair: PairMaker, tier: str, index: int, mode: CrashMode) -> 
         run_case(case.result, case.name, lambda: recover_and_check(pair))
 
     return run_in_fresh(new_pair, f"crash {mode.value} {tier} call {index}", run)
+
+
+def run_crash_points_layer(run: SuiteRun, found: Findings) -> None:
+    """The replication crash points on ``run``'s tiered pairs."""
+    assert run.pairs is not None, "a tiered layer runs on a tiered pair"
+    result = run_tiered_crash_points(run.pairs, workers=CRASH_WORKERS)
+    found.check(*TIERED_INVARIANTS)
+    found.cases(TIERED_INVARIANTS, result)
+    found.coverage["replication crash points"] = (
+        f"{result.calls} storage calls of both tiers: {max(result.cases - 1, 0)} crashes "
+        f"(before each call of either driver that leaves a distinct state, and after the "
+        f"last; the fast tier's calls from the first replication pass on), each recovered "
+        f"by a new replicator, GC'd and checked" + result.retries_note()
+    )
+
+
+def run_partitioned_layer(run: SuiteRun, found: Findings) -> None:
+    """The partitioned fast tier on ``run``'s tiered pairs."""
+    assert run.pairs is not None, "a tiered layer runs on a tiered pair"
+    result = run_partitioned(run.pairs)
+    found.check(*PARTITION_INVARIANTS)
+    found.cases(PARTITION_INVARIANTS, result)
+    found.coverage["partitioned fast tier"] = (
+        "a node cut off from the durable tier saves on in its fast tier while another "
+        "takes the pair over; the first node's restarted readers and replicator keep to "
+        "the durable history"
+    )

@@ -19,6 +19,7 @@ from ckptstore.conformance.layers.cases import (
     run_case,
     run_in_fresh,
 )
+from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.workload import (
     MULTIPART_COMPLETION,
     LocationMaker,
@@ -32,7 +33,16 @@ from ckptstore.conformance.outcomes import storage_failure
 from ckptstore.errors import CheckpointExistsError, CkptStoreError
 from ckptstore.store import Store
 
-__all__ = ["commit_point_label", "run_indeterminate_outcomes"]
+__all__ = [
+    "INVARIANTS",
+    "NOT_ON_FILE_SYSTEMS",
+    "commit_point_label",
+    "run_indeterminate_outcomes",
+    "run_layer",
+]
+
+INVARIANTS = ("I8",)
+NOT_ON_FILE_SYSTEMS = "file-system calls have no unknown outcomes"
 
 
 def run_indeterminate_outcomes(
@@ -177,3 +187,37 @@ def _holds_own(store: Store, model: Model, step: int) -> bool:
 
 def _faulted(injector: FaultInjector) -> str:
     return str(injector.transient_injected[0]) if injector.transient_injected else ""
+
+
+def run_layer(run: SuiteRun, found: Findings) -> None:
+    """The layer on ``run``'s target: at every call of both saves outside ``ci``."""
+    every_call = run.profile != "ci"
+    result = run_indeterminate_outcomes(run.locations, before_every_call=every_call)
+    if "I8" in result.invariants_checked:
+        found.check(*INVARIANTS)
+    else:
+        found.vacuous = "no conditional write was exercised"
+    found.cases(INVARIANTS, result)
+    each = (
+        f"each of the {result.calls} storage calls of two saves, a 503 before and a timeout after"
+        if every_call
+        else f"a 503 before and a timeout after each commit point of two saves, a timeout after "
+        f"each of the first save's {result.first_save_calls} calls"
+    )
+    found.coverage["unknown outcomes"] = (
+        f"{result.cases} cases ({each}); commit points failed: {_faulted_note(result)}"
+        + result.retries_note()
+    )
+
+
+def _faulted_note(result: CrashPointResult) -> str:
+    """Each commit point the layer failed, with how often before and after (from the
+    injector's records of the faults it injected)."""
+    labels = sorted({key.split(" ", 1)[1] for key in result.faulted})
+    if not labels:
+        return "none"
+    return ", ".join(
+        f"{label} ({result.faulted['before ' + label]} before, "
+        f"{result.faulted['after ' + label]} after)"
+        for label in labels
+    )

@@ -1,0 +1,154 @@
+"""The property-based layer: the state machine (``machine``) within the run's time budget, its
+failures recorded with hypothesis's shrunk sequence of steps.
+
+The layer gets what the layers before it left of the run's budget (``BUDGET``), fits its
+number of examples to that from what a crash case cost, and stops shrinking at its deadline
+(``machine.shrinking``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import hypothesis
+from hypothesis.reporting import with_reporter
+
+from ckptstore.conformance.layers.layer import Budget, Findings, SuiteRun
+from ckptstore.conformance.machine import PROFILES, make_state_machine, run_state_machine
+from ckptstore.conformance.machine.shrinking import shrinking_stops_at
+from ckptstore.conformance.model import InvariantViolation
+from ckptstore.conformance.outcomes import StorageFailure, storage_failure
+
+__all__ = [
+    "BUDGET",
+    "EXAMPLE_COST_IN_CRASH_CASES",
+    "INVARIANTS",
+    "MACHINE_MAX_S",
+    "MACHINE_MIN_S",
+    "machine_findings",
+    "run_layer",
+]
+
+INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I9")
+MACHINE_MAX_S: dict[str, float | None] = {"ci": 25.0, "thorough": None}
+"""Seconds the property-based layer takes at most per profile (None: what the budget leaves)."""
+MACHINE_MIN_S = 10.0
+"""Seconds the property-based layer gets even when the layers before it used the budget (at
+most a quarter of the budget)."""
+BUDGET = Budget(MACHINE_MAX_S, MACHINE_MIN_S)
+EXAMPLE_COST_IN_CRASH_CASES = 8.0
+"""An example of the state machine costs about as much storage traffic as this many crash
+cases; used to fit the examples into the budget on slow (networked) storage."""
+
+
+def run_layer(run: SuiteRun, found: Findings) -> None:
+    """Run the state machine on ``run``'s target, within its layer's deadline if it has one."""
+    multipart = run.big_shard_size()
+    machine = make_state_machine(run.locations, multipart_size=multipart)
+    settings = PROFILES[run.profile]
+    deadline = run.layer_deadline
+    if deadline is not None:
+        budget = deadline - time.monotonic()
+        affordable = int(budget / max(run.per_case_s * EXAMPLE_COST_IN_CRASH_CASES, 1e-6))
+        examples = max(5, min(settings.max_examples, affordable))
+        settings = hypothesis.settings(settings, max_examples=examples)
+    run.say(
+        f"property-based crash injection (profile {run.profile}, {settings.max_examples} examples)"
+    )
+    note = machine_findings(found, machine, settings, deadline)
+    found.check(*INVARIANTS)
+    found.coverage["property-based"] = (
+        f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps"
+        f"{machine_completions(machine, multipart)}{note}"
+    )
+
+
+def machine_completions(machine: Any, multipart: int) -> str:
+    """How many of the state machine's crashes fell just before or after a multipart
+    completion (stores with multipart only)."""
+    crashes = getattr(machine, "completion_crashes", None)
+    if not multipart or crashes is None:
+        return ""
+    return (
+        f"; crashes around multipart completions: {crashes['before']} before, "
+        f"{crashes['after']} after"
+    )
+
+
+def machine_findings(
+    found: Findings, machine: Any, settings: hypothesis.settings, deadline: float | None
+) -> str:
+    """Run the state machine, recording what it found; a note for the coverage line.
+    Shrinking stops at ``deadline`` (``time.monotonic()``; None: at hypothesis's own limit)."""
+    undecided = "; stopped by the storage's failure on every run (undecided)"
+    printed: list[str] = []
+    try:
+        with shrinking_stops_at(deadline), with_reporter(lambda value: printed.append(str(value))):
+            run_state_machine(machine, settings)
+    except StorageFailure as failure:  # on every run: undecided, neither held nor violated
+        found.storage_error(INVARIANTS, f"property-based: {failure}")
+        return undecided
+    except Exception as exc:
+        # Hypothesis raises several distinct failures as one group, each shrunk on its own.
+        errors = list(getattr(exc, "exceptions", None) or [exc])  # an ExceptionGroup's, or it
+        notes = [_finding(found, error, printed) for error in errors]
+        if any(note is None for note in notes):
+            return undecided
+        return next((note for note in notes if note), "")
+    return ""
+
+
+def _finding(found: Findings, error: BaseException, printed: list[str]) -> str | None:
+    """Record one failure the state machine found; its coverage note (None: undecided)."""
+    if isinstance(error, InvariantViolation):
+        found.violated(error.invariant, _shrunk(error.detail, error, printed))
+        return _budget_note(error, printed)
+    cause = storage_failure(error)  # one that hypothesis shrank: the storage failed
+    if cause is None:  # anything else the store raised is reported, not hidden
+        found.violated("I1", _shrunk(f"unexpected error: {error!r}", error, printed))
+        return _budget_note(error, printed)
+    found.storage_error(INVARIANTS, f"property-based: {cause!r}")
+    return None
+
+
+def _budget_note(error: BaseException, printed: list[str]) -> str:
+    said = [str(note) for note in getattr(error, "__notes__", [])] + printed
+    if not any("stopped because it is making very slow" in line for line in said):
+        return ""
+    return "; shrinking stopped at the time budget (the sequence shown may not be the shortest)"
+
+
+_NOT_STEPS = (
+    "Falsifying example",
+    "Failing test case",
+    "You can reproduce",
+    "@reproduce_failure",
+    "WARNING",
+    "PLEASE",
+    "stopped because",
+    "progress.",
+    "take this long",
+    "provide a reproducing",
+    "performance for",
+)
+
+
+def _steps(error: BaseException, printed: list[str]) -> list[str]:
+    """Hypothesis's shrunk sequence of steps: from the exception's notes (where hypothesis
+    6.x puts them), else from what it printed through its reporter; without its explanation."""
+    notes = [str(note) for note in getattr(error, "__notes__", [])]
+    steps = []
+    for line in "\n".join(notes or printed).splitlines():
+        if line.lstrip().startswith("Explanation:"):
+            break
+        if line.strip() and not line.lstrip().startswith(_NOT_STEPS):
+            steps.append(line.rstrip())
+    return steps
+
+
+def _shrunk(message: str, error: BaseException, printed: list[str]) -> str:
+    steps = _steps(error, printed)
+    if not steps:
+        return message
+    return message + "\n  shrunk failing sequence:\n" + "\n".join("    " + s for s in steps)
