@@ -1,18 +1,19 @@
 """Property-based crash injection: a hypothesis state machine over any backend.
 
-``make_state_machine`` builds a ``RuleBasedStateMachine`` class from a location factory and
-the backend's capability flags, as hypothesis's own database tests are parametrised over
-implementations. Rules save (random shard counts and sizes, optionally crashing at a random
-storage call, before or after it took effect), read, verify, apply retention, collect garbage
-(with and without aging the leftovers, and while a save is still live), restart the store,
-race a second writer at the same step, corrupt a shard behind the store's back, and inject
-transient faults, and take the store over (a restarted run, resumed from an older step or
-fresh) while the old writer, its zombie, keeps saving: before, across and racing the
-takeover; the rules of ``foreign.ForeignEntryRules`` plant strays and corrupt
-pointers and run an operator's delete, rollback and retention under a resuming reader. After
-every step the model checks I1 to I7 and I9; a failure is shrunk by
-hypothesis to a short sequence of rules. Where the storage itself fails a step (after its
-driver's retries), the example stops at once with ``StorageFailure``: undecided, not shrunk.
+``CheckpointStoreMachine`` holds the rules, read on their own; ``make_state_machine`` makes
+its subclass for one backend (a location factory and the backend's capability flags), as
+hypothesis's own database tests are parametrised over implementations. Rules save (random
+shard counts and sizes, optionally crashing at a random storage call, before or after it took
+effect), read, verify, apply retention, collect garbage (with and without aging the
+leftovers, and while a save is still live), restart the store, race a second writer at the
+same step, corrupt a shard behind the store's back, and inject transient faults, and take
+the store over (a restarted run, resumed from an older step or fresh) while the old writer,
+its zombie, keeps saving: before, across and racing the takeover; the rules of
+``foreign.ForeignEntryRules`` plant strays and corrupt pointers and run an operator's delete,
+rollback and retention under a resuming reader. After every step the model checks I1 to I7
+and I9; a failure is shrunk by hypothesis to a short sequence of rules. Where the storage
+itself fails a step (after its driver's retries), the example stops at once with
+``StorageFailure``: undecided, not shrunk.
 """
 
 from __future__ import annotations
@@ -56,27 +57,25 @@ from ckptstore.names import step_token
 from ckptstore.retention import KeepLast
 from ckptstore.store import Store
 
-__all__ = ["PROFILES", "make_state_machine", "run_state_machine"]
+__all__ = ["PROFILES", "CheckpointStoreMachine", "make_state_machine", "run_state_machine"]
 
 PART_WAIT_S = 30.0
 """How long a rule waits for parts a writer's threads are uploading."""
 
-PROFILES = {
-    "ci": settings(
-        max_examples=40,
-        stateful_step_count=20,
+
+def _profile(examples: int, steps: int) -> settings:
+    """Examples of up to ``steps`` rules; no per-example deadline (storage is slow), no
+    example database (each run starts afresh), no health check (the rules draw much)."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=steps,
         deadline=None,
         database=None,
         suppress_health_check=list(HealthCheck),
-    ),
-    "thorough": settings(
-        max_examples=300,
-        stateful_step_count=40,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    ),
-}
+    )
+
+
+PROFILES = {"ci": _profile(40, 20), "thorough": _profile(300, 40)}
 
 _modes = st.sampled_from([CrashMode.BEFORE, CrashMode.AFTER])
 _ZOMBIE_SAVES = st.sampled_from(["idle", "across", "racing"])
@@ -86,450 +85,494 @@ _STEP_TOKENS = re.compile(r"step-([0-9]{20})", re.ASCII)
 """A step's token in a raw name (``names.step_token``)."""
 
 
+SHARD_SIZES = (0, 1, 100, 4096)
+"""The sizes a save's shards are drawn from; the backend's multipart size too where it has
+one (``make_state_machine``)."""
+
+
+def _save_rule(sizes: tuple[int, ...]) -> Any:
+    """The ``save`` rule, its shard sizes drawn from ``sizes``: a rule's strategies are fixed
+    when its class is made, so a backend with multipart uploads gets a ``save`` of its own
+    (``make_state_machine``), drawing exactly as sampling ``sizes`` does."""
+
+    @rule(
+        shard_sizes=st.lists(st.sampled_from(sizes), min_size=1, max_size=4),
+        crash=st.none() | st.tuples(st.integers(0, 40), _modes),
+        skip=st.integers(0, 2),
+    )
+    @abort_on_storage_failure
+    def save(
+        self: CheckpointStoreMachine,
+        shard_sizes: list[int],
+        crash: tuple[int, CrashMode] | None,
+        skip: int,
+    ) -> None:
+        self.save_shards(shard_sizes, crash, skip)
+
+    return save
+
+
+class CheckpointStoreMachine(ForeignEntryRules):
+    """One store, one model, and every way a trainer, a crash or a disk can treat it.
+
+    What it runs on is given by the class attributes below, which ``make_state_machine`` sets
+    on a subclass per backend (as hypothesis's own database tests parametrise one machine over
+    several backends).
+    """
+
+    new_location: ClassVar[Callable[[], Location]]
+    """Makes the fresh location each example runs in."""
+    multipart_size: ClassVar[int] = 0
+    """A shard size that needs a multipart upload (0: the backend has none)."""
+    can_corrupt: ClassVar[bool] = True
+    """Stored shard bytes can be rewritten behind the store's back."""
+    completion_crashes: ClassVar[Counter[str]] = Counter()
+    """Crashes just ``before`` and just ``after`` a multipart completion, in all examples (a
+    counter of its own per backend's subclass)."""
+
+    @abort_on_storage_failure
+    def __init__(self) -> None:
+        super().__init__()
+        self.location = type(self).new_location()
+        self.model = Model()
+        self.store, _ = self.location.open()
+        self.next_step = 1
+        self.checked: object = None
+        self.zombie: Store | None = None
+        """A writer joined to an epoch that a takeover superseded, still saving."""
+        self.zombie_step = 0
+
+    def _new_save(self, shard_sizes: list[int]) -> Saved:
+        step = self.next_step
+        while step in self.model.strays:  # a run resumed from below reaches them
+            step += 1
+        self.next_step = step + 1
+        shards = {
+            f"rank{i:02d}/part.bin": pattern(size, step * 10 + i)
+            for i, size in enumerate(shard_sizes)
+        }
+        # self.store, and a store opened afresh (told the run's epoch), write in the newest
+        epoch = self.model.newest_epoch
+        return Saved(step, shards, {"step": step, "tokens": step * 1000}, epoch)
+
+    def _writer(self, plan: FaultPlan | None = None) -> Store:
+        """A store opened afresh by the run: told the run's epoch once the store was taken
+        over, as every writer then must be (a writer that names none is refused, §8.3)."""
+        store, _ = self.location.open(plan)
+        if self.model.newest_epoch > 0:
+            store.join_epoch(self.model.newest_epoch)
+        return store
+
+    def _zombie_save(self, zombie: Store) -> Saved:
+        """The old writer's next save: its own step counter, other bytes than the new
+        run's save of the same step."""
+        self.zombie_step = step = max(self.zombie_step + 1, self.next_step)
+        shards = {"rank00/part.bin": pattern(100, 7919 * step + 1)}
+        epoch = zombie.epoch if zombie.epoch is not None else self.model.newest_epoch
+        return Saved(step, shards, {"step": step, "writer": "zombie"}, epoch)
+
+    def save_shards(
+        self, shard_sizes: list[int], crash: tuple[int, CrashMode] | None, skip: int
+    ) -> None:
+        """The ``save`` rule: a save of shards of those sizes, ``skip`` steps on, crashing at
+        call ``crash[0]`` (before or after it) unless ``crash`` is None."""
+        self.next_step += skip
+        saved = self._new_save(shard_sizes)
+        if crash is None:
+            save(self.store, self.model, saved)
+            return
+        try:
+            store = self._writer(FaultPlan(crash_at=crash[0], crash_mode=crash[1]))
+            save(store, self.model, saved)
+        except SimulatedCrash as died:
+            self.completion_crashes.update(_around_completion(died))
+            self.restart()
+
+    save = _save_rule(SHARD_SIZES)
+
+    @precondition(lambda self: self.multipart_size > 0)
+    @rule(mode=_modes)
+    @abort_on_storage_failure
+    def save_crashing_at_a_multipart_completion(self, mode: CrashMode) -> None:
+        saved = self._new_save([100, self.multipart_size])
+        plan = FaultPlan(crash_mode=mode, crash_on=MULTIPART_COMPLETION)
+        try:
+            store = self._writer(plan)
+            save(store, self.model, saved)
+        except SimulatedCrash as died:
+            self.completion_crashes.update(_around_completion(died))
+            self.restart()
+
+    @rule(index=st.integers(0, 40), mode=_modes)
+    @abort_on_storage_failure
+    def save_with_transient_fault(self, index: int, mode: CrashMode) -> None:
+        saved = self._new_save([100, 4096])
+        try:
+            store = self._writer(FaultPlan(transient={index: mode}))
+            save(store, self.model, saved)
+        except CkptStoreError:
+            pass  # the save may fail; whatever it left must still satisfy the model
+
+    @rule()
+    @abort_on_storage_failure
+    def read_latest(self) -> None:
+        try:
+            latest = self.store.latest()
+        except CkptStoreError:
+            return  # a damaged newest checkpoint: the invariant check judges it
+        if latest is not None:
+            for name in latest.names:
+                try:
+                    latest.read(name)
+                except CkptStoreError:
+                    pass
+
+    @rule()
+    @abort_on_storage_failure
+    def read_all_and_verify(self) -> None:
+        for checkpoint in self.store.checkpoints():
+            checkpoint.verify()
+
+    @rule(keep=st.integers(1, 3))
+    @abort_on_storage_failure
+    def retention(self, keep: int) -> None:
+        steps = self.store.steps()
+        if steps:
+            self.model.removal_started(set(steps[:-keep]), explicit=False)
+        self.store.apply_retention(KeepLast(keep))
+        kept = set(self.store.steps())
+        if self.model.superseded and not set(steps[-keep:]) <= kept:
+            raise InvariantViolation(
+                "I9",
+                f"retention kept {sorted(kept)} of the history's {steps}, not the newest "
+                f"{keep}: it counted superseded checkpoints",
+            )
+
+    @rule(age=st.booleans())
+    @abort_on_storage_failure
+    def gc(self, age: bool) -> None:
+        if age:
+            self.location.clock.advance(2 * GRACE.total_seconds())
+        self.model.gc_started()
+        # Superseded checkpoints are kept for a grace period after their takeover (an
+        # undo may bring them back, docs/protocol.md §8.4): none here, to check that GC
+        # collects every one of them.
+        self.store.gc(grace=GRACE, superseded_grace=timedelta(0))
+        left = [e for e in self.store.superseded() if e.step not in self.model.strays]
+        if left:
+            raise InvariantViolation("I9", f"GC left superseded checkpoints published: {left[:3]}")
+
+    @rule()
+    @abort_on_storage_failure
+    def gc_during_a_live_save(self) -> None:
+        saved = self._new_save([100, 100])
+        self.model.save_started(saved)
+        pending = self.store.begin(saved.step, saved.metadata)
+        pending.write("rank00/part.bin", saved.shards["rank00/part.bin"])
+        self.model.gc_started()
+        grace = timedelta(seconds=self.location.clock.offset) + GRACE
+        self.store.gc(grace=grace)
+        try:
+            pending.write("rank01/part.bin", saved.shards["rank01/part.bin"])
+            pending.publish()
+        except CkptStoreError as exc:
+            raise InvariantViolation(
+                "I7", f"GC removed a live save younger than the grace period: {exc}"
+            ) from exc
+        self.model.save_committed(saved)
+
+    @precondition(lambda self: self.multipart_size > 0)
+    @rule(age=st.booleans())
+    @abort_on_storage_failure
+    def gc_during_a_live_multipart_upload(self, age: bool) -> None:
+        self._gc_mid_shard(age, size_hint=self.multipart_size)
+
+    @rule(age=st.booleans())
+    @abort_on_storage_failure
+    def gc_during_a_live_streamed_shard(self, age: bool) -> None:
+        self._gc_mid_shard(age, size_hint=None)
+
+    def _gc_mid_shard(self, age: bool, size_hint: int | None) -> None:
+        """GC between the writes of one shard (a multipart upload with a part uploaded,
+        or a stream left open), then finish and publish. Younger than the grace period,
+        the save must publish; aged past it, it may fail, cleanly (I7, and the
+        invariants judge whatever it left)."""
+        saved = self._new_save([100, self.multipart_size or 4096])
+        data = saved.shards["rank01/part.bin"]
+        self.model.save_started(saved)
+        pending = self.store.begin(saved.step, saved.metadata)
+        pending.write("rank00/part.bin", saved.shards["rank00/part.bin"])
+        writer = pending.open_shard("rank01/part.bin", size_hint)
+        writer.write(data[:-1])  # more than a part: the upload has begun
+        self.model.gc_started()
+        if age:
+            self.location.clock.advance(2 * GRACE.total_seconds())
+            self.store.gc(grace=GRACE)
+        else:
+            self.store.gc(grace=timedelta(seconds=self.location.clock.offset) + GRACE)
+        try:
+            writer.write(data[-1:])
+            writer.close()
+            pending.publish()
+        except CkptStoreError as exc:
+            pending.abort()
+            if age:
+                return  # GC took it for dead, as it may: failing cleanly is allowed
+            what = "multipart upload" if size_hint else "streamed shard"
+            raise InvariantViolation(
+                "I7", f"GC broke a save with a live {what} younger than the grace period: {exc}"
+            ) from exc
+        self.model.save_committed(saved)
+
+    @precondition(lambda self: self.multipart_size > 0 and self.location.storage_follows_clock)
+    @rule()
+    @abort_on_storage_failure
+    def gc_during_a_long_multipart_upload(self) -> None:
+        """An upload that began longer ago than the grace period, its parts still arriving
+        (a large shard on a slow link): GC must age it by its last part, not its start.
+        Only where the storage stamps its writes with the suite's clock (memory://), so
+        that the upload's start is old on the storage's own clock."""
+        part = int(getattr(self.location.base, "part_size", 0) or 0)
+        if part <= 0 or not self._lists_uploads():
+            return
+        saved = self._new_save([2 * part + 123])
+        data = saved.shards["rank00/part.bin"]
+        self.model.save_started(saved)
+        pending = self.store.begin(saved.step, saved.metadata)
+        writer = pending.open_shard("rank00/part.bin", len(data))
+        writer.write(data[: part + 1])  # the upload begins: its first part
+        self.location.clock.advance(2 * GRACE.total_seconds())
+        writer.write(data[part + 1 : 2 * part + 1])  # its second part, now
+        self._wait_for_parts(saved.step, 2)
+        self.model.gc_started()
+        self.store.gc(grace=GRACE)
+        try:
+            writer.write(data[2 * part + 1 :])
+            writer.close()
+            pending.publish()
+        except CkptStoreError as exc:
+            pending.abort()
+            raise InvariantViolation(
+                "I7",
+                f"GC removed a multipart upload whose parts were still arriving (it began "
+                f"{2 * GRACE} ago, its last part a moment ago): {exc}",
+            ) from exc
+        self.model.save_committed(saved)
+
+    def _lists_uploads(self) -> bool:
+        """Whether the storage lists incomplete uploads (the rule waits on that); one
+        that cannot (501) does not get this rule."""
+        try:
+            list(self.location.base.driver.list_multipart_uploads(""))
+        except StorageError as exc:
+            if storage_failure(exc) is None:
+                raise
+            return False
+        return True
+
+    def _wait_for_parts(self, step: int, parts: int) -> None:
+        """Until the storage holds ``parts`` parts of the step's upload (parts may go up
+        on threads of their own)."""
+        driver = self.location.base.driver
+        deadline = time.monotonic() + PART_WAIT_S
+        while time.monotonic() < deadline:
+            for upload in driver.list_multipart_uploads(""):
+                mine = step_token(step) in upload.key
+                if mine and driver.upload_progress(upload).parts >= parts:
+                    return
+            time.sleep(0.005)
+        raise InvariantViolation(
+            "I1", f"the upload of step {step} never held {parts} parts ({PART_WAIT_S:.0f} s)"
+        )
+
+    @precondition(lambda self: self.location.base.keeps_lineages)
+    @rule(data=st.data(), fresh=st.booleans(), zombie=_ZOMBIE_SAVES)
+    @abort_on_storage_failure
+    def take_over(self, data: Any, fresh: bool, zombie: str) -> None:
+        """A restarted run takes the store over, resumed from a published step (or
+        fresh), while the old writer still saves: its save across the takeover fails
+        with SupersededError; one whose publish races past its check publishes, never
+        to be returned (I9). The new run then saves the steps after its parent, names
+        the old writer may have taken already."""
+        steps = self.store.steps()
+        parent = None if fresh or not steps else data.draw(st.sampled_from(steps))
+        old = self.store
+        if old.epoch is None:
+            old.join_epoch(self.model.newest_epoch)
+        self.zombie_step = max(self.zombie_step, self.next_step - 1)
+        if zombie == "racing":
+            self._race_a_takeover(old, parent)
+        elif zombie == "across":
+            saved = self._zombie_save(old)
+            self.model.save_started(saved)
+            pending = old.begin(saved.step, saved.metadata)
+            for name, blob in saved.shards.items():
+                pending.write(name, blob)
+            self._take_over(parent)
+            try:
+                pending.publish()
+            except SupersededError as exc:
+                _names_its_supersessor(exc, saved.epoch + 1)
+            else:
+                raise InvariantViolation(
+                    "I9", f"a writer superseded before its publish published step {saved.step}"
+                )
+        else:
+            self._take_over(parent)
+        self.zombie = old
+        self.next_step = 1 if parent is None else parent + 1
+
+    def _take_over(self, parent: int | None) -> None:
+        store, _ = self.location.open()
+        epoch = store.take_over(parent, discard_history=parent is None)
+        expected = self.model.newest_epoch + 1
+        if epoch.number != expected or store.lineage().newest != expected:
+            raise InvariantViolation(
+                "I9", f"a takeover took epoch {epoch.number}; the next epoch is {expected}"
+            )
+        self.model.epoch_taken(parent)
+        self.store = store
+
+    def _race_a_takeover(self, zombie: Store, parent: int | None) -> None:
+        """The zombie passes its check, then the store is taken over, then its commit
+        point: published, but superseded before it was (§8.2, point 4)."""
+        saved = self._zombie_save(zombie)
+        strategy = zombie.strategy
+        publish = strategy.publish
+
+        def taken_over_first(manifest: Manifest) -> None:
+            self._take_over(parent)
+            publish(manifest)
+
+        strategy.publish = taken_over_first  # type: ignore[method-assign]
+        try:
+            save(zombie, self.model, saved)  # restores the strategy's own publish
+        except CheckpointExistsError:
+            pass  # the step was taken in the old epoch: the zombie lost its race
+
+    @precondition(lambda self: self.zombie is not None)
+    @rule()
+    @abort_on_storage_failure
+    def zombie_saves(self) -> None:
+        """The superseded writer saves again: SupersededError naming the newest epoch,
+        and nothing of it is ever returned."""
+        assert self.zombie is not None
+        saved = self._zombie_save(self.zombie)
+        try:
+            save(self.zombie, self.model, saved)
+        except SupersededError as exc:
+            _names_its_supersessor(exc, saved.epoch + 1)
+            return
+        raise InvariantViolation(
+            "I9", f"a superseded writer (epoch {saved.epoch}) published step {saved.step}"
+        )
+
+    @rule()
+    @abort_on_storage_failure
+    def restart(self) -> None:
+        self.store = self._writer()
+
+    @rule(first_wins=st.booleans())
+    @abort_on_storage_failure
+    def concurrent_writers(self, first_wins: bool) -> None:
+        one, two = self._new_save([100]), self._new_save([4096, 1])
+        two.step = one.step
+        self.model.contended.add(one.step)
+        self.model.save_started(one)
+        self.model.save_started(two)
+        first, second = (
+            self.store.begin(one.step, one.metadata),
+            self.store.begin(two.step, two.metadata),
+        )
+        for pending, saved in ((first, one), (second, two)):
+            for name, data in saved.shards.items():
+                pending.write(name, data)
+        order = [(first, one), (second, two)] if first_wins else [(second, two), (first, one)]
+        order[0][0].publish()
+        self.model.save_committed(order[0][1])
+        try:
+            order[1][0].publish()
+        except CheckpointExistsError:
+            return
+        raise InvariantViolation("I5", f"two attempts both published step {one.step}")
+
+    @precondition(lambda self: self.can_corrupt and bool(self.store.steps()))
+    @rule(data=st.data(), how=st.sampled_from(["bitflip", "truncate"]))
+    @abort_on_storage_failure
+    def corrupt_a_shard(self, data: Any, how: str) -> None:
+        step = data.draw(st.sampled_from(self.store.steps()))
+        try:
+            checkpoint = self.store.get(step)
+        except CkptStoreError:
+            return
+        names = [n for n, r in checkpoint.shards.items() if r.size > 0]
+        if not names or self.model.corrupted.get(step):
+            return
+        name = data.draw(st.sampled_from(names))
+        done = self.location.corrupt(step, name, how, checkpoint.manifest.epoch)
+        if done is not None:
+            self.model.shard_corrupted(step, name, done)
+
+    def _unchanged_since(self) -> object:
+        """What a check's verdict depends on: the storage (changes made through the
+        location) and the model (what it expects)."""
+        model = self.model
+        return (
+            self.location.changes,
+            model.epoch,
+            tuple(sorted(model.committed)),
+            tuple(sorted((s, len(c)) for s, c in model.in_doubt.items())),
+            tuple(sorted(model.removable)),
+            tuple(sorted(model.contended)),
+            model.latest_floor,
+        )
+
+    @invariant()
+    @abort_on_storage_failure
+    def invariants_hold(self) -> None:
+        if self.checked == self._unchanged_since():
+            return  # neither the storage nor the model changed: the same verdict
+        unchanged = self._untouched(self.location.take_touched())
+        check_invariants(self.store, self.model, unchanged=unchanged)
+        self.checked = self._unchanged_since()
+
+    def _untouched(self, touched: set[str] | None) -> frozenset[int]:
+        """Committed steps none of whose names a call changed since the last check; none
+        if a change touched a name that belongs to no step (nor to the store itself)."""
+        if touched is None:
+            return frozenset()
+        fixed: frozenset[str] = getattr(self.location.base, "fixed_names", frozenset())
+        steps: set[int] = set()
+        for name in touched:
+            found = _STEP_TOKENS.findall(name)
+            if not found and name not in fixed:
+                return frozenset()
+            steps.update(int(number) for number in found)
+        return frozenset(s for s in self.model.committed if s not in steps)
+
+    def teardown(self) -> None:
+        self.location.destroy()
+
+
 def make_state_machine(
     new_location: Callable[[], Location], *, multipart_size: int = 0, can_corrupt: bool = True
-) -> type[RuleBasedStateMachine]:
-    """Build the state machine class for one backend.
+) -> type[CheckpointStoreMachine]:
+    """The state machine class for one backend: ``CheckpointStoreMachine`` on its locations.
 
     ``multipart_size``: a shard size that needs a multipart upload (0: the backend has none).
     ``can_corrupt``: stored shard bytes can be rewritten behind the store's back.
     """
-    sizes = st.sampled_from([0, 1, 100, 4096] + ([multipart_size] if multipart_size else []))
-
-    class CheckpointStoreMachine(ForeignEntryRules):
-        """One store, one model, and every way a trainer, a crash or a disk can treat it."""
-
-        completion_crashes: ClassVar[Counter[str]] = Counter()
-        """Crashes just ``before`` and just ``after`` a multipart completion, in all examples."""
-
-        @abort_on_storage_failure
-        def __init__(self) -> None:
-            super().__init__()
-            self.location = new_location()
-            self.model = Model()
-            self.store, _ = self.location.open()
-            self.next_step = 1
-            self.checked: object = None
-            self.zombie: Store | None = None
-            """A writer joined to an epoch that a takeover superseded, still saving."""
-            self.zombie_step = 0
-
-        def _new_save(self, shard_sizes: list[int]) -> Saved:
-            step = self.next_step
-            while step in self.model.strays:  # a run resumed from below reaches them
-                step += 1
-            self.next_step = step + 1
-            shards = {
-                f"rank{i:02d}/part.bin": pattern(size, step * 10 + i)
-                for i, size in enumerate(shard_sizes)
-            }
-            # self.store, and a store opened afresh (told the run's epoch), write in the newest
-            epoch = self.model.newest_epoch
-            return Saved(step, shards, {"step": step, "tokens": step * 1000}, epoch)
-
-        def _writer(self, plan: FaultPlan | None = None) -> Store:
-            """A store opened afresh by the run: told the run's epoch once the store was taken
-            over, as every writer then must be (a writer that names none is refused, §8.3)."""
-            store, _ = self.location.open(plan)
-            if self.model.newest_epoch > 0:
-                store.join_epoch(self.model.newest_epoch)
-            return store
-
-        def _zombie_save(self, zombie: Store) -> Saved:
-            """The old writer's next save: its own step counter, other bytes than the new
-            run's save of the same step."""
-            self.zombie_step = step = max(self.zombie_step + 1, self.next_step)
-            shards = {"rank00/part.bin": pattern(100, 7919 * step + 1)}
-            epoch = zombie.epoch if zombie.epoch is not None else self.model.newest_epoch
-            return Saved(step, shards, {"step": step, "writer": "zombie"}, epoch)
-
-        @rule(
-            shard_sizes=st.lists(sizes, min_size=1, max_size=4),
-            crash=st.none() | st.tuples(st.integers(0, 40), _modes),
-            skip=st.integers(0, 2),
-        )
-        @abort_on_storage_failure
-        def save(
-            self, shard_sizes: list[int], crash: tuple[int, CrashMode] | None, skip: int
-        ) -> None:
-            self.next_step += skip
-            saved = self._new_save(shard_sizes)
-            if crash is None:
-                save(self.store, self.model, saved)
-                return
-            try:
-                store = self._writer(FaultPlan(crash_at=crash[0], crash_mode=crash[1]))
-                save(store, self.model, saved)
-            except SimulatedCrash as died:
-                self.completion_crashes.update(_around_completion(died))
-                self.restart()
-
-        @precondition(lambda self: multipart_size > 0)
-        @rule(mode=_modes)
-        @abort_on_storage_failure
-        def save_crashing_at_a_multipart_completion(self, mode: CrashMode) -> None:
-            saved = self._new_save([100, multipart_size])
-            plan = FaultPlan(crash_mode=mode, crash_on=MULTIPART_COMPLETION)
-            try:
-                store = self._writer(plan)
-                save(store, self.model, saved)
-            except SimulatedCrash as died:
-                self.completion_crashes.update(_around_completion(died))
-                self.restart()
-
-        @rule(index=st.integers(0, 40), mode=_modes)
-        @abort_on_storage_failure
-        def save_with_transient_fault(self, index: int, mode: CrashMode) -> None:
-            saved = self._new_save([100, 4096])
-            try:
-                store = self._writer(FaultPlan(transient={index: mode}))
-                save(store, self.model, saved)
-            except CkptStoreError:
-                pass  # the save may fail; whatever it left must still satisfy the model
-
-        @rule()
-        @abort_on_storage_failure
-        def read_latest(self) -> None:
-            try:
-                latest = self.store.latest()
-            except CkptStoreError:
-                return  # a damaged newest checkpoint: the invariant check judges it
-            if latest is not None:
-                for name in latest.names:
-                    try:
-                        latest.read(name)
-                    except CkptStoreError:
-                        pass
-
-        @rule()
-        @abort_on_storage_failure
-        def read_all_and_verify(self) -> None:
-            for checkpoint in self.store.checkpoints():
-                checkpoint.verify()
-
-        @rule(keep=st.integers(1, 3))
-        @abort_on_storage_failure
-        def retention(self, keep: int) -> None:
-            steps = self.store.steps()
-            if steps:
-                self.model.removal_started(set(steps[:-keep]), explicit=False)
-            self.store.apply_retention(KeepLast(keep))
-            kept = set(self.store.steps())
-            if self.model.superseded and not set(steps[-keep:]) <= kept:
-                raise InvariantViolation(
-                    "I9",
-                    f"retention kept {sorted(kept)} of the history's {steps}, not the newest "
-                    f"{keep}: it counted superseded checkpoints",
-                )
-
-        @rule(age=st.booleans())
-        @abort_on_storage_failure
-        def gc(self, age: bool) -> None:
-            if age:
-                self.location.clock.advance(2 * GRACE.total_seconds())
-            self.model.gc_started()
-            # Superseded checkpoints are kept for a grace period after their takeover (an
-            # undo may bring them back, docs/protocol.md §8.4): none here, to check that GC
-            # collects every one of them.
-            self.store.gc(grace=GRACE, superseded_grace=timedelta(0))
-            left = [e for e in self.store.superseded() if e.step not in self.model.strays]
-            if left:
-                raise InvariantViolation(
-                    "I9", f"GC left superseded checkpoints published: {left[:3]}"
-                )
-
-        @rule()
-        @abort_on_storage_failure
-        def gc_during_a_live_save(self) -> None:
-            saved = self._new_save([100, 100])
-            self.model.save_started(saved)
-            pending = self.store.begin(saved.step, saved.metadata)
-            pending.write("rank00/part.bin", saved.shards["rank00/part.bin"])
-            self.model.gc_started()
-            grace = timedelta(seconds=self.location.clock.offset) + GRACE
-            self.store.gc(grace=grace)
-            try:
-                pending.write("rank01/part.bin", saved.shards["rank01/part.bin"])
-                pending.publish()
-            except CkptStoreError as exc:
-                raise InvariantViolation(
-                    "I7", f"GC removed a live save younger than the grace period: {exc}"
-                ) from exc
-            self.model.save_committed(saved)
-
-        @precondition(lambda self: multipart_size > 0)
-        @rule(age=st.booleans())
-        @abort_on_storage_failure
-        def gc_during_a_live_multipart_upload(self, age: bool) -> None:
-            self._gc_mid_shard(age, size_hint=multipart_size)
-
-        @rule(age=st.booleans())
-        @abort_on_storage_failure
-        def gc_during_a_live_streamed_shard(self, age: bool) -> None:
-            self._gc_mid_shard(age, size_hint=None)
-
-        def _gc_mid_shard(self, age: bool, size_hint: int | None) -> None:
-            """GC between the writes of one shard (a multipart upload with a part uploaded,
-            or a stream left open), then finish and publish. Younger than the grace period,
-            the save must publish; aged past it, it may fail, cleanly (I7, and the
-            invariants judge whatever it left)."""
-            saved = self._new_save([100, multipart_size or 4096])
-            data = saved.shards["rank01/part.bin"]
-            self.model.save_started(saved)
-            pending = self.store.begin(saved.step, saved.metadata)
-            pending.write("rank00/part.bin", saved.shards["rank00/part.bin"])
-            writer = pending.open_shard("rank01/part.bin", size_hint)
-            writer.write(data[:-1])  # more than a part: the upload has begun
-            self.model.gc_started()
-            if age:
-                self.location.clock.advance(2 * GRACE.total_seconds())
-                self.store.gc(grace=GRACE)
-            else:
-                self.store.gc(grace=timedelta(seconds=self.location.clock.offset) + GRACE)
-            try:
-                writer.write(data[-1:])
-                writer.close()
-                pending.publish()
-            except CkptStoreError as exc:
-                pending.abort()
-                if age:
-                    return  # GC took it for dead, as it may: failing cleanly is allowed
-                what = "multipart upload" if size_hint else "streamed shard"
-                raise InvariantViolation(
-                    "I7", f"GC broke a save with a live {what} younger than the grace period: {exc}"
-                ) from exc
-            self.model.save_committed(saved)
-
-        @precondition(lambda self: multipart_size > 0 and self.location.storage_follows_clock)
-        @rule()
-        @abort_on_storage_failure
-        def gc_during_a_long_multipart_upload(self) -> None:
-            """An upload that began longer ago than the grace period, its parts still arriving
-            (a large shard on a slow link): GC must age it by its last part, not its start.
-            Only where the storage stamps its writes with the suite's clock (memory://), so
-            that the upload's start is old on the storage's own clock."""
-            part = int(getattr(self.location.base, "part_size", 0) or 0)
-            if part <= 0 or not self._lists_uploads():
-                return
-            saved = self._new_save([2 * part + 123])
-            data = saved.shards["rank00/part.bin"]
-            self.model.save_started(saved)
-            pending = self.store.begin(saved.step, saved.metadata)
-            writer = pending.open_shard("rank00/part.bin", len(data))
-            writer.write(data[: part + 1])  # the upload begins: its first part
-            self.location.clock.advance(2 * GRACE.total_seconds())
-            writer.write(data[part + 1 : 2 * part + 1])  # its second part, now
-            self._wait_for_parts(saved.step, 2)
-            self.model.gc_started()
-            self.store.gc(grace=GRACE)
-            try:
-                writer.write(data[2 * part + 1 :])
-                writer.close()
-                pending.publish()
-            except CkptStoreError as exc:
-                pending.abort()
-                raise InvariantViolation(
-                    "I7",
-                    f"GC removed a multipart upload whose parts were still arriving (it began "
-                    f"{2 * GRACE} ago, its last part a moment ago): {exc}",
-                ) from exc
-            self.model.save_committed(saved)
-
-        def _lists_uploads(self) -> bool:
-            """Whether the storage lists incomplete uploads (the rule waits on that); one
-            that cannot (501) does not get this rule."""
-            try:
-                list(self.location.base.driver.list_multipart_uploads(""))
-            except StorageError as exc:
-                if storage_failure(exc) is None:
-                    raise
-                return False
-            return True
-
-        def _wait_for_parts(self, step: int, parts: int) -> None:
-            """Until the storage holds ``parts`` parts of the step's upload (parts may go up
-            on threads of their own)."""
-            driver = self.location.base.driver
-            deadline = time.monotonic() + PART_WAIT_S
-            while time.monotonic() < deadline:
-                for upload in driver.list_multipart_uploads(""):
-                    mine = step_token(step) in upload.key
-                    if mine and driver.upload_progress(upload).parts >= parts:
-                        return
-                time.sleep(0.005)
-            raise InvariantViolation(
-                "I1", f"the upload of step {step} never held {parts} parts ({PART_WAIT_S:.0f} s)"
-            )
-
-        @precondition(lambda self: self.location.base.keeps_lineages)
-        @rule(data=st.data(), fresh=st.booleans(), zombie=_ZOMBIE_SAVES)
-        @abort_on_storage_failure
-        def take_over(self, data: Any, fresh: bool, zombie: str) -> None:
-            """A restarted run takes the store over, resumed from a published step (or
-            fresh), while the old writer still saves: its save across the takeover fails
-            with SupersededError; one whose publish races past its check publishes, never
-            to be returned (I9). The new run then saves the steps after its parent, names
-            the old writer may have taken already."""
-            steps = self.store.steps()
-            parent = None if fresh or not steps else data.draw(st.sampled_from(steps))
-            old = self.store
-            if old.epoch is None:
-                old.join_epoch(self.model.newest_epoch)
-            self.zombie_step = max(self.zombie_step, self.next_step - 1)
-            if zombie == "racing":
-                self._race_a_takeover(old, parent)
-            elif zombie == "across":
-                saved = self._zombie_save(old)
-                self.model.save_started(saved)
-                pending = old.begin(saved.step, saved.metadata)
-                for name, blob in saved.shards.items():
-                    pending.write(name, blob)
-                self._take_over(parent)
-                try:
-                    pending.publish()
-                except SupersededError as exc:
-                    _names_its_supersessor(exc, saved.epoch + 1)
-                else:
-                    raise InvariantViolation(
-                        "I9", f"a writer superseded before its publish published step {saved.step}"
-                    )
-            else:
-                self._take_over(parent)
-            self.zombie = old
-            self.next_step = 1 if parent is None else parent + 1
-
-        def _take_over(self, parent: int | None) -> None:
-            store, _ = self.location.open()
-            epoch = store.take_over(parent, discard_history=parent is None)
-            expected = self.model.newest_epoch + 1
-            if epoch.number != expected or store.lineage().newest != expected:
-                raise InvariantViolation(
-                    "I9", f"a takeover took epoch {epoch.number}; the next epoch is {expected}"
-                )
-            self.model.epoch_taken(parent)
-            self.store = store
-
-        def _race_a_takeover(self, zombie: Store, parent: int | None) -> None:
-            """The zombie passes its check, then the store is taken over, then its commit
-            point: published, but superseded before it was (§8.2, point 4)."""
-            saved = self._zombie_save(zombie)
-            strategy = zombie.strategy
-            publish = strategy.publish
-
-            def taken_over_first(manifest: Manifest) -> None:
-                self._take_over(parent)
-                publish(manifest)
-
-            strategy.publish = taken_over_first  # type: ignore[method-assign]
-            try:
-                save(zombie, self.model, saved)  # restores the strategy's own publish
-            except CheckpointExistsError:
-                pass  # the step was taken in the old epoch: the zombie lost its race
-
-        @precondition(lambda self: self.zombie is not None)
-        @rule()
-        @abort_on_storage_failure
-        def zombie_saves(self) -> None:
-            """The superseded writer saves again: SupersededError naming the newest epoch,
-            and nothing of it is ever returned."""
-            assert self.zombie is not None
-            saved = self._zombie_save(self.zombie)
-            try:
-                save(self.zombie, self.model, saved)
-            except SupersededError as exc:
-                _names_its_supersessor(exc, saved.epoch + 1)
-                return
-            raise InvariantViolation(
-                "I9", f"a superseded writer (epoch {saved.epoch}) published step {saved.step}"
-            )
-
-        @rule()
-        @abort_on_storage_failure
-        def restart(self) -> None:
-            self.store = self._writer()
-
-        @rule(first_wins=st.booleans())
-        @abort_on_storage_failure
-        def concurrent_writers(self, first_wins: bool) -> None:
-            one, two = self._new_save([100]), self._new_save([4096, 1])
-            two.step = one.step
-            self.model.contended.add(one.step)
-            self.model.save_started(one)
-            self.model.save_started(two)
-            first, second = (
-                self.store.begin(one.step, one.metadata),
-                self.store.begin(two.step, two.metadata),
-            )
-            for pending, saved in ((first, one), (second, two)):
-                for name, data in saved.shards.items():
-                    pending.write(name, data)
-            order = [(first, one), (second, two)] if first_wins else [(second, two), (first, one)]
-            order[0][0].publish()
-            self.model.save_committed(order[0][1])
-            try:
-                order[1][0].publish()
-            except CheckpointExistsError:
-                return
-            raise InvariantViolation("I5", f"two attempts both published step {one.step}")
-
-        @precondition(lambda self: can_corrupt and bool(self.store.steps()))
-        @rule(data=st.data(), how=st.sampled_from(["bitflip", "truncate"]))
-        @abort_on_storage_failure
-        def corrupt_a_shard(self, data: Any, how: str) -> None:
-            step = data.draw(st.sampled_from(self.store.steps()))
-            try:
-                checkpoint = self.store.get(step)
-            except CkptStoreError:
-                return
-            names = [n for n, r in checkpoint.shards.items() if r.size > 0]
-            if not names or self.model.corrupted.get(step):
-                return
-            name = data.draw(st.sampled_from(names))
-            done = self.location.corrupt(step, name, how, checkpoint.manifest.epoch)
-            if done is not None:
-                self.model.shard_corrupted(step, name, done)
-
-        def _unchanged_since(self) -> object:
-            """What a check's verdict depends on: the storage (changes made through the
-            location) and the model (what it expects)."""
-            model = self.model
-            return (
-                self.location.changes,
-                model.epoch,
-                tuple(sorted(model.committed)),
-                tuple(sorted((s, len(c)) for s, c in model.in_doubt.items())),
-                tuple(sorted(model.removable)),
-                tuple(sorted(model.contended)),
-                model.latest_floor,
-            )
-
-        @invariant()
-        @abort_on_storage_failure
-        def invariants_hold(self) -> None:
-            if self.checked == self._unchanged_since():
-                return  # neither the storage nor the model changed: the same verdict
-            unchanged = self._untouched(self.location.take_touched())
-            check_invariants(self.store, self.model, unchanged=unchanged)
-            self.checked = self._unchanged_since()
-
-        def _untouched(self, touched: set[str] | None) -> frozenset[int]:
-            """Committed steps none of whose names a call changed since the last check; none
-            if a change touched a name that belongs to no step (nor to the store itself)."""
-            if touched is None:
-                return frozenset()
-            fixed: frozenset[str] = getattr(self.location.base, "fixed_names", frozenset())
-            steps: set[int] = set()
-            for name in touched:
-                found = _STEP_TOKENS.findall(name)
-                if not found and name not in fixed:
-                    return frozenset()
-                steps.update(int(number) for number in found)
-            return frozenset(s for s in self.model.committed if s not in steps)
-
-        def teardown(self) -> None:
-            self.location.destroy()
-
-    return CheckpointStoreMachine
+    attributes = {
+        "new_location": staticmethod(new_location),
+        "multipart_size": multipart_size,
+        "can_corrupt": can_corrupt,
+        "completion_crashes": Counter(),
+        **({"save": _save_rule((*SHARD_SIZES, multipart_size))} if multipart_size else {}),
+        "__doc__": CheckpointStoreMachine.__doc__,
+        "__module__": CheckpointStoreMachine.__module__,
+    }
+    # Named as the rules' class: hypothesis prints it in the shrunk steps it reports.
+    return type("CheckpointStoreMachine", (CheckpointStoreMachine,), attributes)
 
 
 def _names_its_supersessor(error: SupersededError, epoch: int) -> None:
