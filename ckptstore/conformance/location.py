@@ -37,6 +37,7 @@ __all__ = [
     "Clock",
     "Location",
     "LocationFactory",
+    "StrategyLocation",
     "child_url",
     "open_for_measuring",
     "refused_at_open",
@@ -139,6 +140,23 @@ class Clock:
     def advance(self, seconds: float) -> None:
         """Move this clock forward."""
         self.offset += seconds
+
+
+class StrategyLocation:
+    """The one location of a store made from a strategy directly (a simulated file system, a
+    traced real one), as the standard workload uses a location: each ``open`` puts a fault
+    injector under a new store of it."""
+
+    def __init__(self, strategy: CommitStrategy[Any], clock: Clock | None = None) -> None:
+        self.base = strategy
+        self.clock = clock or Clock()
+
+    def open(
+        self, plan: FaultPlan | None = None, retention: RetentionPolicy | None = None
+    ) -> tuple[Store, FaultInjector]:
+        injector = FaultInjector(self.base.driver, plan)
+        store = Store(self.base.with_driver(injector), retention=retention, clock=self.clock)
+        return store, injector
 
 
 class Location:

@@ -20,7 +20,9 @@ from ckptstore.driver import PutMode, driver_family, storage_calls
 from ckptstore.errors import IndeterminateOutcomeError, TransientStorageError
 
 __all__ = [
+    "READ_CALLS",
     "READ_ONLY_CALLS",
+    "CallRecord",
     "CrashMode",
     "FaultInjector",
     "FaultPlan",

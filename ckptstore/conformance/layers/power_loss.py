@@ -13,15 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
-from ckptstore.conformance.faults import FaultInjector, FaultPlan
+from ckptstore.conformance.faults import FaultPlan
 from ckptstore.conformance.layers.cases import CaseFailure
 from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.workload import standard_workload
-from ckptstore.conformance.location import Clock
+from ckptstore.conformance.location import Clock, StrategyLocation
 from ckptstore.conformance.model import InvariantViolation, Model, check_invariants
 from ckptstore.conformance.models.simfs import SimulatedFileSystem
 from ckptstore.errors import CkptStoreError
-from ckptstore.retention import RetentionPolicy
 from ckptstore.store import Store
 
 __all__ = ["INVARIANTS", "PowerLossResult", "run_layer", "run_power_loss"]
@@ -38,21 +37,6 @@ class PowerLossResult:
     points: int = 0
     states: int = 0
     failures: list[CaseFailure] = field(default_factory=list)
-
-
-class _SimulatedLocation:
-    """The one location of a simulated file system, as the standard workload expects it."""
-
-    def __init__(self, strategy: CommitStrategy[Any], clock: Clock) -> None:
-        self.base = strategy
-        self.clock = clock
-
-    def open(
-        self, plan: FaultPlan | None = None, retention: RetentionPolicy | None = None
-    ) -> tuple[Store, FaultInjector]:
-        injector = FaultInjector(self.base.driver, plan)
-        store = Store(self.base.with_driver(injector), retention=retention, clock=self.clock)
-        return store, injector
 
 
 def run_power_loss(template: CommitStrategy[Any], *, depth: int = 1) -> PowerLossResult:
@@ -84,7 +68,7 @@ def run_power_loss(template: CommitStrategy[Any], *, depth: int = 1) -> PowerLos
                 result.failures.append(CaseFailure(case, "I1", f"store unreadable: {exc!r}"))
 
     simulated.on_change = cut
-    standard_workload(_SimulatedLocation(strategy, clock), FaultPlan(), model, 0)  # type: ignore[arg-type]
+    standard_workload(StrategyLocation(strategy, clock), FaultPlan(), model, 0)  # type: ignore[arg-type]
     simulated.on_change = None
     return result
 

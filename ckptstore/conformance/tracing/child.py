@@ -20,14 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.conformance.faults import FaultInjector, FaultPlan
+from ckptstore.conformance.faults import FaultPlan
 from ckptstore.conformance.layers.workload import big_shard_size, standard_workload
-from ckptstore.conformance.location import Clock, measuring_class
+from ckptstore.conformance.location import StrategyLocation, measuring_class
 from ckptstore.conformance.model import Model
 from ckptstore.conformance.outcomes import storage_failure
 from ckptstore.driver import storage_calls
-from ckptstore.retention import RetentionPolicy
-from ckptstore.store import Store
 
 __all__ = ["MARK", "DriverCall", "TraceOutcome", "main"]
 
@@ -134,21 +132,6 @@ class _MarkingDriver:
         return call
 
 
-class _TracedLocation:
-    """The one location the standard workload runs in, over the marked real driver."""
-
-    def __init__(self, strategy: Any) -> None:
-        self.base = strategy
-        self.clock = Clock()
-
-    def open(
-        self, plan: FaultPlan | None = None, retention: RetentionPolicy | None = None
-    ) -> tuple[Store, FaultInjector]:
-        injector = FaultInjector(self.base.driver, plan)
-        store = Store(self.base.with_driver(injector), retention=retention, clock=self.clock)
-        return store, injector
-
-
 def _plain(value: Any) -> Any:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return Bytes(memoryview(value).nbytes)
@@ -166,7 +149,7 @@ def main(argv: list[str]) -> int:
     journal = _Journal(model)
     strategy_type = measuring_class(strategy_type)  # measured as the parent does: no refusal
     strategy = strategy_type(_MarkingDriver(driver, journal), **settings)
-    location = _TracedLocation(strategy)
+    location = StrategyLocation(strategy)  # the one location, over the marked real driver
     try:
         standard_workload(location, FaultPlan(), model, big_shard_size(location))  # type: ignore[arg-type]
     except Exception as exc:
