@@ -190,7 +190,10 @@ def test_opening_and_closing_stores_holds_nothing_more(
     finally:
         tracemalloc.stop()
     _no_more_than(held)
-    assert grown < 64 * count, f"{grown} bytes more after {count} stores"
+    # An SDK's client-side caches (botocore's, the GCS client's) may keep tens of bytes per
+    # request made; a store's own resources would be kilobytes each.
+    per_store = 64 if kind in ("file", "memory") else 256
+    assert grown < per_store * count, f"{grown} bytes more after {count} stores"
 
 
 def _bytes_in_memory_buckets() -> int:
