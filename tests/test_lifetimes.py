@@ -155,8 +155,8 @@ def _open_and_close_stores(
     [
         ("file", 1000),
         ("memory", 1000),
-        pytest.param("s3", 200, marks=pytest.mark.slow),
-        pytest.param("gs", 200, marks=pytest.mark.slow),  # keeps connections alive
+        pytest.param("s3", 100, marks=pytest.mark.slow),
+        pytest.param("gs", 100, marks=pytest.mark.slow),  # keeps connections alive
     ],
 )
 def test_opening_and_closing_stores_holds_nothing_more(
