@@ -25,8 +25,8 @@ from ckptstore.interface import CheckpointStore
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.retention import KeepEvery, KeepLast, KeepNewerThan, RetentionPolicy
 from ckptstore.store import Store
-from ckptstore.tiered import TieredStore, tiered_url
-from ckptstore.tiered import open_checkpoints as open  # open(url, **options) -> Store
+from ckptstore.tiers.tiered import TieredStore, tiered_url
+from ckptstore.tiers.tiered import open_checkpoints as open  # open(url, **options) -> Store
 
 __version__ = "0.1.0"
 

@@ -40,9 +40,9 @@ from ckptstore.hint import encode_hint
 from ckptstore.lineage import Lineage
 from ckptstore.manifest import Manifest
 from ckptstore.names import checkpoint_token, parse_step_token, step_token
-from ckptstore.replication import Replicator
 from ckptstore.retention import CheckpointAge
 from ckptstore.store import Store
+from ckptstore.tiers.replication import Replicator
 
 # -- file systems: torch DCP, gcsfuse, Megatron, Lightning ---------------------------------
 

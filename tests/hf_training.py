@@ -12,7 +12,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import ckptstore.directory
-from ckptstore.huggingface import CkptStoreCallback
+from ckptstore.adapters.huggingface import CkptStoreCallback
 
 
 def train(store: str, output_dir: str) -> tuple[dict[str, Any], CkptStoreCallback]:

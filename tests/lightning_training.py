@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ckptstore.lightning
-from ckptstore.lightning import CkptStoreIO
+from ckptstore.adapters.lightning import CkptStoreIO
 
 BATCHES_PER_EPOCH = 4
 

@@ -106,8 +106,8 @@ def test_a_reused_output_dir_keeps_the_users_checkpoint_when_the_store_differs(
 ) -> None:
     """The callback pointed at a shared (or the wrong) store whose step 5 is another run's:
     the user's own checkpoint-5 (their model bytes, a notes.txt) survives, moved aside."""
-    from ckptstore.directory import publish_directory
-    from ckptstore.huggingface import CkptStoreCallback
+    from ckptstore.adapters.directory import publish_directory
+    from ckptstore.adapters.huggingface import CkptStoreCallback
 
     theirs = {"model.safetensors": b"another run's weights", "trainer_state.json": b"{}"}
     publish_directory(where.open(), 5, _write(tmp_path / "other-run" / "checkpoint-5", theirs))
@@ -117,7 +117,7 @@ def test_a_reused_output_dir_keeps_the_users_checkpoint_when_the_store_differs(
     newer = {"model.safetensors": b"my step 7"}
     _write(out / "checkpoint-7", newer)  # newer, never published there: moved aside as before
     callback = CkptStoreCallback(where.url, **_options(where))
-    with caplog.at_level(logging.WARNING, logger="ckptstore.huggingface"):
+    with caplog.at_level(logging.WARNING, logger="ckptstore.adapters.huggingface"):
         trainer = _build_trainer(transformers, out, callback)
     assert callback.restored is not None and callback.restored.step == 5
     assert _files(out / "checkpoint-5") == theirs  # what the store has, to resume from
@@ -134,8 +134,8 @@ def test_an_identical_copy_is_kept_and_a_differing_one_moved_aside_every_time(
     tmp_path: Path,
 ) -> None:
     import ckptstore
-    from ckptstore.directory import publish_directory
-    from ckptstore.huggingface import CkptStoreCallback
+    from ckptstore.adapters.directory import publish_directory
+    from ckptstore.adapters.huggingface import CkptStoreCallback
 
     pytest.importorskip("transformers")
     store = ckptstore.open(f"file://{tmp_path}/store")
@@ -161,8 +161,8 @@ def test_a_checkpoint_name_that_is_no_directory_is_moved_aside_not_deleted(
     tmp_path: Path, kind: str
 ) -> None:
     import ckptstore
-    from ckptstore.directory import publish_directory
-    from ckptstore.huggingface import CkptStoreCallback
+    from ckptstore.adapters.directory import publish_directory
+    from ckptstore.adapters.huggingface import CkptStoreCallback
 
     pytest.importorskip("transformers")
     store = ckptstore.open(f"file://{tmp_path}/store")
@@ -186,8 +186,8 @@ def test_a_checkpoint_name_that_is_no_directory_is_moved_aside_not_deleted(
 
 def test_a_fifo_in_a_local_checkpoint_neither_blocks_nor_is_lost(tmp_path: Path) -> None:
     import ckptstore
-    from ckptstore.directory import publish_directory
-    from ckptstore.huggingface import CkptStoreCallback, _identical
+    from ckptstore.adapters.directory import publish_directory
+    from ckptstore.adapters.huggingface import CkptStoreCallback, _identical
 
     pytest.importorskip("transformers")
     store = ckptstore.open(f"file://{tmp_path}/store")
@@ -212,7 +212,7 @@ def lightning_io(tmp_path: Path) -> Iterator[Any]:
     pytest.importorskip("pytorch_lightning")
     import torch
 
-    from ckptstore.lightning import CkptStoreIO
+    from ckptstore.adapters.lightning import CkptStoreIO
 
     io = CkptStoreIO(f"file://{tmp_path}/store")
     io.save_checkpoint({"global_step": 3, "state_dict": {"w": torch.ones(2)}},

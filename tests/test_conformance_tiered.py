@@ -20,7 +20,7 @@ from ckptstore.conformance.layers.tiers import (
 )
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.runner import run_tiered
-from ckptstore.replication import ReplicateAll, ReplicationPolicy
+from ckptstore.tiers.replication import ReplicateAll, ReplicationPolicy
 from ckptstore.tools.embedded import EmbeddedS3
 
 

@@ -12,8 +12,8 @@ import pytest
 import ckptstore
 import ckptstore.directory
 from ckptstore import CheckpointExistsError, IntegrityError, InvalidInputError
+from ckptstore.adapters.directory import directory_files, materialize, publish_directory
 from ckptstore.cli import main as cli
-from ckptstore.directory import directory_files, materialize, publish_directory
 from ckptstore.errors import StorageError
 
 
@@ -84,7 +84,7 @@ def test_a_file_that_changes_under_the_publish_is_refused(tmp_path: Path) -> Non
     _trainer_directory(source)
     listed = directory_files(source)
     (source / "optimizer.pt").write_bytes(b"shorter")
-    from ckptstore.directory import _publish_file
+    from ckptstore.adapters.directory import _publish_file
 
     with pytest.raises(InvalidInputError, match="changed while"), store.begin(1) as pending:
         _publish_file(pending, next(f for f in listed if f.name == "optimizer.pt"))

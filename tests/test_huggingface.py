@@ -15,8 +15,8 @@ pytest.importorskip("accelerate")
 import torch
 
 import ckptstore
-from ckptstore.directory import publish_directory
-from ckptstore.huggingface import CkptStoreCallback
+from ckptstore.adapters.directory import publish_directory
+from ckptstore.adapters.huggingface import CkptStoreCallback
 
 HERE = Path(__file__).parent
 CHECKOUT = HERE.parent
@@ -96,7 +96,7 @@ def test_nothing_published_leaves_the_output_dir_alone_but_unpublished_saves(
 ) -> None:
     out = tmp_path / "out"
     _checkpoint_dir(out, 1)
-    with caplog.at_level("WARNING", logger="ckptstore.huggingface"):
+    with caplog.at_level("WARNING", logger="ckptstore.adapters.huggingface"):
         assert CkptStoreCallback(f"file://{tmp_path}/store").prepare_output_dir(out) is None
     assert [p.name.split(".")[0] for p in out.iterdir()] == ["checkpoint-1"]
     assert "is this the run's store?" in caplog.text  # a wrong URL is not silent

@@ -228,7 +228,7 @@ def test_a_deeply_nested_component_is_a_named_error_for_lightning(tmp_path: Path
     pytest.importorskip("pytorch_lightning")
     import torch
 
-    from ckptstore.lightning import CkptStoreIO
+    from ckptstore.adapters.lightning import CkptStoreIO
 
     store = ckptstore.open(f"file://{tmp_path}/store")
     io_ = CkptStoreIO(store)

@@ -27,16 +27,18 @@ LAYERS: dict[str, tuple[str, ...]] = {
     BACKENDS: ("backends",),
     CORE: (
         "checkpoint", "pending", "store", "history", "fencing", "registry", "interval",
-        "replication", "tiered", "epoch_repair", "interface", "",
+        "tiers", "replication", "tiered", "epoch_repair", "interface", "",
     ),
     TORCH: ("torch",),
-    TRAINERS: ("directory", "huggingface", "lightning", "localdir"),
+    TRAINERS: ("adapters", "directory", "huggingface", "lightning"),
     TOOLING: (
         "conformance", "cli", "tools",
     ),
 }  # fmt: skip
 """Each module of the package, by its first dotted component under ``ckptstore`` ("" is the
-package's ``__init__``)."""
+package's ``__init__``). ``directory``, ``huggingface``, ``lightning``, ``tiered`` and
+``replication`` at the top are the import paths users know for modules of ``adapters/`` and
+``tiers/``."""
 
 MAY_IMPORT: dict[str, frozenset[str]] = {
     FOUNDATION: frozenset({FOUNDATION}),

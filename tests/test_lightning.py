@@ -16,7 +16,7 @@ import torch
 
 import ckptstore
 from ckptstore import CheckpointExistsError, CheckpointNotFoundError
-from ckptstore.lightning import CkptStoreIO
+from ckptstore.adapters.lightning import CkptStoreIO
 
 HERE = Path(__file__).parent
 CHECKOUT = HERE.parent

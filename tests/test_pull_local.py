@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 import ckptstore
+import ckptstore.adapters.localdir
 import ckptstore.directory
-import ckptstore.localdir
 from ckptstore import InvalidInputError
+from ckptstore.adapters.directory import materialize, publish_directory
+from ckptstore.adapters.localdir import locked
 from ckptstore.cli import main as cli
-from ckptstore.directory import materialize, publish_directory
-from ckptstore.localdir import locked
 
 
 def _files(seed: int) -> dict[str, bytes]:

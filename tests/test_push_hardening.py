@@ -17,8 +17,8 @@ import pytest
 
 import ckptstore
 import ckptstore.directory
+from ckptstore.adapters.directory import DirectoryFile, directory_files, publish_directory
 from ckptstore.cli import main
-from ckptstore.directory import DirectoryFile, directory_files, publish_directory
 from ckptstore.errors import (
     EpochNotFoundError,
     EpochRequiredError,

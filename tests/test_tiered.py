@@ -34,8 +34,8 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.manifest import Manifest
-from ckptstore.replication import ReplicateAll, ReplicateEvery, ReplicateNewest
-from ckptstore.tiered import TieredStore
+from ckptstore.tiers.replication import ReplicateAll, ReplicateEvery, ReplicateNewest
+from ckptstore.tiers.tiered import TieredStore
 from ckptstore.tools.embedded import EmbeddedS3
 
 _ids = iter(range(10**6))

@@ -23,8 +23,8 @@ import pytest
 import ckptstore
 from ckptstore.cli import main
 from ckptstore.errors import CheckpointNotFoundError, InvalidMetadataError
-from ckptstore.replication import TIER_KEY
-from ckptstore.tiered import TieredStore
+from ckptstore.tiers.replication import TIER_KEY
+from ckptstore.tiers.tiered import TieredStore
 from ckptstore.tools.embedded import EmbeddedS3
 
 _ids = iter(range(10**6))

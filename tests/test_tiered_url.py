@@ -32,7 +32,7 @@ from ckptstore.errors import (
     RefusedError,
 )
 from ckptstore.redaction import redact
-from ckptstore.tiered import TieredStore, split_tiered_url
+from ckptstore.tiers.tiered import TieredStore, split_tiered_url
 from ckptstore.tools.embedded import EmbeddedS3
 
 REPO = Path(__file__).resolve().parent.parent
@@ -182,7 +182,7 @@ def test_torch_state_and_dcp_on_a_tiered_store(tmp_path: Path) -> None:
 def test_lightning_checkpoint_io_on_a_tiered_url(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("lightning_fabric")
-    from ckptstore.lightning import CkptStoreIO
+    from ckptstore.adapters.lightning import CkptStoreIO
 
     plugin = CkptStoreIO(pair_url(tmp_path))
     assert isinstance(plugin.store, TieredStore)
@@ -198,7 +198,7 @@ def test_lightning_checkpoint_io_on_a_tiered_url(tmp_path: Path) -> None:
 
 def test_hugging_face_callback_on_a_tiered_url(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from ckptstore.huggingface import CkptStoreCallback
+    from ckptstore.adapters.huggingface import CkptStoreCallback
 
     output = tmp_path / "out"
     (output / "checkpoint-5").mkdir(parents=True)
@@ -233,7 +233,7 @@ def test_directory_push_and_pull_on_a_tiered_url(tmp_path: Path) -> None:
     assert (tmp_path / "restored" / "sub" / "a.txt").read_text() == "a"
     status, out = run("push", str(source), url, "--step", "4", "--epoch", "0", "--json")
     assert status == 2 and "a tiered pair's epochs" in json.loads(out)["error"], out
-    from ckptstore.directory import publish_directory
+    from ckptstore.adapters.directory import publish_directory
 
     with ckptstore.open(url) as store, pytest.raises(CapabilityError, match="epoch"):
         publish_directory(store, 5, source, epoch=0)
@@ -283,7 +283,7 @@ def test_an_s3_durable_tier_with_its_own_query_through_one_url(
     the Lightning plugin saves through it, and a new node's ``ls`` and ``pull`` find it."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("lightning_fabric")
-    from ckptstore.lightning import CkptStoreIO
+    from ckptstore.adapters.lightning import CkptStoreIO
 
     for name, value in moto_s3.credentials_env().items():
         monkeypatch.setenv(name, value)
@@ -341,8 +341,8 @@ def test_every_adapter_type_checks_with_a_tiered_store(tmp_path: Path) -> None:
             import torch
 
             import ckptstore
-            from ckptstore.directory import publish_directory
-            from ckptstore.lightning import CkptStoreIO
+            from ckptstore.adapters.directory import publish_directory
+            from ckptstore.adapters.lightning import CkptStoreIO
             from ckptstore.torch import AsyncSaver, load_state, save_state
             from ckptstore.torch.agreement import take_over
             from ckptstore.torch.dcp import CkptStoreWriter

@@ -57,9 +57,9 @@ from ckptstore.errors import (
 from ckptstore.interface import CheckpointStore
 from ckptstore.interval import DEFAULT_RECENT, MIN_SAVES, advise
 from ckptstore.names import MAX_STEP
-from ckptstore.replication import shown_url
 from ckptstore.store import DEFAULT_GRACE, DEFAULT_SUPERSEDED_GRACE, Store, open_store
-from ckptstore.tiered import split_tiered_url
+from ckptstore.tiers.replication import shown_url
+from ckptstore.tiers.tiered import split_tiered_url
 from ckptstore.urls import redact
 
 __all__ = ["build_parser", "main", "parse_duration"]

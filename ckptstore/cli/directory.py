@@ -9,11 +9,16 @@ import json
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ckptstore.directory import DEFAULT_PARALLEL, materialize, publish_directory, refuse_nested
+from ckptstore.adapters.directory import (
+    DEFAULT_PARALLEL,
+    materialize,
+    publish_directory,
+    refuse_nested,
+)
 from ckptstore.errors import CheckpointNotFoundError, InvalidInputError, InvalidOptionError
 from ckptstore.interface import CheckpointStore
 from ckptstore.store import open_store
-from ckptstore.tiered import TieredStore, open_checkpoints, split_tiered_url
+from ckptstore.tiers.tiered import TieredStore, open_checkpoints, split_tiered_url
 
 __all__ = ["add_directory_commands"]
 

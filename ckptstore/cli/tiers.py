@@ -9,9 +9,9 @@ from typing import Any
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.errors import CheckpointNotFoundError, IntegrityError, RefusedError
-from ckptstore.replication import OutsideCheckpoint, durable_epoch_of, shown_url, tier_record
 from ckptstore.store import Store
-from ckptstore.tiered import TieredStore, open_tiered
+from ckptstore.tiers.replication import OutsideCheckpoint, durable_epoch_of, shown_url, tier_record
+from ckptstore.tiers.tiered import TieredStore, open_tiered
 
 __all__ = ["open_pair", "outside_rows", "pair_document", "refuse_a_fast_tier_alone"]
 

@@ -18,7 +18,7 @@ from ckptstore.checkpoint import Checkpoint
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
 from ckptstore.interface import CheckpointStore
 from ckptstore.store import Store
-from ckptstore.tiered import TieredStore
+from ckptstore.tiers.tiered import TieredStore
 
 __all__ = ["agreed_checkpoint", "in_multi_rank_job", "take_over"]
 

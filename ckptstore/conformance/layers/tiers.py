@@ -63,9 +63,9 @@ from ckptstore.conformance.location import Location, LocationFactory
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
 from ckptstore.errors import CkptStoreError
 from ckptstore.manifest import Manifest
-from ckptstore.replication import ReplicateAll, ReplicationPolicy, Replicator
 from ckptstore.retention import KeepLast
-from ckptstore.tiered import TieredStore
+from ckptstore.tiers.replication import ReplicateAll, ReplicationPolicy, Replicator
+from ckptstore.tiers.tiered import TieredStore
 
 __all__ = [
     "PARTITION_INVARIANTS",
