@@ -28,6 +28,9 @@ from ckptstore.store import Store
 from ckptstore.tiers.tiered import TieredStore, tiered_url
 from ckptstore.tiers.tiered import open_checkpoints as open  # open(url, **options) -> Store
 
+# ckptstore.tiered and ckptstore.replication, as they were before tiers/ (tiers/__init__.py).
+from ckptstore import replication, tiered  # noqa: F401  # isort: skip
+
 __version__ = "0.1.0"
 
 # What a trainer uses. Everything else lives in its module: the whole error tree in

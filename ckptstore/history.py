@@ -182,7 +182,7 @@ class History:
         once per store.
         """
         if hint is _READ_HINT:
-            hint = self._read_hint()
+            hint = self.read_hint()
         if not self._listed:
             self.lineage()  # once per History: the epochs known before its first listing
         expected = {"the LATEST hint": hint, "the newest epoch's parent": self._known_parent()}
@@ -220,7 +220,9 @@ class History:
             start, past = max(step for step, _ in more), False
         return found
 
-    def _read_hint(self) -> int | None:
+    def read_hint(self) -> int | None:
+        """The step the LATEST hint names, or None where it is missing or unreadable (said
+        once per store: the hint only saves a listing)."""
         try:
             return self.strategy.read_latest_hint()
         except (StorageError, InvalidInputError) as exc:  # the hint only saves a listing

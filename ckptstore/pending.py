@@ -10,8 +10,9 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Iterable
-from types import TracebackType
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ckptstore.checksum import BlockCrc32c
@@ -27,13 +28,21 @@ from ckptstore.errors import (
     StorageError,
     StrayEntryError,
 )
-from ckptstore.manifest import JSONValue, ReplicaSource, ShardRecord, WriterInfo
+from ckptstore.manifest import JSONValue, Manifest, ReplicaSource, ShardRecord, WriterInfo
 from ckptstore.names import check_shard_name
 
 if TYPE_CHECKING:
     from ckptstore.checkpoint import Checkpoint
 
-__all__ = ["AttemptOwner", "PendingCheckpoint", "PendingState", "ShardData", "ShardWriter"]
+__all__ = [
+    "AttemptOwner",
+    "CommitStamp",
+    "PendingCheckpoint",
+    "PendingState",
+    "ShardData",
+    "ShardWriter",
+    "save_shards",
+]
 
 _READ_CHUNK = 8 * 1024 * 1024
 
@@ -81,8 +90,19 @@ _NEXT: dict[PendingState, frozenset[PendingState]] = {
 ``publish()`` goes OPEN -> SEALING -> SEALED -> PUBLISHING -> PUBLISHED."""
 
 
+@dataclass(frozen=True)
+class CommitStamp:
+    """What the store records in a manifest it commits: its backend, the epoch the attempt
+    writes in, and the commit time on the store's clock."""
+
+    backend: str
+    epoch: int
+    committed_at: datetime
+
+
 class AttemptOwner(Protocol):
-    """What a pending checkpoint asks of the store its attempt belongs to."""
+    """The one committer of a pending checkpoint's attempt: where its shards are staged and
+    its manifest committed (``ckptstore.publisher``)."""
 
     url: str
 
@@ -92,10 +112,14 @@ class AttemptOwner(Protocol):
     def seal(self) -> None:
         """Make durable every shard of the attempt closed so far."""
 
-    def publish(self, pending: PendingCheckpoint, shards: tuple[ShardRecord, ...]) -> Checkpoint:
-        """Commit the manifest of ``shards`` (the commit point); return the checkpoint."""
+    def stamp(self) -> CommitStamp:
+        """What the manifest records of the store (CheckpointStateError if this process may
+        not publish the attempt)."""
 
-    def after_publish(self, checkpoint: Checkpoint) -> None:
+    def commit(self, manifest: Manifest) -> Checkpoint:
+        """Commit ``manifest`` (the commit point); return the checkpoint."""
+
+    def published(self, checkpoint: Checkpoint) -> None:
         """What follows a publish and cannot undo it: the LATEST hint, retention."""
 
     def abort(self) -> None:
@@ -109,10 +133,20 @@ _OVERLAP_FROM = 16 * 1024 * 1024
 class ShardWriter:
     """Streams one shard into its attempt; ``close`` finishes and records it (durable at seal)."""
 
-    def __init__(self, pending: PendingCheckpoint, name: str, sink: ShardSink) -> None:
+    def __init__(
+        self,
+        name: str,
+        sink: ShardSink,
+        *,
+        closed: Callable[[ShardRecord], None],
+        failed: Callable[[str], None],
+    ) -> None:
+        """``closed`` counts the shard's record once it is finished, ``failed`` its name if
+        it is given up (the pending checkpoint's own bookkeeping)."""
         self.name = name
-        self._pending = pending
         self._sink = sink
+        self._closed_to = closed
+        self._failed_to = failed
         self._crc = BlockCrc32c()
         self._record: ShardRecord | None = None
         self._closed = False
@@ -162,7 +196,7 @@ class ShardWriter:
         try:
             locator = self._sink.close()
         except BaseException:
-            self._pending.shard_failed(self.name)
+            self._failed_to(self.name)
             raise
         crc = self._crc
         record = ShardRecord(
@@ -173,7 +207,7 @@ class ShardWriter:
             block_size=crc.block_size,
             block_crc32c=crc.block_hexdigests(),
         )
-        self._pending.shard_closed(record)
+        self._closed_to(record)
         self._record = record
         return record
 
@@ -182,17 +216,12 @@ class ShardWriter:
         if not self._closed:
             self._closed = True
             self._sink.abort()
-            self._pending.shard_failed(self.name)
+            self._failed_to(self.name)
 
     def __enter__(self) -> ShardWriter:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             self.close()
         else:
@@ -307,12 +336,12 @@ class PendingCheckpoint:
             self._claimed.add(name)
             self._directories |= parents
 
-    def shard_closed(self, record: ShardRecord) -> None:
+    def _shard_closed(self, record: ShardRecord) -> None:
         """Count a shard its writer finished (``ShardWriter.close`` calls it)."""
         with self._lock:
             self._records[record.name] = record
 
-    def shard_failed(self, name: str) -> None:
+    def _shard_failed(self, name: str) -> None:
         """Count a shard as failed: this checkpoint cannot publish (``ShardWriter`` calls it)."""
         with self._lock:
             self._failed.add(name)
@@ -326,9 +355,9 @@ class PendingCheckpoint:
         try:
             sink = self._owner.open_sink(name, size_hint)
         except BaseException:
-            self.shard_failed(name)
+            self._shard_failed(name)
             raise
-        return ShardWriter(self, name, sink)
+        return ShardWriter(name, sink, closed=self._shard_closed, failed=self._shard_failed)
 
     def write(self, name: str, data: ShardData) -> ShardRecord:
         """Write a whole shard from bytes, a buffer (numpy, memoryview), a file or chunks."""
@@ -444,7 +473,7 @@ class PendingCheckpoint:
         self._move(PendingState.SEALED)
         self._move(PendingState.PUBLISHING)
         try:
-            checkpoint = self._owner.publish(self, shards)
+            checkpoint = self._owner.commit(self._manifest(shards))
         except (CheckpointExistsError, LineageError, StrayEntryError):  # certain: nothing
             # was published
             self._move(PendingState.FAILED)
@@ -455,8 +484,26 @@ class PendingCheckpoint:
             raise
         self.checkpoint = checkpoint
         self._move(PendingState.PUBLISHED)
-        self._owner.after_publish(checkpoint)
+        self._owner.published(checkpoint)
         return checkpoint
+
+    def _manifest(self, shards: tuple[ShardRecord, ...]) -> Manifest:
+        """This attempt's manifest, of its sealed ``shards``, stamped by its store now."""
+        write_s = time.perf_counter() - self.started_perf
+        stamp = self._owner.stamp()
+        return Manifest(
+            step=self.step,
+            attempt=self.attempt,
+            shards=shards,
+            writer=self.writer,
+            created_at=datetime.fromtimestamp(self.started, timezone.utc),
+            committed_at=stamp.committed_at,
+            timings={"write_s": write_s, **self.timings},
+            metadata=self.metadata,
+            backend=stamp.backend,
+            epoch=stamp.epoch,
+            source=self.source,
+        )
 
     def abort(self) -> None:
         """Give up on this attempt and remove what it staged (GC removes anything left)."""
@@ -470,17 +517,21 @@ class PendingCheckpoint:
     def __enter__(self) -> PendingCheckpoint:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             if self._state is PendingState.OPEN:
                 self.publish()
         elif self._state is PendingState.OPEN:
             self.abort()
+
+
+def save_shards(pending: PendingCheckpoint, shards: Mapping[str, ShardData]) -> Checkpoint:
+    """Write every shard into ``pending`` and publish it; on any error nothing is published."""
+    with pending:
+        for name, data in shards.items():
+            pending.write(name, data)
+    assert pending.checkpoint is not None
+    return pending.checkpoint
 
 
 def _is_buffer(data: object) -> bool:

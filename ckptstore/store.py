@@ -24,18 +24,15 @@ from ckptstore.commit.base import (
     GcItem,
     GcReport,
     ShardRanges,
-    ShardSink,
     StrategyDriver,
     clock_lead,
 )
 from ckptstore.driver import BytesLike
 from ckptstore.errors import (
     CheckpointNotFoundError,
-    CheckpointStateError,
     CkptStoreError,
     EpochNotFoundError,
     IntegrityError,
-    InvalidInputError,
     InvalidOptionError,
     NotACheckpointError,
     ObjectNotFoundError,
@@ -57,7 +54,8 @@ from ckptstore.names import (
     check_step,
     new_attempt_id,
 )
-from ckptstore.pending import PendingCheckpoint, ShardData
+from ckptstore.pending import PendingCheckpoint, ShardData, save_shards
+from ckptstore.publisher import JoinedAttempt, Publisher, StoreAttempt
 from ckptstore.registry import resolve
 from ckptstore.retention import CheckpointAge, RetentionPolicy
 from ckptstore.urls import parse_url, split_epoch
@@ -143,7 +141,7 @@ class Store:
         self._history = History(strategy, clock)
         self._markers = Markers(strategy)
         self._epoch: int | None = None
-        self._publish_listeners: list[Callable[[int], None]] = []
+        self._publisher = Publisher(self, self._history, self._checkpoint_of)
 
     @property
     def url(self) -> str:
@@ -329,10 +327,6 @@ class Store:
             )
         return since
 
-    def _writer_epoch(self) -> int:
-        assert self._epoch is not None  # chosen by begin
-        return self._epoch
-
     # -- writing -------------------------------------------------------------------------
 
     def begin(
@@ -371,15 +365,7 @@ class Store:
                 metadata=clean_metadata,
                 expected=expected,
                 writer=WriterInfo.current(world_size=world_size),
-                owner=_StoreAttempt(
-                    self.url,
-                    self.strategy,
-                    step,
-                    attempt_id,
-                    commit=self._commit,
-                    after_publish=lambda checkpoint: self._after_publish(checkpoint.step),
-                    abort=lambda: self._abort(step, attempt_id),
-                ),
+                owner=StoreAttempt(self._publisher, step, attempt_id),
             )
         )
 
@@ -399,7 +385,7 @@ class Store:
                 metadata={},
                 expected=None,
                 writer=WriterInfo.current(),
-                owner=_JoinedAttempt(self.url, self.strategy, step, attempt_id),
+                owner=JoinedAttempt(self.strategy, step, attempt_id),
             )
         )
 
@@ -416,76 +402,13 @@ class Store:
         metadata: Mapping[str, object] | None = None,
     ) -> Checkpoint:
         """Write every shard and publish, in one call; on any error nothing is published."""
-        with self.begin(step, metadata) as pending:
-            for name, data in shards.items():
-                pending.write(name, data)
-        assert pending.checkpoint is not None
-        return pending.checkpoint
-
-    def _commit(self, pending: PendingCheckpoint, shards: tuple[ShardRecord, ...]) -> Checkpoint:
-        """Write the manifest of ``pending``'s sealed ``shards``: the commit point."""
-        write_s = time.perf_counter() - pending.started_perf
-        manifest = Manifest(
-            step=pending.step,
-            attempt=pending.attempt,
-            shards=shards,
-            writer=pending.writer,
-            created_at=datetime.fromtimestamp(pending.started, timezone.utc),
-            committed_at=datetime.fromtimestamp(self.clock(), timezone.utc),
-            timings={"write_s": write_s, **pending.timings},
-            metadata=pending.metadata,
-            backend=self.strategy.name,
-            epoch=self._writer_epoch(),
-            source=pending.source,
-        )
-        # Just before the commit point: a writer superseded since it began publishes nothing.
-        # A takeover after this check is the race the readers' rule covers (§8.2).
-        self._history.check_writable(manifest.step, manifest.epoch)
-        self.strategy.publish(manifest)
-        return Checkpoint(manifest, self._opener, self.url, ranges=self._ranges)
-
-    def _after_publish(self, step: int) -> None:
-        try:
-            hint = self._latest_hint()
-            if hint is not None and hint > step and not self._history.is_published(hint):
-                self.strategy.reset_latest_hint(step)  # a hint past every checkpoint: repaired
-            else:
-                self.strategy.advance_latest_hint(step)
-        except StorageError as exc:
-            # Readers do not need the hint; say so once, not at every publish.
-            log.debug("%s: step %d published, LATEST hint not updated: %s", self.url, step, exc)
-            ignore_hint(
-                f"{self.url}/LATEST",
-                f"publishing could not rewrite it ({type(exc).__name__}, errno {exc.errno})",
-            )
-        if self.retention is not None:
-            try:
-                self.apply_retention()
-            except CkptStoreError as exc:
-                log.warning("%s: step %d published; retention failed: %s", self.url, step, exc)
-        for listener in list(self._publish_listeners):
-            listener(step)
+        return save_shards(self.begin(step, metadata), shards)
 
     def on_publish(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(step)`` after each publish through this Store (after the LATEST
         hint and retention): how a tiered store wakes its replicator. It runs in the publishing
         thread and must not raise; the checkpoint is published whatever it does."""
-        self._publish_listeners.append(listener)
-
-    def _abort(self, step: int, attempt: str) -> None:
-        """Remove what an attempt staged; a storage error is left to GC, with a warning."""
-        try:
-            self.strategy.abort(step, attempt)
-        except StorageError as exc:
-            log.warning(
-                "%s: could not remove attempt %s of step %d (gc will): %s",
-                self.url,
-                attempt,
-                step,
-                exc,
-            )
-
-    # -- reading -------------------------------------------------------------------------
+        self._publisher.listeners.append(listener)
 
     def steps(self) -> list[int]:
         """Every published checkpoint's step, ascending.
@@ -578,6 +501,10 @@ class Store:
                 + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
             )
         self._confirmed[step] = _Confirmed(manifest.attempt, manifest.committed_at)
+        return self._checkpoint_of(manifest)
+
+    def _checkpoint_of(self, manifest: Manifest) -> Checkpoint:
+        """The checkpoint of a manifest this store published or read, its shards read here."""
         return Checkpoint(manifest, self._opener, self.url, ranges=self._ranges)
 
     def _check_still_published(self, manifest: Manifest) -> None:
@@ -645,7 +572,7 @@ class Store:
         while it is being read is passed over, and when the LATEST hint's candidates run out the
         reader lists every step: None means that no checkpoint exists.
         """
-        hint = self._latest_hint()  # before any listing: it cross-checks them (§4.2)
+        hint = self._history.read_hint()  # before any listing: it cross-checks them (§4.2)
         for round_ in range(_LATEST_ROUNDS):
             from_hint = hint is not None and round_ == 0 and not verified
             candidates = self._history.steps((hint or 0) if from_hint else 0, hint=hint)
@@ -660,13 +587,6 @@ class Store:
             f"{_LATEST_ROUNDS} times in a row; try again",
             url=self.url,
         )
-
-    def _latest_hint(self) -> int | None:
-        try:
-            return self.strategy.read_latest_hint()
-        except (StorageError, InvalidInputError) as exc:  # the hint only saves a listing
-            ignore_hint(f"{self.url}/LATEST", str(exc))
-            return None
 
     def _newest_of(
         self, candidates: Sequence[int], *, verified: bool
@@ -1014,66 +934,6 @@ class _VanishingShardStream:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
-
-
-class _JoinedAttempt:
-    """The store's side of an attempt another process began: stage and seal shards here;
-    only the coordinator publishes. Abort lets go of the files held, deletes nothing."""
-
-    def __init__(self, url: str, strategy: CommitStrategy[Any], step: int, attempt: str) -> None:
-        self.url = url
-        self.strategy = strategy
-        self.step = step
-        self.attempt = attempt
-
-    def open_sink(self, name: str, size_hint: int | None) -> ShardSink:
-        return self.strategy.open_shard(self.step, self.attempt, name, size_hint)
-
-    def seal(self) -> None:
-        self.strategy.seal(self.step, self.attempt)
-
-    def publish(self, pending: PendingCheckpoint, shards: tuple[ShardRecord, ...]) -> Checkpoint:
-        raise CheckpointStateError(
-            f"{self.url}: step {self.step}: only the coordinator that began attempt "
-            f"{self.attempt} publishes it; send it this process's receipts",
-            url=self.url,
-            step=self.step,
-        )
-
-    def after_publish(self, checkpoint: Checkpoint) -> None:
-        """Nothing: a joined attempt never publishes."""
-
-    def abort(self) -> None:
-        self.strategy.release(self.step, self.attempt)
-
-
-class _StoreAttempt(_JoinedAttempt):
-    """The store's side of an attempt it began: it publishes, and abort removes its data."""
-
-    def __init__(
-        self,
-        url: str,
-        strategy: CommitStrategy[Any],
-        step: int,
-        attempt: str,
-        *,
-        commit: Callable[[PendingCheckpoint, tuple[ShardRecord, ...]], Checkpoint],
-        after_publish: Callable[[Checkpoint], None],
-        abort: Callable[[], None],
-    ) -> None:
-        super().__init__(url, strategy, step, attempt)
-        self._commit = commit
-        self._after_publish = after_publish
-        self._abort = abort
-
-    def publish(self, pending: PendingCheckpoint, shards: tuple[ShardRecord, ...]) -> Checkpoint:
-        return self._commit(pending, shards)
-
-    def after_publish(self, checkpoint: Checkpoint) -> None:
-        self._after_publish(checkpoint)
-
-    def abort(self) -> None:
-        self._abort()
 
 
 def _release_quietly(strategy: CommitStrategy[Any], step: int, attempt: str) -> None:

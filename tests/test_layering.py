@@ -26,8 +26,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     COMMIT: ("commit",),
     BACKENDS: ("backends",),
     CORE: (
-        "checkpoint", "pending", "store", "history", "fencing", "registry", "interval",
-        "tiers", "replication", "tiered", "epoch_repair", "interface", "",
+        "checkpoint", "pending", "publisher", "store", "history", "fencing", "registry",
+        "interval", "tiers", "replication", "tiered", "epoch_repair", "interface", "",
     ),
     TORCH: ("torch",),
     TRAINERS: ("adapters", "directory", "huggingface", "lightning"),

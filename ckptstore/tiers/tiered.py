@@ -24,7 +24,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from types import TracebackType
 from typing import Any, overload
 from urllib.parse import quote, unquote
 
@@ -43,7 +42,7 @@ from ckptstore.errors import (
 )
 from ckptstore.lineage import Epoch, Lineage
 from ckptstore.names import check_step
-from ckptstore.pending import PendingCheckpoint, ShardData
+from ckptstore.pending import PendingCheckpoint, ShardData, save_shards
 from ckptstore.redaction import redact
 from ckptstore.retention import RetentionPolicy
 from ckptstore.store import DEFAULT_GRACE, Clock, Store, open_store
@@ -170,11 +169,7 @@ class TieredStore:
         metadata: Mapping[str, object] | None = None,
     ) -> Checkpoint:
         """Write every shard and publish in the fast store; the durable copy follows."""
-        with self.begin(step, metadata) as pending:
-            for name, data in shards.items():
-                pending.write(name, data)
-        assert pending.checkpoint is not None
-        return pending.checkpoint
+        return save_shards(self.begin(step, metadata), shards)
 
     # -- reading: either tier ------------------------------------------------------------
 
@@ -508,12 +503,7 @@ class TieredStore:
     def __enter__(self) -> TieredStore:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             self.close()
             return

@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import TracebackType
 from typing import Any
 
 from ckptstore.checkpoint import Checkpoint
@@ -132,10 +131,5 @@ class AsyncSaver:
     def __enter__(self) -> AsyncSaver:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self.close()
