@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from azure.core import MatchConditions
 from azure.core.exceptions import HttpResponseError
@@ -37,7 +37,13 @@ from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient
 
 from ckptstore.backends.azure_errors import AZURE_RULES
 from ckptstore.backends.client_cache import ClientCache
-from ckptstore.backends.object_store import S3_LIKE, Holder, ObjectStoreBase, PutRequest
+from ckptstore.backends.object_store import (
+    S3_LIKE,
+    DriverSettings,
+    Holder,
+    ObjectStoreBase,
+    PutRequest,
+)
 from ckptstore.backends.range_reader import RangeReader, SharedRanges
 from ckptstore.backends.transfer_options import (
     TRANSFER_OPTIONS,
@@ -65,6 +71,9 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 from ckptstore.urls import StoreURL, endpoint_option, redact
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["AzureBlobDriver", "open_azure", "parse_location"]
 
@@ -231,28 +240,13 @@ class AzureBlobDriver(ObjectStoreBase):
         container: str,
         prefix: str = "",
         *,
-        url: str | None = None,
         identity: str | None = None,
         clock: ServerClock | None = None,
-        min_part_size: int = 1,
-        checksums: bool = True,
-        max_attempts: int = 6,
-        max_delay_s: float = 60.0,
-        read_concurrency: int = 8,
+        **settings: Unpack[DriverSettings],
     ) -> None:
-        super().__init__(
-            container,
-            prefix,
-            url=url,
-            endpoint=identity or str(client.url),
-            max_attempts=max_attempts,
-            max_delay_s=max_delay_s,
-            read_concurrency=read_concurrency,
-        )
+        super().__init__(container, prefix, endpoint=identity or str(client.url), **settings)
         self.client = client
         self.container = container
-        self.min_part_size = min_part_size
-        self.checksums = checksums
         self.server_clock = clock or ServerClock()
         """Not ``clock``: a driver's ``clock`` stamps its writes (the memory driver's), and the
         conformance suite sets it to age leftovers; Azure stamps its own writes."""

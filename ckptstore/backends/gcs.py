@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 from urllib.parse import quote
 
 from google.api_core import exceptions as api_exceptions
@@ -44,7 +44,13 @@ from google.cloud import storage
 
 from ckptstore.backends.client_cache import ClientCache
 from ckptstore.backends.gcs_errors import GCS_RULES, translate_gcs_errors
-from ckptstore.backends.object_store import S3_LIKE, Holder, ObjectStoreBase, PutRequest
+from ckptstore.backends.object_store import (
+    S3_LIKE,
+    DriverSettings,
+    Holder,
+    ObjectStoreBase,
+    PutRequest,
+)
 from ckptstore.backends.range_reader import RangeReader, SharedRanges
 from ckptstore.backends.transfer_options import TRANSFER_OPTIONS, TransferOptions, pooled
 from ckptstore.checksum import crc32c_of
@@ -69,6 +75,9 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.urls import StoreURL, endpoint_option, option_int, redact
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["GCSDriver", "open_gcs", "open_gcs_versioned"]
 
@@ -130,33 +139,19 @@ class GCSDriver(ObjectStoreBase):
         bucket: str,
         prefix: str = "",
         *,
-        url: str | None = None,
-        min_part_size: int = 1,
-        checksums: bool = True,
-        max_attempts: int = 6,
-        max_delay_s: float = 60.0,
         versioned: bool = False,
         timeout: tuple[float, float] = (5.0, 60.0),
-        read_concurrency: int = 8,
         http: Any = None,
+        **settings: Unpack[DriverSettings],
     ) -> None:
-        super().__init__(
-            bucket,
-            prefix,
-            url=url,
-            endpoint=str(getattr(client, "api_endpoint", "") or ""),
-            max_attempts=max_attempts,
-            max_delay_s=max_delay_s,
-            read_concurrency=read_concurrency,
-        )
+        endpoint = str(getattr(client, "api_endpoint", "") or "")
+        super().__init__(bucket, prefix, endpoint=endpoint, **settings)
         self.bucket = bucket
         self.client = client
         self.http = http
         """The authorized requests session the client uses, for ranged reads (None: the
         client's own downloads)."""
         self._bucket = client.bucket(bucket)
-        self.min_part_size = min_part_size
-        self.checksums = checksums
         self.timeout = timeout
         self.versioned = versioned
         self._uploads = self.prefix + UPLOADS

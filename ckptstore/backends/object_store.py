@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypedDict, TypeVar
 
 from ckptstore.backends.error_table import Rules, translating
 from ckptstore.backends.retry_policy import bucket_check_policy, retry_policy
@@ -45,7 +45,14 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 
-__all__ = ["S3_LIKE", "Holder", "ObjectReplacedError", "ObjectStoreBase", "PutRequest"]
+__all__ = [
+    "S3_LIKE",
+    "DriverSettings",
+    "Holder",
+    "ObjectReplacedError",
+    "ObjectStoreBase",
+    "PutRequest",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,6 +93,19 @@ class PutRequest:
     send: Callable[[], ObjectInfo]
 
 
+class DriverSettings(TypedDict, total=False):
+    """The settings every object-store driver takes as keywords and hands to
+    ``ObjectStoreBase`` unchanged (its ``__init__`` gives their meanings and defaults)."""
+
+    url: str | None
+    min_part_size: int
+    checksums: bool
+    max_attempts: int
+    max_delay_s: float | None
+    max_wait_s: float
+    read_concurrency: int
+
+
 class ObjectStoreBase(ObjectStoreDriver):
     """Object-store primitives under one bucket (container) and key prefix; a subclass adds
     its SDK's calls (see the module's docstring for what the base does)."""
@@ -110,16 +130,24 @@ class ObjectStoreBase(ObjectStoreDriver):
         bucket: str,
         prefix: str,
         *,
-        url: str | None,
         endpoint: str = "",
+        url: str | None = None,
+        min_part_size: int = 1,
+        checksums: bool = True,
         max_attempts: int = 6,
         max_delay_s: float | None = 60.0,
         max_wait_s: float = 5.0,
         read_concurrency: int = 8,
     ) -> None:
+        """``url``: the store's, for messages (default: ``scheme://bucket/prefix``);
+        ``min_part_size``: of every multipart part but the last; ``checksums``: send each
+        upload's checksum for the storage to check; ``max_attempts``, ``max_delay_s``,
+        ``max_wait_s``: the retry policy's; ``read_concurrency``: the threads that read ahead."""
         self.bucket_name = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.url = url or f"{self.scheme}://{bucket}/{self.prefix}".rstrip("/")
+        self.min_part_size = min_part_size
+        self.checksums = checksums
         self.max_attempts = max_attempts
         self.read_concurrency = max(1, read_concurrency)
         self.storage_identity = (endpoint, bucket)

@@ -24,7 +24,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
-from typing import Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import boto3
 import urllib3
@@ -34,6 +34,7 @@ from botocore.exceptions import BotoCoreError
 from ckptstore.backends.client_cache import ClientCache
 from ckptstore.backends.object_store import (
     S3_LIKE,
+    DriverSettings,
     ObjectReplacedError,
     ObjectStoreBase,
     PutRequest,
@@ -72,6 +73,9 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 from ckptstore.urls import StoreURL, endpoint_option, option_int
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["S3Driver", "install_abort_incomplete_uploads_rule", "open_s3", "open_s3_versioned"]
 
@@ -135,27 +139,16 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
         bucket: str,
         prefix: str = "",
         *,
-        url: str | None = None,
-        min_part_size: int = S3_MIN_PART_SIZE,
         sse: str | None = None,
         sse_kms_key_id: str | None = None,
-        checksums: bool = True,
-        max_attempts: int = 6,
-        max_delay_s: float = 60.0,
         versioned: bool = False,
+        **settings: Unpack[DriverSettings],
     ) -> None:
-        super().__init__(
-            bucket,
-            prefix,
-            url=url,
-            endpoint=str(getattr(client.meta, "endpoint_url", "") or ""),
-            max_attempts=max_attempts,
-            max_delay_s=max_delay_s,
-        )
+        settings.setdefault("min_part_size", S3_MIN_PART_SIZE)
+        endpoint = str(getattr(client.meta, "endpoint_url", "") or "")
+        super().__init__(bucket, prefix, endpoint=endpoint, **settings)
         self.bucket = bucket
         self.client = client
-        self.min_part_size = min_part_size
-        self.checksums = checksums
         self._encryption: dict[str, str] = {}
         if sse:
             self._encryption["ServerSideEncryption"] = sse
