@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
@@ -44,13 +43,14 @@ from ckptstore.backends.object_store import (
     ObjectStoreBase,
     PutRequest,
 )
-from ckptstore.backends.range_reader import RangeReader, SharedRanges
+from ckptstore.backends.range_reader import RangeReader, ReadAhead
 from ckptstore.backends.transfer_options import (
     TRANSFER_OPTIONS,
     TransferOptions,
     pooled,
     refuse_credentials_in_url,
 )
+from ckptstore.backends.wire_format import timestamp
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.driver import (
     Buffer,
@@ -111,10 +111,6 @@ def _code(exc: BaseException) -> str:
 def _quoted(etag: object) -> str:
     text = str(etag or "").strip('"')
     return f'"{text}"' if text else ""
-
-
-def _timestamp(value: Any) -> float:
-    return value.timestamp() if isinstance(value, datetime) else time.time()
 
 
 class ServerClock:
@@ -252,7 +248,7 @@ class AzureBlobDriver(ObjectStoreBase):
         conformance suite sets it to age leftovers; Azure stamps its own writes."""
         self._metadata: dict[str, dict[str, str]] = {}
         self._metadata_lock = threading.Lock()
-        self._ranges = SharedRanges()
+        self._read_ahead = ReadAhead(READ_PIECE, self.read_concurrency, self.executor)
         self.capabilities = S3_LIKE | {Capability.CONDITIONAL_MULTIPART_COMPLETE}
 
     # -- plumbing ------------------------------------------------------------------------
@@ -269,7 +265,7 @@ class AzureBlobDriver(ObjectStoreBase):
             key=key,
             size=size,
             etag=_quoted(response.get("etag")),
-            last_modified=_timestamp(response.get("last_modified")),
+            last_modified=timestamp(response.get("last_modified")),
             version_id=response.get("version_id") or None,
         )
 
@@ -283,7 +279,7 @@ class AzureBlobDriver(ObjectStoreBase):
             key=key,
             size=size,
             etag=_quoted(properties.etag),
-            last_modified=_timestamp(properties.last_modified),
+            last_modified=timestamp(properties.last_modified),
             version_id=getattr(properties, "version_id", None) or None,
             metadata=decode_metadata(properties.metadata),
         )
@@ -329,10 +325,7 @@ class AzureBlobDriver(ObjectStoreBase):
             info,
             lambda offset, length: self.get_range(key, version_id, offset, length, etag)[0],
             pin=f"{self.storage_identity[0]}/{self.full(key)}#{etag or version_id}",
-            window=READ_PIECE,
-            depth=self.read_concurrency,
-            executor=self.executor,
-            shared=self._ranges,
+            ahead=self._read_ahead,
             first=first,
         )
 
@@ -388,7 +381,7 @@ class AzureBlobDriver(ObjectStoreBase):
             key=self.relative(item.name),
             size=int(item.size or 0),
             etag=_quoted(item.etag),
-            last_modified=_timestamp(item.last_modified),
+            last_modified=timestamp(item.last_modified),
         )
 
     def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:

@@ -3,19 +3,22 @@
 A driver on an object store's SDK subclasses ``ObjectStoreBase`` and writes the calls its SDK
 makes (a put, a ranged get, a listing page, a multipart completion); the base carries, once:
 
-- keys under the store's prefix (``full``, ``relative``);
+- the settings every driver takes (``DriverSettings``), and keys under the store's prefix
+  (``full``, ``relative``);
 - the retry policy (``ckptstore.backends.retry_policy``), and the one place where a conditional
   create whose answer was lost is resolved by reading the key back (``resolve_create``, I8): a
   conditional write is never retried blindly, a compare-and-swap in doubt is sent once and
   surfaces as ``IndeterminateOutcomeError`` for the protocol to read back;
 - error translation through the driver's table of rules (``ckptstore.backends.error_table``);
 - listings page by page, each page retried on its own;
-- whole-object reads that start again when the object is replaced between two reads;
+- whole-object reads that start again when the object is replaced between two reads, and
+  reads pinned to one object that fail as ``ObjectReplacedError`` when it is (``pinned_read``);
 - what a driver holds (reader threads, a lease on a shared client), released by ``close``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import logging
@@ -52,6 +55,7 @@ __all__ = [
     "ObjectReplacedError",
     "ObjectStoreBase",
     "PutRequest",
+    "pinned_read",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,6 +77,20 @@ either take effect or are refused, multipart uploads, listings that show every c
 
 class ObjectReplacedError(ObjectNotFoundError):
     """The object was replaced or deleted while being read: the bytes being read are gone."""
+
+
+@contextlib.contextmanager
+def pinned_read(where: str, offset: int) -> Iterator[None]:
+    """A read pinned to one object (its ETag, generation or version) from byte ``offset``: a
+    refusal of the pin (PreconditionFailedError) or a missing object becomes
+    ``ObjectReplacedError``, so that two objects' bytes are never spliced."""
+    try:
+        yield
+    except (PreconditionFailedError, ObjectNotFoundError) as exc:
+        raise ObjectReplacedError(
+            errno.ESTALE,
+            f"{where}: the object was replaced or deleted while being read (at byte {offset})",
+        ) from exc
 
 
 class Holder(enum.Enum):
@@ -128,7 +146,7 @@ class ObjectStoreBase(ObjectStoreDriver):
     def __init__(
         self,
         bucket: str,
-        prefix: str,
+        prefix: str = "",
         *,
         endpoint: str = "",
         url: str | None = None,
