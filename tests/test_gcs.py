@@ -24,7 +24,7 @@ import test_driver_contract as contract
 
 import ckptstore
 from ckptstore.backends.gcs import UPLOADS, GCSDriver
-from ckptstore.backends.gcs import _crc32c_b64 as crc32c_b64
+from ckptstore.backends.wire_format import crc32c_b64
 from ckptstore.conformance.report import render_text
 from ckptstore.conformance.runner import run_backend
 from ckptstore.driver import ObjectStoreDriver, PutMode

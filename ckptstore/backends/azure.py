@@ -27,9 +27,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from azure.core import MatchConditions
 from azure.core.exceptions import HttpResponseError
@@ -37,14 +36,21 @@ from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient
 
 from ckptstore.backends.azure_errors import AZURE_RULES
 from ckptstore.backends.client_cache import ClientCache
-from ckptstore.backends.object_store import S3_LIKE, Holder, ObjectStoreBase, PutRequest
-from ckptstore.backends.range_reader import RangeReader, SharedRanges
+from ckptstore.backends.object_store import (
+    S3_LIKE,
+    DriverSettings,
+    Holder,
+    ObjectStoreBase,
+    PutRequest,
+)
+from ckptstore.backends.range_reader import RangeReader, ReadAhead
 from ckptstore.backends.transfer_options import (
     TRANSFER_OPTIONS,
     TransferOptions,
     pooled,
     refuse_credentials_in_url,
 )
+from ckptstore.backends.wire_format import timestamp
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.driver import (
     Buffer,
@@ -65,6 +71,9 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 from ckptstore.urls import StoreURL, endpoint_option, redact
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["AzureBlobDriver", "open_azure", "parse_location"]
 
@@ -102,10 +111,6 @@ def _code(exc: BaseException) -> str:
 def _quoted(etag: object) -> str:
     text = str(etag or "").strip('"')
     return f'"{text}"' if text else ""
-
-
-def _timestamp(value: Any) -> float:
-    return value.timestamp() if isinstance(value, datetime) else time.time()
 
 
 class ServerClock:
@@ -231,34 +236,19 @@ class AzureBlobDriver(ObjectStoreBase):
         container: str,
         prefix: str = "",
         *,
-        url: str | None = None,
         identity: str | None = None,
         clock: ServerClock | None = None,
-        min_part_size: int = 1,
-        checksums: bool = True,
-        max_attempts: int = 6,
-        max_delay_s: float = 60.0,
-        read_concurrency: int = 8,
+        **settings: Unpack[DriverSettings],
     ) -> None:
-        super().__init__(
-            container,
-            prefix,
-            url=url,
-            endpoint=identity or str(client.url),
-            max_attempts=max_attempts,
-            max_delay_s=max_delay_s,
-            read_concurrency=read_concurrency,
-        )
+        super().__init__(container, prefix, endpoint=identity or str(client.url), **settings)
         self.client = client
         self.container = container
-        self.min_part_size = min_part_size
-        self.checksums = checksums
         self.server_clock = clock or ServerClock()
         """Not ``clock``: a driver's ``clock`` stamps its writes (the memory driver's), and the
         conformance suite sets it to age leftovers; Azure stamps its own writes."""
         self._metadata: dict[str, dict[str, str]] = {}
         self._metadata_lock = threading.Lock()
-        self._ranges = SharedRanges()
+        self._read_ahead = ReadAhead(READ_PIECE, self.read_concurrency, self.executor)
         self.capabilities = S3_LIKE | {Capability.CONDITIONAL_MULTIPART_COMPLETE}
 
     # -- plumbing ------------------------------------------------------------------------
@@ -275,7 +265,7 @@ class AzureBlobDriver(ObjectStoreBase):
             key=key,
             size=size,
             etag=_quoted(response.get("etag")),
-            last_modified=_timestamp(response.get("last_modified")),
+            last_modified=timestamp(response.get("last_modified")),
             version_id=response.get("version_id") or None,
         )
 
@@ -289,7 +279,7 @@ class AzureBlobDriver(ObjectStoreBase):
             key=key,
             size=size,
             etag=_quoted(properties.etag),
-            last_modified=_timestamp(properties.last_modified),
+            last_modified=timestamp(properties.last_modified),
             version_id=getattr(properties, "version_id", None) or None,
             metadata=decode_metadata(properties.metadata),
         )
@@ -335,10 +325,7 @@ class AzureBlobDriver(ObjectStoreBase):
             info,
             lambda offset, length: self.get_range(key, version_id, offset, length, etag)[0],
             pin=f"{self.storage_identity[0]}/{self.full(key)}#{etag or version_id}",
-            window=READ_PIECE,
-            depth=self.read_concurrency,
-            executor=self.executor,
-            shared=self._ranges,
+            ahead=self._read_ahead,
             first=first,
         )
 
@@ -394,7 +381,7 @@ class AzureBlobDriver(ObjectStoreBase):
             key=self.relative(item.name),
             size=int(item.size or 0),
             etag=_quoted(item.etag),
-            last_modified=_timestamp(item.last_modified),
+            last_modified=timestamp(item.last_modified),
         )
 
     def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:

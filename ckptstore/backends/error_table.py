@@ -9,7 +9,10 @@ exception classes mean what (its ``Rules``) and which error codes its service an
 - a failure before the request left (refused, unresolvable, connect timeout) is transient and
   safe to send again;
 - a failure after the request may have reached the server is an ``IndeterminateOutcomeError``:
-  retried where that is safe, read back where it is not (I8).
+  retried where that is safe, read back where it is not (I8) (``broken_rule``: which of an
+  SDK's exceptions are timeouts);
+- an SDK that finds no credentials is denied access, saying where they are looked for
+  (``no_credentials``).
 
 No third-party exception crosses the driver boundary that a row names; every translation is
 chained (``raise ... from exc``) and keeps the built-in meanings (``ObjectNotFoundError`` is a
@@ -34,12 +37,24 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 
-__all__ = ["AnswerTable", "Rules", "broken", "first_line", "translating", "unreachable"]
+__all__ = [
+    "BUCKET_MISSING",
+    "AnswerTable",
+    "Rules",
+    "broken",
+    "broken_rule",
+    "first_line",
+    "no_credentials",
+    "translating",
+    "unreachable",
+]
 
 Translate = Callable[[BaseException, str, str], CkptStoreError]
 """Make the ckptstore error of an exception, given what was being done and the store's name."""
 Rules = Sequence[tuple[type[BaseException] | tuple[type[BaseException], ...], Translate]]
 """Rows of (exception classes, translation), tried in order: the first row that matches wins."""
+BUCKET_MISSING = "{what}: bucket {store!r} does not exist (ckptstore never creates buckets)"
+"""The message of a missing bucket (``AnswerTable.store_missing``)."""
 
 
 @contextlib.contextmanager
@@ -61,9 +76,9 @@ def translating(rules: Rules, what: str, store: str) -> Iterator[None]:
 class AnswerTable:
     """What one service's error answers mean: its error codes, then the HTTP status."""
 
-    store_missing: str
+    store_missing: str = BUCKET_MISSING
     """The message of a missing bucket or container, formatted with ``what`` and ``store``."""
-    store_missing_codes: frozenset[str] = frozenset()
+    store_missing_codes: frozenset[str] = frozenset({"NoSuchBucket"})
     not_found: frozenset[str] = frozenset()
     refused: frozenset[str] = frozenset({"PreconditionFailed"})
     """Codes of a precondition that did not hold (besides any 412)."""
@@ -106,6 +121,19 @@ def broken(what: str, exc: BaseException, *, timeout: bool) -> IndeterminateOutc
     return IndeterminateOutcomeError(
         errno.ETIMEDOUT if timeout else errno.ECONNRESET,
         f"{what}: the connection broke ({first_line(exc)}); the request may have taken effect",
+    )
+
+
+def broken_rule(timeouts: tuple[type[BaseException], ...]) -> Translate:
+    """The translation of an exchange that broke (``broken``); one of ``timeouts`` timed out."""
+    return lambda exc, what, _store: broken(what, exc, timeout=isinstance(exc, timeouts))
+
+
+def no_credentials(missing: str) -> Translate:
+    """The translation of an SDK's failure to find credentials: a denial saying ``missing``
+    (which credentials, and where they are looked for)."""
+    return lambda exc, what, _store: StorageAccessDeniedError(
+        errno.EACCES, f"{what}: {missing}: {exc}"
     )
 
 

@@ -24,16 +24,13 @@ resolved by reading the key back, and a compare-and-swap's surfaces as
 
 from __future__ import annotations
 
-import base64
 import errno
 import logging
 import os
 import secrets
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import datetime
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 from urllib.parse import quote
 
 from google.api_core import exceptions as api_exceptions
@@ -44,10 +41,16 @@ from google.cloud import storage
 
 from ckptstore.backends.client_cache import ClientCache
 from ckptstore.backends.gcs_errors import GCS_RULES, translate_gcs_errors
-from ckptstore.backends.object_store import S3_LIKE, Holder, ObjectStoreBase, PutRequest
-from ckptstore.backends.range_reader import RangeReader, SharedRanges
-from ckptstore.backends.transfer_options import TRANSFER_OPTIONS, TransferOptions, pooled
-from ckptstore.checksum import crc32c_of
+from ckptstore.backends.object_store import (
+    S3_LIKE,
+    DriverSettings,
+    Holder,
+    ObjectStoreBase,
+    PutRequest,
+)
+from ckptstore.backends.range_reader import RangeReader, ReadAhead
+from ckptstore.backends.transfer_options import TRANSFER_OPTIONS, TransferOptions, bucket_of, pooled
+from ckptstore.backends.wire_format import crc32c_b64, timestamp
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.driver import (
@@ -69,6 +72,9 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.urls import StoreURL, endpoint_option, option_int, redact
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["GCSDriver", "open_gcs", "open_gcs_versioned"]
 
@@ -97,14 +103,6 @@ _MARKER_VERSION = "deleted:"
 URL_OPTIONS = (*TRANSFER_OPTIONS, "project", "credentials_file", "token", "read_concurrency")
 
 
-def _timestamp(value: Any) -> float:
-    return value.timestamp() if isinstance(value, datetime) else time.time()
-
-
-def _crc32c_b64(data: Buffer) -> str:
-    return base64.b64encode(crc32c_of(data).to_bytes(4, "big")).decode("ascii")
-
-
 def _generation(etag: str) -> int:
     """The generation an ETag (``"<generation>"``, quoted or not) names."""
     bare = etag.strip('"')
@@ -130,38 +128,24 @@ class GCSDriver(ObjectStoreBase):
         bucket: str,
         prefix: str = "",
         *,
-        url: str | None = None,
-        min_part_size: int = 1,
-        checksums: bool = True,
-        max_attempts: int = 6,
-        max_delay_s: float = 60.0,
         versioned: bool = False,
         timeout: tuple[float, float] = (5.0, 60.0),
-        read_concurrency: int = 8,
         http: Any = None,
+        **settings: Unpack[DriverSettings],
     ) -> None:
-        super().__init__(
-            bucket,
-            prefix,
-            url=url,
-            endpoint=str(getattr(client, "api_endpoint", "") or ""),
-            max_attempts=max_attempts,
-            max_delay_s=max_delay_s,
-            read_concurrency=read_concurrency,
-        )
+        endpoint = str(getattr(client, "api_endpoint", "") or "")
+        super().__init__(bucket, prefix, endpoint=endpoint, **settings)
         self.bucket = bucket
         self.client = client
         self.http = http
         """The authorized requests session the client uses, for ranged reads (None: the
         client's own downloads)."""
         self._bucket = client.bucket(bucket)
-        self.min_part_size = min_part_size
-        self.checksums = checksums
         self.timeout = timeout
         self.versioned = versioned
         self._uploads = self.prefix + UPLOADS
         self._metadata: dict[str, Mapping[str, str]] = {}
-        self._ranges = SharedRanges()
+        self._read_ahead = ReadAhead(READ_WINDOW, self.read_concurrency, self.executor)
         self.capabilities = S3_LIKE | {Capability.VERSIONING} if versioned else S3_LIKE
 
     # -- plumbing ------------------------------------------------------------------------
@@ -175,7 +159,7 @@ class GCSDriver(ObjectStoreBase):
             key=key,
             size=int(blob.size or 0),
             etag=f'"{blob.generation}"',
-            last_modified=_timestamp(blob.updated),
+            last_modified=timestamp(blob.updated),
             version_id=str(blob.generation) if self.versioned else None,
             is_latest=live,
             metadata=_user_metadata(blob.metadata) if metadata else None,
@@ -217,7 +201,7 @@ class GCSDriver(ObjectStoreBase):
         if metadata:
             blob.metadata = dict(metadata)
         if self.checksums:
-            blob.crc32c = _crc32c_b64(body)  # sent in the upload's metadata: the server checks
+            blob.crc32c = crc32c_b64(body)  # sent in the upload's metadata: the server checks
         blob.upload_from_string(
             body,
             content_type="application/octet-stream",
@@ -260,10 +244,7 @@ class GCSDriver(ObjectStoreBase):
             self._info(key, blob),
             fetch,
             pin=f"gs://{self.bucket}/{blob.name}#{generation}",
-            window=READ_WINDOW,
-            depth=self.read_concurrency,
-            executor=self.executor,
-            shared=self._ranges,
+            ahead=self._read_ahead,
         )
 
     def _download(self, name: str, generation: int, start: int, end: int) -> bytes | bytearray:
@@ -400,7 +381,7 @@ class GCSDriver(ObjectStoreBase):
             for blob in blobs:
                 yield self._info(key, blob, metadata=False)
             if all(blob.time_deleted is not None for blob in blobs):
-                deleted = max(_timestamp(blob.time_deleted) for blob in blobs)
+                deleted = max(timestamp(blob.time_deleted) for blob in blobs)
                 yield ObjectInfo(
                     key=key,
                     size=0,
@@ -452,7 +433,7 @@ class GCSDriver(ObjectStoreBase):
             raise ObjectNotFoundError(
                 errno.ENOENT, f"{self.url}/{key}: no upload {upload_id} (aborted?)"
             ) from exc
-        checksum = _crc32c_b64(body) if self.checksums else None
+        checksum = crc32c_b64(body) if self.checksums else None
         return PartInfo(part_number, f'"{blob.generation}"', len(body), checksum)
 
     def complete(
@@ -604,7 +585,7 @@ class GCSDriver(ObjectStoreBase):
             yield UploadInfo(
                 key=key,
                 upload_id=upload_id,
-                initiated=min(_timestamp(blob.time_created) for blob in pieces),
+                initiated=min(timestamp(blob.time_created) for blob in pieces),
             )
 
     def _completed(self, key: str, upload_id: str) -> bool:
@@ -623,7 +604,7 @@ class GCSDriver(ObjectStoreBase):
             )
         parts = [blob for blob in pieces if blob.name.rpartition(".")[2].startswith("p")]
         return UploadProgress(
-            last_activity=max(_timestamp(blob.updated) for blob in pieces),
+            last_activity=max(timestamp(blob.updated) for blob in pieces),
             size=sum(int(blob.size or 0) for blob in pieces),
             parts=len(parts),
         )
@@ -717,12 +698,7 @@ def _new_client(options: Mapping[str, object]) -> tuple[Any, Any]:
 
 def parse_location(url: StoreURL) -> tuple[str, str]:
     """Bucket and prefix of a gs:// URL, validated (GCS bucket naming rules)."""
-    bucket = url.netloc
-    if "@" in bucket:  # what comes before the @ can only be a credential: never echoed
-        raise InvalidURLError(
-            f"{url.shown}: a gs:// URL names a bucket, with no user@ part; pass credentials "
-            f"as options or through Application Default Credentials"
-        )
+    bucket = bucket_of(url, "a gs:// URL", "Application Default Credentials")
     name_ok = 3 <= len(bucket) <= 222 and all(
         c.islower() or c.isdigit() or c in "-_." for c in bucket
     )

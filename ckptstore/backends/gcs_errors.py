@@ -22,7 +22,14 @@ import urllib3.exceptions
 from google.api_core import exceptions as api
 from google.cloud.storage import exceptions as storage_exceptions
 
-from ckptstore.backends.error_table import AnswerTable, Rules, broken, translating, unreachable
+from ckptstore.backends.error_table import (
+    AnswerTable,
+    Rules,
+    broken_rule,
+    no_credentials,
+    translating,
+    unreachable,
+)
 from ckptstore.errors import (
     CkptStoreError,
     StorageAccessDeniedError,
@@ -32,10 +39,7 @@ from ckptstore.errors import (
 
 __all__ = ["GCS_RULES", "translate_gcs_errors"]
 
-ANSWERS = AnswerTable(
-    store_missing="{what}: bucket {store!r} does not exist (ckptstore never creates buckets)",
-    store_missing_codes=frozenset({"NoSuchBucket"}),
-)
+ANSWERS = AnswerTable()
 """What the JSON API's statuses mean (it gives no error codes: see ``_answer``)."""
 
 
@@ -48,11 +52,7 @@ def _answer(exc: BaseException, what: str, bucket: str) -> CkptStoreError:
     )
 
 
-def _broken(exc: BaseException, what: str, _bucket: str) -> CkptStoreError:
-    timeout = isinstance(
-        exc, (requests.exceptions.Timeout, TimeoutError, urllib3.exceptions.TimeoutError)
-    )
-    return broken(what, exc, timeout=timeout)
+_broken = broken_rule((requests.exceptions.Timeout, TimeoutError, urllib3.exceptions.TimeoutError))
 
 
 def _connection(exc: BaseException, what: str, bucket: str) -> CkptStoreError:
@@ -68,12 +68,10 @@ def _connection(exc: BaseException, what: str, bucket: str) -> CkptStoreError:
     return _broken(exc, what, bucket)
 
 
-def _no_credentials(exc: BaseException, what: str, _bucket: str) -> CkptStoreError:
-    return StorageAccessDeniedError(
-        errno.EACCES,
-        f"{what}: no usable Google credentials (Application Default Credentials, "
-        f"credentials_file=, or token=anonymous for an emulator): {exc}",
-    )
+_no_credentials = no_credentials(
+    "no usable Google credentials (Application Default Credentials, credentials_file=, or "
+    "token=anonymous for an emulator)"
+)
 
 
 _BROKEN = (

@@ -3,19 +3,22 @@
 A driver on an object store's SDK subclasses ``ObjectStoreBase`` and writes the calls its SDK
 makes (a put, a ranged get, a listing page, a multipart completion); the base carries, once:
 
-- keys under the store's prefix (``full``, ``relative``);
+- the settings every driver takes (``DriverSettings``), and keys under the store's prefix
+  (``full``, ``relative``);
 - the retry policy (``ckptstore.backends.retry_policy``), and the one place where a conditional
   create whose answer was lost is resolved by reading the key back (``resolve_create``, I8): a
   conditional write is never retried blindly, a compare-and-swap in doubt is sent once and
   surfaces as ``IndeterminateOutcomeError`` for the protocol to read back;
 - error translation through the driver's table of rules (``ckptstore.backends.error_table``);
 - listings page by page, each page retried on its own;
-- whole-object reads that start again when the object is replaced between two reads;
+- whole-object reads that start again when the object is replaced between two reads, and
+  reads pinned to one object that fail as ``ObjectReplacedError`` when it is (``pinned_read``);
 - what a driver holds (reader threads, a lease on a shared client), released by ``close``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import logging
@@ -23,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypedDict, TypeVar
 
 from ckptstore.backends.error_table import Rules, translating
 from ckptstore.backends.retry_policy import bucket_check_policy, retry_policy
@@ -45,7 +48,15 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 
-__all__ = ["S3_LIKE", "Holder", "ObjectReplacedError", "ObjectStoreBase", "PutRequest"]
+__all__ = [
+    "S3_LIKE",
+    "DriverSettings",
+    "Holder",
+    "ObjectReplacedError",
+    "ObjectStoreBase",
+    "PutRequest",
+    "pinned_read",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,6 +79,20 @@ class ObjectReplacedError(ObjectNotFoundError):
     """The object was replaced or deleted while being read: the bytes being read are gone."""
 
 
+@contextlib.contextmanager
+def pinned_read(where: str, offset: int) -> Iterator[None]:
+    """A read pinned to one object (its ETag, generation or version) from byte ``offset``: a
+    refusal of the pin (PreconditionFailedError) or a missing object becomes
+    ``ObjectReplacedError``, so that two objects' bytes are never spliced."""
+    try:
+        yield
+    except (PreconditionFailedError, ObjectNotFoundError) as exc:
+        raise ObjectReplacedError(
+            errno.ESTALE,
+            f"{where}: the object was replaced or deleted while being read (at byte {offset})",
+        ) from exc
+
+
 class Holder(enum.Enum):
     """Who holds a key, as a read-back after a conditional create in doubt finds it."""
 
@@ -84,6 +109,19 @@ class PutRequest:
 
     what: str
     send: Callable[[], ObjectInfo]
+
+
+class DriverSettings(TypedDict, total=False):
+    """The settings every object-store driver takes as keywords and hands to
+    ``ObjectStoreBase`` unchanged (its ``__init__`` gives their meanings and defaults)."""
+
+    url: str | None
+    min_part_size: int
+    checksums: bool
+    max_attempts: int
+    max_delay_s: float | None
+    max_wait_s: float
+    read_concurrency: int
 
 
 class ObjectStoreBase(ObjectStoreDriver):
@@ -108,18 +146,26 @@ class ObjectStoreBase(ObjectStoreDriver):
     def __init__(
         self,
         bucket: str,
-        prefix: str,
+        prefix: str = "",
         *,
-        url: str | None,
         endpoint: str = "",
+        url: str | None = None,
+        min_part_size: int = 1,
+        checksums: bool = True,
         max_attempts: int = 6,
         max_delay_s: float | None = 60.0,
         max_wait_s: float = 5.0,
         read_concurrency: int = 8,
     ) -> None:
+        """``url``: the store's, for messages (default: ``scheme://bucket/prefix``);
+        ``min_part_size``: of every multipart part but the last; ``checksums``: send each
+        upload's checksum for the storage to check; ``max_attempts``, ``max_delay_s``,
+        ``max_wait_s``: the retry policy's; ``read_concurrency``: the threads that read ahead."""
         self.bucket_name = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.url = url or f"{self.scheme}://{bucket}/{self.prefix}".rstrip("/")
+        self.min_part_size = min_part_size
+        self.checksums = checksums
         self.max_attempts = max_attempts
         self.read_concurrency = max(1, read_concurrency)
         self.storage_identity = (endpoint, bucket)

@@ -18,13 +18,14 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.backends.object_store import ObjectReplacedError
+from ckptstore.backends.object_store import pinned_read
 from ckptstore.driver import ObjectInfo
-from ckptstore.errors import ObjectNotFoundError, PreconditionFailedError, StorageError
+from ckptstore.errors import StorageError
 
-__all__ = ["RangeReader", "SharedRanges"]
+__all__ = ["RangeReader", "ReadAhead", "SharedRanges"]
 
 Data = bytes | bytearray
 RangeName = tuple[str, int, int]
@@ -61,11 +62,24 @@ class SharedRanges:
                 self._ranges[name] = (known[0], known[1] - 1)
 
 
+@dataclass(frozen=True)
+class ReadAhead:
+    """How a driver's streams read ahead: ranges of ``window`` bytes on a fixed grid, up to
+    ``depth`` in flight, on the driver's ``executor``; the ranges in flight are shared by the
+    streams of one object (``shared``)."""
+
+    window: int
+    depth: int
+    executor: Callable[[], Executor]
+    shared: SharedRanges = field(default_factory=SharedRanges)
+
+
 class RangeReader(io.RawIOBase):
     """One object version read in pinned ranges, fetched ahead in parallel.
 
     ``info``: the object's (its ``size`` bounds the reads); ``pin`` names the version for
-    sharing; ``first``: bytes from offset 0 already read (by the call that opened it).
+    sharing; ``ahead``: the driver's way of reading ahead; ``first``: bytes from offset 0
+    already read (by the call that opened it).
     """
 
     def __init__(
@@ -74,20 +88,15 @@ class RangeReader(io.RawIOBase):
         fetch: Callable[[int, int], Data],
         *,
         pin: str,
-        window: int,
-        depth: int,
-        executor: Callable[[], Executor],
-        shared: SharedRanges,
+        ahead: ReadAhead,
         first: bytes = b"",
     ) -> None:
         super().__init__()
         self.info = info
         self._fetch_range = fetch
         self._pin = pin
-        self._window = window
-        self._depth = depth
-        self._executor = executor
-        self._shared = shared
+        self._read_ahead = ahead
+        self._shared = ahead.shared
         self._size = info.size
         self._chunk = memoryview(first)
         self._position = 0
@@ -95,14 +104,8 @@ class RangeReader(io.RawIOBase):
         self._ahead: deque[tuple[RangeName, Future[Data]]] = deque()
 
     def _fetch(self, offset: int, length: int) -> Data:
-        try:
+        with pinned_read(f"reading {self._pin}", offset):
             data = self._fetch_range(offset, length)
-        except (PreconditionFailedError, ObjectNotFoundError) as exc:
-            raise ObjectReplacedError(
-                errno.ESTALE,
-                f"reading {self._pin}: the object was replaced or deleted while being read "
-                f"(at byte {offset})",
-            ) from exc
         if len(data) != length:
             raise StorageError(
                 errno.EIO, f"reading {self._pin}: {len(data)} bytes at {offset}, expected {length}"
@@ -110,11 +113,12 @@ class RangeReader(io.RawIOBase):
         return data
 
     def _fill_ahead(self) -> None:
-        while len(self._ahead) < self._depth and self._next < self._size:
+        window, depth = self._read_ahead.window, self._read_ahead.depth
+        while len(self._ahead) < depth and self._next < self._size:
             offset = self._next
-            end = min(self._size, (offset // self._window + 1) * self._window)  # on the grid
+            end = min(self._size, (offset // window + 1) * window)  # on the grid
             name = (self._pin, offset, end - offset)
-            if self._depth == 1:
+            if depth == 1:
                 future: Future[Data] = Future()
                 future.set_result(self._fetch(offset, end - offset))
             else:
@@ -124,7 +128,7 @@ class RangeReader(io.RawIOBase):
             self._next = end
 
     def _submit(self, offset: int, length: int) -> Future[Data]:
-        return self._executor().submit(self._fetch, offset, length)
+        return self._read_ahead.executor().submit(self._fetch, offset, length)
 
     def _advance(self) -> bool:
         """Make the next fetched range current; False at the end."""

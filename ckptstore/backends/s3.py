@@ -14,17 +14,14 @@ mid-way resumes with a ranged GET conditional on the object's ETag.
 
 from __future__ import annotations
 
-import base64
 import errno
 import functools
 import hashlib
 import http.client
 import logging
 import re
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import datetime
-from typing import Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 import boto3
 import urllib3
@@ -34,18 +31,20 @@ from botocore.exceptions import BotoCoreError
 from ckptstore.backends.client_cache import ClientCache
 from ckptstore.backends.object_store import (
     S3_LIKE,
-    ObjectReplacedError,
+    DriverSettings,
     ObjectStoreBase,
     PutRequest,
+    pinned_read,
 )
 from ckptstore.backends.resuming_reader import READ_PIECE, ResumingReader
 from ckptstore.backends.s3_errors import S3_RULES, translate_s3_errors
 from ckptstore.backends.transfer_options import (
     TRANSFER_OPTIONS,
     TransferOptions,
+    bucket_of,
     refuse_credentials_in_url,
 )
-from ckptstore.checksum import crc32c_of
+from ckptstore.backends.wire_format import crc32c_b64, timestamp
 from ckptstore.commit.conditional_put import (
     DEFAULT_READ_RANGE_SIZE,
     ConditionalPutCommit,
@@ -72,6 +71,9 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 from ckptstore.urls import StoreURL, endpoint_option, option_int
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["S3Driver", "install_abort_incomplete_uploads_rule", "open_s3", "open_s3_versioned"]
 
@@ -100,10 +102,6 @@ _CLIENT_OPTIONS = frozenset(
 )  # fmt: skip
 
 
-def _crc32c_b64(data: Buffer) -> str:
-    return base64.b64encode(crc32c_of(data).to_bytes(4, "big")).decode("ascii")
-
-
 _PAGE_MARKERS: dict[str, tuple[tuple[str, str], ...]] = {
     "list_objects_v2": (("ContinuationToken", "NextContinuationToken"),),
     "list_object_versions": (
@@ -115,10 +113,6 @@ _PAGE_MARKERS: dict[str, tuple[tuple[str, str], ...]] = {
     "list_parts": (("PartNumberMarker", "NextPartNumberMarker"),),
 }  # fmt: skip
 """Request parameter <- response field that continue each listing after a truncated page."""
-
-
-def _timestamp(value: Any) -> float:
-    return value.timestamp() if isinstance(value, datetime) else time.time()
 
 
 class S3Driver(ObjectStoreBase, RangedReadDriver):
@@ -135,27 +129,16 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
         bucket: str,
         prefix: str = "",
         *,
-        url: str | None = None,
-        min_part_size: int = S3_MIN_PART_SIZE,
         sse: str | None = None,
         sse_kms_key_id: str | None = None,
-        checksums: bool = True,
-        max_attempts: int = 6,
-        max_delay_s: float = 60.0,
         versioned: bool = False,
+        **settings: Unpack[DriverSettings],
     ) -> None:
-        super().__init__(
-            bucket,
-            prefix,
-            url=url,
-            endpoint=str(getattr(client.meta, "endpoint_url", "") or ""),
-            max_attempts=max_attempts,
-            max_delay_s=max_delay_s,
-        )
+        settings.setdefault("min_part_size", S3_MIN_PART_SIZE)
+        endpoint = str(getattr(client.meta, "endpoint_url", "") or "")
+        super().__init__(bucket, prefix, endpoint=endpoint, **settings)
         self.bucket = bucket
         self.client = client
-        self.min_part_size = min_part_size
-        self.checksums = checksums
         self._encryption: dict[str, str] = {}
         if sse:
             self._encryption["ServerSideEncryption"] = sse
@@ -171,7 +154,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
             key=key,
             size=int(response.get("ContentLength", size)),
             etag=str(response.get("ETag", "")),
-            last_modified=_timestamp(response.get("LastModified")),
+            last_modified=timestamp(response.get("LastModified")),
             version_id=_version(response.get("VersionId")),
             metadata=response.get("Metadata"),
         )
@@ -189,7 +172,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
         if metadata:
             args["Metadata"] = dict(metadata)
         if self.checksums:
-            args["ChecksumCRC32C"] = _crc32c_b64(body)
+            args["ChecksumCRC32C"] = crc32c_b64(body)
         if mode.kind == "create":
             args["IfNoneMatch"] = "*"
         elif mode.etag is not None and self.raw_conditionals:
@@ -254,14 +237,8 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
             """The object's rest from ``position``: a GET Range If-Match (and version)."""
             what = f"GetObject {key} from byte {position}"
             again = {**args, "Range": f"bytes={position}-", "IfMatch": etag}
-            try:
+            with pinned_read(where, position):
                 answer = self.retried(what, lambda: self.client.get_object(**again))
-            except (PreconditionFailedError, ObjectNotFoundError) as exc:
-                raise ObjectReplacedError(
-                    errno.ESTALE,
-                    f"{where}: the object was replaced or deleted while being read (at byte "
-                    f"{position})",
-                ) from exc
             reached = str(answer.get("ContentRange", ""))
             if not reached.startswith(f"bytes {position}-"):
                 answer["Body"].close()
@@ -351,7 +328,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
                 key=key,
                 size=total,
                 etag=str(response.get("ETag", "")),
-                last_modified=_timestamp(response.get("LastModified")),
+                last_modified=timestamp(response.get("LastModified")),
                 version_id=_version(response.get("VersionId")),
             )
 
@@ -384,7 +361,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
                     key=self.relative(item["Key"]),
                     size=int(item["Size"]),
                     etag=str(item.get("ETag", "")),
-                    last_modified=_timestamp(item.get("LastModified")),
+                    last_modified=timestamp(item.get("LastModified")),
                 )
 
     def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:
@@ -397,7 +374,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
                     key=self.relative(item["Key"]),
                     size=int(item.get("Size", 0)),
                     etag=str(item.get("ETag", "")),
-                    last_modified=_timestamp(item.get("LastModified")),
+                    last_modified=timestamp(item.get("LastModified")),
                     version_id=_version(item.get("VersionId")),
                     is_delete_marker=marker,
                     is_latest=bool(item.get("IsLatest")),
@@ -442,7 +419,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
             "PartNumber": part_number,
             "Body": body,
         }
-        checksum = _crc32c_b64(body) if self.checksums else None
+        checksum = crc32c_b64(body) if self.checksums else None
         if checksum:
             args["ChecksumCRC32C"] = checksum
         response = self.retried(
@@ -529,7 +506,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
         newest, size, parts = upload.initiated, 0, 0
         for page in self._pages("list_parts", self._upload_args(upload.key, upload.upload_id)):
             for part in page.get("Parts", []):
-                newest = max(newest, _timestamp(part.get("LastModified")))
+                newest = max(newest, timestamp(part.get("LastModified")))
                 size += int(part.get("Size", 0))
                 parts += 1
         return UploadProgress(last_activity=newest, size=size, parts=parts)
@@ -541,7 +518,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
                 yield UploadInfo(
                     key=self.relative(upload["Key"]),
                     upload_id=str(upload["UploadId"]),
-                    initiated=_timestamp(upload.get("Initiated")),
+                    initiated=timestamp(upload.get("Initiated")),
                 )
 
 
@@ -652,12 +629,7 @@ def _new_client(options: Mapping[str, object]) -> Any:
 
 def parse_location(url: StoreURL) -> tuple[str, str]:
     """Bucket and prefix of an s3:// URL, validated."""
-    bucket = url.netloc
-    if "@" in bucket:  # what comes before the @ can only be a credential: never echoed
-        raise InvalidURLError(
-            f"{url.shown}: an s3:// URL names a bucket, with no user@ part; pass credentials "
-            f"as options or through the AWS credential chain"
-        )
+    bucket = bucket_of(url, "an s3:// URL", "the AWS credential chain")
     if not _BUCKET_RE.fullmatch(bucket) or ".." in bucket:
         raise InvalidURLError(f"{url.shown}: {bucket!r} is not a valid S3 bucket name")
     return bucket, url.path.strip("/")
@@ -665,15 +637,7 @@ def parse_location(url: StoreURL) -> tuple[str, str]:
 
 def open_s3(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:
     """Open an ``s3://bucket/prefix`` store: S3Driver + ConditionalPutCommit."""
-    driver, part_size, concurrency = _s3_driver(url, options, versioned=False)
-    read_concurrency, read_range_size = _read_options(options, concurrency)
-    return ConditionalPutCommit(
-        driver,
-        part_size=part_size,
-        concurrency=concurrency,
-        read_concurrency=read_concurrency,
-        read_range_size=read_range_size,
-    )
+    return _s3_store(ConditionalPutCommit, url, options, versioned=False)
 
 
 def open_s3_versioned(url: StoreURL, options: Mapping[str, object]) -> VersionPinCommit:
@@ -681,23 +645,25 @@ def open_s3_versioned(url: StoreURL, options: Mapping[str, object]) -> VersionPi
 
     The bucket must have versioning enabled; opening checks and refuses otherwise.
     """
-    driver, part_size, concurrency = _s3_driver(url, options, versioned=True)
-    read_concurrency, read_range_size = _read_options(options, concurrency)
-    return VersionPinCommit(
+    return _s3_store(VersionPinCommit, url, options, versioned=True)
+
+
+Commit = TypeVar("Commit", ConditionalPutCommit, VersionPinCommit)
+
+
+def _s3_store(
+    commit: type[Commit], url: StoreURL, options: Mapping[str, object], *, versioned: bool
+) -> Commit:
+    """``commit`` over an S3Driver, reading a large shard as ``read_concurrency`` ranged GETs
+    at once (default: the upload ``concurrency``) of ``read_range_size`` bytes each (default
+    16 MiB)."""
+    driver, part_size, concurrency = _s3_driver(url, options, versioned=versioned)
+    return commit(
         driver,
         part_size=part_size,
         concurrency=concurrency,
-        read_concurrency=read_concurrency,
-        read_range_size=read_range_size,
-    )
-
-
-def _read_options(options: Mapping[str, object], concurrency: int) -> tuple[int, int]:
-    """How a large shard is read: ``read_concurrency`` ranged GETs at once (default: the
-    upload ``concurrency``) of ``read_range_size`` bytes each (default 16 MiB)."""
-    return (
-        option_int(options, "read_concurrency", concurrency, minimum=1),
-        option_int(options, "read_range_size", DEFAULT_READ_RANGE_SIZE, minimum=1),
+        read_concurrency=option_int(options, "read_concurrency", concurrency, minimum=1),
+        read_range_size=option_int(options, "read_range_size", DEFAULT_READ_RANGE_SIZE, minimum=1),
     )
 
 

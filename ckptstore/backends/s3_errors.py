@@ -34,14 +34,19 @@ from botocore.exceptions import (
     SSLError,
 )
 
-from ckptstore.backends.error_table import AnswerTable, Rules, broken, translating, unreachable
-from ckptstore.errors import CkptStoreError, StorageAccessDeniedError, StorageError
+from ckptstore.backends.error_table import (
+    AnswerTable,
+    Rules,
+    broken_rule,
+    no_credentials,
+    translating,
+    unreachable,
+)
+from ckptstore.errors import CkptStoreError, StorageError
 
 __all__ = ["S3_RULES", "translate_s3_errors"]
 
 ANSWERS = AnswerTable(
-    store_missing="{what}: bucket {store!r} does not exist (ckptstore never creates buckets)",
-    store_missing_codes=frozenset({"NoSuchBucket"}),
     not_found=frozenset({"NoSuchKey", "NotFound", "404", "NoSuchVersion", "NoSuchUpload"}),
     denied=frozenset(
         {
@@ -89,9 +94,7 @@ def _answer(exc: BaseException, what: str, bucket: str) -> CkptStoreError:
     )
 
 
-def _broken(exc: BaseException, what: str, _bucket: str) -> CkptStoreError:
-    timeout = isinstance(exc, (ReadTimeoutError, TimeoutError, urllib3.exceptions.TimeoutError))
-    return broken(what, exc, timeout=timeout)
+_broken = broken_rule((ReadTimeoutError, TimeoutError, urllib3.exceptions.TimeoutError))
 
 
 def _tls(exc: BaseException, what: str, bucket: str) -> CkptStoreError:
@@ -101,12 +104,10 @@ def _tls(exc: BaseException, what: str, bucket: str) -> CkptStoreError:
     return _broken(exc, what, bucket)
 
 
-def _no_credentials(exc: BaseException, what: str, _bucket: str) -> CkptStoreError:
-    return StorageAccessDeniedError(
-        errno.EACCES,
-        f"{what}: no AWS credentials found (environment, ~/.aws, instance role, or the "
-        f"aws_access_key_id/aws_secret_access_key options): {exc}",
-    )
+_no_credentials = no_credentials(
+    "no AWS credentials found (environment, ~/.aws, instance role, or the "
+    "aws_access_key_id/aws_secret_access_key options)"
+)
 
 
 _NOT_SENT = (

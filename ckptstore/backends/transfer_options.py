@@ -3,7 +3,8 @@
 How large parts are and how many go at once, how often a call is tried, whether checksums are
 sent, how long to wait to connect and for an answer: the same options, defaults and checks on
 ``s3://``, ``gs://`` and ``az://``. Also what opening any of them refuses (credentials in the
-URL, where they would end up in logs) and the connection pool an HTTP client gets.
+URL's query or its user@ part, where they would end up in logs) and the connection pool an HTTP
+client gets.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE
-from ckptstore.errors import InvalidOptionError
+from ckptstore.errors import InvalidOptionError, InvalidURLError
 from ckptstore.urls import StoreURL, option_bool, option_int
 
 __all__ = [
@@ -81,6 +82,17 @@ def refuse_credentials_in_url(url: StoreURL, credentials: Collection[str], where
             f"credentials ({', '.join(leaked)}) do not belong in a URL, where they end up in "
             f"logs; pass them as keyword arguments or through {where}"
         )
+
+
+def bucket_of(url: StoreURL, named: str, credentials_from: str) -> str:
+    """The bucket a URL names; InvalidURLError, never echoing it, for a ``user@`` part: what
+    comes before the @ can only be a credential."""
+    if "@" in url.netloc:
+        raise InvalidURLError(
+            f"{url.shown}: {named} names a bucket, with no user@ part; pass credentials as "
+            f"options or through {credentials_from}"
+        )
+    return url.netloc
 
 
 def pooled(session: Any, pool_size: int, **adapter: Any) -> Any:
