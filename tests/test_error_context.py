@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import ckptstore
+from ckptstore.driver import PutMode
 from ckptstore.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -24,6 +25,7 @@ from ckptstore.errors import (
     StorageError,
     SupersededError,
 )
+from ckptstore.tools.embedded import EmbeddedS3
 
 
 def test_the_common_errors_carry_the_store_the_step_and_the_shard(tmp_path: Path) -> None:
@@ -78,3 +80,27 @@ def test_the_url_field_is_redacted_and_fields_default_to_none() -> None:
     assert (storage.errno, storage.http_status, storage.key) == (5, 503, "run/step-1/a.bin")
     again = pickle.loads(pickle.dumps(error))  # crosses a process boundary (DCP, ranks)
     assert isinstance(again, CheckpointNotFoundError) and str(again) == str(error)
+
+
+def test_an_object_stores_translated_errors_name_the_store_and_the_object(
+    moto_s3: EmbeddedS3,
+) -> None:
+    from ckptstore.backends.s3 import S3Driver
+    from ckptstore.errors import ObjectNotFoundError, PreconditionFailedError
+
+    url = moto_s3.url("error-context")
+    store = ckptstore.open(url, **moto_s3.options)
+    driver = store.strategy.driver
+    assert isinstance(driver, S3Driver)
+    with pytest.raises(ObjectNotFoundError) as missing:
+        driver.get("no/such.bin")
+    assert missing.value.key == "no/such.bin"
+    assert missing.value.url is not None and "error-context" in missing.value.url
+    assert moto_s3.options["aws_secret_access_key"] not in missing.value.url
+    driver.put("taken.bin", b"1")
+    with pytest.raises(PreconditionFailedError) as refused:
+        driver.put("taken.bin", b"2", mode=PutMode.CREATE)
+    assert (refused.value.key, refused.value.url) == ("taken.bin", missing.value.url)
+    with pytest.raises(ObjectNotFoundError) as gone:  # any translated call: the store's URL
+        driver.head("no/such.bin")
+    assert gone.value.url == missing.value.url

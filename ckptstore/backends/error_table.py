@@ -36,6 +36,7 @@ from ckptstore.errors import (
     StoreNotFoundError,
     TransientStorageError,
 )
+from ckptstore.redaction import redact
 
 __all__ = [
     "BUCKET_MISSING",
@@ -44,6 +45,7 @@ __all__ = [
     "broken",
     "broken_rule",
     "first_line",
+    "naming",
     "no_credentials",
     "translating",
     "unreachable",
@@ -69,6 +71,20 @@ def translating(rules: Rules, what: str, store: str) -> Iterator[None]:
         for kinds, translate in rules:
             if isinstance(exc, kinds):
                 raise translate(exc, what, store) from exc
+        raise
+
+
+@contextlib.contextmanager
+def naming(url: str, key: str | None = None) -> Iterator[None]:
+    """A ckptstore error raised inside the block names the store's ``url`` (redacted) and the
+    object's ``key`` where it names neither already (``CkptStoreError.url``, ``.key``)."""
+    try:
+        yield
+    except CkptStoreError as error:
+        if error.url is None:
+            error.url = redact(url)
+        if error.key is None and key is not None:
+            error.key = key
         raise
 
 

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypedDict, TypeVar
 
-from ckptstore.backends.error_table import Rules, translating
+from ckptstore.backends.error_table import Rules, naming, translating
 from ckptstore.backends.retry_policy import bucket_check_policy, retry_policy
 from ckptstore.driver import (
     Buffer,
@@ -198,8 +198,9 @@ class ObjectStoreBase(ObjectStoreDriver):
         return f"{self.scheme}://{self.bucket_name}"
 
     def once(self, what: str, call: Callable[[], T]) -> T:
-        """``call()`` once, its errors translated (naming ``what`` and the bucket)."""
-        with translating(self.rules, f"{what} {self.where()}", self.bucket_name):
+        """``call()`` once, its errors translated (naming ``what``, the bucket and the store's
+        URL)."""
+        with naming(self.url), translating(self.rules, f"{what} {self.where()}", self.bucket_name):
             return call()
 
     def retried(self, what: str, call: Callable[[], T]) -> T:
@@ -264,13 +265,14 @@ class ObjectStoreBase(ObjectStoreDriver):
         whose answer was lost surfaces as IndeterminateOutcomeError: the protocol reads back)."""
         body = bytes(data)
         request = self.put_request(key, body, mode, metadata)
-        if mode.kind == "create" and self.reads_back_creates and not self.raw_conditionals:
-            return self.resolve_create(
-                request.what, request.send, lambda: self.read_back(key, body)
-            )
-        if mode.conditional:
-            return self.once(request.what, request.send)
-        return self.retried(request.what, request.send)
+        with naming(self.url, key):
+            if mode.kind == "create" and self.reads_back_creates and not self.raw_conditionals:
+                return self.resolve_create(
+                    request.what, request.send, lambda: self.read_back(key, body)
+                )
+            if mode.conditional:
+                return self.once(request.what, request.send)
+            return self.retried(request.what, request.send)
 
     def resolve_create(
         self, what: str, send: Callable[[], T], read_back: Callable[[], T | Holder]
@@ -333,7 +335,8 @@ class ObjectStoreBase(ObjectStoreDriver):
         replaced between two reads (not a version: a version gone stays gone)."""
         for tries_left in reversed(range(self.max_attempts)):
             try:
-                return self.read_whole(key, version_id)
+                with naming(self.url, key):
+                    return self.read_whole(key, version_id)
             except ObjectReplacedError:
                 if not tries_left or version_id is not None:
                     raise
@@ -354,7 +357,10 @@ class ObjectStoreBase(ObjectStoreDriver):
         *,
         mode: PutMode = PutMode.OVERWRITE,
     ) -> ObjectInfo:
-        return self.complete(key, upload_id, parts, create=multipart_mode(mode).kind == "create")
+        with naming(self.url, key):
+            return self.complete(
+                key, upload_id, parts, create=multipart_mode(mode).kind == "create"
+            )
 
     def bucket_versioning(self) -> str:
         """Never on, unless the subclass says otherwise."""
