@@ -48,13 +48,19 @@ _CHECKPOINT_TOKEN_RE = re.compile(r"step-([0-9]{20})(?:\.epoch-([0-9]{20}))?", r
 _EPOCH_TOKEN_RE = re.compile(r"epoch-([0-9]{20})", re.ASCII)
 
 
+def _check_number(what: str, number: object, most: int) -> int:
+    """Return ``number`` if it is an int in [0, ``most``]; raise InvalidStepError, naming it
+    ``what``, otherwise."""
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise InvalidStepError(f"{what} must be an int, got {type(number).__name__} {number!r}")
+    if number < 0 or number > most:
+        raise InvalidStepError(f"{what} must be in [0, {most}], got {number}")
+    return number
+
+
 def check_step(step: object) -> int:
     """Return ``step`` if it is an int in [0, 10**20); raise InvalidStepError otherwise."""
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise InvalidStepError(f"step must be an int, got {type(step).__name__} {step!r}")
-    if step < 0 or step > MAX_STEP:
-        raise InvalidStepError(f"step must be in [0, {MAX_STEP}], got {step}")
-    return step
+    return _check_number("step", step, MAX_STEP)
 
 
 def step_token(step: int) -> str:
@@ -70,11 +76,7 @@ def parse_step_token(token: str) -> int | None:
 
 def check_epoch(epoch: object) -> int:
     """Return ``epoch`` if it is an int in [0, 10**20); raise InvalidStepError otherwise."""
-    if isinstance(epoch, bool) or not isinstance(epoch, int):
-        raise InvalidStepError(f"epoch must be an int, got {type(epoch).__name__} {epoch!r}")
-    if epoch < 0 or epoch > MAX_EPOCH:
-        raise InvalidStepError(f"epoch must be in [0, {MAX_EPOCH}], got {epoch}")
-    return epoch
+    return _check_number("epoch", epoch, MAX_EPOCH)
 
 
 def epoch_token(epoch: int) -> str:

@@ -79,13 +79,18 @@ class AllOf(RetentionPolicy):
         return "(" + " & ".join(map(repr, self.policies)) + ")"
 
 
+def _positive_int(policy: str, value: object) -> int:
+    """``value`` if it is an int of at least 1; InvalidOptionError, naming ``policy``, if not."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidOptionError(f"{policy} needs a positive int, got {value!r}")
+    return value
+
+
 class KeepLast(RetentionPolicy):
     """Keep the ``n`` newest checkpoints."""
 
     def __init__(self, n: int) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InvalidOptionError(f"KeepLast needs a positive int, got {n!r}")
-        self.n = n
+        self.n = _positive_int("KeepLast", n)
 
     def keep(self, checkpoints: Sequence[CheckpointAge], now: datetime) -> set[int]:
         return {c.step for c in sorted(checkpoints, key=lambda c: c.step)[-self.n :]}
@@ -98,9 +103,7 @@ class KeepEvery(RetentionPolicy):
     """Keep every checkpoint whose step is a multiple of ``k`` (milestones)."""
 
     def __init__(self, k: int) -> None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise InvalidOptionError(f"KeepEvery needs a positive int, got {k!r}")
-        self.k = k
+        self.k = _positive_int("KeepEvery", k)
 
     def keep(self, checkpoints: Sequence[CheckpointAge], now: datetime) -> set[int]:
         return {c.step for c in checkpoints if c.step % self.k == 0}

@@ -36,6 +36,7 @@ from ckptstore.cli.lineage import (
     superseded_document,
     superseded_rows,
 )
+from ckptstore.cli.output import write_result
 from ckptstore.cli.progress import ProgressBar
 from ckptstore.cli.repair import add_repair_command
 from ckptstore.cli.tiers import (
@@ -645,14 +646,22 @@ def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+_AGE_SCALE = ((120, 1, "{:.0f}s"), (3600, 60, "{:.0f}m"), (172800, 3600, "{:.1f}h"))
+_DURATION_SCALE = ((120, 1, "{:.1f} s"), (7200, 60, "{:.1f} min"), (172800, 3600, "{:.1f} h"))
+"""(below, seconds per unit, format) of each unit, smallest first; days beyond the last."""
+
+
+def _scaled(seconds: float, scale: tuple[tuple[float, float, str], ...], days: str) -> str:
+    """``seconds`` in the first unit of ``scale`` it is below, else in days (``days``)."""
+    for below, unit, shown in scale:
+        if seconds < below:
+            return shown.format(seconds / unit)
+    return days.format(seconds / 86400)
+
+
 def _age(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f}m"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
+    """Seconds, short: ``90s``, ``15m``, ``6.0h``, ``3.0d``."""
+    return _scaled(seconds, _AGE_SCALE, "{:.1f}d")
 
 
 def cmd_delete(args: argparse.Namespace, out: TextIO) -> int:
@@ -663,20 +672,21 @@ def cmd_delete(args: argparse.Namespace, out: TextIO) -> int:
         finally:
             pair.close(wait=False)
         where = f"the pair {pair.url} -> {shown_url(pair.durable_url)}"
-        if args.json:
-            json.dump({"url": pair.url, "durable_url": shown_url(pair.durable_url),
-                       "deleted": [args.step]}, out)  # fmt: skip
-            out.write("\n")
-        else:
-            out.write(f"deleted step {args.step} from {printable(where)}\n")
+        write_result(
+            out,
+            args.json,
+            {"url": pair.url, "durable_url": shown_url(pair.durable_url), "deleted": [args.step]},
+            f"deleted step {args.step} from {printable(where)}\n",
+        )
         return EXIT_OK
     store = _open(args.url)
     store.delete(args.step, force=args.force)
-    if args.json:
-        json.dump({"url": store.url, "deleted": [args.step]}, out)
-        out.write("\n")
-    else:
-        out.write(f"deleted step {args.step} from {printable(store.url)}\n")
+    write_result(
+        out,
+        args.json,
+        {"url": store.url, "deleted": [args.step]},
+        f"deleted step {args.step} from {printable(store.url)}\n",
+    )
     return EXIT_OK
 
 
@@ -916,13 +926,7 @@ def _duration(seconds: float) -> str:
     """Seconds for a reader: ``850 ms``, ``42.0 s``, ``12.5 min``, ``6.0 h``, ``3.0 d``."""
     if seconds < 1:
         return f"{seconds * 1000:.0f} ms"
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
+    return _scaled(seconds, _DURATION_SCALE, "{:.1f} d")
 
 
 def _rate(steps_per_s: float | None) -> str:

@@ -5,7 +5,6 @@ checkpoint, and a checkpoint materialised into a local directory (see ``ckptstor
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -15,6 +14,7 @@ from ckptstore.adapters.directory import (
     publish_directory,
     refuse_nested,
 )
+from ckptstore.cli.output import write_result
 from ckptstore.errors import CheckpointNotFoundError, InvalidInputError, InvalidOptionError
 from ckptstore.interface import CheckpointStore
 from ckptstore.store import open_store
@@ -46,15 +46,18 @@ def cmd_push(args: argparse.Namespace, out: TextIO) -> int:
             parallel=args.parallel,
             follow_symlinks=args.follow_symlinks,
         )
-    if args.json:
-        json.dump({"url": store.url, "step": checkpoint.step, "files": len(checkpoint.names),
-                   "bytes": checkpoint.size}, out)  # fmt: skip
-        out.write("\n")
-    else:
-        out.write(
-            f"published step {checkpoint.step} to {store.url}: {len(checkpoint.names)} files, "
-            f"{checkpoint.size} bytes\n"
-        )
+    write_result(
+        out,
+        args.json,
+        {
+            "url": store.url,
+            "step": checkpoint.step,
+            "files": len(checkpoint.names),
+            "bytes": checkpoint.size,
+        },
+        f"published step {checkpoint.step} to {store.url}: {len(checkpoint.names)} files, "
+        f"{checkpoint.size} bytes\n",
+    )
     return EXIT_OK
 
 
@@ -82,12 +85,17 @@ def cmd_pull(args: argparse.Namespace, out: TextIO) -> int:
             store.close(wait=False)
         else:
             store.close()
-    if args.json:
-        json.dump({"url": store.url, "step": checkpoint.step, "directory": str(target),
-                   "files": len(checkpoint.names)}, out)  # fmt: skip
-        out.write("\n")
-    else:
-        out.write(f"materialised step {checkpoint.step} of {store.url} into {target}\n")
+    write_result(
+        out,
+        args.json,
+        {
+            "url": store.url,
+            "step": checkpoint.step,
+            "directory": str(target),
+            "files": len(checkpoint.names),
+        },
+        f"materialised step {checkpoint.step} of {store.url} into {target}\n",
+    )
     return EXIT_OK
 
 

@@ -4,10 +4,10 @@ and docs/protocol.md §8.6)."""
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from ckptstore.cli.output import write_result
 from ckptstore.epoch_repair import repair_epoch
 from ckptstore.store import open_store
 
@@ -21,11 +21,12 @@ def cmd_repair_epoch(args: argparse.Namespace, out: TextIO) -> int:
     parent = None if args.fresh_start else args.parent
     record = repair_epoch(store, args.epoch, parent, note=args.note)
     resumed = "a fresh start" if record.parent is None else f"step {record.parent}"
-    if args.json:
-        json.dump({"url": store.url, "epoch": record.number, "parent": record.parent}, out)
-        out.write("\n")
-    else:
-        out.write(f"rewrote the record of epoch {record.number}: resumed from {resumed}\n")
+    write_result(
+        out,
+        args.json,
+        {"url": store.url, "epoch": record.number, "parent": record.parent},
+        f"rewrote the record of epoch {record.number}: resumed from {resumed}\n",
+    )
     return EXIT_OK
 
 

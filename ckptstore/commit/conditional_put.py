@@ -126,6 +126,13 @@ def _backoff(attempt: int) -> None:
     time.sleep(min(1.0, 0.05 * 2**attempt) * (0.5 + random.random()))
 
 
+def _before_next_probe_try(attempt: int, exc: TransientStorageError) -> None:
+    """Back off before the probe's next try of a request; the last try's error is raised."""
+    if attempt == PROBE_TRIES - 1:
+        raise exc
+    _backoff(attempt)
+
+
 class _ConditionalCreateChecks:
     """Which storage (driver type, endpoint, bucket) this process has probed, and the outcome.
 
@@ -505,18 +512,14 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         body = _probe_body(1)
         for attempt in range(PROBE_TRIES):
             try:
-                info = self._probe_put(key, body)
+                self._probe_put(key, body, versions)
             except PreconditionFailedError:
                 if self._read_probe(key, versions) != body:  # fresh key: only a try of ours
                     raise
                 return
-            except TransientStorageError:
-                if attempt == PROBE_TRIES - 1:
-                    raise
-                _backoff(attempt)
+            except TransientStorageError as exc:
+                _before_next_probe_try(attempt, exc)
                 continue
-            if info.version_id:
-                versions.add(info.version_id)
             return
 
     def _probe_second_create(self, key: str, versions: set[str]) -> bool:
@@ -529,7 +532,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         """
         for attempt in range(PROBE_TRIES):
             try:
-                info = self._probe_put(key, _probe_body(2))
+                self._probe_put(key, _probe_body(2), versions)
             except PreconditionInferredError as exc:
                 if attempt == PROBE_TRIES - 1:
                     raise TransientStorageError(
@@ -542,13 +545,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                 continue
             except PreconditionFailedError:
                 break
-            except TransientStorageError:
-                if attempt == PROBE_TRIES - 1:
-                    raise
-                _backoff(attempt)
+            except TransientStorageError as exc:
+                _before_next_probe_try(attempt, exc)
                 continue
-            if info.version_id:
-                versions.add(info.version_id)
             return True
         # A lost answer may hide an overwrite: what the key holds decides, once it is read
         # intact (each body carries its own checksum).
@@ -561,10 +560,8 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         for attempt in range(PROBE_TRIES):
             try:
                 data, info = self.driver.get(key)
-            except TransientStorageError:
-                if attempt == PROBE_TRIES - 1:
-                    raise
-                _backoff(attempt)
+            except TransientStorageError as exc:
+                _before_next_probe_try(attempt, exc)
                 continue
             if info.version_id:
                 versions.add(info.version_id)
@@ -582,9 +579,10 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
             url=self.url,
         )
 
-    def _probe_put(self, key: str, body: bytes) -> ObjectInfo:
+    def _probe_put(self, key: str, body: bytes, versions: set[str]) -> None:
+        """Create the probe key with ``body``, adding the version it made to ``versions``."""
         try:
-            return self.driver.put(key, body, mode=PutMode.CREATE)
+            info = self.driver.put(key, body, mode=PutMode.CREATE)
         except PreconditionFailedError:
             raise
         except StorageError as exc:
@@ -596,6 +594,8 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                 f"manifest only if absent; it cannot publish safely there",
                 url=self.url,
             ) from exc
+        if info.version_id:
+            versions.add(info.version_id)
 
     def _delete_probe(self, key: str, versions: set[str]) -> None:
         """Delete every version of the probe object (a plain DELETE would leave versions)."""
@@ -909,12 +909,18 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         try:
             return self.driver.open_read(key, version_id=record.locator.get("version_id"))
         except ObjectNotFoundError as exc:
-            raise ShardMissingError(
-                f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({key})",
-                url=self.url,
-                step=manifest.step,
-                key=record.name,
-            ) from exc
+            raise self._shard_missing(manifest, record, key) from exc
+
+    def _shard_missing(
+        self, manifest: Manifest, record: ShardRecord, key: str
+    ) -> ShardMissingError:
+        """The error for a published shard whose object ``key`` is not found."""
+        return ShardMissingError(
+            f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({key})",
+            url=self.url,
+            step=manifest.step,
+            key=record.name,
+        )
 
     def open_shard_ranges(self, manifest: Manifest, record: ShardRecord) -> ShardRanges | None:
         """The shard's object pinned by its ETag (and version, if recorded) from one HEAD;
@@ -926,12 +932,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         try:
             info = self.driver.head(key, version_id=version)
         except ObjectNotFoundError as exc:
-            raise ShardMissingError(
-                f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({key})",
-                url=self.url,
-                step=manifest.step,
-                key=record.name,
-            ) from exc
+            raise self._shard_missing(manifest, record, key) from exc
         if not info.etag and not version:
             return None  # nothing pins the ranges to one object: one stream it is
         etag = info.etag or None

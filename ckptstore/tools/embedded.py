@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from ckptstore.errors import BackendUnavailableError, StorageError
 
@@ -149,13 +149,7 @@ def embedded_moto(bucket: str = "ckptstore", min_part_size: int = 4096) -> Itera
         "-p",
         str(port),
     ]
-    process = subprocess.Popen(
-        command,
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    process = start_server(command, subprocess.DEVNULL, env=environment)
     try:
         embedded = EmbeddedS3(
             "moto",
@@ -228,9 +222,7 @@ def embedded_seaweedfs(bucket: str = "ckptstore") -> Iterator[EmbeddedS3]:
         ]  # fmt: skip
         log_path = os.path.join(directory, "weed.log")
         with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(
-                command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            process = start_server(command, log_file)
         try:
             embedded = EmbeddedS3(
                 "seaweedfs",
@@ -240,15 +232,38 @@ def embedded_seaweedfs(bucket: str = "ckptstore") -> Iterator[EmbeddedS3]:
                 bucket,
                 SEAWEEDFS_MIN_PART_SIZE,
             )
-            try:
+            with server_log_on_failure("weed", log_path):
                 _wait_for_bucket(embedded, 60, alive=lambda: process.poll() is None)
-            except StorageError as exc:
-                with open(log_path, "rb") as log_file:
-                    tail = log_file.read()[-2000:].decode("utf-8", "replace")
-                raise StorageError(f"{exc}\nweed log:\n{tail}") from exc
             yield embedded
         finally:
             _stop(process)
+
+
+def start_server(
+    command: list[str], log: IO[bytes] | int, **options: Any
+) -> subprocess.Popen[bytes]:
+    """Start a server as a child process, its output and errors to ``log``, in a session of its
+    own: ``_stop`` ends its whole process group."""
+    return subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **options
+    )
+
+
+@contextlib.contextmanager
+def server_log_on_failure(server: str, log: str | IO[bytes]) -> Iterator[None]:
+    """A StorageError raised inside (the server did not come up) is raised again with the end
+    of ``server``'s log: the file at path ``log``, or the open file ``log``."""
+    try:
+        yield
+    except StorageError as exc:
+        if isinstance(log, str):
+            with open(log, "rb") as log_file:
+                written = log_file.read()
+        else:
+            log.seek(0)
+            written = log.read()
+        tail = written[-2000:].decode("utf-8", "replace")
+        raise StorageError(f"{exc}\n{server} log:\n{tail}") from exc
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:

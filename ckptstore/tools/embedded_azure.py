@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.errors import BackendUnavailableError, StorageError
-from ckptstore.tools.embedded import _stop, free_port
+from ckptstore.tools.embedded import _stop, free_port, server_log_on_failure, start_server
 
 __all__ = [
     "AZURITE_ACCOUNT",
@@ -171,23 +171,12 @@ def embedded_azurite(container: str = "ckptstore") -> Iterator[EmbeddedAzure]:
         ]  # fmt: skip
         log_path = os.path.join(directory, "azurite.log")
         with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(
-                command,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=directory,
-                start_new_session=True,
-            )
+            process = start_server(command, log_file, stdin=subprocess.DEVNULL, cwd=directory)
         try:
             endpoint = f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
             server = EmbeddedAzure(endpoint, AZURITE_ACCOUNT, AZURITE_KEY, container)
-            try:
+            with server_log_on_failure("azurite", log_path):
                 _wait_for_container(server, 60, alive=lambda: process.poll() is None)
-            except StorageError as exc:
-                with open(log_path, "rb") as log_file:
-                    tail = log_file.read()[-2000:].decode("utf-8", "replace")
-                raise StorageError(f"{exc}\nazurite log:\n{tail}") from exc
             yield server
         finally:
             _stop(process)

@@ -17,7 +17,6 @@ import dataclasses
 import os
 import platform
 import shutil
-import subprocess
 import tempfile
 import time
 import urllib.error
@@ -28,7 +27,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ckptstore.errors import BackendUnavailableError, StorageError
-from ckptstore.tools.embedded import _stop, free_port
+from ckptstore.tools.embedded import _stop, free_port, server_log_on_failure, start_server
 
 __all__ = ["EmbeddedGCS", "embedded_fake_gcs", "fake_gcs_binary"]
 
@@ -169,16 +168,10 @@ def embedded_fake_gcs(bucket: str = "ckptstore") -> Iterator[EmbeddedGCS]:
         "-log-level", "error",
     ]  # fmt: skip
     with tempfile.TemporaryFile(prefix="ckptstore-fake-gcs-") as log_file:
-        process = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        process = start_server(command, log_file)
         try:
-            try:
+            with server_log_on_failure("fake-gcs-server", log_file):
                 _wait_until_ready(endpoint, 30, alive=lambda: process.poll() is None)
-            except StorageError as exc:
-                log_file.seek(0)
-                tail = log_file.read()[-2000:].decode("utf-8", "replace")
-                raise StorageError(f"{exc}\nfake-gcs-server log:\n{tail}") from exc
             _create_bucket(endpoint, bucket, versioning=False)
             yield EmbeddedGCS(endpoint, bucket)
         finally:

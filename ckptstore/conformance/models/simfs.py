@@ -110,31 +110,45 @@ class SimulatedFileSystem(FileSystemDriver):
         if self.on_change is not None:
             self.on_change()
 
+    def _link_new(self, path: str, *, is_dir: bool) -> tuple[int, str, int]:
+        """A new inode linked at ``path``, whose name must be free: (its directory, its name
+        there, the inode)."""
+        parent, name = self._parent(path)
+        if name in self.inodes[parent].entries:
+            raise TargetExistsError(17, f"{self.url}{path}: exists")
+        inode = next(self._next_inode)
+        self.inodes[inode] = _Inode(is_dir, self.clock())
+        self.inodes[parent].entries[name] = inode
+        self.inodes[parent].mtime = self.clock()
+        return parent, name, inode
+
+    def _existing(self, path: str, missing: str) -> tuple[int, str, _Inode]:
+        """The entry at ``path``: (its directory, its name there, its inode); not found, it is
+        "no such ``missing``"."""
+        parent, name = self._parent(path)
+        inode = self.inodes[parent].entries.get(name)
+        if inode is None:
+            raise ObjectNotFoundError(2, f"{self.url}{path}: no such {missing}")
+        return parent, name, self.inodes[inode]
+
+    def _unlink_entry(self, kind: str, parent: int, name: str) -> None:
+        """Remove ``name`` from directory ``parent``, recorded as a ``kind`` operation."""
+        del self.inodes[parent].entries[name]
+        self._record(kind, removes=((parent, name),))
+
     # -- the driver interface ------------------------------------------------------------
 
     def ensure_root(self, create: bool) -> None:
         return None
 
     def mkdir(self, path: str) -> None:
-        parent, name = self._parent(path)
-        if name in self.inodes[parent].entries:
-            raise TargetExistsError(17, f"{self.url}{path}: exists")
-        inode = next(self._next_inode)
-        self.inodes[inode] = _Inode(True, self.clock())
+        parent, name, inode = self._link_new(path, is_dir=True)
         self.durable_entries[inode] = {}
         self.pending[inode] = []
-        self.inodes[parent].entries[name] = inode
-        self.inodes[parent].mtime = self.clock()
         self._record("mkdir", adds=((parent, name, inode),))
 
     def create(self, path: str) -> int:
-        parent, name = self._parent(path)
-        if name in self.inodes[parent].entries:
-            raise TargetExistsError(17, f"{self.url}{path}: exists")
-        inode = next(self._next_inode)
-        self.inodes[inode] = _Inode(False, self.clock())
-        self.inodes[parent].entries[name] = inode
-        self.inodes[parent].mtime = self.clock()
+        parent, name, inode = self._link_new(path, is_dir=False)
         handle = next(self._next_handle)
         self.handles[handle] = inode
         self._record("create", adds=((parent, name, inode),))
@@ -211,24 +225,16 @@ class SimulatedFileSystem(FileSystemDriver):
         return io.BytesIO(bytes(node.data))
 
     def unlink(self, path: str) -> None:
-        parent, name = self._parent(path)
-        inode = self.inodes[parent].entries.get(name)
-        if inode is None:
-            raise ObjectNotFoundError(2, f"{self.url}{path}: no such file")
-        if self.inodes[inode].is_dir:
+        parent, name, node = self._existing(path, "file")
+        if node.is_dir:
             raise StorageError(21, f"{self.url}{path}: is a directory")
-        del self.inodes[parent].entries[name]
-        self._record("unlink", removes=((parent, name),))
+        self._unlink_entry("unlink", parent, name)
 
     def rmdir(self, path: str) -> None:
-        parent, name = self._parent(path)
-        inode = self.inodes[parent].entries.get(name)
-        if inode is None:
-            raise ObjectNotFoundError(2, f"{self.url}{path}: no such directory")
-        if self.inodes[inode].entries:
+        parent, name, node = self._existing(path, "directory")
+        if node.entries:
             raise TargetExistsError(39, f"{self.url}{path}: directory not empty")
-        del self.inodes[parent].entries[name]
-        self._record("rmdir", removes=((parent, name),))
+        self._unlink_entry("rmdir", parent, name)
 
     # -- replaying a recorded trace (``tracing.replay``) ------------------------------------
 
