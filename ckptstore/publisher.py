@@ -89,17 +89,7 @@ class Publisher:
 
     def abort(self, step: int, attempt: str) -> None:
         """Remove what an attempt staged; a storage error is left to GC, with a warning."""
-        strategy = self.store.strategy
-        try:
-            strategy.abort(step, attempt)
-        except StorageError as exc:
-            log.warning(
-                "%s: could not remove attempt %s of step %d (gc will): %s",
-                strategy.url,
-                attempt,
-                step,
-                exc,
-            )
+        self.store.strategy.discard(step, attempt)
 
 
 class JoinedAttempt:

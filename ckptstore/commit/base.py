@@ -14,13 +14,19 @@ over the same storage cannot find.
 from __future__ import annotations
 
 import abc
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, ClassVar, Generic, Protocol, TypeVar
 
 from ckptstore.driver import Capability
-from ckptstore.errors import CapabilityError, CheckpointExistsError, StrayEntryError
+from ckptstore.errors import (
+    CapabilityError,
+    CheckpointExistsError,
+    StorageError,
+    StrayEntryError,
+)
 from ckptstore.manifest import Manifest, ShardRecord
 
 __all__ = [
@@ -37,6 +43,8 @@ __all__ = [
     "StrategyDriver",
     "clock_lead",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class ShardSink(abc.ABC):
@@ -194,6 +202,19 @@ class Publishing(_Located):
     @abc.abstractmethod
     def abort(self, step: int, attempt: str) -> None:
         """Remove an unpublished attempt's staging data (best effort; GC finds what remains)."""
+
+    def discard(self, step: int, attempt: str) -> None:
+        """``abort``, with a storage error left to GC and said in a warning, never raised."""
+        try:
+            self.abort(step, attempt)
+        except StorageError as exc:
+            log.warning(
+                "%s: could not remove attempt %s of step %d (gc will): %s",
+                self.url,
+                attempt,
+                step,
+                exc,
+            )
 
     @abc.abstractmethod
     def advance_latest_hint(self, step: int) -> None:

@@ -245,7 +245,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             # Before the rename the outcome is certain: nothing is published, and no other
             # process publishes this attempt. Its staging data goes now (ENOSPC while writing
             # the manifest, a failed fsync), not after gc's grace period.
-            self._abort_quietly(step, attempt)
+            self.discard(step, attempt)
             raise
         try:
             with self._attempt_errors(step, attempt):
@@ -302,18 +302,6 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             self.driver.fsync_dir(f"{staging}/{DATA_DIR}/{directory}")
         self.driver.fsync_dir(f"{staging}/{DATA_DIR}")
         self.driver.fsync_dir(staging)
-
-    def _abort_quietly(self, step: int, attempt: str) -> None:
-        try:
-            self.abort(step, attempt)
-        except StorageError as exc:
-            log.warning(
-                "%s: could not remove attempt %s of step %d (gc will): %s",
-                self.url,
-                attempt,
-                step,
-                exc,
-            )
 
     @contextlib.contextmanager
     def _attempt_errors(self, step: int, attempt: str) -> Iterator[None]:
