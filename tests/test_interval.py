@@ -326,14 +326,14 @@ def test_advise_for_a_trainer_reads_only_the_newest_checkpoints(tmp_path: Path) 
 def test_a_store_whose_manifests_record_no_timings_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckptstore.store
+    import ckptstore.pending
 
     def untimed(**fields: Any) -> Manifest:  # as a writer that records no timings would
         return Manifest(**{**fields, "timings": {}})
 
     store = ckptstore.open(f"file://{tmp_path}/run")
     with monkeypatch.context() as patched:
-        patched.setattr(ckptstore.store, "Manifest", untimed)
+        patched.setattr(ckptstore.pending, "Manifest", untimed)  # the manifest's builder
         for step in (1, 2, 3):
             store.save(step, {"w": b"x"})
     store.save(4, {"w": b"x"})  # one with timings: still too few

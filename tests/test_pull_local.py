@@ -212,7 +212,7 @@ def test_a_kill_after_the_swap_leaves_the_old_directory_to_the_next_pull(
         raise KeyboardInterrupt  # the process dies right after the new directory went in
 
     with monkeypatch.context() as patch:
-        patch.setattr(ckptstore.localdir, "_remove", killed)
+        patch.setattr(ckptstore.adapters.localdir, "_remove", killed)
         with pytest.raises(KeyboardInterrupt):
             materialize(file_remote.store.get(2), target, replace=True)
     assert _tree(target) == _files(2)
