@@ -119,8 +119,17 @@ def test_at_most_64_closed_shards_wait_for_their_fsync(recorded):
     assert len(closed) == 70  # an abort closes what it held open
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_fds(under: Any) -> int:
+    """Descriptors this process holds on files under ``under``: counting every descriptor
+    would count a socket that a thread left by an earlier test opens or closes meanwhile."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since the listing (the listing's own descriptor among them)
+            continue
+        held += target.startswith(str(under))
+    return held
 
 
 class FailingFsync(RecordingDriver):
@@ -142,7 +151,7 @@ def test_a_failed_fsync_fails_the_publish_and_every_later_seal(tmp_path):
     driver = FailingFsync(PosixDriver(str(tmp_path / "store")))
     store = Store(RenameCommit(driver))  # type: ignore[arg-type]
     store.strategy.open_root(create=True)
-    before = _open_fds()
+    before = _open_fds(tmp_path)
     pending = store.begin(1)
     pending.write("bad", b"lost")
     pending.write("good", b"kept")
@@ -151,7 +160,7 @@ def test_a_failed_fsync_fails_the_publish_and_every_later_seal(tmp_path):
     assert pending.state == "aborted"
     assert store.steps() == []
     assert os.listdir(tmp_path / "store") == []  # the attempt was removed
-    assert _open_fds() == before
+    assert _open_fds(tmp_path) == before
     coordinator = store.begin(2)
     joined = store.join(2, coordinator.attempt)
     joined.write("bad", b"lost")
@@ -163,7 +172,7 @@ def test_a_failed_fsync_fails_the_publish_and_every_later_seal(tmp_path):
         joined.seal()
     joined.abort()
     coordinator.abort()
-    assert _open_fds() == before
+    assert _open_fds(tmp_path) == before
 
 
 def test_rename_noreplace_never_replaces(tmp_path):
@@ -209,9 +218,15 @@ def test_a_dropped_pending_checkpoint_closes_the_files_it_held(tmp_path):
     import gc
 
     store = ckptstore.open(str(tmp_path / "store"))
-    before = _open_fds()
+    before = _open_fds(tmp_path)
     for step in range(1, 300):
         store.begin(step).write("a", b"abandoned")  # never published nor aborted
     gc.collect()
-    assert _open_fds() == before
+    assert _open_fds(tmp_path) == before
+    held = store.begin(300)
+    held.write("a", b"held")
+    assert _open_fds(tmp_path) > before  # the measure sees what a live pending one holds
+    del held
+    gc.collect()
+    assert _open_fds(tmp_path) == before
     assert store.steps() == []
