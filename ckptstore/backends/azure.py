@@ -52,15 +52,7 @@ from ckptstore.backends.transfer_options import (
 )
 from ckptstore.backends.wire_format import timestamp
 from ckptstore.commit.conditional_put import ConditionalPutCommit
-from ckptstore.driver import (
-    Buffer,
-    Capability,
-    ObjectInfo,
-    PartInfo,
-    PutMode,
-    UploadInfo,
-    UploadProgress,
-)
+from ckptstore.driver import Capability, ObjectInfo, PartInfo, UploadInfo, UploadProgress
 from ckptstore.errors import (
     BackendUnavailableError,
     InvalidOptionError,
@@ -74,6 +66,8 @@ from ckptstore.urls import StoreURL, endpoint_option, redact
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from ckptstore.driver import Buffer, PutMode
 
 __all__ = ["AzureBlobDriver", "open_azure", "parse_location"]
 

@@ -27,28 +27,23 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from fsspec.spec import AbstractBufferedFile
 
 from ckptstore.backends.fsspec_errors import FSSPEC_RULES, translate_fsspec_errors
 from ckptstore.backends.object_store import ObjectStoreBase, PutRequest
 from ckptstore.commit.conditional_put import ConditionalPutCommit
-from ckptstore.driver import (
-    Buffer,
-    Capability,
-    ObjectInfo,
-    PartInfo,
-    PutMode,
-    UploadInfo,
-    UploadProgress,
-)
+from ckptstore.driver import Capability, ObjectInfo, PartInfo, UploadInfo, UploadProgress
 from ckptstore.errors import (
     CapabilityError,
     InvalidInputError,
     ObjectNotFoundError,
     StoreNotFoundError,
 )
+
+if TYPE_CHECKING:
+    from ckptstore.driver import Buffer, PutMode
 
 __all__ = ["ATOMIC_CREATE", "FsspecDriver", "FsspecReadOnlyCommit"]
 

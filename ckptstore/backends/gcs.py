@@ -53,15 +53,7 @@ from ckptstore.backends.transfer_options import TRANSFER_OPTIONS, TransferOption
 from ckptstore.backends.wire_format import crc32c_b64, timestamp
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.version_pin import VersionPinCommit
-from ckptstore.driver import (
-    Buffer,
-    Capability,
-    ObjectInfo,
-    PartInfo,
-    PutMode,
-    UploadInfo,
-    UploadProgress,
-)
+from ckptstore.driver import Capability, ObjectInfo, PartInfo, UploadInfo, UploadProgress
 from ckptstore.errors import (
     CapabilityError,
     InvalidInputError,
@@ -75,6 +67,8 @@ from ckptstore.urls import StoreURL, endpoint_option, option_int, redact
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from ckptstore.driver import Buffer, PutMode
 
 __all__ = ["GCSDriver", "open_gcs", "open_gcs_versioned"]
 

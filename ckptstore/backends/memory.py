@@ -18,20 +18,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from ckptstore.backends.object_store import S3_LIKE, ObjectStoreBase, PutRequest
 from ckptstore.commit.conditional_put import DEFAULT_PART_SIZE, ConditionalPutCommit
 from ckptstore.commit.version_pin import VersionPinCommit
-from ckptstore.driver import (
-    Buffer,
-    Capability,
-    ObjectInfo,
-    PartInfo,
-    PutMode,
-    UploadInfo,
-    UploadProgress,
-)
+from ckptstore.driver import Capability, ObjectInfo, PartInfo, PutMode, UploadInfo, UploadProgress
 from ckptstore.errors import (
     InvalidOptionError,
     InvalidURLError,
@@ -41,6 +33,9 @@ from ckptstore.errors import (
     StoreNotFoundError,
 )
 from ckptstore.urls import StoreURL, option_bool, option_int
+
+if TYPE_CHECKING:
+    from ckptstore.driver import Buffer
 
 __all__ = ["MemoryBucket", "MemoryDriver", "drop_bucket", "get_bucket", "open_memory"]
 

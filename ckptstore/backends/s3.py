@@ -51,12 +51,9 @@ from ckptstore.commit.conditional_put import (
 )
 from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.driver import (
-    Buffer,
-    BytesLike,
     Capability,
     ObjectInfo,
     PartInfo,
-    PutMode,
     RangedReadDriver,
     UploadInfo,
     UploadProgress,
@@ -74,6 +71,8 @@ from ckptstore.urls import StoreURL, endpoint_option, option_int
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from ckptstore.driver import Buffer, BytesLike, PutMode
 
 __all__ = ["S3Driver", "install_abort_incomplete_uploads_rule", "open_s3", "open_s3_versioned"]
 
