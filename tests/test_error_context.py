@@ -104,3 +104,34 @@ def test_an_object_stores_translated_errors_name_the_store_and_the_object(
     with pytest.raises(ObjectNotFoundError) as gone:  # any translated call: the store's URL
         driver.head("no/such.bin")
     assert gone.value.url == missing.value.url
+
+
+@pytest.mark.parametrize("server", ["moto_s3", "fake_gcs", "azurite"])
+def test_every_object_call_names_its_object(server: str, request: pytest.FixtureRequest) -> None:
+    """A HEAD, a stream, a ranged read and a part upload name the object
+    (``key``, relative to the store) and the store (``url``), on each object store."""
+    from ckptstore.backends.object_store import ObjectStoreBase
+    from ckptstore.errors import ObjectNotFoundError
+
+    embedded = request.getfixturevalue(server)
+    store = ckptstore.open(embedded.url(f"named-{server}"), **embedded.options)
+    driver = store.strategy.driver
+    assert isinstance(driver, ObjectStoreBase)
+    missing = "no/such.bin"
+    calls = {
+        "head": lambda: driver.head(missing),
+        "open_read": lambda: driver.open_read(missing).read(),
+    }
+    if server == "moto_s3":  # the driver that reads ranges into a buffer
+        calls["read_range"] = lambda: driver.read_range(missing, 0, bytearray(4))  # type: ignore[attr-defined]
+    for name, call in calls.items():
+        with pytest.raises(ObjectNotFoundError) as raised:
+            call()
+        assert raised.value.key == missing, name
+        assert raised.value.url is not None and f"named-{server}" in raised.value.url, name
+    upload = driver.create_multipart("parts/big.bin")
+    driver.abort_multipart("parts/big.bin", upload)
+    if server != "azurite":  # Azure stages blocks on the blob itself: no upload to be gone
+        with pytest.raises(ObjectNotFoundError) as no_upload:
+            driver.upload_part("parts/big.bin", upload, 1, b"x" * 10)
+        assert no_upload.value.key == "parts/big.bin"

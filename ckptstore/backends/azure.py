@@ -344,19 +344,23 @@ class AzureBlobDriver(ObjectStoreBase):
                 downloader = blob.download_blob(**{**args, "offset": None, "length": None})
             return downloader.readall(), downloader.properties  # an empty blob has no range 0-
 
-        return self.retried(f"GetBlob {key} [{offset}+{length}]", call)
+        return self.retried(f"GetBlob {key} [{offset}+{length}]", call, key=key)
 
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
         blob = self._blob(key)
         properties = self.retried(
-            f"GetBlobProperties {key}", lambda: blob.get_blob_properties(version_id=version_id)
+            f"GetBlobProperties {key}",
+            lambda: blob.get_blob_properties(version_id=version_id),
+            key=key,
         )
         return self.properties_info(key, properties)
 
     def delete(self, key: str, *, version_id: str | None = None) -> None:
         blob = self._blob(key)
         with contextlib.suppress(ObjectNotFoundError):  # deleting what is gone is no error
-            self.retried(f"DeleteBlob {key}", lambda: blob.delete_blob(version_id=version_id))
+            self.retried(
+                f"DeleteBlob {key}", lambda: blob.delete_blob(version_id=version_id), key=key
+            )
 
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
         """Listed from ``start_after`` with ``startFrom`` (inclusive; a server that ignores it
@@ -412,6 +416,7 @@ class AzureBlobDriver(ObjectStoreBase):
         self.retried(
             f"PutBlock {key} #{part_number}",
             lambda: blob.stage_block(name, body, length=len(body), **validate),
+            key=key,
         )
         return PartInfo(part_number, name, len(body))
 

@@ -351,7 +351,10 @@ class FsspecDriver(ObjectStoreBase):
             stream = _STREAMS.get(upload_id)
         if stream is None or stream.where != self._where(self._path(key)):
             raise ObjectNotFoundError(
-                errno.ENOENT, f"{self.url}/{key}: no upload {upload_id} in this process"
+                errno.ENOENT,
+                f"{self.url}/{key}: no upload {upload_id} in this process",
+                url=self.url,
+                key=key,
             )
         return stream
 

@@ -112,11 +112,15 @@ class S3fsDriver(FsspecDriver):
             "Parts": [{"PartNumber": p.part_number, "ETag": p.etag} for p in parts]
         }
         what = f"CompleteMultipartUpload {key}"
-        call = self.once
+
+        def send() -> object:
+            return self.fs.call_s3("complete_multipart_upload", **args)
+
         if create:
             args["IfNoneMatch"] = "*"
-            call = self._create_once
-        call(what, lambda: self.fs.call_s3("complete_multipart_upload", **args))
+            self._create_once(what, send)
+        else:
+            self.once(what, send, key=key)
         return self.head(key)
 
     def abort_multipart(self, key: str, upload_id: str) -> None:

@@ -208,7 +208,11 @@ class GCSDriver(ObjectStoreBase):
 
     def _stat(self, full: str, generation: int | None) -> Any:
         blob = self._blob(full, generation)
-        self.retried(f"objects.get {full}", lambda: blob.reload(timeout=self.timeout, retry=None))
+        self.retried(
+            f"objects.get {full}",
+            lambda: blob.reload(timeout=self.timeout, retry=None),
+            key=self.relative(full),
+        )
         return blob
 
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
@@ -231,7 +235,9 @@ class GCSDriver(ObjectStoreBase):
             """Bytes of one generation; a replaced object is ObjectNotFoundError."""
             what = f"download {blob.name} bytes {offset}-{offset + length - 1}"
             return self.retried(
-                what, lambda: self._download(blob.name, generation, offset, offset + length)
+                what,
+                lambda: self._download(blob.name, generation, offset, offset + length),
+                key=key,
             )
 
         return RangeReader(
@@ -327,7 +333,9 @@ class GCSDriver(ObjectStoreBase):
         blob = self._blob(full, generation)
         try:
             self.retried(
-                f"objects.delete {full}", lambda: blob.delete(timeout=self.timeout, retry=None)
+                f"objects.delete {full}",
+                lambda: blob.delete(timeout=self.timeout, retry=None),
+                key=self.relative(full),
             )
         except ObjectNotFoundError:
             return  # deleting what is gone is not an error (S3's semantics)
@@ -408,7 +416,7 @@ class GCSDriver(ObjectStoreBase):
         upload_id = secrets.token_hex(10)
         marker = self._piece(key, upload_id, "init")
         self.retried(
-            f"upload {marker}", lambda: self._upload(marker, b"", metadata, None)
+            f"upload {marker}", lambda: self._upload(marker, b"", metadata, None), key=key
         )  # its user metadata is the object's, read at completion
         if metadata:
             self._metadata[upload_id] = dict(metadata)
@@ -419,13 +427,18 @@ class GCSDriver(ObjectStoreBase):
             raise InvalidInputError(f"part number {part_number} is not in 1..{self.max_parts}")
         body = bytes(data)
         piece = self._piece(key, upload_id, f"p{part_number:05d}")
-        blob = self.retried(f"upload {piece}", lambda: self._upload(piece, body, None, None))
+        blob = self.retried(
+            f"upload {piece}", lambda: self._upload(piece, body, None, None), key=key
+        )
         try:  # after the piece: an abort that raced it is seen, and its piece removed
             self._stat(self._piece(key, upload_id, "init"), None)
         except ObjectNotFoundError as exc:
             self._delete_full(piece, int(blob.generation))
             raise ObjectNotFoundError(
-                errno.ENOENT, f"{self.url}/{key}: no upload {upload_id} (aborted?)"
+                errno.ENOENT,
+                f"{self.url}/{key}: no upload {upload_id} (aborted?)",
+                url=self.url,
+                key=key,
             ) from exc
         checksum = crc32c_b64(body) if self.checksums else None
         return PartInfo(part_number, f'"{blob.generation}"', len(body), checksum)

@@ -197,15 +197,18 @@ class ObjectStoreBase(ObjectStoreDriver):
         """The storage, as errors name it."""
         return f"{self.scheme}://{self.bucket_name}"
 
-    def once(self, what: str, call: Callable[[], T]) -> T:
-        """``call()`` once, its errors translated (naming ``what``, the bucket and the store's
-        URL)."""
-        with naming(self.url), translating(self.rules, f"{what} {self.where()}", self.bucket_name):
+    def once(self, what: str, call: Callable[[], T], *, key: str | None = None) -> T:
+        """``call()`` once, its errors translated (naming ``what``, the bucket, the store's
+        URL and the object's ``key`` if it has one)."""
+        with (
+            naming(self.url, key),
+            translating(self.rules, f"{what} {self.where()}", self.bucket_name),
+        ):
             return call()
 
-    def retried(self, what: str, call: Callable[[], T]) -> T:
+    def retried(self, what: str, call: Callable[[], T], *, key: str | None = None) -> T:
         """``call()`` retried on transient errors (an idempotent call only)."""
-        result: T = self._retrying(self.once, what, call)
+        result: T = self._retrying(self.once, what, call, key=key)
         return result
 
     def retrying(self, call: Callable[[], T]) -> T:

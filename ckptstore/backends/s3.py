@@ -228,7 +228,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
     def _open_stream(self, key: str, version_id: str | None, *, retried: bool) -> ResumingReader:
         args = self._object_args(key, version_id)
         call = self.retried if retried else self.once
-        response = call(f"GetObject {key}", lambda: self.client.get_object(**args))
+        response = call(f"GetObject {key}", lambda: self.client.get_object(**args), key=key)
         etag = str(response.get("ETag") or "")
         where = f"reading s3://{self.bucket}/{self.full(key)}"
 
@@ -237,7 +237,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
             what = f"GetObject {key} from byte {position}"
             again = {**args, "Range": f"bytes={position}-", "IfMatch": etag}
             with pinned_read(where, position):
-                answer = self.retried(what, lambda: self.client.get_object(**again))
+                answer = self.retried(what, lambda: self.client.get_object(**again), key=key)
             reached = str(answer.get("ContentRange", ""))
             if not reached.startswith(f"bytes {position}-"):
                 answer["Body"].close()
@@ -288,7 +288,9 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
             what = f"GetObject {key} bytes {offset + got}-{end}"
             ranged = {**args, "Range": f"bytes={offset + got}-{end}"}
             try:
-                response = self.retried(what, functools.partial(self.client.get_object, **ranged))
+                response = self.retried(
+                    what, functools.partial(self.client.get_object, **ranged), key=key
+                )
             except PreconditionFailedError:
                 if (
                     not if_match
@@ -335,6 +337,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
         response = self.retried(
             f"HeadObject {key}",
             lambda: self.client.head_object(**self._object_args(key, version_id)),
+            key=key,
         )
         return self._info(key, response, 0)
 
@@ -348,6 +351,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
         self.retried(
             f"DeleteObject {key}",
             lambda: self.client.delete_object(**self._object_args(key, version_id)),
+            key=key,
         )
 
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
@@ -407,7 +411,9 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
         if self.checksums:
             args["ChecksumAlgorithm"] = "CRC32C"
         response = self.retried(
-            f"CreateMultipartUpload {key}", lambda: self.client.create_multipart_upload(**args)
+            f"CreateMultipartUpload {key}",
+            lambda: self.client.create_multipart_upload(**args),
+            key=key,
         )
         return str(response["UploadId"])
 
@@ -422,7 +428,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
         if checksum:
             args["ChecksumCRC32C"] = checksum
         response = self.retried(
-            f"UploadPart {key} #{part_number}", lambda: self.client.upload_part(**args)
+            f"UploadPart {key} #{part_number}", lambda: self.client.upload_part(**args), key=key
         )
         return PartInfo(part_number, str(response["ETag"]), len(body), checksum)
 
@@ -493,6 +499,7 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
         self.retried(
             f"AbortMultipartUpload {key}",
             lambda: self.client.abort_multipart_upload(**self._upload_args(key, upload_id)),
+            key=key,
         )
 
     def bucket_versioning(self) -> str:
