@@ -23,13 +23,25 @@ from ckptstore.tools.embedded_gcs import EmbeddedGCS, embedded_fake_gcs
 # emulator never answers (60 s per call). Set before any test imports gcsfs.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-extended_conformance = pytest.mark.skipif(
-    not os.environ.get("CKPTSTORE_EXTENDED_CONFORMANCE"),
-    reason="an extended conformance run (minutes on one emulator, covered in part by the other "
-    "runs): set CKPTSTORE_EXTENDED_CONFORMANCE=1; CI leaves it out to stay under 25 minutes",
+EXTENDED = "CKPTSTORE_EXTENDED_CONFORMANCE"
+"""Set (to anything) to run the extended tests too: what CI leaves out to stay under 30 min."""
+
+
+def extended(why: str) -> pytest.MarkDecorator:
+    """A test (or case) CI leaves out because other CI tests cover it in part: ``why`` says
+    which; it runs with CKPTSTORE_EXTENDED_CONFORMANCE=1."""
+    return pytest.mark.skipif(
+        not os.environ.get(EXTENDED),
+        reason=f"{why}: set {EXTENDED}=1 to run it; CI leaves it out to stay under 30 minutes",
+    )
+
+
+extended_conformance = extended(
+    "an extended conformance run (minutes on one emulator, covered in part by the other runs)"
 )
 """For a whole-suite run whose driver or server another CI run already covers (fsspec+s3 beside
-s3:// on moto, fsspec+abfs beside fsspec+gcs, s3+versioned on SeaweedFS beside moto)."""
+s3:// on moto, fsspec+abfs beside fsspec+gcs, s3+versioned on SeaweedFS beside moto,
+gs+versioned beside s3+versioned on moto and gs:// on fake-gcs-server)."""
 
 _counter = itertools.count()
 
@@ -220,9 +232,10 @@ class S3Backend(BackendUnderTest):
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked ``slow`` run first, in collection order otherwise.
 
-    With ``--dist worksteal`` a worker that finishes its share takes tests from the end of
-    another's: a minutes-long conformance run collected last would leave one worker running it
-    alone while the other idles. Every worker sorts the same way, so collections still agree.
+    ``.ci/run`` hands tests out one at a time in this order (``--dist load --maxschedchunk
+    1``): a minutes-long conformance run or trainer started last would leave one worker
+    running it alone while the others idle. Every worker sorts the same way, so collections
+    still agree.
     """
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
@@ -486,7 +499,13 @@ class FsspecBackend(BackendUnderTest):
         "az",
         "fsspec+s3",
         "fsspec+gcs",
-        "fsspec+abfs",
+        pytest.param(
+            "fsspec+abfs",
+            marks=extended(
+                "the fsspec driver's behaviour on adlfs: the same driver runs on s3fs and gcsfs "
+                "here, and tests/test_fsspec.py saves, streams and fails on adlfs"
+            ),
+        ),
     ]
 )
 def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BackendUnderTest]:

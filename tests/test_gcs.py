@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import test_driver_contract as contract
+from conftest import extended_conformance
 
 import ckptstore
 from ckptstore.backends.gcs import UPLOADS, GCSDriver
@@ -298,7 +299,7 @@ def test_sigkill_mid_upload_then_gc_removes_the_pieces(fake_gcs: EmbeddedGCS) ->
 
 
 @pytest.mark.slow  # every crash point, over HTTP
-@pytest.mark.parametrize("scheme", ["gs", "gs+versioned"])
+@pytest.mark.parametrize("scheme", ["gs", pytest.param("gs+versioned", marks=extended_conformance)])
 def test_conformance_holds_on_fake_gcs_server(fake_gcs: EmbeddedGCS, scheme: str) -> None:
     server = fake_gcs.versioned_bucket("conformance-v") if scheme == "gs+versioned" else fake_gcs
     url = server.url(f"conformance-{os.getpid()}", scheme=scheme, part_size=4096, concurrency=1)

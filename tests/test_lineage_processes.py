@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from child_output import ChildOutput
+from conftest import EXTENDED
 
 import ckptstore
 from ckptstore.tools.embedded import EmbeddedS3
@@ -30,11 +31,21 @@ ROUNDS = 10
 """Rounds run under the ``slow`` marker (the default run does the first of each backend)."""
 
 
+S3_ROUNDS = 3
+"""Rounds run on moto in CI (ten seconds each there, one on file://); the other rounds on s3
+are extended."""
+
+
 @pytest.fixture(params=["file", "s3"])
-def store_url(request: Any, tmp_path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def store_url(request: Any, tmp_path: Path, round_: int) -> Iterator[tuple[str, dict[str, Any]]]:
     if request.param == "file":
         yield f"file://{tmp_path}/store", {}
         return
+    if round_ >= S3_ROUNDS and not os.environ.get(EXTENDED):
+        pytest.skip(
+            f"round {round_} on s3: the same interleaving as rounds 0 to {S3_ROUNDS - 1}; set "
+            f"{EXTENDED}=1 to run it; CI leaves it out to stay under 30 minutes"
+        )
     server: EmbeddedS3 = request.getfixturevalue("moto_s3")
     prefix = f"lineage/{os.getpid()}-{tmp_path.name}"
     yield server.url(prefix), dict(server.options)

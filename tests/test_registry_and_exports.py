@@ -144,13 +144,19 @@ MOVED = [
 """The import paths users know, the modules' homes since, and a name each exports."""
 
 
+TRAINER_ADAPTERS = {"ckptstore.huggingface", "ckptstore.lightning"}
+"""Import transformers or Lightning (ten seconds each on a busy CI machine): imported by the
+path users know first only; the other order is the same five-line shim, tried on the rest."""
+
+
 @pytest.mark.parametrize("old_first", [True, False])
 def test_the_import_paths_users_know_are_the_modules_themselves(old_first: bool) -> None:
     # In a fresh interpreter: either path imported first; the same module object either way
     # (a monkeypatch, a private name or a logger through one is the other's).
     pytest.importorskip("torch")  # the trainer adapters need it
     lines = ["import importlib, sys"]
-    for old, home, name in MOVED:
+    moved = [entry for entry in MOVED if old_first or entry[0] not in TRAINER_ADAPTERS]
+    for old, home, name in moved:
         first, second = (old, home) if old_first else (home, old)
         lines += [
             f"a = importlib.import_module({first!r}); b = importlib.import_module({second!r})",
@@ -164,4 +170,4 @@ def test_the_import_paths_users_know_are_the_modules_themselves(old_first: bool)
         [sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [home for _, home, _ in MOVED]
+    assert done.stdout.split() == [home for _, home, _ in moved]

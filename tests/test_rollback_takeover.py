@@ -17,7 +17,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from conftest import BackendUnderTest
+from conftest import BackendUnderTest, extended
 
 from ckptstore.cli import main
 from ckptstore.conformance.faults.operators import CallHook
@@ -392,8 +392,22 @@ def _delete_target(target: int) -> Callable[[Store], None]:
     return delete
 
 
-@pytest.mark.parametrize("backend", ["file", "memory", PAUSED_ON_S3], indirect=True)
-@pytest.mark.parametrize("target", [1, 3])
+@pytest.mark.parametrize(
+    ("backend", "target"),
+    [
+        *[(kind, target) for kind in ("file", "memory") for target in (1, 3)],
+        pytest.param(*PAUSED_ON_S3.values, 1, marks=PAUSED_ON_S3.marks),
+        pytest.param(
+            *PAUSED_ON_S3.values,
+            3,
+            marks=[
+                *PAUSED_ON_S3.marks,
+                extended("the calls paused for target 1 on s3; target 3 on file and memory"),
+            ],
+        ),
+    ],
+    indirect=["backend"],
+)
 def test_a_retention_pass_paused_at_each_call_never_empties_a_rollback(
     backend: BackendUnderTest, target: int, tmp_path: Any
 ) -> None:
