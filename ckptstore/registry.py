@@ -30,17 +30,20 @@ _BUILTIN: Mapping[str, tuple[str, str]] = MappingProxyType(
         "file": ("ckptstore.backends.posix:open_posix", ""),
         "memory": ("ckptstore.backends.memory:open_memory", ""),
         "memory+versioned": ("ckptstore.backends.memory:open_memory", ""),
-        "s3": ("ckptstore.backends.s3:open_s3", "pip install 'ckptstore[s3]'"),
-        "s3+versioned": ("ckptstore.backends.s3:open_s3_versioned", "pip install 'ckptstore[s3]'"),
-        "gs": ("ckptstore.backends.gcs:open_gcs", "pip install 'ckptstore[gcs]'"),
+        "s3": ("ckptstore.backends.s3_open:open_s3", "pip install 'ckptstore[s3]'"),
+        "s3+versioned": (
+            "ckptstore.backends.s3_open:open_s3_versioned",
+            "pip install 'ckptstore[s3]'",
+        ),
+        "gs": ("ckptstore.backends.gcs_open:open_gcs", "pip install 'ckptstore[gcs]'"),
         "gs+versioned": (
-            "ckptstore.backends.gcs:open_gcs_versioned",
+            "ckptstore.backends.gcs_open:open_gcs_versioned",
             "pip install 'ckptstore[gcs]'",
         ),
         "lustre": ("ckptstore.backends.lustre:open_lustre", ""),
-        "az": ("ckptstore.backends.azure:open_azure", "pip install 'ckptstore[azure]'"),
-        "abfs": ("ckptstore.backends.azure:open_azure", "pip install 'ckptstore[azure]'"),
-        "abfss": ("ckptstore.backends.azure:open_azure", "pip install 'ckptstore[azure]'"),
+        "az": ("ckptstore.backends.azure_open:open_azure", "pip install 'ckptstore[azure]'"),
+        "abfs": ("ckptstore.backends.azure_open:open_azure", "pip install 'ckptstore[azure]'"),
+        "abfss": ("ckptstore.backends.azure_open:open_azure", "pip install 'ckptstore[azure]'"),
     }
 )
 _FAMILIES: Mapping[str, tuple[str, str]] = MappingProxyType(

@@ -212,12 +212,12 @@ def test_bad_arguments_are_one_line_and_exit_2(made, capsys, argv):
 @pytest.mark.parametrize("days", ["-1", "0", "99999999999999999999", "7.5", "\u0667"])
 def test_lifecycle_days_are_checked_before_the_server_is_asked(capsys, monkeypatch, days):
     pytest.importorskip("boto3")
-    import ckptstore.backends.s3 as s3
+    import ckptstore.backends.s3_open as s3_open
 
     def must_not_run(*args, **kwargs):
         raise AssertionError(f"sent to the server: {args} {kwargs}")
 
-    monkeypatch.setattr(s3, "install_abort_incomplete_uploads_rule", must_not_run)
+    monkeypatch.setattr(s3_open, "install_abort_incomplete_uploads_rule", must_not_run)
     assert main(["lifecycle", "s3://bucket", "--days", days], io.StringIO()) == 2
     assert "--days" in one_error_line(capsys)
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.backends import memory, s3
+from ckptstore.backends import memory, s3_open
 from ckptstore.backends.memory import drop_bucket
 from ckptstore.backends.posix import PosixDriver
 
@@ -78,10 +78,10 @@ def test_no_credential_is_kept_as_a_cache_key() -> None:
         "aws_access_key_id": "AKIDLIFETIMES",
         "aws_secret_access_key": secret,
     }
-    client = s3.make_client(options)
-    assert s3.make_client(dict(options)) is client  # still shared by equal options
-    assert s3.make_client({**options, "aws_secret_access_key": "other"}) is not client
-    keys = repr(list(s3._clients))
+    client = s3_open.make_client(options)
+    assert s3_open.make_client(dict(options)) is client  # still shared by equal options
+    assert s3_open.make_client({**options, "aws_secret_access_key": "other"}) is not client
+    keys = repr(list(s3_open._clients))
     assert secret not in keys and "AKIDLIFETIMES" not in keys
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
 import re
 import secrets
 import threading
@@ -32,10 +31,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from azure.core import MatchConditions
 from azure.core.exceptions import HttpResponseError
-from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient
+from azure.storage.blob import BlobBlock, ContainerClient
 
 from ckptstore.backends.azure_errors import AZURE_RULES
-from ckptstore.backends.client_cache import ClientCache
+from ckptstore.backends.moved import served_from
 from ckptstore.backends.object_store import (
     S3_LIKE,
     DriverSettings,
@@ -44,29 +43,23 @@ from ckptstore.backends.object_store import (
     PutRequest,
 )
 from ckptstore.backends.range_reader import RangeReader, ReadAhead
-from ckptstore.backends.transfer_options import (
-    TRANSFER_OPTIONS,
-    TransferOptions,
-    pooled,
-    refuse_credentials_in_url,
-)
 from ckptstore.backends.wire_format import timestamp
-from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.driver import Capability, ObjectInfo, PartInfo, UploadInfo, UploadProgress
 from ckptstore.errors import (
-    BackendUnavailableError,
-    InvalidOptionError,
-    InvalidURLError,
     ObjectNotFoundError,
     PreconditionFailedError,
     StorageError,
     TransientStorageError,
 )
-from ckptstore.urls import StoreURL, endpoint_option, redact
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from ckptstore.backends.azure_open import CREDENTIAL_OPTIONS as CREDENTIAL_OPTIONS
+    from ckptstore.backends.azure_open import URL_OPTIONS as URL_OPTIONS
+    from ckptstore.backends.azure_open import make_client as make_client
+    from ckptstore.backends.azure_open import open_azure as open_azure
+    from ckptstore.backends.azure_open import parse_location as parse_location
     from ckptstore.driver import Buffer, PutMode
 
 __all__ = ["AzureBlobDriver", "open_azure", "parse_location"]
@@ -74,27 +67,13 @@ __all__ = ["AzureBlobDriver", "open_azure", "parse_location"]
 log = logging.getLogger(__name__)
 
 AZURE_MAX_BLOCKS = 50_000
-MAX_SINGLE_PUT = 256 * 1024 * 1024
-"""A put up to this size is one Put Blob request (larger ones: blocks, committed at once)."""
-BODY_PIECE = 1024 * 1024
-"""Bytes per read of a response body."""
 READ_PIECE = 8 * 1024 * 1024
 """Bytes per ranged GET of a large blob; ``concurrency`` of them are in flight per stream."""
 FIRST_PIECE = 1024 * 1024
 """Bytes of the GET that opens a stream: a manifest in one request, and little read in vain
 by a stream that seeks away at once (the second half of a shard)."""
-_CONTAINER_RE = re.compile(r"^(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
-_ACCOUNT_RE = re.compile(r"^[a-z0-9]{3,24}$")
-_HOST_RE = re.compile(r"^(?P<account>[^.]+)\.(?:blob|dfs)\.(?P<suffix>.+)$")
 _BLOCK_RE = re.compile(r"^(?P<upload>[0-9a-f]{16})\.(?P<part>\d{5})\.(?P<stamp>\d{13})$")
 T = TypeVar("T")
-
-URL_OPTIONS = (*TRANSFER_OPTIONS, "account_name")
-CREDENTIAL_OPTIONS = ("connection_string", "account_key", "sas_token", "credential")
-_CLIENT_OPTIONS = frozenset(
-    {"endpoint_url", "account_name", "concurrency", "connect_timeout", "read_timeout",
-     *CREDENTIAL_OPTIONS}
-)  # fmt: skip
 
 
 def _code(exc: BaseException) -> str:
@@ -578,192 +557,5 @@ class AzureBlobDriver(ObjectStoreBase):
         )
 
 
-# -- opening: URL, credentials, client -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Client:
-    """A BlobServiceClient, the clock its answers feed, and the session under it."""
-
-    service: BlobServiceClient
-    clock: ServerClock
-    session: Any
-
-
-_clients: ClientCache[_Client] = ClientCache(
-    _CLIENT_OPTIONS, CREDENTIAL_OPTIONS, disconnect=lambda client: client.session.close()
-)
-"""Clients by their options (``ckptstore.backends.client_cache``)."""
-
-
-def make_client(options: Mapping[str, object]) -> tuple[BlobServiceClient, ServerClock]:
-    """A BlobServiceClient (and the clock its answers feed) shared by stores opened with the
-    same options. The SDK's own retries are off: ckptstore retries only what is safe."""
-    made = _clients.get(options, lambda: _new_client(options))
-    return made.service, made.clock
-
-
-def _new_client(options: Mapping[str, object]) -> _Client:
-    import requests
-    from azure.core.pipeline.transport import RequestsTransport
-
-    clock = ServerClock()
-    transfer = TransferOptions.read(options, min_part_size=1)
-    session = pooled(requests.Session(), transfer.pool_size)
-    transport = RequestsTransport(
-        session=session,
-        session_owner=False,
-        connection_timeout=transfer.connect_timeout,
-        read_timeout=transfer.read_timeout,
-        # azure-core reads bodies in pieces of this size (its own default is 4 KiB, the
-        # storage SDK's 256 KiB): 4 KiB pieces cost a 8 MiB range 2,048 Python iterations.
-        connection_data_block_size=BODY_PIECE,
-    )
-    settings: dict[str, Any] = {
-        "transport": transport,
-        "retry_total": 0,  # a resent conditional write could come back as a refusal of our own
-        "raw_response_hook": clock.observe,
-        "max_single_put_size": MAX_SINGLE_PUT,
-        "max_single_get_size": READ_PIECE,
-        "max_chunk_get_size": READ_PIECE,
-    }
-    endpoint, credential = _endpoint_and_credential(options)
-    try:
-        if isinstance(credential, _ConnectionString):
-            if endpoint:
-                settings["account_url"] = endpoint
-            client = BlobServiceClient.from_connection_string(credential.value, **settings)
-        else:
-            client = BlobServiceClient(endpoint, credential=credential, **settings)
-    except ValueError as exc:  # a malformed connection string, endpoint or key
-        raise InvalidOptionError(f"az:// client options: {exc}") from exc
-    return _Client(client, clock, session)
-
-
-@dataclass(frozen=True)
-class _ConnectionString:
-    value: str
-
-
-def _endpoint_and_credential(options: Mapping[str, object]) -> tuple[str, Any]:
-    """The blob endpoint and the credential, from options first, then the environment, then
-    DefaultAzureCredential (azure-identity) when installed."""
-    endpoint = endpoint_option(options)
-    account = str(options.get("account_name") or os.environ.get("AZURE_STORAGE_ACCOUNT") or "")
-    if options.get("connection_string"):
-        return endpoint, _ConnectionString(str(options["connection_string"]))
-    if not endpoint and not account:
-        if os.environ.get("AZURE_STORAGE_CONNECTION_STRING"):
-            return "", _ConnectionString(os.environ["AZURE_STORAGE_CONNECTION_STRING"])
-        raise InvalidOptionError(
-            "az://: no storage account: name it in the URL (az://container@account.blob.core."
-            "windows.net/prefix), or pass account_name, endpoint_url or connection_string (or "
-            "set AZURE_STORAGE_ACCOUNT or AZURE_STORAGE_CONNECTION_STRING)"
-        )
-    if endpoint and not account:
-        account = _account_of_endpoint(endpoint)
-    endpoint = endpoint or f"https://{account}.blob.core.windows.net"
-    if options.get("credential") is not None:
-        return endpoint, options["credential"]
-    if options.get("account_key"):
-        return endpoint, {"account_name": account, "account_key": str(options["account_key"])}
-    if options.get("sas_token"):
-        return endpoint, str(options["sas_token"]).lstrip("?")
-    if os.environ.get("AZURE_STORAGE_KEY") and account:
-        return endpoint, {"account_name": account, "account_key": os.environ["AZURE_STORAGE_KEY"]}
-    if os.environ.get("AZURE_STORAGE_SAS_TOKEN"):
-        return endpoint, os.environ["AZURE_STORAGE_SAS_TOKEN"].lstrip("?")
-    if os.environ.get("AZURE_STORAGE_CONNECTION_STRING") and not options.get("account_name"):
-        return endpoint if options.get("endpoint_url") else "", _ConnectionString(
-            os.environ["AZURE_STORAGE_CONNECTION_STRING"]
-        )
-    try:
-        from azure.identity import DefaultAzureCredential
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            "az://: no credentials given (connection_string, account_key or sas_token, or "
-            "AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_KEY / AZURE_STORAGE_SAS_TOKEN), "
-            "and DefaultAzureCredential needs azure-identity: pip install azure-identity"
-        ) from exc
-    return endpoint, DefaultAzureCredential()
-
-
-def _account_of_endpoint(endpoint: str) -> str:
-    """The account of an endpoint: its host's first label, or an emulator's first path part."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(endpoint)
-    match = _HOST_RE.fullmatch(parts.hostname or "")
-    if match:
-        return match["account"]
-    return parts.path.strip("/").split("/", 1)[0]
-
-
-def parse_location(url: StoreURL) -> tuple[str, str, str | None, str | None]:
-    """Container, prefix, and (from ``container@host``) account and endpoint of an az:// URL.
-
-    Accepts ``az://container/prefix`` and the forms of other tools:
-    ``abfs[s]://container@account.dfs.core.windows.net/prefix`` and
-    ``az://container@account.blob.core.windows.net/prefix`` (the blob API serves both).
-    """
-    container, at, host = url.netloc.partition("@")
-    account = endpoint = None
-    if at:
-        if ":" in container:
-            raise InvalidURLError(f"{url.shown}: credentials do not belong in a URL")
-        match = _HOST_RE.fullmatch(host.lower())
-        if match is not None:
-            account = match["account"]
-            endpoint = f"https://{account}.blob.{match['suffix']}"
-        elif _ACCOUNT_RE.fullmatch(host):
-            account = host
-        else:
-            raise InvalidURLError(
-                f"{url.shown}: {host!r} is not an Azure storage host (expected "
-                f"<account>.blob.core.windows.net or <account>.dfs.core.windows.net)"
-            )
-        if not _ACCOUNT_RE.fullmatch(account):
-            raise InvalidURLError(f"{url.shown}: {account!r} is not a valid storage account name")
-    if not _CONTAINER_RE.fullmatch(container) and container != "$root":
-        raise InvalidURLError(
-            f"{url.shown}: {container!r} is not a valid Azure container name (3-63 lowercase "
-            f"letters, digits and single hyphens)"
-        )
-    return container, url.path.strip("/"), account, endpoint
-
-
-def open_azure(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:
-    """Open an ``az://container/prefix`` store (also ``abfs[s]://container@account...``):
-    AzureBlobDriver + ConditionalPutCommit."""
-    refuse_credentials_in_url(url, CREDENTIAL_OPTIONS, "the environment")
-    url.reject_unknown(options, allowed=URL_OPTIONS + CREDENTIAL_OPTIONS)
-    container, prefix, account, endpoint = parse_location(url)
-    merged = dict(options)
-    if account is not None:
-        given = options.get("account_name")
-        if given and str(given) != account:
-            raise InvalidOptionError(
-                f"{url.shown}: the URL names account {account!r}, account_name says {given!r}"
-            )
-        merged["account_name"] = account
-        if endpoint and not options.get("endpoint_url"):
-            merged["endpoint_url"] = endpoint
-    transfer = TransferOptions.read(options, min_part_size=1)
-    lease = _clients.lease(merged, lambda: _new_client(merged))
-    client, clock = lease.client.service, lease.client.clock
-    driver = AzureBlobDriver(
-        client.get_container_client(container),
-        container,
-        prefix,
-        url=redact(f"{url.scheme}://{url.netloc}/{prefix}".rstrip("/")),
-        identity=f"{client.url.rstrip('/')}/{container}",
-        clock=clock,
-        min_part_size=transfer.min_part_size,
-        checksums=transfer.checksums,
-        max_attempts=transfer.max_attempts,
-        read_concurrency=transfer.concurrency,
-    )
-    driver.on_close(lease.release)  # the store's close lets go of the session's connections
-    return ConditionalPutCommit(
-        driver, part_size=transfer.part_size, concurrency=transfer.concurrency
-    )
+__getattr__ = served_from(__name__, "ckptstore.backends.azure_open")
+"""``azure_open``'s names (``open_azure``, ``parse_location``, ...), still served from here."""

@@ -857,7 +857,7 @@ def _write_report(path: str, text: str) -> None:
 
 def cmd_lifecycle(args: argparse.Namespace, out: TextIO) -> int:
     try:
-        from ckptstore.backends.s3 import install_abort_incomplete_uploads_rule
+        from ckptstore.backends.s3_open import install_abort_incomplete_uploads_rule
     except ImportError as exc:
         raise BackendUnavailableError("s3:// needs boto3: pip install 'ckptstore[s3]'") from exc
     rule = install_abort_incomplete_uploads_rule(args.url, days=args.days)

@@ -422,7 +422,7 @@ def _plan(rounds: int, writers: int) -> list[Round]:
 PRELOAD = [
     "ckptstore.conformance.layers.races",
     "ckptstore.backends.posix",
-    "ckptstore.backends.s3",
+    "ckptstore.backends.s3_open",
 ]
 """What the fork server imports once, so that each racer process starts in milliseconds."""
 
