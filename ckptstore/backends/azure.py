@@ -35,13 +35,7 @@ from azure.storage.blob import BlobBlock, ContainerClient
 
 from ckptstore.backends.azure_errors import AZURE_RULES
 from ckptstore.backends.moved import served_from
-from ckptstore.backends.object_store import (
-    S3_LIKE,
-    DriverSettings,
-    Holder,
-    ObjectStoreBase,
-    PutRequest,
-)
+from ckptstore.backends.object_store import S3_LIKE, Holder, ObjectStoreBase, PutRequest
 from ckptstore.backends.range_reader import RangeReader, ReadAhead
 from ckptstore.backends.wire_format import timestamp
 from ckptstore.driver import Capability, ObjectInfo, PartInfo, UploadInfo, UploadProgress
@@ -60,6 +54,7 @@ if TYPE_CHECKING:
     from ckptstore.backends.azure_open import make_client as make_client
     from ckptstore.backends.azure_open import open_azure as open_azure
     from ckptstore.backends.azure_open import parse_location as parse_location
+    from ckptstore.backends.object_store import DriverSettings
     from ckptstore.driver import Buffer, PutMode
 
 __all__ = ["AzureBlobDriver", "open_azure", "parse_location"]

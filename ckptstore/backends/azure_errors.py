@@ -18,6 +18,7 @@ import contextlib
 import errno
 import http.client
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from azure.core.exceptions import (
     AzureError,
@@ -27,15 +28,11 @@ from azure.core.exceptions import (
     ServiceResponseError,
 )
 
-from ckptstore.backends.error_table import (
-    AnswerTable,
-    Rules,
-    broken,
-    first_line,
-    translating,
-    unreachable,
-)
+from ckptstore.backends.error_table import AnswerTable, broken, first_line, translating, unreachable
 from ckptstore.errors import CkptStoreError, StorageAccessDeniedError
+
+if TYPE_CHECKING:
+    from ckptstore.backends.error_table import Rules
 
 __all__ = ["AZURE_RULES", "translate_azure_errors"]
 

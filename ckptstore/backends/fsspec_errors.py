@@ -16,8 +16,9 @@ import asyncio
 import contextlib
 import errno
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from ckptstore.backends.error_table import Rules, translating
+from ckptstore.backends.error_table import translating
 from ckptstore.errors import (
     IndeterminateOutcomeError,
     ObjectNotFoundError,
@@ -26,6 +27,9 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
+
+if TYPE_CHECKING:
+    from ckptstore.backends.error_table import Rules
 
 __all__ = ["FSSPEC_RULES", "http_status", "translate_fsspec_errors"]
 

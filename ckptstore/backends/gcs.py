@@ -36,13 +36,7 @@ from google.api_core import exceptions as api_exceptions
 
 from ckptstore.backends.gcs_errors import GCS_RULES
 from ckptstore.backends.moved import served_from
-from ckptstore.backends.object_store import (
-    S3_LIKE,
-    DriverSettings,
-    Holder,
-    ObjectStoreBase,
-    PutRequest,
-)
+from ckptstore.backends.object_store import S3_LIKE, Holder, ObjectStoreBase, PutRequest
 from ckptstore.backends.range_reader import RangeReader, ReadAhead
 from ckptstore.backends.wire_format import crc32c_b64, timestamp
 from ckptstore.driver import Capability, ObjectInfo, PartInfo, UploadInfo, UploadProgress
@@ -62,6 +56,7 @@ if TYPE_CHECKING:
     from ckptstore.backends.gcs_open import open_gcs as open_gcs
     from ckptstore.backends.gcs_open import open_gcs_versioned as open_gcs_versioned
     from ckptstore.backends.gcs_open import parse_location as parse_location
+    from ckptstore.backends.object_store import DriverSettings
     from ckptstore.driver import Buffer, PutMode
 
 __all__ = ["GCSDriver", "open_gcs", "open_gcs_versioned"]

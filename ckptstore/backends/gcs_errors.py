@@ -15,6 +15,7 @@ import contextlib
 import errno
 import http.client
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import google.auth.exceptions as auth_errors
 import requests.exceptions
@@ -24,7 +25,6 @@ from google.cloud.storage import exceptions as storage_exceptions
 
 from ckptstore.backends.error_table import (
     AnswerTable,
-    Rules,
     broken_rule,
     no_credentials,
     translating,
@@ -36,6 +36,9 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
+
+if TYPE_CHECKING:
+    from ckptstore.backends.error_table import Rules
 
 __all__ = ["GCS_RULES", "translate_gcs_errors"]
 

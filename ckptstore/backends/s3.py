@@ -25,13 +25,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, cast
 import urllib3
 
 from ckptstore.backends.moved import served_from
-from ckptstore.backends.object_store import (
-    S3_LIKE,
-    DriverSettings,
-    ObjectStoreBase,
-    PutRequest,
-    pinned_read,
-)
+from ckptstore.backends.object_store import S3_LIKE, ObjectStoreBase, PutRequest, pinned_read
 from ckptstore.backends.resuming_reader import READ_PIECE, ResumingReader
 from ckptstore.backends.s3_errors import S3_RULES, translate_s3_errors
 from ckptstore.backends.wire_format import crc32c_b64, timestamp
@@ -54,6 +48,7 @@ from ckptstore.errors import (
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from ckptstore.backends.object_store import DriverSettings
     from ckptstore.backends.s3_open import CREDENTIAL_OPTIONS as CREDENTIAL_OPTIONS
     from ckptstore.backends.s3_open import URL_OPTIONS as URL_OPTIONS
     from ckptstore.backends.s3_open import (

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import http.client
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import urllib3.exceptions
 from botocore.exceptions import (
@@ -36,13 +37,15 @@ from botocore.exceptions import (
 
 from ckptstore.backends.error_table import (
     AnswerTable,
-    Rules,
     broken_rule,
     no_credentials,
     translating,
     unreachable,
 )
 from ckptstore.errors import CkptStoreError, StorageError
+
+if TYPE_CHECKING:
+    from ckptstore.backends.error_table import Rules
 
 __all__ = ["S3_RULES", "translate_s3_errors"]
 
