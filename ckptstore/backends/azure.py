@@ -57,7 +57,15 @@ if TYPE_CHECKING:
     from ckptstore.backends.object_store import DriverSettings
     from ckptstore.driver import Buffer, PutMode
 
-__all__ = ["AzureBlobDriver", "open_azure", "parse_location"]
+__all__ = [
+    "READ_PIECE",
+    "AzureBlobDriver",
+    "ServerClock",
+    "decode_metadata",
+    "encode_metadata",
+    "open_azure",
+    "parse_location",
+]
 
 log = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from ckptstore.backends.object_store import DriverSettings
     from ckptstore.driver import Buffer, PutMode
 
-__all__ = ["GCSDriver", "open_gcs", "open_gcs_versioned"]
+__all__ = ["UPLOADS", "GCSDriver", "open_gcs", "open_gcs_versioned"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,8 +109,8 @@ class GCSDriver(ObjectStoreBase):
         bucket: str,
         prefix: str = "",
         *,
-        versioned: bool = False,
         timeout: tuple[float, float] = (5.0, 60.0),
+        versioned: bool = False,
         http: Any = None,
         **settings: Unpack[DriverSettings],
     ) -> None:

@@ -60,7 +60,14 @@ if TYPE_CHECKING:
     from ckptstore.backends.s3_open import parse_location as parse_location
     from ckptstore.driver import Buffer, BytesLike, PutMode
 
-__all__ = ["S3Driver", "install_abort_incomplete_uploads_rule", "open_s3", "open_s3_versioned"]
+__all__ = [
+    "S3_MIN_PART_SIZE",
+    "S3Driver",
+    "direct_body_reads",
+    "install_abort_incomplete_uploads_rule",
+    "open_s3",
+    "open_s3_versioned",
+]
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +104,9 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
         bucket: str,
         prefix: str = "",
         *,
+        versioned: bool = False,
         sse: str | None = None,
         sse_kms_key_id: str | None = None,
-        versioned: bool = False,
         **settings: Unpack[DriverSettings],
     ) -> None:
         settings.setdefault("min_part_size", S3_MIN_PART_SIZE)
