@@ -21,7 +21,7 @@ TOOLING = "tooling"
 LAYERS: dict[str, tuple[str, ...]] = {
     FOUNDATION: (
         "errors", "names", "urls", "redaction", "checksum", "driver", "manifest", "hint",
-        "retention", "lineage", "jsonload",
+        "retention", "lineage", "jsonload", "filekind",
     ),
     COMMIT: ("commit",),
     BACKENDS: ("backends",),

@@ -51,6 +51,7 @@ from ckptstore.errors import (
     StorageAccessDeniedError,
     StorageError,
 )
+from ckptstore.filekind import file_kind
 from ckptstore.interface import CheckpointStore
 from ckptstore.names import check_shard_name
 from ckptstore.pending import PendingCheckpoint
@@ -163,15 +164,7 @@ def _linked_file(path: Path, name: str, fd: int, follow_symlinks: bool) -> os.st
 
 
 def _kind(mode: int) -> str:
-    kinds = [
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISLNK, "a symbolic link"),
-    ]
-    return next((text for test, text in kinds if test(mode)), "not a regular file")
+    return file_kind(mode, "not a regular file")
 
 
 def _raise_walk_error(error: OSError) -> None:

@@ -27,6 +27,7 @@ from ckptstore.errors import (
     StoreNotFoundError,
     TargetExistsError,
 )
+from ckptstore.filekind import file_kind
 from ckptstore.urls import StoreURL, file_url
 
 __all__ = ["PosixDriver", "open_posix"]
@@ -260,7 +261,7 @@ class PosixDriver(FileSystemDriver):
             with self._translate("open", path):
                 mode = os.fstat(fd).st_mode
             if not stat_module.S_ISREG(mode):
-                raise _not_regular(where, _kind(mode))
+                raise _not_regular(where, file_kind(mode, f"file mode {mode:o}"))
             with self._translate("open", path):
                 os.set_blocking(fd, True)  # reads of a regular file wait for the disk
                 stream = os.fdopen(fd, "rb", buffering=_READ_BUFFER)
@@ -283,18 +284,6 @@ class PosixDriver(FileSystemDriver):
 def _not_regular(where: str, kind: str) -> StorageError:
     code = errno.EISDIR if kind == "a directory" else errno.EINVAL
     return StorageError(code, f"open {where}: not a regular file ({kind})")
-
-
-def _kind(mode: int) -> str:
-    kinds = (
-        (stat_module.S_ISDIR, "a directory"),
-        (stat_module.S_ISFIFO, "a FIFO"),
-        (stat_module.S_ISSOCK, "a socket"),
-        (stat_module.S_ISCHR, "a character device"),
-        (stat_module.S_ISBLK, "a block device"),
-        (stat_module.S_ISLNK, "a symbolic link"),
-    )
-    return next((name for test, name in kinds if test(mode)), f"file mode {mode:o}")
 
 
 def _translated(exc: OSError, what: str) -> StorageError:
