@@ -178,20 +178,23 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
         found.vacuous = "the workload made no storage call"
 
 
+def _note(count: int, text: str) -> str:
+    """``text`` as a clause of the coverage line where ``count`` is not 0, else nothing."""
+    return f"; {text}" if count else ""
+
+
 def completions_note(result: CrashPointResult) -> str:
     """How many multipart completions the crashes surrounded, as the injector recorded them."""
-    if not result.completions:
-        return ""
-    return (
-        f"; {result.completions_crashed_around} multipart completions crashed around (before "
-        f"and after each; {result.completions} in the workload)"
+    return _note(
+        result.completions,
+        f"{result.completions_crashed_around} multipart completions crashed around (before "
+        f"and after each; {result.completions} in the workload)",
     )
 
 
 def _slow_cleanup_note(result: CrashPointResult) -> str:
-    if not result.slow_cleanups:
-        return ""
-    return (
-        f"; in {result.slow_cleanups} case(s) GC kept dead attempts longer than the grace "
-        f"period, and collected them later (allowed: the storage's clock may be ahead)"
+    return _note(
+        result.slow_cleanups,
+        f"in {result.slow_cleanups} case(s) GC kept dead attempts longer than the grace "
+        f"period, and collected them later (allowed: the storage's clock may be ahead)",
     )
