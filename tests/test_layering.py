@@ -93,10 +93,23 @@ def _imports(path: Path, module: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against this module's package
                 base = ["ckptstore", *package][: len(package) + 2 - node.level]
-                names.append((node.lineno, ".".join([*base, *filter(None, [node.module])])))
+                origin = ".".join([*base, *filter(None, [node.module])])
             elif node.module:
-                names.append((node.lineno, node.module))
+                origin = node.module
+            else:
+                continue
+            # ``from ckptstore.pkg import module`` imports that module, not only the package
+            names.extend((node.lineno, _submodule(origin, alias.name)) for alias in node.names)
     return names
+
+
+def _submodule(package: str, name: str) -> str:
+    """``package.name`` where that is a module of ckptstore, else ``package``."""
+    if package.split(".")[0] == "ckptstore":
+        path = PACKAGE.joinpath(*package.split(".")[1:], name)
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            return f"{package}.{name}"
+    return package
 
 
 def _violations(root: Path = PACKAGE) -> list[str]:
@@ -132,6 +145,8 @@ def test_every_module_has_a_layer() -> None:
         ("store.py", "from ckptstore.conformance import model\n", "core imports"),
         ("pending.py", "from ckptstore.backends import s3\n", "core imports"),
         ("commit/rename.py", "from ..store import Store\n", "ckptstore.store (core)"),
+        ("commit/rename.py", "from ckptstore import store\n", "ckptstore.store (core)"),
+        ("backends/posix.py", "from ckptstore import store\n", "ckptstore.store (core)"),
     ],
 )
 def test_a_wrong_way_import_is_caught(

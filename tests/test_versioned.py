@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -18,7 +19,8 @@ from ckptstore import CapabilityError, KeepLast
 from ckptstore.backends.memory import drop_bucket, get_bucket
 from ckptstore.conformance.report import render_text
 from ckptstore.conformance.runner import run_backend
-from ckptstore.errors import ShardMissingError
+from ckptstore.errors import ManifestCorruptError, ShardMissingError
+from ckptstore.manifest import MAX_MANIFEST_BYTES, _document_checksum
 from ckptstore.tools.embedded import EmbeddedS3
 
 _ids = itertools.count()
@@ -166,6 +168,54 @@ def test_deleted_pinned_version_is_reported_and_skipped(
     assert fallback is not None
     assert fallback.step == 1
     assert fallback.read("w.bin") == b"1" * 100  # never the other version of the key
+
+
+@pytest.mark.parametrize(
+    ("locator", "problem"),
+    [
+        ({"key": "shards/w.bin"}, "an unpinned locator"),  # reads whatever is there last
+        ({"key": "shards/other.bin", "version_id": "x"}, "a foreign locator"),
+    ],
+)
+def test_a_manifest_that_does_not_pin_its_own_key_is_refused(
+    target: VersionedTarget, locator: dict[str, str], problem: str
+) -> None:
+    store = target.open()
+    store.save(1, {"w.bin": b"1" * 100})
+    document = json.loads(store.get(1).manifest.encode())
+    document["shards"][0]["locator"] = locator
+    document["checksum"] = _document_checksum(document)  # re-signed, as an attacker would
+    target.overwrite("manifests/step-00000000000000000001.json", json.dumps(document).encode())
+    with pytest.raises(ManifestCorruptError, match=f"'w.bin' has {problem}"):
+        store.get(1)
+
+
+def test_a_manifest_is_read_bounded_in_memory() -> None:
+    """A planted manifest object larger than any manifest is refused after reading one byte
+    more than the limit, not read whole into memory."""
+    bucket = f"versioned-{os.getpid()}-{next(_ids)}"
+    store = ckptstore.open(f"memory+versioned://{bucket}/run")
+    try:
+        store.save(1, {"w.bin": b"1"})
+        versions = get_bucket(bucket).objects["run/manifests/step-00000000000000000001.json"]
+        huge = bytearray(MAX_MANIFEST_BYTES + 1024)
+        versions[-1].data = huge
+        asked: list[int] = []
+        opened = store.strategy.driver.open_read
+
+        def recording_open_read(key: str, **kw: Any) -> Any:
+            stream = opened(key, **kw)
+            read = stream.read
+            stream.read = lambda n=-1: (asked.append(n), read(n))[1]
+            return stream
+
+        store.strategy.driver.open_read = recording_open_read
+        with pytest.raises(ManifestCorruptError, match="step-00000000000000000001"):
+            store.get(1)
+        assert asked == [MAX_MANIFEST_BYTES + 1]
+    finally:
+        store.close()
+        drop_bucket(bucket)
 
 
 def test_unversioned_bucket_is_refused_with_a_clear_message(moto_s3: EmbeddedS3) -> None:

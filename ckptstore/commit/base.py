@@ -24,6 +24,7 @@ from ckptstore.driver import Capability
 from ckptstore.errors import (
     CapabilityError,
     CheckpointExistsError,
+    CkptStoreError,
     StorageError,
     StrayEntryError,
 )
@@ -152,6 +153,7 @@ class StrategyDriver(Protocol):
 
 DriverT = TypeVar("DriverT", bound=StrategyDriver, covariant=True)
 StrategyT = TypeVar("StrategyT", bound="CommitStrategy[Any]")
+ErrorT = TypeVar("ErrorT", bound=CkptStoreError)
 
 
 class _Located(abc.ABC):
@@ -366,6 +368,18 @@ class CommitStrategy(Publishing, Catalogue, Collecting, EpochRecords, Generic[Dr
     def url(self) -> str:
         """The store's URL, for messages."""
         return self.driver.url
+
+    def shard_error(
+        self, error: type[ErrorT], manifest: Manifest, record: ShardRecord, problem: str
+    ) -> ErrorT:
+        """``error`` about one shard of a checkpoint: its message and its context name the
+        store, the step and the shard."""
+        return error(
+            f"{self.url}: step {manifest.step}: shard {record.name!r} {problem}",
+            url=self.url,
+            step=manifest.step,
+            key=record.name,
+        )
 
     def close(self) -> None:
         """Release the threads this strategy holds; it may be used again afterwards."""

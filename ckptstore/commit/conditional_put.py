@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timezone
 from typing import Any, BinaryIO, TypeVar
 
+from ckptstore import names
 from ckptstore.checksum import crc32c_hex
 from ckptstore.commit.base import (
     CommitStrategy,
@@ -72,15 +73,6 @@ from ckptstore.errors import (
 from ckptstore.hint import MAX_HINT_BYTES, parse_hint, report_lagging_listing
 from ckptstore.lineage import Epoch
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord
-from ckptstore.names import (
-    checkpoint_token,
-    epoch_token,
-    new_attempt_id,
-    parse_attempt_name,
-    parse_checkpoint_token,
-    parse_epoch_token,
-    step_token,
-)
 
 __all__ = ["ConditionalPutCommit", "ObjectShardSink"]
 
@@ -221,7 +213,7 @@ def _intact_epoch(epoch: int) -> Callable[[bytes], bool]:
 def _manifest_entry(key: str) -> list[tuple[int, int]]:
     """The (step, epoch) a manifest key names, if it names one."""
     name = key[len(MANIFESTS) :]
-    entry = parse_checkpoint_token(name[: -len(".json")]) if name.endswith(".json") else None
+    entry = names.parse_checkpoint_token(name[: -len(".json")]) if name.endswith(".json") else None
     return [] if entry is None else [entry]
 
 
@@ -493,7 +485,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         """Refuse storage that ignores If-None-Match on PutObject: publishing would not be
         exclusive there (I5). Four small requests on a fresh key, each retried on a transient
         error, and every version of the probe object deleted after."""
-        key = f"{PROBE_PREFIX}{new_attempt_id()}"
+        key = f"{PROBE_PREFIX}{names.new_attempt_id()}"
         versions: set[str] = set()
         try:
             self._probe_create(key, versions)
@@ -614,12 +606,12 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     @staticmethod
     def attempt_prefix(step: int, attempt: str) -> str:
         """The key prefix (ending in '/') under which an attempt writes its shards."""
-        return f"{step_token(step)}.{attempt}/"
+        return f"{names.step_token(step)}.{attempt}/"
 
     @staticmethod
     def manifest_key(step: int, epoch: int = 0) -> str:
         """The key of a step's manifest in ``epoch``; its existence is the commit."""
-        return f"{MANIFESTS}{checkpoint_token(step, epoch)}.json"
+        return f"{MANIFESTS}{names.checkpoint_token(step, epoch)}.json"
 
     def begin(self, step: int, attempt: str) -> None:
         # Attempt-unique keys need no preparation; a store that cannot publish safely refuses
@@ -864,12 +856,12 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     def published_checkpoints(self, min_step: int = 0) -> list[tuple[int, int]]:
         start_after = None
         if min_step > 0:  # "step-<N>.epoch-..." sorts before "step-<N>.json": both skipped
-            start_after = f"{MANIFESTS}{step_token(min_step - 1)}.json"
+            start_after = f"{MANIFESTS}{names.step_token(min_step - 1)}.json"
         found = []
         for info in self.driver.list(MANIFESTS, start_after=start_after):
             name = info.key[len(MANIFESTS) :]
             if name.endswith(".json"):
-                entry = parse_checkpoint_token(name[: -len(".json")])
+                entry = names.parse_checkpoint_token(name[: -len(".json")])
                 if entry is not None and entry[0] >= min_step:
                     found.append(entry)
         return sorted(found)
@@ -893,16 +885,25 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         manifest = Manifest.decode(
             data, where=f"{self.url}/{key}", expected_step=step, expected_epoch=epoch
         )
-        prefix = self.attempt_prefix(step, manifest.attempt)
         for record in manifest.shards:
-            if record.locator.get("key") != f"{prefix}{record.name}":
+            problem = self._locator_problem(manifest, record)
+            if problem:
                 raise ManifestCorruptError(
-                    f"{self.url}/{key}: shard {record.name!r} has a foreign locator "
+                    f"{self.url}/{key}: shard {record.name!r} has {problem} "
                     f"{dict(record.locator)!r}",
                     url=self.url,
                     key=record.name,
                 )
         return manifest
+
+    def _locator_problem(self, manifest: Manifest, record: ShardRecord) -> str | None:
+        """What is wrong with where ``record`` points (None: where this layout writes it): a
+        manifest that points elsewhere, at another step's data or any key of the bucket, is
+        refused as corrupt."""
+        prefix = self.attempt_prefix(manifest.step, manifest.attempt)
+        if record.locator.get("key") != f"{prefix}{record.name}":
+            return "a foreign locator"
+        return None
 
     def open_shard_reader(self, manifest: Manifest, record: ShardRecord) -> BinaryIO:
         key = record.locator["key"]
@@ -915,12 +916,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         self, manifest: Manifest, record: ShardRecord, key: str
     ) -> ShardMissingError:
         """The error for a published shard whose object ``key`` is not found."""
-        return ShardMissingError(
-            f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({key})",
-            url=self.url,
-            step=manifest.step,
-            key=record.name,
-        )
+        return self.shard_error(ShardMissingError, manifest, record, f"is missing ({key})")
 
     def open_shard_ranges(self, manifest: Manifest, record: ShardRecord) -> ShardRanges | None:
         """The shard's object pinned by its ETag (and version, if recorded) from one HEAD;
@@ -941,14 +937,11 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
             try:
                 read_range(key, offset, view, version_id=version, if_match=etag)
             except PreconditionFailedError as exc:
-                raise ShardCorruptError(
-                    f"{self.url} step {manifest.step}: shard {record.name!r}: the object was "
-                    f"replaced while being read (its ETag is no longer {etag}); nothing of the "
-                    f"new object was used",
-                    url=self.url,
-                    step=manifest.step,
-                    key=record.name,
-                ) from exc
+                problem = (
+                    f"was replaced while being read (its ETag is no longer {etag}); nothing "
+                    f"of the new object was used"
+                )
+                raise self.shard_error(ShardCorruptError, manifest, record, problem) from exc
 
         return ShardRanges(info.size, read, self.read_concurrency, self.read_range_size)
 
@@ -1130,7 +1123,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         owners: dict[int, set[str | None]] = {}
         epochs: list[int] | None = None
         for prefix in sorted(set(groups) | set(uploads)):
-            parsed = parse_attempt_name(prefix.removesuffix("/"), ".")  # what an attempt made
+            parsed = names.parse_attempt_name(prefix.removesuffix("/"), ".")  # what an attempt made
             if parsed is None:
                 continue
             step, attempt = parsed
@@ -1184,7 +1177,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     @staticmethod
     def epoch_key(epoch: int) -> str:
         """The key of an epoch's record; created if absent, never changed."""
-        return f"{EPOCHS}{epoch_token(epoch)}.json"
+        return f"{EPOCHS}{names.epoch_token(epoch)}.json"
 
     def create_epoch(self, epoch: int, record: bytes) -> None:
         self.ensure_conditional_create()
@@ -1226,7 +1219,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         for info in self.driver.list(EPOCHS):
             name = info.key[len(EPOCHS) :]
             if name.endswith(".json"):
-                epoch = parse_epoch_token(name[: -len(".json")])
+                epoch = names.parse_epoch_token(name[: -len(".json")])
                 if epoch is not None:
                     found.append(epoch)
         return sorted(found)
@@ -1243,7 +1236,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         """The storage's clock now: the LastModified of a marker object written for the purpose
         (and deleted), plus how far the caller's clock ``now`` runs ahead of this host's."""
         ahead = clock_lead(now, _host_clock())  # a caller's clock behind this host's: none
-        key = f"{PROBE_PREFIX}clock-{new_attempt_id()}"
+        key = f"{PROBE_PREFIX}clock-{names.new_attempt_id()}"
         try:
             written = self.driver.put(key, b"")
         except StorageAccessDeniedError as exc:

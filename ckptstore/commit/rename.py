@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import BinaryIO, TypeVar
 
+from ckptstore import names
 from ckptstore.commit.base import (
     CommitStrategy,
     GcItem,
@@ -58,16 +59,6 @@ from ckptstore.errors import (
 )
 from ckptstore.hint import MAX_HINT_BYTES, encode_hint, ignore_hint, parse_hint
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord
-from ckptstore.names import (
-    check_attempt_id,
-    checkpoint_token,
-    epoch_token,
-    new_attempt_id,
-    parse_attempt_name,
-    parse_checkpoint_token,
-    parse_epoch_token,
-    step_token,
-)
 
 __all__ = ["FileShardSink", "RenameCommit", "directories_of"]
 
@@ -163,7 +154,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
     @staticmethod
     def staging_dir(step: int, attempt: str) -> str:
         """The staging directory's name for an attempt."""
-        return f"{step_token(step)}{PENDING_MARK}{attempt}"
+        return f"{names.step_token(step)}{PENDING_MARK}{attempt}"
 
     def begin(self, step: int, attempt: str) -> None:
         staging = self.staging_dir(step, attempt)
@@ -250,7 +241,9 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         try:
             with self._attempt_errors(step, attempt):
                 try:
-                    self.driver.rename_noreplace(staging, checkpoint_token(step, manifest.epoch))
+                    self.driver.rename_noreplace(
+                        staging, names.checkpoint_token(step, manifest.epoch)
+                    )
                 except TargetExistsError as exc:
                     raise self.name_taken(step, manifest.epoch) from exc
         except ObjectNotFoundError:
@@ -264,7 +257,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         """What holds the name a publishing rename needs: a published checkpoint, or a stray
         (a directory without a manifest, a file, a manifest that does not parse), which no
         save could ever publish beside, so it is named for the operator to remove."""
-        final = checkpoint_token(step, epoch)
+        final = names.checkpoint_token(step, epoch)
         try:
             self.read_manifest(step, epoch)
         except NotACheckpointError:
@@ -355,20 +348,20 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
 
     def published_checkpoints(self, min_step: int = 0) -> list[tuple[int, int]]:
         try:
-            names = self.driver.listdir("")
+            entries = self.driver.listdir("")
         except ObjectNotFoundError:
             return []
-        found = (parse_checkpoint_token(name) for name in names)
+        found = (names.parse_checkpoint_token(name) for name in entries)
         return sorted(entry for entry in found if entry is not None and entry[0] >= min_step)
 
     def is_published(self, step: int, epoch: int = 0) -> bool:
         try:
-            return self.driver.stat(checkpoint_token(step, epoch)).is_dir
+            return self.driver.stat(names.checkpoint_token(step, epoch)).is_dir
         except ObjectNotFoundError:
             return False
 
     def read_manifest(self, step: int, epoch: int = 0) -> Manifest:
-        final = checkpoint_token(step, epoch)
+        final = names.checkpoint_token(step, epoch)
         where = f"{self.url}/{final}/{MANIFEST_NAME}"
         try:
             with self.driver.open_read(f"{final}/{MANIFEST_NAME}") as stream:
@@ -406,7 +399,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         not a damaged checkpoint; and one that has just gone was unpublished by a racing
         delete or retention, which is not damage either.
         """
-        final = checkpoint_token(step, epoch)
+        final = names.checkpoint_token(step, epoch)
         if self._exists(final):
             return NotACheckpointError(
                 f"{self.url}/{final} is not a checkpoint: it has no manifest "
@@ -418,30 +411,22 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         )
 
     def open_shard_reader(self, manifest: Manifest, record: ShardRecord) -> BinaryIO:
-        path = f"{checkpoint_token(manifest.step, manifest.epoch)}/{DATA_DIR}/{record.name}"
+        path = f"{names.checkpoint_token(manifest.step, manifest.epoch)}/{DATA_DIR}/{record.name}"
         try:
             return self.driver.open_read(path)
         except ObjectNotFoundError as exc:
-            raise ShardMissingError(
-                f"{self.url}: step {manifest.step}: shard {record.name!r} is missing ({path})",
-                url=self.url,
-                step=manifest.step,
-                key=record.name,
-            ) from exc
+            missing = f"is missing ({path})"
+            raise self.shard_error(ShardMissingError, manifest, record, missing) from exc
         except StorageError as exc:
             if exc.errno not in _WRONG_KIND_ERRNOS:
                 raise
-            raise ShardCorruptError(  # a directory, FIFO or symlink planted as the shard
-                f"{self.url}: step {manifest.step}: shard {record.name!r} is not a regular "
-                f"file ({path}: {exc.strerror})",
-                url=self.url,
-                step=manifest.step,
-                key=record.name,
-            ) from exc
+            problem = f"is not a regular file ({path}: {exc.strerror})"
+            # a directory, FIFO or symlink planted as the shard
+            raise self.shard_error(ShardCorruptError, manifest, record, problem) from exc
 
     def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
         problems: list[ShardProblem] = []
-        final = checkpoint_token(manifest.step, manifest.epoch)
+        final = names.checkpoint_token(manifest.step, manifest.epoch)
         for record in manifest.shards:
             try:
                 stat = self.driver.stat(f"{final}/{DATA_DIR}/{record.name}")
@@ -459,8 +444,8 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         it to ``epochs/epoch-<E>`` without replacing: the record exists whole or not at all,
         and only once (a directory that holds a file is never replaced, even by a plain
         rename where the kernel lacks RENAME_NOREPLACE)."""
-        final = f"{EPOCHS_DIR}/{epoch_token(epoch)}"
-        staging = f"{final}{PENDING_MARK}{new_attempt_id()}"
+        final = f"{EPOCHS_DIR}/{names.epoch_token(epoch)}"
+        staging = f"{final}{PENDING_MARK}{names.new_attempt_id()}"
         try:
             self.driver.mkdir(EPOCHS_DIR)
             self.driver.fsync_dir("")
@@ -493,12 +478,12 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             log.debug("%s: could not remove %s: %s", self.url, staging, exc)
 
     def read_epoch(self, epoch: int) -> bytes | None:
-        path = f"{EPOCHS_DIR}/{epoch_token(epoch)}/{EPOCH_RECORD}"
+        path = f"{EPOCHS_DIR}/{names.epoch_token(epoch)}/{EPOCH_RECORD}"
         try:
             with self.driver.open_read(path) as stream:
                 return stream.read(MAX_MANIFEST_BYTES)
         except ObjectNotFoundError:
-            if not self._exists(f"{EPOCHS_DIR}/{epoch_token(epoch)}"):
+            if not self._exists(f"{EPOCHS_DIR}/{names.epoch_token(epoch)}"):
                 return None
             try:  # read again: a taker may have renamed its record in since the first read
                 with self.driver.open_read(path) as stream:
@@ -512,14 +497,14 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
 
     def listed_epochs(self) -> list[int]:
         try:
-            names = self.driver.listdir(EPOCHS_DIR)
+            entries = self.driver.listdir(EPOCHS_DIR)
         except ObjectNotFoundError:
             return []
         except StorageError as exc:
             if exc.errno not in _WRONG_KIND_ERRNOS:
                 raise
             return []  # a file named "epochs": readers probe past the listing anyway
-        found = (parse_epoch_token(name) for name in names)
+        found = (names.parse_epoch_token(name) for name in entries)
         return sorted(epoch for epoch in found if epoch is not None)
 
     # -- LATEST hint ---------------------------------------------------------------------
@@ -552,7 +537,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         self.driver.fsync_dir("")
 
     def _write_latest(self, step: int) -> None:
-        tmp = f"{LATEST_TMP_PREFIX}{new_attempt_id()}"
+        tmp = f"{LATEST_TMP_PREFIX}{names.new_attempt_id()}"
         handle = self.driver.create(tmp)
         try:
             self.driver.write(handle, memoryview(encode_hint(step)))
@@ -570,8 +555,8 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
     # -- removal -------------------------------------------------------------------------
 
     def unpublish(self, step: int, epoch: int = 0) -> None:
-        final = checkpoint_token(step, epoch)
-        trash = f"{TRASH_PREFIX}{final}-{new_attempt_id()}"
+        final = names.checkpoint_token(step, epoch)
+        trash = f"{TRASH_PREFIX}{final}-{names.new_attempt_id()}"
         try:
             self.driver.rename_noreplace(final, trash)
         except ObjectNotFoundError as exc:
@@ -599,12 +584,12 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         except ObjectNotFoundError:
             return report  # no store directory
         try:
-            names = self.driver.listdir("")
+            entries = self.driver.listdir("")
             lead = clock_lead(now) if clock_file is not None else 0.0
-            for name in names:
+            for name in entries:
                 if name != clock_file:
                     self._collect(name, fs_now + lead, report)
-            if EPOCHS_DIR in names:
+            if EPOCHS_DIR in entries:
                 self._collect_epoch_staging(fs_now + lead, report)
         except ObjectNotFoundError:
             return report
@@ -639,14 +624,14 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         renamed to a trash name first so that a taker only stalled cannot publish it half
         removed; never a record."""
         try:
-            names = self.driver.listdir(EPOCHS_DIR)
+            entries = self.driver.listdir(EPOCHS_DIR)
         except StorageError:
             return
-        for name in names:
+        for name in entries:
             path = f"{EPOCHS_DIR}/{name}"
             token, found, attempt = name.partition(PENDING_MARK)
             trash = name.startswith(TRASH_PREFIX) and check_attempt_name_tail(name)
-            staging = bool(found) and parse_epoch_token(token) is not None
+            staging = bool(found) and names.parse_epoch_token(token) is not None
             if not trash and not (staging and check_attempt_name_tail(f"-{attempt}")):
                 continue
             try:
@@ -661,7 +646,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
             if report.dry_run:
                 continue
             if not trash:
-                doomed = f"{EPOCHS_DIR}/{TRASH_PREFIX}{name}-{new_attempt_id()}"
+                doomed = f"{EPOCHS_DIR}/{TRASH_PREFIX}{name}-{names.new_attempt_id()}"
                 try:
                     self.driver.rename_noreplace(path, doomed)
                 except ObjectNotFoundError:
@@ -674,7 +659,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
 
         ``(None, now)`` where no file can be created in the store's root.
         """
-        name = f"{GC_CLOCK_PREFIX}{new_attempt_id()}"
+        name = f"{GC_CLOCK_PREFIX}{names.new_attempt_id()}"
         try:
             self.driver.close(self.driver.create(name))
         except StorageError as exc:
@@ -696,10 +681,10 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
 
     def is_empty(self) -> bool:
         try:
-            names = self.driver.listdir("")
+            entries = self.driver.listdir("")
         except ObjectNotFoundError:
             return True
-        return all(name.startswith(GC_CLOCK_PREFIX) for name in names)  # a running gc's
+        return all(name.startswith(GC_CLOCK_PREFIX) for name in entries)  # a running gc's
 
     def _activity(self, path: str) -> tuple[float, int]:
         """Return the newest mtime anywhere under ``path`` and the total size of its files."""
@@ -720,7 +705,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         if path.startswith(TRASH_PREFIX):
             trash = path
         else:
-            trash = f"{TRASH_PREFIX}{path.lstrip('.')}-{new_attempt_id()}"
+            trash = f"{TRASH_PREFIX}{path.lstrip('.')}-{names.new_attempt_id()}"
             try:
                 self.driver.rename_noreplace(path, trash)
             except ObjectNotFoundError:
@@ -749,7 +734,7 @@ def _garbage_kind(name: str) -> tuple[str, bool] | None:
     """
     if name.startswith(TRASH_PREFIX) and check_attempt_name_tail(name):
         return "trash", True
-    if parse_attempt_name(name, PENDING_MARK) is not None:
+    if names.parse_attempt_name(name, PENDING_MARK) is not None:
         return "staging", False
     if name.startswith(LATEST_TMP_PREFIX) and check_attempt_name_tail(name):
         return "pointer-temp", False
@@ -762,7 +747,7 @@ def check_attempt_name_tail(name: str) -> bool:
     """True if ``name`` ends with ``-`` and an attempt id, as every trash and temporary does."""
     _, dash, tail = name.rpartition("-")
     try:
-        return bool(dash) and check_attempt_id(tail) == tail
+        return bool(dash) and names.check_attempt_id(tail) == tail
     except InvalidShardNameError:
         return False
 

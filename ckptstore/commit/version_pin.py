@@ -34,10 +34,9 @@ from ckptstore.errors import (
     CapabilityError,
     CheckpointNotFoundError,
     IntegrityError,
-    ManifestCorruptError,
     ObjectNotFoundError,
 )
-from ckptstore.manifest import Manifest
+from ckptstore.manifest import Manifest, ShardRecord
 from ckptstore.names import parse_attempt_name, parse_checkpoint_token, step_token
 
 __all__ = ["VersionPinCommit", "versioned_name"]
@@ -117,28 +116,13 @@ class VersionPinCommit(ConditionalPutCommit):
         # no manifest pins them, so GC deletes them once they are older than the grace period.
         return None
 
-    def read_manifest(self, step: int, epoch: int = 0) -> Manifest:
-        key = self.manifest_key(step, epoch)
-        try:
-            data, _ = self.driver.get(key)
-        except ObjectNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"{self.url}: no published checkpoint at step {step}", url=self.url, step=step
-            ) from exc
-        manifest = Manifest.decode(
-            data, where=f"{self.url}/{key}", expected_step=step, expected_epoch=epoch
-        )
-        for record in manifest.shards:
-            if record.locator.get("key") != f"{SHARDS}{record.name}" or not record.locator.get(
-                "version_id"
-            ):
-                raise ManifestCorruptError(
-                    f"{self.url}/{key}: shard {record.name!r} has a foreign or unpinned "
-                    f"locator {dict(record.locator)!r}",
-                    url=self.url,
-                    key=record.name,
-                )
-        return manifest
+    def _locator_problem(self, manifest: Manifest, record: ShardRecord) -> str | None:
+        if record.locator.get("key") != f"{SHARDS}{record.name}":
+            return "a foreign locator"
+        if not record.locator.get("version_id"):
+            # it would read whatever was written to the key last: another step's data
+            return "an unpinned locator"
+        return None
 
     def shard_problems(self, manifest: Manifest) -> list[ShardProblem]:
         problems = self._pinned_problems(manifest)
