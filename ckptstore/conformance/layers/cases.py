@@ -114,6 +114,16 @@ class CrashPointResult:
             f"reads shares its crash with the next: {self.reads} of them)"
         )
 
+    def coverage_line(self, calls: str, chosen: str, checked: str, notes: str = "") -> str:
+        """The coverage line of a crash-point run: how many storage calls of what, how the
+        crashes were chosen, how many were made and what each checked, then ``notes`` and
+        the retries."""
+        crashes = max(self.cases - 1, 0)  # the first case is the baseline: no crash
+        return (
+            f"{self.calls} storage calls{calls}, {chosen}: {crashes} crashes, each {checked}"
+            f"{notes}{self.retries_note()}"
+        )
+
     def retries_note(self) -> str:
         """Cases run again after a storage error, and cases left undecided, for the coverage
         line (empty if none)."""

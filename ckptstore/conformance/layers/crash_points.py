@@ -14,26 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptstore.conformance.faults import CrashMode, FaultInjector, FaultPlan, SimulatedCrash
-from ckptstore.conformance.layers.cases import (
-    LONG_AGE,
-    Case,
-    CrashPointResult,
-    aged_gc,
-    collectable_leftovers,
-    crash_cases,
-    retried,
-    run_case,
-    run_in_fresh,
-)
+from ckptstore.conformance.layers import cases, workload
 from ckptstore.conformance.layers.layer import Findings, SuiteRun
-from ckptstore.conformance.layers.workload import (
-    MULTIPART_COMPLETION,
-    LocationMaker,
-    big_shard_size,
-    pattern,
-    save,
-    standard_workload,
-)
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
 
@@ -58,20 +40,22 @@ def recover_and_check(location: Location, model: Model) -> bool:
     """
     store, _ = location.open()
     check_invariants(store, model)
-    aged_gc(location, store, model)
+    cases.aged_gc(location, store, model)
     slower = bool(location.leftovers())
     if slower:  # kept longer than the grace: allowed, if they go when much older
-        aged_gc(location, store, model, LONG_AGE)
-        leftovers = collectable_leftovers(location)
+        cases.aged_gc(location, store, model, cases.LONG_AGE)
+        leftovers = cases.collectable_leftovers(location)
         if leftovers:
             raise InvariantViolation(
                 "I7",
-                f"GC never collected dead attempts' data, even {LONG_AGE / 86400:.0f} days "
+                f"GC never collected dead attempts' data, even {cases.LONG_AGE / 86400:.0f} days "
                 f"past the grace period: {sorted(leftovers)[:5]}",
             )
     steps = store.steps()
     following = (steps[-1] if steps else 0) + 10
-    save(store, model, Saved(following, {"after-recovery": pattern(100, following)}, {}))
+    workload.save(
+        store, model, Saved(following, {"after-recovery": workload.pattern(100, following)}, {})
+    )
     latest = store.latest()
     if latest is None or latest.step != following:
         raise InvariantViolation("I4", f"a save after recovery is not the latest: {latest}")
@@ -79,20 +63,20 @@ def recover_and_check(location: Location, model: Model) -> bool:
 
 
 def run_crash_points(
-    new_location: LocationMaker,
+    new_location: workload.LocationMaker,
     *,
     limit: int | None = None,
     workers: int = 4,
     around: str | None = None,
-) -> CrashPointResult:
+) -> cases.CrashPointResult:
     """Crash the standard workload at every storage call, before and after it took effect.
 
     Cases are independent (each has a location of its own), so ``workers`` run at once: on
     networked storage most of a case is waiting for answers. ``limit``: only the first calls;
     ``around``: only just before and just after the calls of that name (a cheap test).
     """
-    result = CrashPointResult()
-    baseline = retried(functools.partial(_baseline, new_location))
+    result = cases.CrashPointResult()
+    baseline = cases.retried(functools.partial(_baseline, new_location))
     result.add(baseline)
     if baseline.storage_errors:  # the workload never ran through: no call to crash at
         return result
@@ -104,56 +88,60 @@ def run_crash_points(
     result.completions = baseline.completions
     reached = baseline.calls if limit is None else min(baseline.calls, limit)
     names = baseline.call_names
-    cases = [
+    chosen = [
         (index, mode)
-        for index, mode in crash_cases(baseline.records[:reached], overlapped=baseline.overlapped)
+        for index, mode in cases.crash_cases(
+            baseline.records[:reached], overlapped=baseline.overlapped
+        )
         if around is None or around in names[max(0, index - 1) : index + 1]
     ]
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="crash-case") as pool:
         outcomes = pool.map(
-            lambda case: retried(functools.partial(_crash_case, new_location, *case)), cases
+            lambda case: cases.retried(functools.partial(_crash_case, new_location, *case)), chosen
         )
         for outcome in outcomes:  # in case order, so that reports are deterministic
             result.add(outcome)
     return result
 
 
-def _baseline(new_location: LocationMaker) -> CrashPointResult:
+def _baseline(new_location: workload.LocationMaker) -> cases.CrashPointResult:
     """The workload without a crash, then checked: counts the storage calls to crash at."""
 
-    def run(location: Location, case: Case) -> None:
+    def run(location: Location, case: cases.Case) -> None:
         result, model = case.result, Model()
         clock = location.clock
         plan = FaultPlan(observe=lambda: (model.events, clock.offset))
-        store = standard_workload(location, plan, model, big_shard_size(location))
+        store = workload.standard_workload(location, plan, model, workload.big_shard_size(location))
         injector = store.strategy.driver
         assert isinstance(injector, FaultInjector)  # Location.open puts one under every store
         result.calls = len(injector.calls)
         result.records = list(injector.calls)
         result.call_names = [call.name for call in injector.calls]
         result.overlapped = injector.overlapped
-        result.completions = result.call_names.count(MULTIPART_COMPLETION)
-        run_case(result, case.name, lambda: _recover(result, location, model))
+        result.completions = result.call_names.count(workload.MULTIPART_COMPLETION)
+        cases.run_case(result, case.name, lambda: _recover(result, location, model))
 
-    return run_in_fresh(new_location, "no crash", run)
+    return cases.run_in_fresh(new_location, "no crash", run)
 
 
-def _crash_case(new_location: LocationMaker, index: int, mode: CrashMode) -> CrashPointResult:
-    def run(location: Location, case: Case) -> None:
+def _crash_case(
+    new_location: workload.LocationMaker, index: int, mode: CrashMode
+) -> cases.CrashPointResult:
+    def run(location: Location, case: cases.Case) -> None:
         model = Model()
         plan = FaultPlan(crash_at=index, crash_mode=mode)
         try:
-            standard_workload(location, plan, model, big_shard_size(location))
+            workload.standard_workload(location, plan, model, workload.big_shard_size(location))
             case.name += " (not reached)"
         except SimulatedCrash as crash:
             case.died(crash)
             case.result.crashed_at(crash)
-        run_case(case.result, case.name, lambda: _recover(case.result, location, model))
+        cases.run_case(case.result, case.name, lambda: _recover(case.result, location, model))
 
-    return run_in_fresh(new_location, f"crash {mode.value} call {index}", run)
+    return cases.run_in_fresh(new_location, f"crash {mode.value} call {index}", run)
 
 
-def _recover(result: CrashPointResult, location: Location, model: Model) -> None:
+def _recover(result: cases.CrashPointResult, location: Location, model: Model) -> None:
     if recover_and_check(location, model):
         result.slow_cleanups += 1
 
@@ -167,12 +155,11 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
     run.per_case_s = (time.monotonic() - started) * CRASH_WORKERS / max(result.cases, 1)
     found.check(*INVARIANTS)
     found.cases(INVARIANTS, result)
-    found.coverage["crash points"] = (
-        f"{result.calls} storage calls, {result.crash_states_note()}: "
-        f"{max(result.cases - 1, 0)} crashes, each recovered, GC'd and checked"
-        + completions_note(result)
-        + result.retries_note()
-        + _slow_cleanup_note(result)
+    found.coverage["crash points"] = result.coverage_line(
+        "",
+        result.crash_states_note(),
+        "recovered, GC'd and checked",
+        completions_note(result) + _slow_cleanup_note(result),
     )
     if result.calls == 0:
         found.vacuous = "the workload made no storage call"
@@ -183,7 +170,7 @@ def _note(count: int, text: str) -> str:
     return f"; {text}" if count else ""
 
 
-def completions_note(result: CrashPointResult) -> str:
+def completions_note(result: cases.CrashPointResult) -> str:
     """How many multipart completions the crashes surrounded, as the injector recorded them."""
     return _note(
         result.completions,
@@ -192,7 +179,7 @@ def completions_note(result: CrashPointResult) -> str:
     )
 
 
-def _slow_cleanup_note(result: CrashPointResult) -> str:
+def _slow_cleanup_note(result: cases.CrashPointResult) -> str:
     return _note(
         result.slow_cleanups,
         f"in {result.slow_cleanups} case(s) GC kept dead attempts longer than the grace "

@@ -12,16 +12,7 @@ from __future__ import annotations
 import functools
 
 from ckptstore.conformance.faults import CrashMode, FaultPlan, SimulatedCrash
-from ckptstore.conformance.layers.cases import (
-    Case,
-    CrashPointResult,
-    aged_gc,
-    collectable_leftovers,
-    crash_cases,
-    retried,
-    run_case,
-    run_in_fresh,
-)
+from ckptstore.conformance.layers import cases
 from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.workload import LocationMaker, pattern, save
 from ckptstore.conformance.location import Location
@@ -34,7 +25,7 @@ __all__ = ["INVARIANTS", "run_layer", "run_takeover_crash_points"]
 INVARIANTS = ("I9", "I1", "I4", "I7")
 
 
-def run_takeover_crash_points(new_location: LocationMaker) -> CrashPointResult:
+def run_takeover_crash_points(new_location: LocationMaker) -> cases.CrashPointResult:
     """Crash a takeover (the creation of an epoch record) before and after each of its
     storage calls, with the old writer alive; check the store after each (I9, I1, I4, I7).
 
@@ -45,7 +36,7 @@ def run_takeover_crash_points(new_location: LocationMaker) -> CrashPointResult:
     run that takes over again (or the first, if it got through) saves step 2 anew: the name
     the old history holds.
     """
-    result = CrashPointResult()
+    result = cases.CrashPointResult()
     probe = new_location()
     try:
         keeps = probe.base.keeps_lineages
@@ -54,22 +45,24 @@ def run_takeover_crash_points(new_location: LocationMaker) -> CrashPointResult:
     if not keeps:
         result.not_applicable = "the strategy keeps no lineages: take_over is refused"
         return result
-    baseline = retried(functools.partial(_takeover_case, new_location, None, CrashMode.BEFORE))
+    baseline = cases.retried(
+        functools.partial(_takeover_case, new_location, None, CrashMode.BEFORE)
+    )
     result.add(baseline)
     if baseline.storage_errors:
         return result
     result.calls, result.call_names = baseline.calls, baseline.call_names
     result.records = baseline.records
     result.reads = sum(record.reads_only for record in baseline.records)
-    for index, mode in crash_cases(baseline.records, overlapped=baseline.overlapped):
-        result.add(retried(functools.partial(_takeover_case, new_location, index, mode)))
+    for index, mode in cases.crash_cases(baseline.records, overlapped=baseline.overlapped):
+        result.add(cases.retried(functools.partial(_takeover_case, new_location, index, mode)))
     return result
 
 
 def _takeover_case(
     new_location: LocationMaker, index: int | None, mode: CrashMode
-) -> CrashPointResult:
-    def run(location: Location, case: Case) -> None:
+) -> cases.CrashPointResult:
+    def run(location: Location, case: cases.Case) -> None:
         result, model = case.result, Model()
         old, _ = location.open()
         for step in (1, 2):
@@ -84,11 +77,11 @@ def _takeover_case(
             result.call_names = [call.name for call in injector.calls]
             result.records = list(injector.calls)
             result.overlapped = injector.overlapped
-        run_case(result, case.name, lambda: _recover_takeover(location, model, old, index))
+        cases.run_case(result, case.name, lambda: _recover_takeover(location, model, old, index))
         result.invariants_checked.add("I9")
 
     name = "takeover, no crash" if index is None else f"takeover, crash {mode.value} call {index}"
-    return run_in_fresh(new_location, name, run)
+    return cases.run_in_fresh(new_location, name, run)
 
 
 def _recover_takeover(location: Location, model: Model, old: Store, crashed: int | None) -> None:
@@ -102,8 +95,8 @@ def _recover_takeover(location: Location, model: Model, old: Store, crashed: int
     if epochs:
         model.epoch_taken(1)
     check_invariants(store, model)
-    aged_gc(location, store, model)
-    leftovers = collectable_leftovers(location)
+    cases.aged_gc(location, store, model)
+    leftovers = cases.collectable_leftovers(location)
     if leftovers:
         raise InvariantViolation(
             "I7", f"GC left what the dead taker staged, past the grace period: {sorted(leftovers)}"
@@ -140,11 +133,11 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
     if "I9" in result.invariants_checked:
         found.check(*INVARIANTS)
     found.cases(INVARIANTS, result)
-    found.coverage["takeover crash points"] = (
-        f"{result.calls} storage calls of a takeover (the old writer alive), "
-        f"{result.crash_states_note()}: {max(result.cases - 1, 0)} crashes, each checked: the "
-        f"epoch whole or absent, the staging GC'd, the old writer refused, the step saved "
-        f"anew" + result.retries_note()
+    found.coverage["takeover crash points"] = result.coverage_line(
+        " of a takeover (the old writer alive)",
+        result.crash_states_note(),
+        "checked: the epoch whole or absent, the staging GC'd, the old writer refused, the "
+        "step saved anew",
     )
     if result.calls == 0 or "I9" not in result.invariants_checked:
         found.vacuous = "no takeover was crashed and checked (I9 unchecked)"

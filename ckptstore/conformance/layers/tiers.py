@@ -492,11 +492,11 @@ def run_crash_points_layer(run: SuiteRun, found: Findings) -> None:
     result = run_tiered_crash_points(run.pairs, workers=CRASH_WORKERS)
     found.check(*TIERED_INVARIANTS)
     found.cases(TIERED_INVARIANTS, result)
-    found.coverage["replication crash points"] = (
-        f"{result.calls} storage calls of both tiers: {max(result.cases - 1, 0)} crashes "
-        f"(before each call of either driver that leaves a distinct state, and after the "
-        f"last; the fast tier's calls from the first replication pass on), each recovered "
-        f"by a new replicator, GC'd and checked" + result.retries_note()
+    found.coverage["replication crash points"] = result.coverage_line(
+        " of both tiers",
+        "a crash before each call of either driver that leaves a distinct state, and after "
+        "the last (the fast tier's calls from the first replication pass on)",
+        "recovered by a new replicator, GC'd and checked",
     )
 
 

@@ -11,22 +11,8 @@ import functools
 import re
 
 from ckptstore.conformance.faults import CallRecord, CrashMode, FaultInjector, FaultPlan
-from ckptstore.conformance.layers.cases import (
-    Case,
-    CaseFailure,
-    CrashPointResult,
-    retried,
-    run_case,
-    run_in_fresh,
-)
+from ckptstore.conformance.layers import cases, workload
 from ckptstore.conformance.layers.layer import Findings, SuiteRun
-from ckptstore.conformance.layers.workload import (
-    MULTIPART_COMPLETION,
-    LocationMaker,
-    big_shard_size,
-    save,
-    standard_shards,
-)
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import Model, Saved, check_invariants
 from ckptstore.conformance.outcomes import storage_failure
@@ -46,8 +32,8 @@ NOT_ON_FILE_SYSTEMS = "file-system calls have no unknown outcomes"
 
 
 def run_indeterminate_outcomes(
-    new_location: LocationMaker, *, before_every_call: bool = False
-) -> CrashPointResult:
+    new_location: workload.LocationMaker, *, before_every_call: bool = False
+) -> cases.CrashPointResult:
     """Fail storage calls of two saves, one per case; then read back (I8) and check.
 
     The first save creates LATEST, the second moves it by compare-and-swap. Every commit point
@@ -58,8 +44,8 @@ def run_indeterminate_outcomes(
     for another writer's (CheckpointExistsError); a save that reports success must have
     published; whatever the saves left must satisfy the invariants.
     """
-    result = CrashPointResult()
-    baseline = retried(functools.partial(_count_save_calls, new_location))
+    result = cases.CrashPointResult()
+    baseline = cases.retried(functools.partial(_count_save_calls, new_location))
     result.add(baseline)
     if baseline.storage_errors:
         return result
@@ -73,7 +59,7 @@ def run_indeterminate_outcomes(
         for mode in modes:
             saves = 1 if index < baseline.first_save_calls else 2
             case = functools.partial(_transient_case, new_location, index, mode, saves)
-            result.add(retried(case))
+            result.add(cases.retried(case))
     return result
 
 
@@ -81,7 +67,7 @@ def commit_point_label(record: CallRecord | str) -> str | None:
     """How the report names a commit point (``If-Match put LATEST``), or None for another
     call. ``record`` may be a label from ``_call_label`` already."""
     label = record if isinstance(record, str) else _call_label(record)
-    if label.startswith(("If-None-Match ", "If-Match ")) or MULTIPART_COMPLETION in label:
+    if label.startswith(("If-None-Match ", "If-Match ")) or workload.MULTIPART_COMPLETION in label:
         return label
     return None
 
@@ -98,35 +84,35 @@ _STEP_DIGITS = re.compile(r"step-\d+")
 _ATTEMPT_TAIL = re.compile(r"\.[0-9a-z]{6,}/")
 
 
-def _count_save_calls(new_location: LocationMaker) -> CrashPointResult:
+def _count_save_calls(new_location: workload.LocationMaker) -> cases.CrashPointResult:
     """The two saves without faults, to list their storage calls (not itself a case)."""
 
-    def run(location: Location, case: Case) -> None:
+    def run(location: Location, case: cases.Case) -> None:
         result = case.result
         store, injector = location.open()
-        model, big = Model(), big_shard_size(location)
+        model, big = Model(), workload.big_shard_size(location)
         for step in (1, 2):
-            save(store, model, Saved(step, standard_shards(step, big), {}))
+            workload.save(store, model, Saved(step, workload.standard_shards(step, big), {}))
             result.first_save_calls = result.first_save_calls or injector.count
         result.calls = injector.count
         result.call_names = [_call_label(call) for call in injector.calls]
 
-    return run_in_fresh(new_location, "two saves without faults", run)
+    return cases.run_in_fresh(new_location, "two saves without faults", run)
 
 
 def _transient_case(
-    new_location: LocationMaker, index: int, mode: CrashMode, saves: int
-) -> CrashPointResult:
+    new_location: workload.LocationMaker, index: int, mode: CrashMode, saves: int
+) -> cases.CrashPointResult:
     how = "503 before" if mode is CrashMode.BEFORE else "timeout after"
 
-    def run(location: Location, case: Case) -> None:
+    def run(location: Location, case: cases.Case) -> None:
         _fail_once(case.result, location, index, mode, case.name, saves)
 
-    return run_in_fresh(new_location, f"{how} call {index}", run, invariant="I8")
+    return cases.run_in_fresh(new_location, f"{how} call {index}", run, invariant="I8")
 
 
 def _fail_once(
-    result: CrashPointResult,
+    result: cases.CrashPointResult,
     location: Location,
     index: int,
     mode: CrashMode,
@@ -134,12 +120,12 @@ def _fail_once(
     saves: int,
 ) -> None:
     """Run ``saves`` saves with one fault; judge what they reported, and what they left."""
-    model, big = Model(), big_shard_size(location)
+    model, big = Model(), workload.big_shard_size(location)
     store, injector = location.open(FaultPlan(transient={index: mode}))
     reported: dict[int, CkptStoreError | None] = {}
     for step in range(1, saves + 1):
         try:
-            save(store, model, Saved(step, standard_shards(step, big), {}))
+            workload.save(store, model, Saved(step, workload.standard_shards(step, big), {}))
             reported[step] = None
         except CheckpointExistsError as exc:  # the only writer: its own publish, mistaken
             _i8(result, f"{name} {_faulted(injector)}", f"own publish taken for another's: {exc}")
@@ -167,12 +153,12 @@ def _fail_once(
             message = f"the save of step {step} reported success but nothing was published"
             _i8(result, name, f"{message} (an unknown outcome guessed)")
             return
-    run_case(result, name, lambda: check_invariants(clean, model))
+    cases.run_case(result, name, lambda: check_invariants(clean, model))
 
 
-def _i8(result: CrashPointResult, name: str, message: str) -> None:
+def _i8(result: cases.CrashPointResult, name: str, message: str) -> None:
     result.cases += 1
-    result.failures.append(CaseFailure(name, "I8", message))
+    result.failures.append(cases.CaseFailure(name, "I8", message))
 
 
 def _holds_own(store: Store, model: Model, step: int) -> bool:
@@ -210,7 +196,7 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
     )
 
 
-def _faulted_note(result: CrashPointResult) -> str:
+def _faulted_note(result: cases.CrashPointResult) -> str:
     """Each commit point the layer failed, with how often before and after (from the
     injector's records of the faults it injected)."""
     labels = sorted({key.split(" ", 1)[1] for key in result.faulted})
