@@ -36,7 +36,6 @@ save can take (not finite, or longer than ``MAX_TIMING_S``).
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import statistics
 from collections.abc import Iterable, Sequence
@@ -52,8 +51,6 @@ from ckptstore.errors import (
 )
 from ckptstore.manifest import Manifest
 from ckptstore.store import Store
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_RECENT",

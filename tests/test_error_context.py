@@ -135,3 +135,51 @@ def test_every_object_call_names_its_object(server: str, request: pytest.Fixture
         with pytest.raises(ObjectNotFoundError) as no_upload:
             driver.upload_part("parts/big.bin", upload, 1, b"x" * 10)
         assert no_upload.value.key == "parts/big.bin"
+
+
+@pytest.mark.parametrize("through", ["fsspec+s3", "fsspec+file"])
+def test_every_fsspec_call_names_its_object(
+    through: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The generic driver's reads, deletes, streamed writes and conditional completions
+    name the object and the store as the native drivers do: through s3fs (S3's own
+    multipart calls) and through fsspec's local file system (one stream per shard)."""
+    from conftest import fsspec_s3_options, fsspec_s3_url
+
+    from ckptstore.backends.fsspec import UNSAFE_OPTION, FsspecDriver
+    from ckptstore.driver import PartInfo
+    from ckptstore.errors import ObjectNotFoundError, PreconditionFailedError
+
+    if through == "fsspec+s3":
+        server: EmbeddedS3 = request.getfixturevalue("moto_s3")
+        store = ckptstore.open(fsspec_s3_url(server, "named-fsspec"), **fsspec_s3_options(server))
+        where = "named-fsspec"
+    else:
+        store = ckptstore.open(f"fsspec+file://{tmp_path}/named?{UNSAFE_OPTION}=true")
+        where = "named"
+    driver = store.strategy.driver
+    assert isinstance(driver, FsspecDriver)
+    missing = "no/such.bin"
+    calls = {
+        "head": lambda: driver.head(missing),
+        "open_read": lambda: driver.open_read(missing).read(),
+        "upload_part": lambda: driver.upload_part(missing, "no-such-upload", 1, b"x"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ObjectNotFoundError) as raised:
+            call()
+        assert raised.value.key == missing, name
+        assert raised.value.url is not None and where in raised.value.url, name
+    driver.put("taken.bin", b"1")
+    with pytest.raises(PreconditionFailedError) as refused:
+        driver.put("taken.bin", b"2", mode=PutMode.CREATE)
+    assert refused.value.key == "taken.bin"
+    if through == "fsspec+s3":  # S3's conditional completion (If-None-Match: *)
+        upload = driver.create_multipart("taken.bin")
+        part = driver.upload_part("taken.bin", upload, 1, b"2")
+        with pytest.raises(PreconditionFailedError) as lost:
+            driver.complete_multipart(
+                "taken.bin", upload, [PartInfo(1, part.etag, 1)], mode=PutMode.CREATE
+            )
+        assert lost.value.key == "taken.bin"
+        driver.abort_multipart("taken.bin", upload)

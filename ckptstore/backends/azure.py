@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import re
 import secrets
 import threading
@@ -67,7 +66,6 @@ __all__ = [
     "parse_location",
 ]
 
-log = logging.getLogger(__name__)
 
 AZURE_MAX_BLOCKS = 50_000
 READ_PIECE = 8 * 1024 * 1024

@@ -20,6 +20,7 @@ not a multipart upload another process can list: see the page for what a crash l
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import re
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from fsspec.spec import AbstractBufferedFile
 
+from ckptstore.backends.error_table import naming
 from ckptstore.backends.fsspec_errors import FSSPEC_RULES, translate_fsspec_errors
 from ckptstore.backends.object_store import ObjectStoreBase, PutRequest
 from ckptstore.commit.conditional_put import ConditionalPutCommit
@@ -172,9 +174,10 @@ class FsspecDriver(ObjectStoreBase):
     def where(self) -> str:
         return self.url
 
-    def _create_once(self, what: str, call: Callable[[], T]) -> T:
-        """``call()``, a conditional create: "exists" is the refusal PreconditionFailedError."""
-        with translate_fsspec_errors(f"{what} {self.url}", create=True):
+    def _create_once(self, what: str, key: str, call: Callable[[], T]) -> T:
+        """``call()``, a conditional create of ``key``: "exists" is the refusal
+        PreconditionFailedError."""
+        with naming(self.url, key), translate_fsspec_errors(f"{what} {self.url}", create=True):
             return call()
 
     def _writable(self, what: str) -> None:
@@ -235,7 +238,7 @@ class FsspecDriver(ObjectStoreBase):
             return PutRequest(
                 f"{what} (create)",
                 lambda: self._written(key, body, self._create_once(
-                    f"{what} (create)",
+                    f"{what} (create)", key,
                     lambda: self.fs.pipe_file(path, body, mode="create", **kwargs),
                 )),
             )  # fmt: skip
@@ -265,23 +268,27 @@ class FsspecDriver(ObjectStoreBase):
         self._no_versions(version_id)
         path = self._path(key)
         what = f"reading {key}"
-        handle = self.retried(what, lambda: self.fs.open(path, "rb"))
+        handle = self.retried(what, lambda: self.fs.open(path, "rb"), key=key)
         details = getattr(handle, "details", None)
         if isinstance(details, Mapping) and (
             details.get("type") == "directory" or details.get("size") is None
         ):  # adlfs opens a prefix (keys below it, no object) as a file of no size
             handle.close()
-            raise ObjectNotFoundError(errno.ENOENT, f"{self.url}/{key}: a directory, no object")
-        return cast(BinaryIO, _TranslatingReader(handle, f"{what} {self.url}"))
+            raise ObjectNotFoundError(
+                errno.ENOENT, f"{self.url}/{key}: a directory, no object", url=self.url, key=key
+            )
+        return cast(BinaryIO, _TranslatingReader(handle, f"{what} {self.url}", self.url, key))
 
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
         self._no_versions(version_id)
         path = self._path(key)
-        details = self.retried(f"info {key}", lambda: self.fs.info(path))
+        details = self.retried(f"info {key}", lambda: self.fs.info(path), key=key)
         if details.get("type") == "directory":
             if key.endswith("/"):  # gcsfs and adlfs show a marker object "x/" as a directory
                 return ObjectInfo(key, 0, "", object_time(details.get("updated")))
-            raise ObjectNotFoundError(errno.ENOENT, f"{self.url}/{key}: a directory, no object")
+            raise ObjectNotFoundError(
+                errno.ENOENT, f"{self.url}/{key}: a directory, no object", url=self.url, key=key
+            )
         return self._info(key, details)
 
     def delete(self, key: str, *, version_id: str | None = None) -> None:
@@ -289,7 +296,7 @@ class FsspecDriver(ObjectStoreBase):
         self._no_versions(version_id)
         path = self._path(key)
         try:
-            self.retried(f"deleting {key}", lambda: self.fs.rm_file(path))
+            self.retried(f"deleting {key}", lambda: self.fs.rm_file(path), key=key)
         except ObjectNotFoundError:
             return  # already gone: a delete is idempotent, as on S3
 
@@ -333,8 +340,9 @@ class FsspecDriver(ObjectStoreBase):
         self._writable(f"uploading {key}")
         path = self._path(key, writing=True)
         kwargs = {self.metadata_argument: dict(metadata)} if metadata else {}
-        handle = self.once(f"opening {key} for writing", lambda: self.fs.open(path, "wb",
-                                                                             **kwargs))  # fmt: skip
+        handle = self.once(
+            f"opening {key} for writing", lambda: self.fs.open(path, "wb", **kwargs), key=key
+        )
         if isinstance(handle, AbstractBufferedFile):
             handle._unclosable = True  # noqa: SLF001  only complete_multipart commits it
         stream = _Stream(self._where(path), handle, time.time())
@@ -366,7 +374,9 @@ class FsspecDriver(ObjectStoreBase):
                     f"{self.url}/{key}: part {part_number} out of order (a stream takes its "
                     f"parts one after another; the next is {stream.parts + 1})"
                 )
-            self.once(f"writing {key} part {part_number}", lambda: stream.handle.write(data))
+            self.once(
+                f"writing {key} part {part_number}", lambda: stream.handle.write(data), key=key
+            )
             stream.parts += 1
             stream.size += len(data)
             stream.last_activity = time.time()
@@ -386,14 +396,14 @@ class FsspecDriver(ObjectStoreBase):
         with _STREAMS_LOCK:
             _STREAMS.pop(upload_id, None)
         stream.handle._unclosable = False  # noqa: SLF001
-        self.once(f"closing {key}", stream.handle.close)
+        self.once(f"closing {key}", stream.handle.close, key=key)
         return self.head(key)
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         stream = self._stream(key, upload_id)
         with _STREAMS_LOCK:
             _STREAMS.pop(upload_id, None)
-        self.once(f"abandoning the write of {key}", lambda: _discard(self.fs, stream))
+        self.once(f"abandoning the write of {key}", lambda: _discard(self.fs, stream), key=key)
 
     def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
         # a prefix, not a key: it may end in '/' (which no key may)
@@ -452,11 +462,17 @@ def _discard(fs: Any, stream: _Stream) -> None:
 class _TranslatingReader(io.RawIOBase):
     """An fsspec file opened for reading, whose errors are ckptstore's."""
 
-    def __init__(self, handle: Any, what: str) -> None:
+    def __init__(self, handle: Any, what: str, url: str, key: str) -> None:
         super().__init__()
         self._handle = handle
         self._what = what
+        self._url, self._key = url, key
         self.details = getattr(handle, "details", None)
+
+    @contextlib.contextmanager
+    def _translated(self) -> Iterator[None]:
+        with naming(self._url, self._key), translate_fsspec_errors(self._what):
+            yield
 
     def readable(self) -> bool:
         return True
@@ -465,18 +481,18 @@ class _TranslatingReader(io.RawIOBase):
         return bool(self._handle.seekable())
 
     def read(self, size: int | None = -1) -> bytes:
-        with translate_fsspec_errors(self._what):
+        with self._translated():
             return bytes(self._handle.read(-1 if size is None else size))
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        with translate_fsspec_errors(self._what):
+        with self._translated():
             data = self._handle.read(view.nbytes)
         view[: len(data)] = data
         return len(data)
 
     def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
-        with translate_fsspec_errors(self._what):
+        with self._translated():
             return int(self._handle.seek(position, whence))
 
     def tell(self) -> int:

@@ -62,7 +62,9 @@ class S3fsDriver(FsspecDriver):
         self._no_versions(version_id)
         bucket, full = self._split(key)
         answer = self.retried(
-            f"HeadObject {key}", lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=full)
+            f"HeadObject {key}",
+            lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=full),
+            key=key,
         )
         return self._info(key, {**answer, "size": answer.get("ContentLength", 0)})
 
@@ -91,6 +93,7 @@ class S3fsDriver(FsspecDriver):
         response = self.retried(
             f"CreateMultipartUpload {key}",
             lambda: self.fs.call_s3("create_multipart_upload", **args),
+            key=key,
         )
         return str(response["UploadId"])
 
@@ -98,7 +101,9 @@ class S3fsDriver(FsspecDriver):
         args = {**self._upload_args(key, upload_id), "PartNumber": part_number,
                 "Body": bytes(data)}  # fmt: skip
         response = self.retried(
-            f"UploadPart {key} #{part_number}", lambda: self.fs.call_s3("upload_part", **args)
+            f"UploadPart {key} #{part_number}",
+            lambda: self.fs.call_s3("upload_part", **args),
+            key=key,
         )
         return PartInfo(part_number, str(response["ETag"]), len(data))
 
@@ -118,7 +123,7 @@ class S3fsDriver(FsspecDriver):
 
         if create:
             args["IfNoneMatch"] = "*"
-            self._create_once(what, send)
+            self._create_once(what, key, send)
         else:
             self.once(what, send, key=key)
         return self.head(key)
@@ -128,6 +133,7 @@ class S3fsDriver(FsspecDriver):
         self.retried(
             f"AbortMultipartUpload {key}",
             lambda: self.fs.call_s3("abort_multipart_upload", **args),
+            key=key,
         )
 
     def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
