@@ -986,12 +986,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = command("ls", "list published checkpoints")
-    p.add_argument(
-        "--replicate-to",
-        metavar="DURABLE_URL",
-        default=None,
-        help="URL is the fast tier of a pair with this durable store: list the pair's history",
-    )
+    _replicate_to(p, "list the pair's history")
     p.set_defaults(func=cmd_ls)
     p = command("show", "show a checkpoint's manifest (default: the latest)")
     p.add_argument("step", nargs="?", type=parse_step)
@@ -1028,13 +1023,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rollback", "make STEP the newest again: newer checkpoints leave the history (undoable)"
     )
     p.add_argument("step", type=parse_step)
-    p.add_argument(
-        "--replicate-to",
-        metavar="DURABLE_URL",
-        default=None,
-        help="URL is the fast tier of a pair with this durable store: roll back the pair "
-        "(docs/tiers.md)",
-    )
+    _replicate_to(p, "roll back the pair")
     p.set_defaults(func=cmd_rollback)
     p = command("take-over", "take the store over from STEP (of --from-epoch: an undo)")
     p.add_argument("step", nargs="?", type=parse_step)
