@@ -229,15 +229,36 @@ class S3Backend(BackendUnderTest):
         )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``slow`` run first, in collection order otherwise.
+LONGEST_FIRST = (
+    "tests/test_torch.py",
+    "tests/test_versioned.py",
+    "tests/test_azure.py",
+    "tests/test_s3.py",
+    "tests/test_gcs.py",
+    "tests/test_torch_distributed.py",
+)
+"""Files whose slow tests took longest in CI (three to five minutes each on three workers: the
+killed trainers, the whole-suite runs on moto, Azurite and fake-gcs-server): run first."""
 
-    ``.ci/run`` hands tests out one at a time in this order (``--dist load --maxschedchunk
-    1``): a minutes-long conformance run or trainer started last would leave one worker
-    running it alone while the others idle. Every worker sorts the same way, so collections
-    still agree.
+
+def _order(item: pytest.Item) -> tuple[bool, int]:
+    path = f"tests/{item.path.name}"
+    rank = LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+    return item.get_closest_marker("slow") is None, rank
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` run first, the longest of them first, in collection order
+    otherwise.
+
+    ``.ci/run`` uses ``--dist worksteal``: each worker starts on a third of this list, and a
+    worker that finishes its share takes tests from the end of another's. So the first worker
+    starts on the slow tests while the others run short ones beside it (mixing a whole-suite
+    run's CPU with tests that wait on servers), and what is taken from its end late is the
+    shortest of them: a five-minute test left to the end would run alone while the others
+    idle. Every worker sorts the same way, so collections still agree.
     """
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    items.sort(key=_order)
 
 
 @pytest.fixture(scope="session", autouse=True)
