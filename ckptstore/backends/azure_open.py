@@ -27,7 +27,15 @@ from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.errors import BackendUnavailableError, InvalidOptionError, InvalidURLError
 from ckptstore.urls import StoreURL, endpoint_option, redact
 
-__all__ = ["CREDENTIAL_OPTIONS", "URL_OPTIONS", "make_client", "open_azure", "parse_location"]
+__all__ = [
+    "BODY_PIECE",
+    "CREDENTIAL_OPTIONS",
+    "MAX_SINGLE_PUT",
+    "URL_OPTIONS",
+    "make_client",
+    "open_azure",
+    "parse_location",
+]
 
 MAX_SINGLE_PUT = 256 * 1024 * 1024
 """A put up to this size is one Put Blob request (larger ones: blocks, committed at once)."""

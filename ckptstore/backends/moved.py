@@ -4,6 +4,10 @@
 ``open_*`` functions) lives in ``s3_open``, ``gcs_open`` and ``azure_open``, which import the
 drivers. The old import paths (``ckptstore.backends.s3.open_s3``) keep working through a module
 ``__getattr__`` that imports the opening module only when one of its names is asked for.
+
+What is served is the name, not the module: reading ``ckptstore.backends.s3.open_s3`` gives the
+function, but a monkeypatch must set it where it lives (``ckptstore.backends.s3_open``), and
+private names are only there.
 """
 
 from __future__ import annotations
