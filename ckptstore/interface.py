@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Protocol, runtime_checkable
 
 from ckptstore.checkpoint import Checkpoint
-from ckptstore.pending import PendingCheckpoint, ShardData
+from ckptstore.pending import PendingCheckpoint, ShardData, save_shards
 from ckptstore.retention import RetentionPolicy
 
 __all__ = ["CheckpointStore"]
@@ -26,8 +26,9 @@ __all__ = ["CheckpointStore"]
 class CheckpointStore(Protocol):
     """A store of checkpoints: readers see only published ones; a save publishes all or nothing.
 
-    Implemented by ``ckptstore.Store`` and ``ckptstore.TieredStore``; the guarantees are
-    docs/protocol.md's (a tiered store's: its "Tiers" section).
+    Implemented by ``ckptstore.Store`` and ``ckptstore.TieredStore``, which derive from it (and
+    take ``save`` from it); any other class with these methods satisfies it too. The guarantees
+    are docs/protocol.md's (a tiered store's: its "Tiers" section).
     """
 
     @property
@@ -57,8 +58,12 @@ class CheckpointStore(Protocol):
         shards: Mapping[str, ShardData],
         metadata: Mapping[str, object] | None = None,
     ) -> Checkpoint:
-        """Write every shard and publish, in one call; on any error nothing is published."""
-        ...
+        """Write every shard and publish, in one call; on any error nothing is published (a
+        tiered store publishes in its fast tier; the durable copy follows).
+
+        The one implementation, ``begin`` then every shard then ``publish``, for every store
+        that derives from this class (``Store``, ``TieredStore``)."""
+        return save_shards(self.begin(step, metadata), shards)
 
     def latest(self, *, verified: bool = False) -> Checkpoint | None:
         """The newest published checkpoint, or None."""

@@ -45,6 +45,7 @@ from ckptstore.errors import (
 from ckptstore.fencing import HOLD, INTENT, INTENT_STALE_S, Markers
 from ckptstore.hint import ignore_hint
 from ckptstore.history import History, SupersededCheckpoint
+from ckptstore.interface import CheckpointStore
 from ckptstore.lineage import Epoch, Lineage
 from ckptstore.manifest import Manifest, ShardRecord, WriterInfo, check_metadata
 from ckptstore.names import (
@@ -54,7 +55,7 @@ from ckptstore.names import (
     check_step,
     new_attempt_id,
 )
-from ckptstore.pending import PendingCheckpoint, ShardData, save_shards
+from ckptstore.pending import PendingCheckpoint
 from ckptstore.publisher import JoinedAttempt, Publisher, StoreAttempt
 from ckptstore.registry import resolve
 from ckptstore.retention import CheckpointAge, RetentionPolicy
@@ -67,6 +68,7 @@ __all__ = [
     "Store",
     "StrayEntry",
     "SupersededCheckpoint",
+    "newest_refused",
     "open_store",
 ]
 
@@ -121,7 +123,7 @@ def _seconds(value: timedelta | float, what: str) -> float:
     return seconds
 
 
-class Store:
+class Store(CheckpointStore):
     """Checkpoints of one training run, in one storage location."""
 
     def __init__(
@@ -395,15 +397,6 @@ class Store:
         weakref.finalize(pending, _release_quietly, self.strategy, pending.step, pending.attempt)
         return pending
 
-    def save(
-        self,
-        step: int,
-        shards: Mapping[str, ShardData],
-        metadata: Mapping[str, object] | None = None,
-    ) -> Checkpoint:
-        """Write every shard and publish, in one call; on any error nothing is published."""
-        return save_shards(self.begin(step, metadata), shards)
-
     def on_publish(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(step)`` after each publish through this Store (after the LATEST
         hint and retention): how a tiered store wakes its replicator. It runs in the publishing
@@ -653,12 +646,7 @@ class Store:
                     f"{self.url}: no published checkpoint at step {step}", url=self.url, step=step
                 )
             if step == steps[-1] and not force:
-                raise RefusedError(
-                    f"{self.url}: step {step} is the newest checkpoint; deleting it needs "
-                    f"force=True (--force on the command line), or a rollback to an older step",
-                    url=self.url,
-                    step=step,
-                )
+                raise newest_refused(self.url, step, "the newest", "a rollback to an older step")
             epoch = self._history.owner(step)
             try:
                 self._unpublish_fenced(step, epoch, newest)
@@ -942,6 +930,17 @@ def _release_quietly(strategy: CommitStrategy[Any], step: int, attempt: str) -> 
         strategy.release(step, attempt)
     except BaseException:  # a crash simulated by the conformance suite, too
         log.debug("releasing attempt %s of step %d failed", attempt, step, exc_info=True)
+
+
+def newest_refused(url: str, step: int, newest: str, instead: str) -> RefusedError:
+    """The refusal to delete ``step``, which is ``newest`` checkpoint of ``url``, without
+    force (``instead``: the way to make an older one the newest)."""
+    return RefusedError(
+        f"{url}: step {step} is {newest} checkpoint; deleting it needs force=True (--force on "
+        f"the command line), or {instead}",
+        url=url,
+        step=step,
+    )
 
 
 def open_store(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, overload
@@ -37,15 +37,15 @@ from ckptstore.errors import (
     InvalidMetadataError,
     InvalidOptionError,
     InvalidURLError,
-    RefusedError,
     ReplicationError,
 )
+from ckptstore.interface import CheckpointStore
 from ckptstore.lineage import Epoch, Lineage
 from ckptstore.names import check_step
-from ckptstore.pending import PendingCheckpoint, ShardData, save_shards
+from ckptstore.pending import PendingCheckpoint
 from ckptstore.redaction import redact
 from ckptstore.retention import RetentionPolicy
-from ckptstore.store import DEFAULT_GRACE, Clock, Store, open_store
+from ckptstore.store import DEFAULT_GRACE, Clock, Store, newest_refused, open_store
 from ckptstore.tiers.replication import (
     TIER_KEY,
     KeepOwed,
@@ -79,7 +79,7 @@ class TieredGcReport:
     durable: GcReport
 
 
-class TieredStore:
+class TieredStore(CheckpointStore):
     """Checkpoints saved to a fast store and copied to a durable one; read from either.
 
     Built by ``ckptstore.open(url, replicate_to=...)``. ``fast`` and ``durable`` are the
@@ -117,24 +117,13 @@ class TieredStore:
     # -- writing: the fast tier ----------------------------------------------------------
 
     def begin(
-        self,
-        step: int,
-        metadata: Mapping[str, object] | None = None,
-        *,
-        expected_shards: Iterable[str] | None = None,
-        world_size: int = 1,
-        attempt: str | None = None,
+        self, step: int, metadata: Mapping[str, object] | None = None, **options: Any
     ) -> PendingCheckpoint:
-        """Start saving ``step`` in the fast store (``Store.begin``); once it publishes there,
-        the replicator is told. The manifest's metadata records the durable store and the
-        durable epoch this writer is in (``TIER_KEY``, docs/protocol.md §9.3, T5)."""
-        return self.fast.begin(
-            step,
-            self._recorded(metadata),
-            expected_shards=expected_shards,
-            world_size=world_size,
-            attempt=attempt,
-        )
+        """Start saving ``step`` in the fast store (``Store.begin``, whose keyword options it
+        takes: ``expected_shards``, ``world_size``, ``attempt``); once it publishes there, the
+        replicator is told. The manifest's metadata records the durable store and the durable
+        epoch this writer is in (``TIER_KEY``, docs/protocol.md §9.3, T5)."""
+        return self.fast.begin(step, self._recorded(metadata), **options)
 
     def _recorded(self, metadata: Mapping[str, object] | None) -> Mapping[str, object] | None:
         if metadata is not None and not isinstance(metadata, Mapping):
@@ -161,15 +150,6 @@ class TieredStore:
     def join(self, step: int, attempt: str) -> PendingCheckpoint:
         """Write shards into a coordinator's attempt in the fast store (``Store.join``)."""
         return self.fast.join(step, attempt)
-
-    def save(
-        self,
-        step: int,
-        shards: Mapping[str, ShardData],
-        metadata: Mapping[str, object] | None = None,
-    ) -> Checkpoint:
-        """Write every shard and publish in the fast store; the durable copy follows."""
-        return save_shards(self.begin(step, metadata), shards)
 
     # -- reading: either tier ------------------------------------------------------------
 
@@ -269,12 +249,7 @@ class TieredStore:
         return found
 
     def take_over(
-        self,
-        resumed_from: int | None,
-        *,
-        note: str = "",
-        from_epoch: int | None = None,
-        discard_history: bool = False,
+        self, resumed_from: int | None, *, note: str = "", **options: Any
     ) -> tuple[Epoch, Epoch]:
         """Take both tiers over for this run (``Store.take_over``), resumed from the same
         step: the durable tier first (it decides the pair's history), then the fast one. A
@@ -282,11 +257,10 @@ class TieredStore:
         replicator into the durable one, and the fast tier's checkpoints above the step leave
         the pair's history. Returns the fast and the durable epoch. ``from_epoch`` names the
         durable epoch of ``resumed_from`` (an undo, ``Store.take_over``); ``discard_history``
-        is the word a fresh start over a history needs, on both tiers."""
+        is the word a fresh start over a history needs, on both tiers (``options``: those two,
+        the durable tier's)."""
         with self.replicator.paused():
-            durable = self.replicator.durable.take_over(
-                resumed_from, note=note, from_epoch=from_epoch, discard_history=discard_history
-            )
+            durable = self.replicator.durable.take_over(resumed_from, note=note, **options)
             fast = self.fast.take_over(resumed_from, note=note, discard_history=True)
         return fast, durable
 
@@ -413,12 +387,7 @@ class TieredStore:
                     step=step,
                 )
             if step == steps[-1] and not force:
-                raise RefusedError(
-                    f"{self.url}: step {step} is the pair's newest checkpoint; deleting it "
-                    f"needs force=True (--force on the command line), or a rollback of the pair",
-                    url=self.url,
-                    step=step,
-                )
+                raise newest_refused(self.url, step, "the pair's newest", "a rollback of the pair")
             for store in (self.fast, self.replicator.durable):
                 try:
                     store.delete(step, force=True)
