@@ -829,7 +829,9 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     outcomes = {report.outcome for report in reports}
     if "violated" in outcomes:
         return EXIT_BROKEN
-    return EXIT_ERROR if "storage error" in outcomes else EXIT_OK  # undecided is not broken
+    # Undecided (the storage kept failing) and the suite's own failure are not "broken": no
+    # verdict was reached, and the run does not pass either.
+    return EXIT_ERROR if outcomes & {"storage error", "suite error"} else EXIT_OK
 
 
 def _import_backends(modules: Sequence[str]) -> None:

@@ -7,6 +7,11 @@ at most ``CASE_ATTEMPTS`` times; if the storage still fails it, it is reported a
 ``storage error``: never as a pass (nothing was checked) and never as a violation (the
 protocol did nothing wrong).
 
+A fourth outcome is the suite's own: a wait that timed out, a step the suite could not carry
+out, a Python error in its code (``SuiteError``). It says nothing about the protocol or the
+storage: the layer's invariants are "not checked (the suite failed)", with the traceback, and
+the run does not pass.
+
 What is *not* a storage failure: a fault the suite injected, and anything raised because of
 one (``InjectedFault`` in the chain of causes); a simulated crash; and the storage's definite
 answers (not found, exists, precondition failed), which the protocol must handle, so that one
@@ -21,7 +26,10 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 from ckptstore.conformance.faults import InjectedFault
+from ckptstore.conformance.model import InvariantViolation
 from ckptstore.errors import (
+    CkptStoreError,
+    InvalidInputError,
     ObjectNotFoundError,
     PreconditionFailedError,
     StorageError,
@@ -31,13 +39,17 @@ from ckptstore.errors import (
 __all__ = [
     "CASE_ATTEMPTS",
     "STORAGE_ERROR",
+    "SUITE_ERROR",
     "StorageFailure",
+    "SuiteError",
     "abort_on_storage_failure",
     "retry_storage_failures",
     "storage_failure",
+    "suite_failed",
 ]
 
 STORAGE_ERROR = "storage error"
+SUITE_ERROR = "suite error"
 CASE_ATTEMPTS = 3
 """Runs of one case (the first and two retries) before the storage's failure is reported."""
 RETRY_PAUSE_S = 0.5
@@ -59,6 +71,19 @@ class StorageFailure(BaseException):
         every = f" (the storage failed all {runs} runs)" if runs > 1 else ""
         super().__init__(f"{STORAGE_ERROR}, not an invariant violation{every}: {error!r}")
         self.error = error
+
+
+class SuiteError(BaseException):
+    """The suite could not carry a case out (a wait that timed out, a state it could not
+    reach): no verdict on the protocol nor on the storage.
+
+    A BaseException, as ``StorageFailure`` is: hypothesis stops at once instead of shrinking a
+    timeout, and no layer's ``except Exception`` takes it for the protocol's error.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{SUITE_ERROR}, not an invariant violation: {message}")
+        self.message = message
 
 
 def storage_failure(error: BaseException) -> StorageError | None:
@@ -83,6 +108,18 @@ def storage_failure(error: BaseException) -> StorageError | None:
     if deepest is None or isinstance(deepest, _ANSWERS):
         return None
     return deepest
+
+
+def suite_failed(error: BaseException) -> bool:
+    """Whether ``error``, escaping a case, is the suite's own failure rather than ckptstore's
+    answer: a ``SuiteError``, or an error that is not ckptstore's (a Python error in the
+    suite's code, a barrier broken by a timeout), or an argument ckptstore refused as
+    malformed (the suite passed it)."""
+    if isinstance(error, SuiteError):
+        return True
+    if isinstance(error, InvariantViolation | StorageFailure | InjectedFault):
+        return False
+    return not isinstance(error, CkptStoreError) or isinstance(error, InvalidInputError)
 
 
 def abort_on_storage_failure(function: Callable[P, T]) -> Callable[P, T]:

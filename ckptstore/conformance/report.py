@@ -9,6 +9,11 @@ A case that the storage kept failing (``outcomes``) is a third outcome, ``storag
 the invariants it was checking are reported so, with the storage's errors, unless another
 case violated them. A storage error is not ``ok`` (nothing was proved), and it is not a
 violation: the text says which it is, JSON gives an ``outcome``, JUnit an ``error``.
+
+A layer the suite itself failed in (``outcomes.SuiteError``, or a Python error of its own: a
+wait that timed out, a step it could not carry out) is a fourth: ``suite error``, with the
+traceback, and that layer's invariants "not checked (the suite failed)" unless another case
+violated them. It is never a violation, and never a pass.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from xml.etree import ElementTree
 
 from ckptstore.conformance.layers.probes import HELD, NOT_MEASURED, ProbeResult
 from ckptstore.conformance.model import INVARIANTS
-from ckptstore.conformance.outcomes import STORAGE_ERROR
+from ckptstore.conformance.outcomes import STORAGE_ERROR, SUITE_ERROR
 from ckptstore.urls import redact
 
 __all__ = ["BackendReport", "InvariantResult", "LayerError", "render_text", "to_json", "to_junit"]
@@ -31,6 +36,10 @@ INTERRUPTED = "interrupted"
 """The run was stopped (KeyboardInterrupt) before a layer finished: what is there was found."""
 STORAGE_ERROR_STATUS = STORAGE_ERROR
 """Undecided: the storage failed the cases that check it, on every run."""
+SUITE_ERROR_STATUS = SUITE_ERROR
+"""A layer's outcome when the suite itself failed in it (``outcomes.SuiteError``)."""
+SUITE_FAILED = "not checked (the suite failed)"
+"""An invariant a layer was checking when the suite failed in it: no verdict, either way."""
 
 
 @dataclass
@@ -45,8 +54,9 @@ class InvariantResult:
 
 @dataclass
 class LayerError:
-    """What stopped a layer (or a step around the layers) before it finished: a ``violated``
-    (ckptstore raised something unexpected) or a ``storage error``; the rest still ran."""
+    """What stopped a layer (or a step around the layers) before it finished: ``violated``
+    (ckptstore raised something unexpected), ``storage error`` or ``suite error`` (the
+    message ends with the traceback); the rest still ran."""
 
     layer: str
     outcome: str
@@ -71,8 +81,20 @@ class BackendReport:
     """Layers that stopped early, and why (their invariants' verdicts say what was decided)."""
 
     def layer_error(self, layer: str, outcome: str, message: str) -> None:
-        """Record what stopped ``layer``: ``violated`` or ``storage error``."""
+        """Record what stopped ``layer``: ``violated``, ``storage error`` or ``suite error``."""
         self.errors.append(LayerError(layer, outcome, message))
+
+    def suite_failed(self, layer: str, invariants: tuple[str, ...], message: str) -> None:
+        """Record that the suite itself failed in ``layer`` (``message``: what and the
+        traceback): its ``invariants`` are not checked, unless a violation was found."""
+        self.layer_error(layer, SUITE_ERROR_STATUS, message)
+        for key in invariants:
+            result = self.invariants[key]
+            if result.status != VIOLATED_STATUS:
+                if result.status != SUITE_FAILED:
+                    result.evidence = []
+                result.status = SUITE_FAILED
+                result.evidence.append(f"{layer}: the suite failed (see the layer's error)")
 
     def checked(self, *invariants: str) -> None:
         """Mark invariants as checked by a layer (held unless a violation says otherwise)."""
@@ -100,7 +122,7 @@ class BackendReport:
         (unless a violation was, or is later, found: that stands)."""
         for key in keys:
             result = self.invariants[key]
-            if result.status == VIOLATED_STATUS:
+            if result.status in (VIOLATED_STATUS, SUITE_FAILED):
                 continue
             if result.status != STORAGE_ERROR_STATUS:
                 result.status = STORAGE_ERROR_STATUS
@@ -133,14 +155,17 @@ class BackendReport:
     @property
     def outcome(self) -> str:
         """``violated`` (an invariant, a declared capability missing, or a layer stopped by
-        an unexpected error), else ``interrupted``, else ``storage error`` (something
-        undecided), else ``held``."""
+        an unexpected error of ckptstore's), else ``suite error`` (the suite failed in a
+        layer), else ``interrupted``, else ``storage error`` (something undecided), else
+        ``held``."""
         if (
             self.capability_mismatches
             or any(r.status == VIOLATED_STATUS for r in self.invariants.values())
             or any(e.outcome == VIOLATED_STATUS for e in self.errors)
         ):
             return VIOLATED_STATUS
+        if any(e.outcome == SUITE_ERROR_STATUS for e in self.errors):
+            return SUITE_ERROR_STATUS
         if any(e.outcome == INTERRUPTED for e in self.errors):
             return INTERRUPTED
         return STORAGE_ERROR_STATUS if self.storage_errors else HELD_STATUS
@@ -201,7 +226,7 @@ def render_text(reports: list[BackendReport]) -> str:
         lines.append("")
         lines.append(f"  {'invariant':<36} status")
         for result in report.invariants.values():
-            loud = result.status in (VIOLATED_STATUS, STORAGE_ERROR_STATUS)
+            loud = result.status in (VIOLATED_STATUS, STORAGE_ERROR_STATUS, SUITE_FAILED)
             status = result.status.upper() if loud else result.status
             lines.append(f"  {result.invariant + ' ' + result.name:<36} {status}")
             if loud:
@@ -211,7 +236,9 @@ def render_text(reports: list[BackendReport]) -> str:
         for key, value in report.coverage.items():
             lines.append(f"  {key}: {value}")
         for error in report.errors:
-            lines.append(f"  {error.layer}: {error.outcome.upper()}: {error.message}")
+            first, *rest = error.message.splitlines() or [""]
+            lines.append(f"  {error.layer}: {error.outcome.upper()}: {first}")
+            lines.extend("      " + part for part in rest)
         lines.append("")
     lines.append(f"conformance: {len(reports)} backend(s); {_summary(reports)}")
     return redact("\n".join(lines) + "\n")  # evidence quotes URLs and foreign errors
@@ -219,8 +246,14 @@ def render_text(reports: list[BackendReport]) -> str:
 
 def _summary(reports: list[BackendReport]) -> str:
     violating = [r.url for r in reports if r.outcome == VIOLATED_STATUS]
+    failed = [r.url for r in reports if r.outcome == SUITE_ERROR_STATUS]
     undecided = [r.url for r in reports if r.outcome == STORAGE_ERROR_STATUS]
     parts = [f"VIOLATIONS on {', '.join(violating)}"] if violating else []
+    if failed:
+        parts.append(
+            f"SUITE ERRORS on {', '.join(failed)} (the suite itself failed: no verdict on "
+            f"the layers named; please report it with the traceback)"
+        )
     if undecided:
         parts.append(
             f"STORAGE ERRORS on {', '.join(undecided)} (the storage kept failing after "
@@ -232,7 +265,7 @@ def _summary(reports: list[BackendReport]) -> str:
 def to_json(reports: list[BackendReport]) -> str:
     """The report as JSON."""
     outcomes = [r.outcome for r in reports]
-    order = (VIOLATED_STATUS, INTERRUPTED, STORAGE_ERROR_STATUS)
+    order = (VIOLATED_STATUS, SUITE_ERROR_STATUS, INTERRUPTED, STORAGE_ERROR_STATUS)
     worst = next((o for o in order if o in outcomes), HELD_STATUS)
     return redact(
         json.dumps(
@@ -261,9 +294,10 @@ def to_junit(reports: list[BackendReport]) -> str:
                 failures += 1
                 failure = ElementTree.SubElement(case, "failure", message="violated")
                 failure.text = "\n\n".join(result.evidence)
-            elif result.status == STORAGE_ERROR_STATUS:
+            elif result.status in (STORAGE_ERROR_STATUS, SUITE_FAILED):
                 errors += 1
-                error = ElementTree.SubElement(case, "error", message=STORAGE_ERROR)
+                what = STORAGE_ERROR if result.status == STORAGE_ERROR_STATUS else SUITE_ERROR
+                error = ElementTree.SubElement(case, "error", message=what)
                 error.text = "\n\n".join(result.evidence)
             elif result.status in (NOT_APPLICABLE, NOT_CHECKED):
                 ElementTree.SubElement(case, "skipped", message=result.status)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,10 +22,16 @@ from ckptstore.conformance.layers.registry import layers_for
 from ckptstore.conformance.location import LocationFactory, open_for_measuring
 from ckptstore.conformance.machine import PROFILES
 from ckptstore.conformance.model import INVARIANTS, InvariantViolation
-from ckptstore.conformance.outcomes import STORAGE_ERROR, StorageFailure, storage_failure
+from ckptstore.conformance.outcomes import (
+    STORAGE_ERROR,
+    StorageFailure,
+    SuiteError,
+    storage_failure,
+    suite_failed,
+)
 from ckptstore.conformance.report import INTERRUPTED, VIOLATED_STATUS, BackendReport
 from ckptstore.driver import DriverFamily, driver_family
-from ckptstore.errors import InvalidOptionError, RefusedError
+from ckptstore.errors import CapabilityError, InvalidOptionError, RefusedError
 from ckptstore.store import Store
 from ckptstore.urls import redact
 
@@ -187,10 +194,14 @@ def _layer(
 
     What the layer found until then is recorded. An ``InvariantViolation`` is a violation of
     its invariant; the storage's own failure (see ``outcomes``) leaves the layer's invariants
-    undecided; anything else ckptstore raised is the protocol misbehaving: the layer's first
-    invariant is violated (the report's ``errors`` name the layer whose invariants it leaves
-    unchecked). Then ``written(report)`` is called, also when the run is interrupted
-    (KeyboardInterrupt), so that finished layers stay written.
+    undecided; a ``CapabilityError`` (the store refused the storage) makes them not
+    applicable, with the refusal; any other error ckptstore raised is the protocol
+    misbehaving: the layer's first invariant is violated (the report's ``errors`` name the
+    layer whose invariants it leaves unchecked). The suite's own failure (``SuiteError``, or
+    any error that is not ckptstore's: a Python error in the suite, a barrier broken by a
+    timeout) is a ``suite error`` with its traceback, and the layer's invariants are "not
+    checked": never a violation. Then ``written(report)`` is called, also when the run is
+    interrupted (KeyboardInterrupt), so that finished layers stay written.
     """
     name, invariants, found = layer.name, layer.invariants, Findings()
     try:
@@ -198,6 +209,8 @@ def _layer(
     except StorageFailure as failure:
         report.storage_error(invariants, f"{name}: {failure}")
         report.layer_error(name, STORAGE_ERROR, f"stopped by the storage: {failure.error!r}")
+    except SuiteError as failure:
+        report.suite_failed(name, invariants, _told(failure.message, failure))
     except InvariantViolation as violation:
         report.violated(violation.invariant, f"{name}: {violation.detail}")
     except Exception as exc:
@@ -205,6 +218,11 @@ def _layer(
         if cause is not None:
             report.storage_error(invariants, f"{name}: {cause!r}")
             report.layer_error(name, STORAGE_ERROR, f"stopped by the storage: {cause!r}")
+        elif isinstance(exc, CapabilityError):
+            for key in invariants:
+                report.not_applicable(key, f"{name}: the store refuses this storage: {exc}")
+        elif suite_failed(exc):
+            report.suite_failed(name, invariants, _told(f"the suite failed: {exc!r}", exc))
         else:
             if invariants:
                 report.violated(invariants[0], f"{name}: the layer failed: {exc!r}")
@@ -219,6 +237,12 @@ def _layer(
         record(report, found)
         report.duration_s = time.monotonic() - started
         written(report)
+
+
+def _told(message: str, error: BaseException) -> str:
+    """``message``, then the traceback of ``error``: what a suite error is reported with."""
+    trace = "".join(traceback.format_exception(error)).rstrip()
+    return f"{message}\n{trace}"
 
 
 def run_tiered(

@@ -119,6 +119,11 @@ class CrashPointResult:
         crashes were chosen, how many were made and what each checked, then ``notes`` and
         the retries."""
         crashes = max(self.cases - 1, 0)  # the first case is the baseline: no crash
+        if self.calls == 0 and (self.failures or self.storage_errors):
+            return (
+                "no case ran: the workload failed without any fault injected (see the "
+                f"verdicts){self.retries_note()}"
+            )
         return (
             f"{self.calls} storage calls{calls}, {chosen}: {crashes} crashes, each {checked}"
             f"{notes}{self.retries_note()}"
@@ -251,7 +256,8 @@ def run_in_fresh(
     """Run ``body`` in a fresh place (a location, a tiered pair), destroyed afterwards.
 
     A ckptstore error escaping ``body`` (the workload failed before the case's check) is
-    ``undecided``: a storage error, or a failure of ``invariant``.
+    ``undecided``: a storage error, or a failure of ``invariant``; a violation the workload
+    saw itself is the case's failure.
     """
     case = Case(name)
     try:
@@ -262,6 +268,10 @@ def run_in_fresh(
         body(place, case)
     except CkptStoreError as exc:
         return undecided(case.result, case.name, exc, invariant)
+    except InvariantViolation as violation:  # the workload itself saw a violation
+        case.result.cases += 1
+        case.result.failures.append(CaseFailure(case.name, violation.invariant, violation.detail))
+        return case.result
     finally:
         place.destroy()
     return case.result

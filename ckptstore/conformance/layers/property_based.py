@@ -18,7 +18,12 @@ from ckptstore.conformance.layers.layer import Budget, Findings, SuiteRun
 from ckptstore.conformance.machine import PROFILES, make_state_machine, run_state_machine
 from ckptstore.conformance.machine.shrinking import shrinking_stops_at
 from ckptstore.conformance.model import InvariantViolation
-from ckptstore.conformance.outcomes import StorageFailure, storage_failure
+from ckptstore.conformance.outcomes import (
+    StorageFailure,
+    SuiteError,
+    storage_failure,
+    suite_failed,
+)
 
 __all__ = [
     "BUDGET",
@@ -105,6 +110,8 @@ def _finding(found: Findings, error: BaseException, printed: list[str]) -> str |
         found.violated(error.invariant, _shrunk(error.detail, error, printed))
         return _budget_note(error, printed)
     cause = storage_failure(error)  # one that hypothesis shrank: the storage failed
+    if cause is None and suite_failed(error):  # the suite's own error: no verdict
+        raise SuiteError(_shrunk(f"a rule failed: {error!r}", error, printed)) from error
     if cause is None:  # anything else the store raised is reported, not hidden
         found.violated("I1", _shrunk(f"unexpected error: {error!r}", error, printed))
         return _budget_note(error, printed)

@@ -35,7 +35,7 @@ from ckptstore.commit.base import CommitStrategy
 from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.workload import pattern
 from ckptstore.conformance.location import Location, open_for_measuring
-from ckptstore.conformance.outcomes import storage_failure
+from ckptstore.conformance.outcomes import SuiteError, storage_failure
 from ckptstore.driver import Capability, DriverFamily, PutMode, driver_family, storage_calls
 from ckptstore.errors import CheckpointExistsError, CkptStoreError
 from ckptstore.store import Store
@@ -379,7 +379,13 @@ class _Judge:
         hint = base.read_latest_hint()
         published = set(base.published_steps())
         before, self.hint = self.hint, hint
-        if hint is not None and hint not in published:
+        if hint is not None and hint not in published and base.is_published(hint):
+            # A direct read finds it: the listing, not the protocol, lost the step.
+            self.fail("I2", race, f"LATEST names step {hint}, which a direct read finds "
+                      f"published but the store's listing omits: the storage's listing does "
+                      f"not show what was written")  # fmt: skip
+            published.add(hint)
+        elif hint is not None and hint not in published:
             self.fail("I1", race, f"after writers of steps {steps[0]}..{steps[-1]} raced to "
                       f"move it, LATEST names step {hint}, which is not published")  # fmt: skip
         if before is not None and (hint is None or hint < before):
@@ -398,6 +404,10 @@ class _Judge:
                       f"LATEST by compare-and-swap; it names step {hint}: an update was lost "
                       f"(two writers' If-Match let through), so LATEST went back from "
                       f"{steps[-1]} to {hint}")  # fmt: skip
+        if not published:  # the seed and the publish rounds' steps were all published
+            self.fail("I2", race, "the store lists no published step after the pointer race: "
+                      "the storage's listing omits what was written")  # fmt: skip
+            return
         latest = Store(base).latest()
         newest = max(published)
         if latest is None or latest.step != newest:
@@ -509,6 +519,13 @@ def _lead(
     unready = [o for o in ready if o.kind != "ready"]
     if unready:
         sync.abort()
+        if any(o.kind == "unreachable" for o in unready) and how == "threads":
+            # The racers share this process's strategy: the storage hides a fresh write.
+            result.failures.append(RaceFinding("I2", how, (
+                f"a writer does not list the checkpoint (step {SEED_STEP}) saved a moment "
+                f"before through the same store object: the storage's listing omits what "
+                f"was just written, so the races could not run")))  # fmt: skip
+            return 0
         if any(o.kind == "unreachable" for o in unready):
             return (f"not applicable: a process that opens {location.url} does not see a "
                     f"checkpoint saved by another (its data lives in one process)")  # fmt: skip
@@ -553,9 +570,9 @@ def run_races(
     ran = _undecided_on_storage_failure(
         result, "threads", lambda: _raced(new_location, profile.threads, "threads", result)
     )
-    if isinstance(ran, str):  # threads share the process: only a dead racer stops them
-        result.failures.append(RaceFinding("I5", "threads", ran))
-    elif ran is not None:
+    if isinstance(ran, str):  # threads share the process: only the suite's failure stops them
+        raise SuiteError(f"the writer threads could not race: {ran}")
+    if ran is not None:
         result.thread_rounds = ran
     if not processes:
         result.processes_skipped = "not run"
@@ -599,7 +616,8 @@ def _undecided_on_storage_failure(
 def run_layer(run: SuiteRun, found: Findings) -> None:
     """The layer on ``run``'s target, as hard as its profile says (``RACE_PROFILES``)."""
     result = run_races(run.locations, RACE_PROFILES[run.profile])
-    found.check("I1", "I4", "I5")
+    if result.thread_rounds or result.process_rounds:  # else nothing was raced: not checked
+        found.check("I1", "I4", "I5")
     for failure in result.failures:
         found.violated(failure.invariant, f"{failure.case}: {failure.message}")
     for error in result.storage_errors:

@@ -16,7 +16,7 @@ from datetime import timedelta
 
 from ckptstore.conformance.faults import FaultPlan
 from ckptstore.conformance.location import Location
-from ckptstore.conformance.model import Model, Saved
+from ckptstore.conformance.model import InvariantViolation, Model, Saved
 from ckptstore.driver import Capability
 from ckptstore.manifest import Manifest
 from ckptstore.retention import KeepLast
@@ -103,7 +103,15 @@ def standard_workload(location: Location, plan: FaultPlan, model: Model, big: in
     pending.write("model/rank00000.bin", dead.shards["model/rank00000.bin"])
     del pending  # its writer "dies": the attempt is never published nor aborted
     location.clock.advance(AGE_PAST_GRACE)
-    model.removal_started(set(store.steps()) - {max(store.steps())}, explicit=False)
+    listed = set(store.steps())
+    hidden = sorted(set(model.committed) - listed)
+    if hidden:
+        raise InvariantViolation(
+            "I2",
+            f"the store does not list step(s) {hidden}, published a moment before: the "
+            f"storage's listing omits what was just written (see the probes' listing checks)",
+        )
+    model.removal_started(listed - {max(listed)}, explicit=False)
     store.apply_retention(KeepLast(1))
     model.gc_started()
     store.gc(grace=GRACE)
