@@ -20,7 +20,15 @@ from ckptstore.commit.base import CommitStrategy
 from ckptstore.errors import BackendUnavailableError, InvalidInputError, UnknownSchemeError
 from ckptstore.urls import StoreURL
 
-__all__ = ["BackendFactory", "builtin_schemes", "known_schemes", "register", "resolve"]
+__all__ = [
+    "BackendFactory",
+    "backend_modules",
+    "builtin_schemes",
+    "import_backend",
+    "known_schemes",
+    "register",
+    "resolve",
+]
 
 BackendFactory = Callable[[StoreURL, Mapping[str, object]], CommitStrategy[Any]]
 ENTRY_POINT_GROUP = "ckptstore.backends"
@@ -51,6 +59,8 @@ _FAMILIES: Mapping[str, tuple[str, str]] = MappingProxyType(
 )
 """Scheme prefixes a built-in backend opens whatever follows: ``fsspec+<protocol>``."""
 _registered: dict[str, BackendFactory] = {}
+_imported: list[str] = []
+"""Modules imported with ``import_backend``, in order."""
 _lock = threading.Lock()
 
 
@@ -79,6 +89,30 @@ def unregister(scheme: str) -> None:
     """Remove a scheme added with ``register``."""
     with _lock:
         _registered.pop(scheme.lower(), None)
+
+
+def import_backend(name: str) -> None:
+    """Import the module ``name`` (which registers schemes when imported) and remember it, so
+    that a process started later to open the same URLs imports it too (``backend_modules``).
+    Raises what the import raises."""
+    importlib.import_module(name)
+    with _lock:
+        if name not in _imported:
+            _imported.append(name)
+
+
+def backend_modules(scheme: str) -> tuple[str, ...]:
+    """The modules a fresh process must import for ``scheme://`` URLs to open there as here:
+    every module imported with ``import_backend``, then the module of a factory registered at
+    run time for ``scheme`` (unless it is ``__main__``, which no other process can import).
+    Built-in and entry-point schemes need none."""
+    with _lock:
+        modules = list(_imported)
+        factory = _registered.get(scheme.lower())
+    home = getattr(factory, "__module__", None) if factory is not None else None
+    if isinstance(home, str) and home != "__main__" and home not in modules:
+        modules.append(home)
+    return tuple(modules)
 
 
 def resolve(scheme: str) -> BackendFactory:

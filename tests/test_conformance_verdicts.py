@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,11 +22,14 @@ import pytest
 
 from ckptstore import registry
 from ckptstore.backends.memory import MemoryDriver, drop_bucket, get_bucket
+from ckptstore.backends.posix import PosixDriver
 from ckptstore.cli import main
 from ckptstore.commit.conditional_put import ConditionalPutCommit
+from ckptstore.commit.rename import RenameCommit
 from ckptstore.conformance import runner
-from ckptstore.conformance.layers.layer import Layer, SuiteRun
-from ckptstore.conformance.layers.races import RACE_PROFILES, run_races
+from ckptstore.conformance.layers import races
+from ckptstore.conformance.layers.layer import Findings, Layer, SuiteRun
+from ckptstore.conformance.layers.races import RACE_PROFILES, Crew, RaceProfile, run_races
 from ckptstore.conformance.layers.registry import layer_named
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import make_state_machine
@@ -236,8 +240,6 @@ def test_a_thread_racer_that_cannot_see_the_seed_blames_the_listing(
 
 
 def _races_findings(name: str, bucket: str) -> Any:
-    from ckptstore.conformance.layers.layer import Findings
-
     found = Findings()
     layer_named("parallel races").run(SuiteRun(LocationFactory(f"{name}://{bucket}/run2")), found)
     return found
@@ -283,3 +285,69 @@ def test_a_correct_store_is_never_reported_broken_under_load(
     text = render_text([report])
     assert report.outcome == "held", text
     assert not report.errors, text
+
+
+# -- --import reaches every process the suite starts -----------------------------------------
+
+SHARED_FS_BACKEND = '''
+"""A third-party scheme over a shared file system, registered when imported."""
+from ckptstore.backends.posix import PosixDriver
+from ckptstore.commit.rename import RenameCommit
+from ckptstore.registry import register
+
+
+def open_shared(url, options):
+    return RenameCommit(PosixDriver(url.path))
+
+
+register("sharedfs", open_shared, replace=True)
+'''
+SMALL_RACES = RaceProfile(threads=Crew(4, 1, 1, 0.0), processes=Crew(2, 1, 1, 0.0))
+
+
+@pytest.fixture
+def shared_fs_module(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A module in a directory of its own, found through the parent's ``sys.path`` only."""
+    home = tmp_path / "backends"
+    home.mkdir()
+    (home / "sharedfs_backend.py").write_text(SHARED_FS_BACKEND)
+    monkeypatch.syspath_prepend(str(home))
+    monkeypatch.setattr(registry, "_imported", [])
+    yield "sharedfs_backend"
+    registry.unregister("sharedfs")
+    sys.modules.pop("sharedfs_backend", None)
+
+
+def test_racer_processes_import_what_import_imported(shared_fs_module: str, tmp_path: Any) -> None:
+    """``--import mypkg`` registered the scheme in the suite's process only: the racer
+    processes skipped with UnknownSchemeError and the run passed."""
+    registry.import_backend(shared_fs_module)  # what ``conformance --import`` does
+    result = run_races(LocationFactory(f"sharedfs://{tmp_path}/store"), SMALL_RACES)
+    assert result.processes_skipped == "", result.processes_skipped
+    assert result.process_rounds == 1 and result.failures == []
+
+
+def test_racer_processes_that_cannot_open_the_scheme_fail_the_run(tmp_path: Any) -> None:
+    """A scheme no other process can import (registered from ``__main__``): the process races
+    are reported as not run, a suite error, and the run does not pass."""
+
+    def open_here(url: Any, options: Any) -> RenameCommit:
+        return RenameCommit(PosixDriver(url.path))
+
+    open_here.__module__ = "__main__"
+    registry.register("heresfs", open_here, replace=True)
+    try:
+        found = Findings()
+        layer = layer_named("parallel races")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(races.RACE_PROFILES, "ci", SMALL_RACES)
+            layer.run(SuiteRun(LocationFactory(f"heresfs://{tmp_path}/store")), found)
+    finally:
+        registry.unregister("heresfs")
+    report = BackendReport(url="heresfs", strategy="test")
+    runner.record(report, found)
+    assert report.outcome == "suite error", render_text([report])
+    (error,) = report.errors
+    assert error.layer == "parallel races (processes)"
+    assert "not run: a racer could not open the store" in error.message
+    assert "UnknownSchemeError" in error.message

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn, TextIO
 
+from ckptstore import registry
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.cli.directory import add_directory_commands
 from ckptstore.cli.lineage import (
@@ -842,7 +842,7 @@ def _import_backends(modules: Sequence[str]) -> None:
         sys.path.insert(0, os.getcwd())
     for name in modules:
         try:
-            importlib.import_module(name)
+            registry.import_backend(name)  # remembered: the suite's child processes import it
         except Exception as exc:  # whatever the module raised: its author must see it
             raise InvalidOptionError(
                 f"--import {name}: the module could not be imported ({type(exc).__name__}: {exc})"

@@ -146,6 +146,7 @@ def judge(found: Findings) -> None:
     _fail_on([f"{invariant}: {evidence}" for invariant, evidence in found.violations])
     heading = f"{STORAGE_ERROR} (the storage kept failing; not an invariant violation)"
     _fail_on([f"{heading}: {evidence}" for _, evidence in found.undecided])
+    _fail_on([f"suite error: {part} not run: {why}" for part, why in found.not_run.items()])
     if found.skipped:
         pytest.skip(found.skipped)
     assert not found.vacuous, found.vacuous

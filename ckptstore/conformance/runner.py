@@ -24,6 +24,7 @@ from ckptstore.conformance.machine import PROFILES
 from ckptstore.conformance.model import INVARIANTS, InvariantViolation
 from ckptstore.conformance.outcomes import (
     STORAGE_ERROR,
+    SUITE_ERROR,
     StorageFailure,
     SuiteError,
     storage_failure,
@@ -130,6 +131,8 @@ def record(report: BackendReport, found: Findings) -> None:
         report.storage_error(invariants, evidence)
     report.capabilities.extend(found.capabilities)
     report.coverage.update(found.coverage)
+    for part, why in found.not_run.items():
+        report.layer_error(part, SUITE_ERROR, f"not run: {why}")
 
 
 def _run_layers(

@@ -54,6 +54,9 @@ class Findings:
     capabilities: list[ProbeResult] = field(default_factory=list)
     coverage: dict[str, str] = field(default_factory=dict)
     """Coverage lines by name (the layer's name, or a part of it: ``ext4 image``)."""
+    not_run: dict[str, str] = field(default_factory=dict)
+    """Parts of the layer the suite could not run where they apply, with why (a racer
+    process that could not open the store): a suite error, the run does not pass."""
     skipped: str = ""
     vacuous: str = ""
 

@@ -23,8 +23,10 @@ first, and each child must see it.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +40,9 @@ from ckptstore.conformance.location import Location, open_for_measuring
 from ckptstore.conformance.outcomes import SuiteError, storage_failure
 from ckptstore.driver import Capability, DriverFamily, PutMode, driver_family, storage_calls
 from ckptstore.errors import CheckpointExistsError, CkptStoreError
+from ckptstore.registry import backend_modules
 from ckptstore.store import Store
+from ckptstore.urls import parse_url
 
 __all__ = [
     "INVARIANTS",
@@ -58,6 +62,8 @@ POINTER_NAME = "LATEST"
 WAIT_S = 120.0
 """How long a racer waits for the others at a barrier before the round is called broken."""
 SEED_STEP = 0
+NOT_APPLICABLE = "not applicable"
+"""How a crew's reason for not racing starts where it cannot race there (not a failure)."""
 """A checkpoint the parent saves first: a child process that cannot see it cannot race."""
 
 
@@ -258,12 +264,35 @@ class _Sync:
             barrier.abort()
 
 
+@dataclass(frozen=True)
+class ChildSource:
+    """What a racer process opens, and what it imports first so that the URL's scheme opens
+    there as here (a backend registered through ``--import`` or at run time: ``registry.
+    backend_modules``), with the parent's module path to find them on."""
+
+    url: str
+    options: dict[str, Any]
+    modules: tuple[str, ...]
+    path: tuple[str, ...]
+
+    @classmethod
+    def of(cls, location: Location) -> ChildSource:
+        scheme = parse_url(location.url).scheme
+        return cls(location.url, location.options, backend_modules(scheme), tuple(sys.path))
+
+    def open(self) -> CommitStrategy[Any]:
+        sys.path.extend(entry for entry in self.path if entry not in sys.path)
+        for module in self.modules:
+            importlib.import_module(module)
+        return open_for_measuring(self.url, self.options)
+
+
 def _writer(source: Any, writer: int, plan: list[Round], sync: _Sync) -> None:
-    """One racer: open the store (``source``: a strategy shared by threads, or the URL and
-    options a process opens), say whether it sees the seed, then race every round."""
+    """One racer: open the store (``source``: a strategy shared by threads, or the
+    ``ChildSource`` a process opens), say whether it sees the seed, then race every round."""
     try:
         shared = isinstance(source, CommitStrategy)
-        strategy = source if shared else open_for_measuring(*source)
+        strategy = source if shared else source.open()
         gate = RaceGate(strategy.driver, sync.gate)
         store = Store(strategy.with_driver(gate))
         seen = SEED_STEP in store.steps()
@@ -460,7 +489,7 @@ def _crew(location: Location, crew: Crew, how: str, result: RaceResult) -> int |
                      context.Barrier(writers + 1), context.Queue(), context.Event())  # fmt: skip
     runners: list[Any] = []
     for writer in range(writers):
-        source = location.base if context is None else (location.url, location.options)
+        source = location.base if context is None else ChildSource.of(location)
         args = (source, writer, plan, sync)
         if context is None:
             runners.append(threading.Thread(target=_writer, args=args, daemon=True))
@@ -527,7 +556,7 @@ def _lead(
                 f"was just written, so the races could not run")))  # fmt: skip
             return 0
         if any(o.kind == "unreachable" for o in unready):
-            return (f"not applicable: a process that opens {location.url} does not see a "
+            return (f"{NOT_APPLICABLE}: a process that opens {location.url} does not see a "
                     f"checkpoint saved by another (its data lives in one process)")  # fmt: skip
         if unready[0].storage:
             result.storage_errors.append(
@@ -594,7 +623,7 @@ def _raced(
     try:
         driver = location.base.driver
         if how == "processes" and getattr(driver, "process_local", False):
-            return f"not applicable: {type(driver).__name__} keeps its data in one process"
+            return f"{NOT_APPLICABLE}: {type(driver).__name__} keeps its data in one process"
         return _crew(location, crew, how, result)
     finally:
         location.destroy()
@@ -622,4 +651,7 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
         found.violated(failure.invariant, f"{failure.case}: {failure.message}")
     for error in result.storage_errors:
         found.storage_error((error.invariant,), f"{error.case}: {error.message}")
+    skipped = result.processes_skipped
+    if skipped and not skipped.startswith(NOT_APPLICABLE):
+        found.not_run["parallel races (processes)"] = skipped
     found.coverage["parallel races"] = result.coverage()
