@@ -355,6 +355,43 @@ class FirstPageListDriver(MemoryDriver):
         return iter(list(super().list(prefix, start_after=start_after))[: self.PAGE])
 
 
+class PartsByNameDriver(MemoryDriver):
+    """A gateway that keeps an upload's parts as files named by their number and assembles
+    them in the order of those names: 1, 10, 11, 12, 13, 2, ... An upload of up to 9 parts
+    comes out right, so only an upload of 10 parts or more shows it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.bodies: dict[tuple[str, int], bytes] = {}
+
+    def upload_part(self, key: str, upload_id: str, part_number: int, data: Any) -> PartInfo:
+        info = super().upload_part(key, upload_id, part_number, data)
+        self.bodies[(upload_id, part_number)] = bytes(data)
+        return info
+
+    def complete_multipart(
+        self, key: str, upload_id: str, parts: Sequence[PartInfo], **kwargs: Any
+    ) -> ObjectInfo:
+        info = super().complete_multipart(key, upload_id, parts, **kwargs)
+        numbers = sorted((p.part_number for p in parts), key=str)
+        with self.bucket.lock:
+            version = self.bucket.objects[self.full(key)][-1]
+            version.data = b"".join(self.bodies.pop((upload_id, n)) for n in numbers)
+        return info
+
+
+class HidesDotNamesDriver(MemoryDriver):
+    """A gateway (and some FUSE file systems) that leaves names starting with ``.`` or ``_``
+    out of listings, as hidden or system files: torch DCP's ``.metadata`` and
+    ``__0_0.distcp`` among them. Reads by name still find them."""
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        listed = super().list(prefix, start_after=start_after)
+        return iter(
+            [i for i in listed if not any(s.startswith((".", "_")) for s in i.key.split("/"))]
+        )
+
+
 class BlindMarkerCommit(ConditionalPutCommit):
     """orbax's ``CommitFileTemporaryPath`` on GCS and S3: the checkpoint is committed by writing
     a marker (``commit_success.txt``) with a plain write, so a second writer's marker lands on

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import broken_variants as bv
 import pytest
 
 from ckptstore import registry
@@ -28,9 +29,12 @@ from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import RenameCommit
 from ckptstore.conformance import runner
 from ckptstore.conformance.layers import races
+from ckptstore.conformance.layers.crash_points import run_crash_points
 from ckptstore.conformance.layers.layer import Findings, Layer, SuiteRun
+from ckptstore.conformance.layers.probes import HIDDEN_NAMES, run_probes
 from ckptstore.conformance.layers.races import RACE_PROFILES, Crew, RaceProfile, run_races
 from ckptstore.conformance.layers.registry import layer_named
+from ckptstore.conformance.layers.workload import MANY_PARTS, big_shard_size, standard_shards
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import make_state_machine
 from ckptstore.conformance.machine import state_machine as machine_module
@@ -351,3 +355,77 @@ def test_racer_processes_that_cannot_open_the_scheme_fail_the_run(tmp_path: Any)
     assert error.layer == "parallel races (processes)"
     assert "not run: a racer could not open the store" in error.message
     assert "UnknownSchemeError" in error.message
+
+
+# -- shapes real storage gets wrong: many parts, hidden names ---------------------------------
+
+
+def _probe_row(url: str, row: str) -> Any:
+    location = LocationFactory(url)()
+    try:
+        return next(r for r in run_probes(location) if r.capability == row)
+    finally:
+        location.destroy()
+
+
+def test_parts_assembled_by_name_are_caught_by_the_probe_and_the_workload(
+    bucket: str, scheme: Any
+) -> None:
+    """Every upload the suite made had 2 or 3 parts: assembling by name (1, 10, 11, ...) is
+    right up to 9 parts, so such a server passed."""
+    name = scheme("parts-by-name", bv.PartsByNameDriver)
+    probe = _probe_row(f"{name}://{bucket}/probe", "multipart")
+    assert probe.measured == "violated"
+    assert "holds its parts in the order 1, 10, 11, 12, 13, 2, 3" in probe.detail
+    result = run_crash_points(LocationFactory(f"{name}://{bucket}/run"), limit=1)
+    assert result.failures, "the workload's many-part shard read back right"
+    assert "optimizer/big.bin" in result.failures[0].message
+
+
+def test_the_workload_and_the_probe_upload_many_parts(bucket: str) -> None:
+    url = f"memory://{bucket}/run?{MEMORY_OPTIONS}"
+    location = LocationFactory(url)()
+    try:
+        big = big_shard_size(location)
+        shard = standard_shards(2, big)["optimizer/big.bin"]
+    finally:
+        location.destroy()
+    parts = [shard[i : i + PART] for i in range(0, len(shard), PART)]
+    assert len(parts) == MANY_PARTS >= 12
+    assert len(set(parts)) == len(parts)  # unequal content: an order of its own reads wrong
+    assert "13 parts, uploaded out of order" in _probe_row(url, "multipart").detail
+
+
+def test_names_real_trainers_write_are_in_the_workload() -> None:
+    names = standard_shards(1, 0)
+    assert any(n.startswith(".") for n in names) and any(n.startswith("_") for n in names)
+    assert {".metadata", "__0_0.distcp"} <= set(names)
+    assert max(n.count("/") for n in names) >= 4
+
+
+@pytest.mark.parametrize("where", ["memory", "file"])
+def test_a_listing_that_hides_dot_and_underscore_names_is_reported_missing(
+    bucket: str, scheme: Any, tmp_path: Any, where: str
+) -> None:
+    if where == "memory":
+        url = f"{scheme('hides-dot-names', bv.HidesDotNamesDriver)}://{bucket}/run"
+    else:
+        registry.register("hides-dot-files", _hiding_posix, replace=True)
+        url = f"hides-dot-files://{tmp_path}/store"
+    try:
+        probe = _probe_row(url, HIDDEN_NAMES)
+    finally:
+        registry.unregister("hides-dot-files")
+    assert probe.measured == "violated" and probe.required
+    assert re.search(r"not listed: \.probe-\w+, _probe-\w+, probe-\w+/\.metadata", probe.detail)
+    assert "torch DCP's .metadata" in probe.detail
+    assert _probe_row(f"memory://{bucket}/sound", HIDDEN_NAMES).measured == "held"
+
+
+class _HidingPosixDriver(PosixDriver):
+    def listdir(self, path: str) -> list[str]:
+        return [n for n in super().listdir(path) if not n.startswith((".", "_"))]
+
+
+def _hiding_posix(url: Any, options: Any) -> RenameCommit:
+    return RenameCommit(_HidingPosixDriver(url.path))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.conformance.layers.layer import Findings, SuiteRun
-from ckptstore.conformance.layers.workload import big_shard_size
+from ckptstore.conformance.layers.workload import MANY_PARTS, big_shard_size, pattern
 from ckptstore.conformance.location import Location, refused_at_open
 from ckptstore.conformance.outcomes import STORAGE_ERROR, retry_storage_failures, storage_failure
 from ckptstore.driver import Capability, DriverFamily, PutMode, driver_family
@@ -117,6 +117,11 @@ def _run_probes(location: Location, driver: Any) -> list[ProbeResult]:
         results.append(
             ProbeResult(capability.value, capability in declared, measured, detail, needed)
         )
+    (measured, detail), _ = retry_storage_failures(
+        functools.partial(_measure, _probe_hidden_names, driver),
+        lambda outcome: outcome[0] == STORAGE_ERROR,
+    )
+    results.append(ProbeResult(HIDDEN_NAMES, True, measured, detail, True))
     results.extend(
         ProbeResult("opening the store", True, VIOLATED, refusal, True)
         for refusal in refused_at_open(location.base)
@@ -135,7 +140,80 @@ def _measure(probe: Callable[[Any], tuple[str, str]], driver: Any) -> tuple[str,
 
 
 def _name() -> str:
-    return f".probe-{secrets.token_hex(6)}"
+    """A fresh name for a probe's object or file (not hidden: see ``_probe_hidden_names``)."""
+    return f"probe-{secrets.token_hex(6)}"
+
+
+HIDDEN_NAMES = "names starting with . or _"
+"""The report's row for ``_probe_hidden_names``: not a capability a driver declares, but one
+every store needs (trainers write such names: torch DCP's ``.metadata``, ``__0_0.distcp``)."""
+
+
+def _probe_hidden_names(driver: Any) -> tuple[str, str]:
+    """Names that start with ``.`` or ``_``, at the top and a directory down, stored, listed
+    and read back like any other: some S3 gateways and FUSE file systems hide them."""
+    folder = _name()
+    names = [f".{folder}", f"_{folder}", f"{folder}/.metadata", f"{folder}/__0_0.distcp"]
+    file_system = driver_family(driver) is DriverFamily.FILE_SYSTEM
+    listed: set[str] = set()
+    unread: list[str] = []
+    try:
+        if file_system:
+            driver.mkdir(folder)
+        for name in names:
+            _write_small(driver, name, name.encode(), file_system)
+        if file_system:
+            listed = set(driver.listdir("")) | {f"{folder}/{n}" for n in driver.listdir(folder)}
+        else:
+            listed = {info.key for info in driver.list("")}
+        for name in names:
+            if _read_small(driver, name, file_system) != name.encode():
+                unread.append(name)
+    finally:
+        _remove_small(driver, names, folder if file_system else None)
+    hidden = [name for name in names if name not in listed]
+    if not hidden and not unread:
+        return HELD, "stored, listed and read back like any other name (.metadata, __0_0.distcp)"
+    said = [f"not listed: {', '.join(hidden)}"] if hidden else []
+    said += [f"not read back: {', '.join(unread)}"] if unread else []
+    return VIOLATED, (
+        f"{'; '.join(said)} (trainers write such names, torch DCP's .metadata and "
+        f"__0_0.distcp among them; a listing that hides them hides leftovers from GC)"
+    )
+
+
+def _write_small(driver: Any, name: str, data: bytes, file_system: bool) -> None:
+    if not file_system:
+        driver.put(name, data)
+        return
+    handle = driver.create(name)
+    try:
+        driver.write(handle, data)
+    finally:
+        driver.close(handle)
+
+
+def _read_small(driver: Any, name: str, file_system: bool) -> bytes | None:
+    try:
+        if not file_system:
+            data: bytes = driver.get(name)[0]
+            return data
+        with driver.open_read(name) as stream:
+            read: bytes = stream.read()
+            return read
+    except ObjectNotFoundError:
+        return None
+
+
+def _remove_small(driver: Any, names: list[str], folder: str | None) -> None:
+    """Remove the objects, or the files and then their ``folder``, that a probe made; what
+    is gone already (or was never made) is fine."""
+    for name in names:
+        with contextlib.suppress(ObjectNotFoundError):
+            driver.unlink(name) if folder is not None else driver.delete(name)
+    if folder is not None:
+        with contextlib.suppress(ObjectNotFoundError):
+            driver.rmdir(folder)
 
 
 # -- file systems ------------------------------------------------------------------------
@@ -515,13 +593,17 @@ def _probe_version_delete(store: Any) -> tuple[str, str]:
 
 
 def _probe_multipart(store: Any) -> tuple[str, str]:
-    """Two parts, the first of the minimum part size and the last short, as a shard's upload
-    has (a part of 5 MiB on S3): a server that loses or reorders a part is caught here."""
+    """``MANY_PARTS`` parts, each of the minimum part size and its own bytes but the last
+    (short), uploaded in an order of their own (last first, then the rest from the first): a
+    server that loses a part, or assembles them by name (1, 10, 11, ...) or by arrival rather
+    than by number, is caught when the object is read back byte for byte."""
     key = _name()
-    first = bytes(range(256)) * -(-store.min_part_size // 256)
-    parts_data = [first[: store.min_part_size], b"last part"]
+    size = store.min_part_size
+    parts_data = [pattern(size, n) for n in range(1, MANY_PARTS)] + [b"last part"]
+    order = [len(parts_data), *range(1, len(parts_data))]  # part numbers, as uploaded
     upload = store.create_multipart(key)
-    parts = [store.upload_part(key, upload, n, data) for n, data in enumerate(parts_data, 1)]
+    uploaded = {n: store.upload_part(key, upload, n, parts_data[n - 1]) for n in order}
+    parts = [uploaded[n] for n in sorted(uploaded)]
     try:
         visible = any(info.key == key for info in store.list(""))
         try:
@@ -535,15 +617,34 @@ def _probe_multipart(store: Any) -> tuple[str, str]:
         stored, expected = store.get(key)[0], b"".join(parts_data)
         if stored != expected or info.size != len(expected):
             return VIOLATED, (
-                f"the object completed from 2 parts ({len(expected)} bytes) holds "
-                f"{len(stored)} bytes{'' if len(stored) != len(expected) else ', not theirs'}"
+                f"the object completed from {len(parts)} parts ({len(expected)} bytes, "
+                f"uploaded out of order) {_assembled(stored, parts_data)}"
             )
-        detail = "parts invisible until completion; completed object exact (2 parts)"
+        detail = (
+            f"parts invisible until completion; completed object exact ({len(parts)} parts, "
+            f"uploaded out of order)"
+        )
         if not info.etag:
             detail += "; CompleteMultipartUpload returns an empty ETag (the driver reads it back)"
         return HELD, detail
     finally:
         store.delete(key)
+
+
+def _assembled(stored: bytes, parts_data: list[bytes]) -> str:
+    """How ``stored`` was assembled from ``parts_data``, as far as it can be told."""
+    if len(stored) != sum(map(len, parts_data)):
+        return f"holds {len(stored)} bytes"
+    found, offset = [], 0
+    for _ in parts_data:
+        number = next(
+            (n for n, data in enumerate(parts_data, 1) if stored.startswith(data, offset)), None
+        )
+        if number is None:
+            return "holds other bytes than its parts"
+        found.append(number)
+        offset += len(parts_data[number - 1])
+    return f"holds its parts in the order {', '.join(map(str, found))}, not by part number"
 
 
 def _probe_object_list_after_write(store: Any) -> tuple[str, str]:

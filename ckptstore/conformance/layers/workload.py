@@ -25,9 +25,11 @@ from ckptstore.store import Store
 __all__ = [
     "AGE_PAST_GRACE",
     "GRACE",
+    "MANY_PARTS",
     "MULTIPART_COMPLETION",
     "LocationMaker",
     "big_shard_size",
+    "many_parts",
     "pattern",
     "save",
     "standard_shards",
@@ -39,6 +41,12 @@ MULTIPART_COMPLETION = "complete_multipart"
 AGE_PAST_GRACE = 2 * GRACE.total_seconds()
 """How far the clock moves for dead attempts to be older than the grace period."""
 LocationMaker = Callable[[], Location]
+MANY_PARTS = 13
+"""Parts of the big shard of the workload's second save (where the storage has multipart
+uploads): a server that assembles parts in the wrong order (by name: 1, 10, 11, 12, 13, 2,
+...; or by arrival) is only visible from part 10 on."""
+BIG_TAIL = 123
+"""The bytes of a big shard's last, short part."""
 
 
 def pattern(size: int, seed: int) -> bytes:
@@ -54,19 +62,36 @@ def big_shard_size(location: Location) -> int:
     if Capability.MULTIPART not in strategy.capabilities:
         return 0
     part_size = int(getattr(strategy, "part_size", 0) or 0)
-    return part_size + 123 if part_size else 0
+    return part_size + BIG_TAIL if part_size else 0
+
+
+def many_parts(big: int, seed: int) -> bytes:
+    """A shard of ``MANY_PARTS`` parts, where ``big`` (``big_shard_size``) is one part and a
+    short one: each part's bytes its own, so parts in another order read back differently."""
+    part = big - BIG_TAIL
+    whole = b"".join(pattern(part, seed + n) for n in range(MANY_PARTS - 1))
+    return whole + pattern(BIG_TAIL, seed + MANY_PARTS)
 
 
 def standard_shards(step: int, big: int) -> dict[str, bytes]:
-    """The shards the workload saves at ``step``; one of ``big`` bytes unless it is 0."""
+    """The shards the workload saves at ``step``; one of ``big`` bytes unless it is 0 (of
+    ``MANY_PARTS`` parts at step 2, read back whole by the workload).
+
+    Named as real trainers name files: a name that starts with ``.`` (torch DCP's
+    ``.metadata``) and one with ``_`` (DCP's ``__0_0.distcp``), which some gateways and FUSE
+    file systems hide; and a tree four directories deep (DeepSpeed's ``global_step``/
+    ``zero`` layout).
+    """
     shards = {
         "model/rank00000.bin": pattern(3000, step),
-        "model/rank00001.bin": pattern(2000, step + 1),
-        "trainer.json": f'{{"step": {step}}}'.encode(),
-        "empty.bin": b"",
+        "zero/global_step/layer_00/mp_rank_01/model_states.pt": pattern(2000, step + 1),
+        ".metadata": f'{{"step": {step}}}'.encode(),
+        "__0_0.distcp": b"",
     }
     if big:
-        shards["optimizer/big.bin"] = pattern(big, step + 2)
+        shards["optimizer/big.bin"] = (
+            many_parts(big, step + 2) if step == 2 else pattern(big, step + 2)
+        )
     return shards
 
 
