@@ -33,8 +33,9 @@ def run_targets(
 ) -> list[BackendReport]:
     """``run_backend`` on every target, ``jobs`` at a time; the reports in target order.
 
-    ``progress`` gets each target's progress lines (prefixed with the target's URL when
-    several run at once); ``options`` go to ``run_backend`` (profile, budget_s, ...).
+    ``progress`` gets each target's progress lines (prefixed with its number and URL, without
+    the query, when several run at once: ``[2/8 memory://b/run] parallel races``);
+    ``options`` go to ``run_backend`` (profile, budget_s, ...).
     """
     say = progress or (lambda message: None)
     written = on_layer or (lambda reports: None)
@@ -52,7 +53,7 @@ def run_targets(
     def run_one(index: int, target: Target) -> None:
         with slots:
             say(f"conformance: {redact(target.url)}")
-            prefix = f"[{index + 1}/{len(targets)}] " if together else ""
+            prefix = f"[{index + 1}/{len(targets)} {_label(target.url)}] " if together else ""
             try:
                 report = run_backend(
                     target.url,
@@ -91,3 +92,9 @@ def run_targets(
     for index in sorted(errors):
         raise errors[index]
     return [latest[i] for i in range(len(targets))]
+
+
+def _label(url: str) -> str:
+    """How a progress line names a target among several: its URL without the query (the
+    options), redacted."""
+    return redact(url).split("?", 1)[0]

@@ -9,16 +9,16 @@ report. ``run_tiered`` runs the layers of a tiered pair.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.conformance.layers.layer import Findings, Layer, SuiteRun, TargetKind
 from ckptstore.conformance.layers.registry import layers_for
+from ckptstore.conformance.library_log import captured
 from ckptstore.conformance.location import LocationFactory, open_for_measuring
 from ckptstore.conformance.machine import PROFILES
 from ckptstore.conformance.model import INVARIANTS, InvariantViolation
@@ -48,18 +48,8 @@ its own (the property-based layer: ``layers.property_based.BUDGET``) gets what t
 before it left, and stops shrinking at its end: a failing backend's run ends well within twice
 the budget."""
 ALL_INVARIANTS = tuple(INVARIANTS)
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """The suite provokes every warning ckptstore can log; keep them out of the report."""
-    logger = logging.getLogger("ckptstore")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+LIBRARY_LOG = "library log"
+"""The coverage line that counts what ckptstore logged during the run (``library_log``)."""
 
 
 @dataclass(frozen=True)
@@ -143,12 +133,14 @@ def _run_layers(
     written: Callable[[BackendReport], None],
 ) -> None:
     """Every layer of ``run``'s kind of target, in order, into ``report``."""
-    with _quiet():
+    with captured(report.url) as logged:  # the library's warnings: counted, not printed
         for layer in layers_for(run.kind):
             if run.kind in layer.applies_to:
                 _layer(report, layer, run, started=started, written=written)
             else:
                 record(report, layer.elsewhere)
+            if logged.count:
+                report.coverage[LIBRARY_LOG] = logged.line()
 
 
 def _open_base(

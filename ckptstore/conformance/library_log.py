@@ -1,0 +1,113 @@
+"""What ckptstore logs while the suite runs goes into the report, counted, and is not printed.
+
+The suite provokes every warning ckptstore can log: a damaged step skipped, a LATEST hint
+ignored, a lagging listing, a server that deletes the live object. Printed, dozens of them
+bury the progress lines and the report, and read as trouble with the storage under test
+when most are about faults the suite made on purpose. While any run of the suite is going,
+the ``ckptstore`` logger's warnings and errors go to a capture instead of its handlers; each
+run gets the records that name its store (all of them while it runs alone), as a count and
+the first one, which the report prints in a coverage line. Several runs at once (``batch``)
+share one capture: it is installed by the first run and removed by the last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ckptstore.urls import parse_url, redact
+
+__all__ = ["CapturedLog", "captured"]
+
+EXAMPLE_CHARS = 300
+"""How much of the first record the report quotes."""
+_LOGGER = "ckptstore"
+
+
+@dataclass
+class CapturedLog:
+    """The records one run of the suite was given: how many, and the first."""
+
+    needles: tuple[str, ...]
+    """What a record names when it is about this run's store (its URL, its path)."""
+    count: int = 0
+    example: str = ""
+    levels: set[str] = field(default_factory=set)
+
+    def add(self, level: str, message: str) -> None:
+        self.count += 1
+        self.levels.add(level)
+        if not self.example:
+            cut = message if len(message) <= EXAMPLE_CHARS else message[:EXAMPLE_CHARS] + "..."
+            self.example = cut.replace("\n", " ")
+
+    def line(self) -> str:
+        """The report's coverage line ("" when nothing was logged)."""
+        if not self.count:
+            return ""
+        plural = "s" if self.count > 1 else ""
+        kinds = " and ".join(sorted(level.lower() + plural for level in self.levels))
+        return (
+            f"ckptstore logged {self.count} {kinds} during the run, not printed (most are "
+            f"about faults the suite made on purpose); the first: {redact(self.example)}"
+        )
+
+
+class _Capture(logging.Handler):
+    """Hands each record to the runs it names, or to every run when it names none."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except Exception:  # a record whose arguments do not format: still counted
+            message = str(record.msg)
+        with _lock:
+            runs = [run for run in _active if any(n in message for n in run.needles)]
+            for run in runs or _active:
+                run.add(record.levelname, message)
+
+
+_lock = threading.Lock()
+_active: list[CapturedLog] = []
+_handler = _Capture(logging.WARNING)
+_restore: tuple[int, bool, list[logging.Handler]] = (logging.NOTSET, True, [])
+
+
+@contextlib.contextmanager
+def captured(url: str) -> Iterator[CapturedLog]:
+    """While entered, ckptstore's warnings and errors are captured, not printed; those about
+    the store at ``url`` (or all, if no other run is going) are counted in what it yields."""
+    run = CapturedLog(_needles(url))
+    logger = logging.getLogger(_LOGGER)
+    global _restore
+    with _lock:
+        if not _active:
+            _restore = (logger.level, logger.propagate, list(logger.handlers))
+            logger.handlers = [_handler]
+            logger.setLevel(logging.WARNING)
+            logger.propagate = False
+        _active.append(run)
+    try:
+        yield run
+    finally:
+        with _lock:
+            _active.remove(run)
+            if not _active:
+                logger.setLevel(_restore[0])
+                logger.propagate = _restore[1]
+                logger.handlers = _restore[2]
+
+
+def _needles(url: str) -> tuple[str, ...]:
+    """How a record names the store at ``url``: its URL without the query, and its bucket
+    and path (or its path, for a file system), as messages print them."""
+    shown = redact(url).split("?", 1)[0].rstrip("/")
+    try:
+        parsed = parse_url(url)
+    except Exception:  # a tiered pair's "fast -> durable", or a URL the run refuses later
+        return (shown,)
+    where = f"{parsed.netloc}{parsed.path}" if parsed.netloc else parsed.path
+    return tuple(n for n in (shown, where.rstrip("/")) if len(n) > 1)

@@ -1,0 +1,103 @@
+"""Output a storage engineer can act on (issue 26, item 10): progress lines that name their
+backend, and ckptstore's own warnings during a run counted in the report instead of printed."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ckptstore.backends.memory import drop_bucket
+from ckptstore.cli import main
+from ckptstore.conformance import runner
+from ckptstore.conformance.batch import run_targets
+from ckptstore.conformance.layers.layer import Layer, SuiteRun
+from ckptstore.conformance.library_log import captured
+from ckptstore.conformance.report import render_text
+from ckptstore.conformance.runner import LIBRARY_LOG, Target
+
+SECRET = "hunter2-not-to-be-shown"
+
+
+def _logging_layer(messages: list[str]) -> Layer:
+    """A layer that says a progress line and logs what ckptstore logs about injected faults,
+    naming its store (``{url}`` is filled in), from a thread of its own as layers do."""
+
+    def run(run: SuiteRun, found: Any) -> None:
+        run.say("racing")
+        url = run.locations.base_url
+
+        def log() -> None:
+            for message in messages:
+                logging.getLogger("ckptstore.store").warning(message, url)
+
+        thread = threading.Thread(target=log)
+        thread.start()
+        thread.join()
+        found.check("I1")
+
+    return Layer("logging layer", ("I1",), run, doc="logs", announce="")
+
+
+@pytest.fixture
+def buckets() -> Iterator[list[str]]:
+    names = [f"output-{os.getpid()}-{n}" for n in range(2)]
+    yield names
+    for name in names:
+        drop_bucket(name)
+
+
+def test_warnings_of_a_run_are_counted_in_its_report_and_not_printed(
+    buckets: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    messages = ["skipping damaged step 4 of %s", "ignoring the LATEST hint of %s: it holds b' 7'"]
+    monkeypatch.setattr(runner, "layers_for", lambda kind: [_logging_layer(messages)])
+    out = io.StringIO()
+    status = main(["conformance", f"memory://{buckets[0]}/run"], out)
+    err = capsys.readouterr().err
+    assert status == 0, out.getvalue() + err
+    assert "skipping damaged step" not in err and "LATEST hint" not in err
+    line = next(line for line in out.getvalue().splitlines() if LIBRARY_LOG in line)
+    assert "ckptstore logged 2 warnings during the run, not printed" in line
+    assert f"the first: skipping damaged step 4 of memory://{buckets[0]}/run" in line
+    assert logging.getLogger("ckptstore").propagate  # restored after the run
+
+
+def test_runs_at_once_each_count_the_warnings_about_their_own_store(
+    buckets: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        runner, "layers_for", lambda kind: [_logging_layer(["lagging listing under %s"])]
+    )
+    said: list[str] = []
+    targets = [Target(f"memory://{bucket}/run?min_part_size=1024") for bucket in buckets]
+    reports = run_targets(targets, jobs=2, progress=said.append)
+    for bucket, report in zip(buckets, reports, strict=True):
+        line = report.coverage[LIBRARY_LOG]
+        assert f"the first: lagging listing under memory://{bucket}/run" in line, line
+        assert "logged 1 warning during" in line
+    # Each progress line names its backend, not only its index.
+    for number, bucket in enumerate(buckets, 1):
+        assert f"[{number}/2 memory://{bucket}/run] racing" in said, said
+
+
+def test_a_record_that_names_no_store_goes_to_every_run_and_secrets_are_redacted() -> None:
+    logger = logging.getLogger("ckptstore.driver")
+    with captured("s3://bucket-a/run") as first, captured("s3://bucket-b/run") as second:
+        logger.warning("a server error for s3://key:%s@host/x", SECRET)
+        logger.info("not captured: below a warning")
+    for run in (first, second):
+        assert run.count == 1
+        assert SECRET not in run.line() and "a server error" in run.line()
+    assert not logging.getLogger("ckptstore").handlers  # the capture is gone
+
+
+def test_the_report_prints_the_count(buckets: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner, "layers_for", lambda kind: [_logging_layer(["damaged %s"])])
+    report = runner.run_backend(f"memory://{buckets[1]}/run")
+    assert f"  {LIBRARY_LOG}: ckptstore logged 1 warning during" in render_text([report])
