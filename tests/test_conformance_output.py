@@ -4,8 +4,10 @@ backend, and ckptstore's own warnings during a run counted in the report instead
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -101,3 +103,90 @@ def test_the_report_prints_the_count(buckets: list[str], monkeypatch: pytest.Mon
     monkeypatch.setattr(runner, "layers_for", lambda kind: [_logging_layer(["damaged %s"])])
     report = runner.run_backend(f"memory://{buckets[1]}/run")
     assert f"  {LIBRARY_LOG}: ckptstore logged 1 warning during" in render_text([report])
+
+
+# -- a failure replayed alone from the report (item 12) --------------------------------------
+
+
+@pytest.fixture
+def blind_marker(buckets: list[str]) -> Iterator[str]:
+    """A broken backend the state machine catches (I5) within a few examples."""
+    import broken_variants as bv
+
+    from ckptstore import registry
+    from ckptstore.backends.memory import MemoryDriver, get_bucket
+
+    def open_variant(url: Any, options: Any) -> Any:
+        bucket = get_bucket(url.netloc, min_part_size=1024)
+        return bv.BlindMarkerCommit(MemoryDriver(bucket, url.path), part_size=1024)
+
+    registry.register("blind-marker-replay", open_variant, replace=True)
+    yield f"blind-marker-replay://{buckets[0]}/run"
+    registry.unregister("blind-marker-replay")
+
+
+def test_a_failing_example_is_replayed_alone_from_the_report(
+    blind_marker: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hypothesis import Phase, settings
+
+    from ckptstore.conformance.layers.layer import Findings
+    from ckptstore.conformance.layers.property_based import machine_findings
+    from ckptstore.conformance.location import LocationFactory
+    from ckptstore.conformance.machine import PROFILES, make_state_machine
+    from ckptstore.conformance.reproducible import same_examples
+
+    found = Findings()
+    machine = make_state_machine(LocationFactory(blind_marker))
+    derandomized = settings(
+        PROFILES["ci"],
+        max_examples=100,
+        stateful_step_count=10,
+        derandomize=True,
+        phases=[Phase.generate],
+    )
+    with same_examples():
+        machine_findings(found, machine, derandomized, None)
+    (invariant, evidence), *_ = found.violations
+    replay = re.search(
+        rf"replay it alone: ckptstore conformance {re.escape(blind_marker)} --reproduce (\S+)",
+        evidence,
+    )
+    assert replay, evidence
+    report_file = tmp_path / "replay.json"
+    out = io.StringIO()
+    command = ["conformance", blind_marker, "--reproduce", replay.group(1)]
+    status = main([*command, "--json-file", str(report_file)], out)
+    assert status == 1, out.getvalue() + capsys.readouterr().err
+    backend = json.loads(report_file.read_text())["backends"][0]
+    assert backend["invariants"][invariant]["status"] == "violated"
+    replayed = backend["invariants"][invariant]["evidence"][0]
+    assert replayed.splitlines()[0] == evidence.splitlines()[0]  # the same failure
+    assert backend["coverage"]["property-based"].startswith("replayed one example (--reproduce)")
+    assert set(backend["coverage"]) <= {"property-based", LIBRARY_LOG}  # nothing else ran
+    # On a sound store the same example holds, and the report says it did not fail again.
+    sound = f"memory://{blind_marker.split('//')[1].split('/')[0]}/sound"
+    out = io.StringIO()
+    assert main(["conformance", sound, "--reproduce", replay.group(1)], out) == 0
+    assert "the example passed this time: it did not fail again" in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("not-a-blob", "--reproduce takes VERSION:BLOB"),
+        ("6.170.17:!!!", "--reproduce takes VERSION:BLOB"),
+        ("1.0.0:AXicY2BkAAAABQAC", "the example was found with hypothesis 1.0.0"),
+    ],
+)
+def test_a_reproduction_that_cannot_be_replayed_is_a_clear_error(
+    value: str, message: str, buckets: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(["conformance", f"memory://{buckets[1]}/run", "--reproduce", value])
+    assert status == 2
+    assert message in capsys.readouterr().err
+
+
+def test_reproduce_takes_one_url(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["conformance", "--reproduce", "6.170.17:AXic"]) == 2
+    assert "replays an example on the one URL" in capsys.readouterr().err

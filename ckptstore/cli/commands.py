@@ -805,8 +805,13 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
             profile=args.profile,
             allow_nonempty=args.yes,
             budget_s=args.budget,
+            reproduce=args.reproduce or "",
         )
 
+    if args.reproduce and (len(args.urls) != 1 or args.replicate_to):
+        raise InvalidOptionError(
+            "--reproduce VERSION:BLOB replays an example on the one URL whose report printed it"
+        )
     if args.replicate_to:
         from ckptstore.conformance.runner import run_tiered
 
@@ -1119,6 +1124,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=counted(1, 64),
         default=None,
         help="backends run at once (default: 1 for URLs given, all for the embedded defaults)",
+    )
+    p.add_argument(
+        "--reproduce",
+        metavar="VERSION:BLOB",
+        default=None,
+        help="replay one failing example of the property-based layer, as a report printed it "
+        "('replay it alone: ...'), and run nothing else",
     )
     p.add_argument(
         "--import",

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.conformance.layers.layer import Findings, Layer, SuiteRun, TargetKind
-from ckptstore.conformance.layers.registry import layers_for
+from ckptstore.conformance.layers.property_based import check_reproduction
+from ckptstore.conformance.layers.registry import layer_named, layers_for
 from ckptstore.conformance.library_log import captured
 from ckptstore.conformance.location import LocationFactory, open_for_measuring
 from ckptstore.conformance.machine import PROFILES
@@ -48,6 +49,8 @@ its own (the property-based layer: ``layers.property_based.BUDGET``) gets what t
 before it left, and stops shrinking at its end: a failing backend's run ends well within twice
 the budget."""
 ALL_INVARIANTS = tuple(INVARIANTS)
+REPLAYED = "property-based"
+"""The layer ``--reproduce`` runs alone."""
 LIBRARY_LOG = "library log"
 """The coverage line that counts what ckptstore logged during the run (``library_log``)."""
 
@@ -69,6 +72,7 @@ def run_backend(
     progress: Progress | None = None,
     budget_s: float | None = None,
     on_layer: Callable[[BackendReport], None] | None = None,
+    reproduce: str = "",
 ) -> BackendReport:
     """Run the whole suite on the store at ``url``; refuse a non-empty store unless allowed.
 
@@ -76,9 +80,13 @@ def run_backend(
     report (a violation, or a storage error) and the next layer runs. ``budget_s`` (default:
     the profile's ``BUDGET_S``) bounds the run, shrinking included. ``on_layer`` is called with
     the report after each layer, so that what is found is written as it is found.
+    ``reproduce`` (``VERSION:BLOB`` from a report): replay that one failing example of the
+    property-based layer, and run nothing else.
     """
     if profile not in PROFILES:
         raise InvalidOptionError(f"unknown profile {profile!r}; choose from {sorted(PROFILES)}")
+    if reproduce:
+        check_reproduction(reproduce)
     started = time.monotonic()
     budget = BUDGET_S.get(profile) if budget_s is None else budget_s
     report = BackendReport(url=redact(url), strategy="?")
@@ -96,7 +104,8 @@ def run_backend(
         say=progress or (lambda message: None),
         deadline=None if budget is None else started + budget,
         budget_s=budget or 0.0,
-        multipart_size=0,  # until the probes measure it
+        multipart_size=None if reproduce else 0,  # until the probes measure it
+        reproduce=reproduce,
     )
     _run_layers(report, run, started=started, written=written)
     return report
@@ -105,8 +114,6 @@ def run_backend(
 def run_layer(report: BackendReport, name: str, run: SuiteRun) -> None:
     """Run the one layer called ``name`` on ``run``'s target into ``report`` (raising what it
     raises: a layer alone, for tests and tools)."""
-    from ckptstore.conformance.layers.registry import layer_named
-
     record(report, layer_named(name).findings(run))
 
 
@@ -133,8 +140,9 @@ def _run_layers(
     written: Callable[[BackendReport], None],
 ) -> None:
     """Every layer of ``run``'s kind of target, in order, into ``report``."""
+    layers = [layer_named(REPLAYED)] if run.reproduce else layers_for(run.kind)
     with captured(report.url) as logged:  # the library's warnings: counted, not printed
-        for layer in layers_for(run.kind):
+        for layer in layers:
             if run.kind in layer.applies_to:
                 _layer(report, layer, run, started=started, written=written)
             else:

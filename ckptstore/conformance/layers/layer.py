@@ -98,6 +98,9 @@ class SuiteRun:
     """A shard size that takes a multipart upload (0: none), once measured."""
     per_case_s: float = 0.0
     """What one crash case cost, run alone (0: not measured)."""
+    reproduce: str = ""
+    """A failing example of the property-based layer to replay alone (``VERSION:BLOB``, as
+    its report prints it); empty: explore."""
     pairs: TieredPairFactory | None = None
     """Fresh tiered pairs, for the layers that run on one."""
 

@@ -8,10 +8,14 @@ number of examples to that from what a crash case cost, and stops shrinking at i
 
 from __future__ import annotations
 
+import base64
+import binascii
+import re
 import time
 from typing import Any
 
 import hypothesis
+from hypothesis.errors import DidNotReproduce
 from hypothesis.reporting import with_reporter
 
 from ckptstore.conformance.layers.layer import Budget, Findings, SuiteRun
@@ -24,6 +28,8 @@ from ckptstore.conformance.outcomes import (
     storage_failure,
     suite_failed,
 )
+from ckptstore.errors import InvalidOptionError
+from ckptstore.urls import redact
 
 __all__ = [
     "BUDGET",
@@ -31,6 +37,7 @@ __all__ = [
     "INVARIANTS",
     "MACHINE_MAX_S",
     "MACHINE_MIN_S",
+    "check_reproduction",
     "machine_findings",
     "run_layer",
 ]
@@ -53,6 +60,14 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
     machine = make_state_machine(run.locations, multipart_size=multipart)
     settings = PROFILES[run.profile]
     deadline = run.layer_deadline
+    if run.reproduce:
+        version, blob = check_reproduction(run.reproduce)
+        machine = hypothesis.reproduce_failure(version, blob.encode())(machine)
+        run.say("property-based crash injection: replaying one example (--reproduce)")
+        note = machine_findings(found, machine, settings, None)
+        found.check(*INVARIANTS)
+        found.coverage["property-based"] = f"replayed one example (--reproduce){note}"
+        return
     if deadline is not None:
         budget = deadline - time.monotonic()
         affordable = int(budget / max(run.per_case_s * EXAMPLE_COST_IN_CRASH_CASES, 1e-6))
@@ -91,29 +106,32 @@ def machine_findings(
     try:
         with shrinking_stops_at(deadline), with_reporter(lambda value: printed.append(str(value))):
             run_state_machine(machine, settings)
+    except DidNotReproduce:
+        return "; the example passed this time: it did not fail again"
     except StorageFailure as failure:  # on every run: undecided, neither held nor violated
         found.storage_error(INVARIANTS, f"property-based: {failure}")
         return undecided
     except Exception as exc:
         # Hypothesis raises several distinct failures as one group, each shrunk on its own.
         errors = list(getattr(exc, "exceptions", None) or [exc])  # an ExceptionGroup's, or it
-        notes = [_finding(found, error, printed) for error in errors]
+        url = redact(str(getattr(machine.new_location, "base_url", "URL")))
+        notes = [_finding(found, error, printed, url) for error in errors]
         if any(note is None for note in notes):
             return undecided
         return next((note for note in notes if note), "")
     return ""
 
 
-def _finding(found: Findings, error: BaseException, printed: list[str]) -> str | None:
+def _finding(found: Findings, error: BaseException, printed: list[str], url: str) -> str | None:
     """Record one failure the state machine found; its coverage note (None: undecided)."""
     if isinstance(error, InvariantViolation):
-        found.violated(error.invariant, _shrunk(error.detail, error, printed))
+        found.violated(error.invariant, _shrunk(error.detail, error, printed, url))
         return _budget_note(error, printed)
     cause = storage_failure(error)  # one that hypothesis shrank: the storage failed
     if cause is None and suite_failed(error):  # the suite's own error: no verdict
-        raise SuiteError(_shrunk(f"a rule failed: {error!r}", error, printed)) from error
+        raise SuiteError(_shrunk(f"a rule failed: {error!r}", error, printed, url)) from error
     if cause is None:  # anything else the store raised is reported, not hidden
-        found.violated("I1", _shrunk(f"unexpected error: {error!r}", error, printed))
+        found.violated("I1", _shrunk(f"unexpected error: {error!r}", error, printed, url))
         return _budget_note(error, printed)
     found.storage_error(INVARIANTS, f"property-based: {cause!r}")
     return None
@@ -154,8 +172,44 @@ def _steps(error: BaseException, printed: list[str]) -> list[str]:
     return steps
 
 
-def _shrunk(message: str, error: BaseException, printed: list[str]) -> str:
+def _shrunk(message: str, error: BaseException, printed: list[str], url: str) -> str:
     steps = _steps(error, printed)
+    replay = _replay(error, printed)
+    if replay:
+        message += f"\n  replay it alone: ckptstore conformance {url} --reproduce {replay}"
     if not steps:
         return message
     return message + "\n  shrunk failing sequence:\n" + "\n".join("    " + s for s in steps)
+
+
+_BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([A-Za-z0-9+/=]+)'\)")
+
+
+def _replay(error: BaseException, printed: list[str]) -> str:
+    """``VERSION:BLOB`` of the failing example, from the line hypothesis adds (``print_blob``),
+    or "" where it added none."""
+    said = [str(note) for note in getattr(error, "__notes__", [])] + printed
+    found = _BLOB.search("\n".join(said))
+    return f"{found.group(1)}:{found.group(2)}" if found else ""
+
+
+def check_reproduction(value: str) -> tuple[str, str]:
+    """The hypothesis version and the example blob of ``--reproduce VERSION:BLOB``; raise
+    InvalidOptionError if it is malformed or from another hypothesis version (whose blobs
+    this one cannot read)."""
+    version, _, blob = value.partition(":")
+    try:
+        base64.b64decode(blob, validate=True)
+    except (binascii.Error, ValueError):
+        blob = ""
+    if not version or not blob:
+        raise InvalidOptionError(
+            "--reproduce takes VERSION:BLOB, as a report prints it after 'replay it alone'"
+        )
+    if version != hypothesis.__version__:
+        raise InvalidOptionError(
+            f"--reproduce {version}:...: the example was found with hypothesis {version}, and "
+            f"hypothesis {hypothesis.__version__} is installed; replay it with {version} "
+            f"(pip install 'hypothesis=={version}')"
+        )
+    return version, blob

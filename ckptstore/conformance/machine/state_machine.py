@@ -71,6 +71,7 @@ def _profile(examples: int, steps: int) -> settings:
         stateful_step_count=steps,
         deadline=None,
         database=None,
+        print_blob=True,  # the report prints it: ``conformance URL --reproduce VERSION:BLOB``
         suppress_health_check=list(HealthCheck),
     )
 
