@@ -173,7 +173,7 @@ def test_a_suite_error_is_reported_with_its_traceback_never_as_a_violation(
     assert status(report, "I1") == SUITE_FAILED
 
 
-def test_an_error_of_ckptstore_escaping_a_layer_is_still_a_violation(bucket: str) -> None:
+def test_a_refusal_escaping_a_layer_makes_its_invariants_not_applicable(bucket: str) -> None:
     report = layer_report(
         _failing_layer(CapabilityError("no versioning")), f"memory://{bucket}/run"
     )
@@ -429,3 +429,22 @@ class _HidingPosixDriver(PosixDriver):
 
 def _hiding_posix(url: Any, options: Any) -> RenameCommit:
     return RenameCommit(_HidingPosixDriver(url.path))
+
+
+def test_a_versioned_url_on_a_bucket_without_versioning_is_not_applicable_not_violated(
+    bucket: str,
+) -> None:
+    """The store refuses such a bucket at its first save (CapabilityError): the report
+    labelled I1, I5 and I7 violated. The refusal is the probes' finding (versioning MISSING),
+    and every layer's invariants are not applicable there, with the refusal as the reason."""
+    url = f"memory+versioned://{bucket}/run?versioned=false&{MEMORY_OPTIONS}"
+    report = runner.run_backend(url)
+    text = render_text([report])
+    assert {r.status for r in report.invariants.values()} == {"not applicable"}, text
+    assert "the store refuses this storage" in report.invariants["I1"].evidence[0]
+    assert "is versioning enabled?" in report.invariants["I1"].evidence[0]
+    missing = {p.capability for p in report.capability_mismatches}
+    assert {"versioning", "opening the store"} <= missing, text
+    for layer in ("crash points", "unknown outcomes", "parallel races", "property-based"):
+        assert "the store refuses this storage" in report.coverage[layer], text
+    assert not report.errors, text

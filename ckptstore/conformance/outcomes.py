@@ -28,6 +28,7 @@ from typing import ParamSpec, TypeVar
 from ckptstore.conformance.faults import InjectedFault
 from ckptstore.conformance.model import InvariantViolation
 from ckptstore.errors import (
+    CapabilityError,
     CkptStoreError,
     InvalidInputError,
     ObjectNotFoundError,
@@ -41,8 +42,10 @@ __all__ = [
     "STORAGE_ERROR",
     "SUITE_ERROR",
     "StorageFailure",
+    "StorageRefused",
     "SuiteError",
     "abort_on_storage_failure",
+    "refusal",
     "retry_storage_failures",
     "storage_failure",
     "suite_failed",
@@ -84,6 +87,34 @@ class SuiteError(BaseException):
     def __init__(self, message: str) -> None:
         super().__init__(f"{SUITE_ERROR}, not an invariant violation: {message}")
         self.message = message
+
+
+class StorageRefused(BaseException):
+    """The store refused the storage under test mid-case (``CapabilityError``: a versioned
+    store on a bucket without versioning answers its first save so): the invariants the case
+    checks are not applicable there, with the refusal as the reason; the probes say which
+    capability is missing. A BaseException, so that hypothesis stops at once."""
+
+    def __init__(self, error: CapabilityError) -> None:
+        super().__init__(f"the store refuses this storage: {error}")
+        self.error = error
+
+
+def refusal(error: BaseException) -> CapabilityError | None:
+    """The ``CapabilityError`` that ``error`` comes from (itself, or an explicit cause), or
+    None: a case that failed because the store refused the storage."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, StorageRefused):
+            return current.error
+        if isinstance(current, CapabilityError):
+            return current
+        if isinstance(current, InjectedFault):
+            return None
+        current = current.__cause__
+    return None
 
 
 def storage_failure(error: BaseException) -> StorageError | None:
@@ -131,6 +162,9 @@ def abort_on_storage_failure(function: Callable[P, T]) -> Callable[P, T]:
         try:
             return function(*args, **kwargs)
         except Exception as exc:
+            refused = refusal(exc)
+            if refused is not None:
+                raise StorageRefused(refused) from exc
             failure = storage_failure(exc)
             if failure is None:
                 raise

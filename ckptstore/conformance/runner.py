@@ -27,13 +27,15 @@ from ckptstore.conformance.outcomes import (
     STORAGE_ERROR,
     SUITE_ERROR,
     StorageFailure,
+    StorageRefused,
     SuiteError,
+    refusal,
     storage_failure,
     suite_failed,
 )
 from ckptstore.conformance.report import INTERRUPTED, VIOLATED_STATUS, BackendReport
 from ckptstore.driver import DriverFamily, driver_family
-from ckptstore.errors import CapabilityError, InvalidOptionError, RefusedError
+from ckptstore.errors import InvalidOptionError, RefusedError
 from ckptstore.store import Store
 from ckptstore.urls import redact
 
@@ -214,6 +216,10 @@ def _layer(
         report.layer_error(name, STORAGE_ERROR, f"stopped by the storage: {failure.error!r}")
     except SuiteError as failure:
         report.suite_failed(name, invariants, _told(failure.message, failure))
+    except StorageRefused as refused:
+        for key in invariants:
+            report.not_applicable(key, f"{name}: {refused}")
+        report.coverage.setdefault(name, f"not run: {refused}")
     except InvariantViolation as violation:
         report.violated(violation.invariant, f"{name}: {violation.detail}")
     except Exception as exc:
@@ -221,9 +227,11 @@ def _layer(
         if cause is not None:
             report.storage_error(invariants, f"{name}: {cause!r}")
             report.layer_error(name, STORAGE_ERROR, f"stopped by the storage: {cause!r}")
-        elif isinstance(exc, CapabilityError):
+        elif refusal(exc) is not None:
+            refused = f"the store refuses this storage: {refusal(exc)}"
             for key in invariants:
-                report.not_applicable(key, f"{name}: the store refuses this storage: {exc}")
+                report.not_applicable(key, f"{name}: {refused}")
+            report.coverage.setdefault(name, f"not run: {refused}")
         elif suite_failed(exc):
             report.suite_failed(name, invariants, _told(f"the suite failed: {exc!r}", exc))
         else:

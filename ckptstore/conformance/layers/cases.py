@@ -21,6 +21,7 @@ from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, check_invariants
 from ckptstore.conformance.outcomes import (
     STORAGE_ERROR,
+    refusal,
     retry_storage_failures,
     storage_failure,
 )
@@ -83,6 +84,9 @@ class CrashPointResult:
     """Multipart completions the workload made (without a crash)."""
     not_applicable: str = ""
     """Why the layer did not run (a strategy that keeps no lineages has no takeover)."""
+    refused: str = ""
+    """The store refused the storage in a case (``outcomes.refusal``): the layer's
+    invariants are not applicable there, with this reason."""
     completions_before: set[int] = field(default_factory=set)
     completions_after: set[int] = field(default_factory=set)
     """The multipart completions (by call number) that a case died before, and just after,
@@ -104,6 +108,7 @@ class CrashPointResult:
         self.completions_before |= other.completions_before
         self.completions_after |= other.completions_after
         self.faulted.update(other.faulted)
+        self.refused = self.refused or other.refused
 
     def crash_states_note(self) -> str:
         """How the crashes were chosen, for the coverage line."""
@@ -119,6 +124,8 @@ class CrashPointResult:
         crashes were chosen, how many were made and what each checked, then ``notes`` and
         the retries."""
         crashes = max(self.cases - 1, 0)  # the first case is the baseline: no crash
+        if self.calls == 0 and self.refused:
+            return f"no case ran: {self.refused}"
         if self.calls == 0 and (self.failures or self.storage_errors):
             return (
                 "no case ran: the workload failed without any fault injected (see the "
@@ -196,8 +203,13 @@ def undecided(
     result: CrashPointResult, name: str, error: CkptStoreError, invariant: str = "I1"
 ) -> CrashPointResult:
     """Record a case that failed before its check: a storage error if the storage failed it,
-    else a failure of ``invariant`` (ckptstore raised, with no crash or fault to excuse it)."""
+    a refusal if the store refused the storage, else a failure of ``invariant`` (ckptstore
+    raised, with no crash or fault to excuse it)."""
     result.cases += 1
+    refused = refusal(error)
+    if refused is not None:
+        result.refused = result.refused or f"the store refuses this storage: {refused}"
+        return result
     failure = storage_failure(error)
     if failure is None:
         result.failures.append(CaseFailure(name, invariant, f"the workload failed: {error!r}"))
@@ -214,7 +226,10 @@ def run_case(result: CrashPointResult, name: str, body: Callable[[], None]) -> N
         body()
     except (InvariantViolation, CkptStoreError) as exc:
         failure = storage_failure(exc)
-        if failure is not None:
+        refused = refusal(exc)
+        if refused is not None:
+            result.refused = result.refused or f"the store refuses this storage: {refused}"
+        elif failure is not None:
             result.storage_errors.append(CaseFailure(name, STORAGE_ERROR, f"{failure!r}"))
         elif isinstance(exc, InvariantViolation):
             result.failures.append(CaseFailure(name, exc.invariant, exc.detail))

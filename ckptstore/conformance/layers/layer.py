@@ -73,6 +73,9 @@ class Findings:
     def cases(self, invariants: tuple[str, ...], result: Any, where: str = "") -> None:
         """The failures and storage errors of a crash-point style ``result`` (each with its
         ``case`` and ``message``): violations of their invariants, undecided ``invariants``."""
+        if result.refused:
+            for invariant in invariants:
+                self.not_applicable.setdefault(invariant, f"{where}{result.refused}")
         for failure in result.failures:
             self.violated(failure.invariant, f"{where}{failure.case}: {failure.message}")
         for error in result.storage_errors:

@@ -24,6 +24,7 @@ from ckptstore.conformance.machine.shrinking import shrinking_stops_at
 from ckptstore.conformance.model import InvariantViolation
 from ckptstore.conformance.outcomes import (
     StorageFailure,
+    StorageRefused,
     SuiteError,
     storage_failure,
     suite_failed,
@@ -65,7 +66,8 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
         machine = hypothesis.reproduce_failure(version, blob.encode())(machine)
         run.say("property-based crash injection: replaying one example (--reproduce)")
         note = machine_findings(found, machine, settings, None)
-        found.check(*INVARIANTS)
+        if not found.not_applicable:
+            found.check(*INVARIANTS)
         found.coverage["property-based"] = f"replayed one example (--reproduce){note}"
         return
     if deadline is not None:
@@ -77,7 +79,8 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
         f"property-based crash injection (profile {run.profile}, {settings.max_examples} examples)"
     )
     note = machine_findings(found, machine, settings, deadline)
-    found.check(*INVARIANTS)
+    if not found.not_applicable:  # else the store refused the storage: nothing was checked
+        found.check(*INVARIANTS)
     found.coverage["property-based"] = (
         f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps"
         f"{machine_completions(machine, multipart)}{note}"
@@ -108,6 +111,10 @@ def machine_findings(
             run_state_machine(machine, settings)
     except DidNotReproduce:
         return "; the example passed this time: it did not fail again"
+    except StorageRefused as refused:  # not applicable here: the probes say what is missing
+        for invariant in INVARIANTS:
+            found.not_applicable.setdefault(invariant, f"property-based: {refused}")
+        return f"; stopped: {refused}"
     except StorageFailure as failure:  # on every run: undecided, neither held nor violated
         found.storage_error(INVARIANTS, f"property-based: {failure}")
         return undecided

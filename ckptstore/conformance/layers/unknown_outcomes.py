@@ -190,6 +190,9 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
         else f"a 503 before and a timeout after each commit point of two saves, a timeout after "
         f"each of the first save's {result.first_save_calls} calls"
     )
+    if result.calls == 0 and result.refused:
+        found.coverage["unknown outcomes"] = f"no case ran: {result.refused}"
+        return
     if result.calls == 0 and (result.failures or result.storage_errors):
         found.coverage["unknown outcomes"] = (
             "no case ran: the two saves failed without any fault injected (see the verdicts)"
