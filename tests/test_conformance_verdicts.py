@@ -27,6 +27,7 @@ from ckptstore.backends.posix import PosixDriver
 from ckptstore.cli import main
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import RenameCommit
+from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.conformance import runner
 from ckptstore.conformance.layers import races
 from ckptstore.conformance.layers.crash_points import run_crash_points
@@ -41,7 +42,8 @@ from ckptstore.conformance.machine import state_machine as machine_module
 from ckptstore.conformance.outcomes import SuiteError
 from ckptstore.conformance.report import SUITE_FAILED, BackendReport, render_text, to_junit
 from ckptstore.driver import UploadInfo
-from ckptstore.errors import CapabilityError, ObjectNotFoundError
+from ckptstore.errors import CapabilityError, ObjectNotFoundError, StorageError
+from ckptstore.store import Store
 
 PART = 1024
 MEMORY_OPTIONS = f"min_part_size={PART}&part_size={PART}"
@@ -297,6 +299,7 @@ SHARED_FS_BACKEND = '''
 """A third-party scheme over a shared file system, registered when imported."""
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.commit.rename import RenameCommit
+from ckptstore.commit.version_pin import VersionPinCommit
 from ckptstore.registry import register
 
 
@@ -448,3 +451,69 @@ def test_a_versioned_url_on_a_bucket_without_versioning_is_not_applicable_not_vi
     for layer in ("crash points", "unknown outcomes", "parallel races", "property-based"):
         assert "the store refuses this storage" in report.coverage[layer], text
     assert not report.errors, text
+
+
+# -- servers that do not implement a listing -------------------------------------------------
+
+
+class NoVersionListingDriver(MemoryDriver):
+    """A server that answers 405 MethodNotAllowed to ListObjectVersions."""
+
+    def list_versions(self, prefix: str) -> Iterator[Any]:
+        raise StorageError(f"ListObjectVersions {prefix!r}: MethodNotAllowed", http_status=405)
+
+
+class NoUploadListingDriver(MemoryDriver):
+    """A server that answers an empty 200 to ListMultipartUploads."""
+
+    def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
+        return iter([])
+
+
+def test_a_405_to_list_versions_is_a_no_and_cleanup_still_removes_the_objects(
+    bucket: str, scheme: Any
+) -> None:
+    """Reported "versioning: STORAGE ERROR (undecided)", and the cleanup skipped the plain
+    deletes after the versions listing failed: every run left its objects behind."""
+    name = scheme("no-version-listing", NoVersionListingDriver)
+    probe = _probe_row(f"{name}://{bucket}/probe", "versioning")
+    assert probe.measured == "violated", probe  # puts give no version ids: a plain "no"
+    location = LocationFactory(f"{name}://{bucket}/run")()
+    Store(location.base).save(1, {"a.bin": b"x" * 100})
+    assert get_bucket(bucket).objects
+    location.destroy()
+    assert not any(get_bucket(bucket).current(key) for key in get_bucket(bucket).objects)
+    assert location.cleanup_problems == []  # nothing to list: no versions kept
+
+
+def test_a_versioned_store_whose_versions_cannot_be_listed_is_told_and_cleanup_says_so(
+    bucket: str,
+) -> None:
+    def open_variant(url: Any, options: Any) -> VersionPinCommit:
+        versioned = get_bucket(url.netloc, min_part_size=PART, versioned=True)
+        return VersionPinCommit(NoVersionListingDriver(versioned, url.path), part_size=PART)
+
+    registry.register("versions-unlisted", open_variant, replace=True)
+    try:
+        probe = _probe_row(f"versions-unlisted://{bucket}/probe", "versioning")
+        assert probe.measured == "violated"
+        assert "answers 405 to ListObjectVersions" in probe.detail
+        factory = LocationFactory(f"versions-unlisted://{bucket}/run")
+        location = factory()
+        Store(location.base).save(1, {"a.bin": b"x" * 100})
+        location.destroy()
+    finally:
+        registry.unregister("versions-unlisted")
+    (problem,) = factory.cleanup_problems
+    assert problem.startswith("old object versions under versions-unlisted://")
+    assert "MethodNotAllowed" in problem
+
+
+def test_an_empty_listing_of_uploads_is_a_capability_missing_with_its_cost(
+    bucket: str, scheme: Any
+) -> None:
+    name = scheme("no-upload-listing", NoUploadListingDriver)
+    probe = _probe_row(f"{name}://{bucket}/probe", "incomplete uploads listed")
+    assert probe.measured == "violated" and probe.required
+    assert "does not list an incomplete upload: GC cannot find the uploads" in probe.detail
+    assert "AbortIncompleteMultipartUpload" in probe.detail

@@ -7,11 +7,12 @@ test, opened as often as a restarted trainer would open it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
@@ -31,7 +32,7 @@ from ckptstore.names import checkpoint_token, step_token
 from ckptstore.registry import resolve
 from ckptstore.retention import RetentionPolicy
 from ckptstore.store import Store
-from ckptstore.urls import parse_url
+from ckptstore.urls import parse_url, redact
 
 __all__ = [
     "Clock",
@@ -162,9 +163,17 @@ class StrategyLocation:
 class Location:
     """One fresh, empty store location under the URL being tested."""
 
-    def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        options: dict[str, Any] | None = None,
+        cleanup_problems: list[str] | None = None,
+    ) -> None:
         self.url = url
         self.options = dict(options or {})
+        self.cleanup_problems = [] if cleanup_problems is None else cleanup_problems
+        """What ``destroy`` could not remove, and why (shared with the factory's other
+        locations: the report's ``cleanup`` line)."""
         self.clock = Clock()
         self.base = open_for_measuring(url, self.options)
         self.storage_follows_clock = _follow(self.base.driver, self.clock)
@@ -275,28 +284,50 @@ class Location:
         return how
 
     def destroy(self) -> None:
-        """Remove everything at this location (best effort)."""
+        """Remove everything at this location, by every route the storage supports: a step
+        the storage refuses (405 to ListObjectVersions, 501 to ListMultipartUploads) does
+        not stop the others; what could not be removed is noted in ``cleanup_problems``."""
         driver = self.base.driver
-        try:
-            if driver_family(driver) is DriverFamily.FILE_SYSTEM:
+        if driver_family(driver) is DriverFamily.FILE_SYSTEM:
+            with self._noting("files"):
                 for name in sorted(self.raw_names(), key=lambda n: -n.count("/")):
                     if driver.stat(name).is_dir:
                         driver.rmdir(name)
                     else:
                         driver.unlink(name)
                 driver.rmdir("")
-            else:
-                try:
-                    for upload in list(driver.list_multipart_uploads("")):
-                        driver.abort_multipart(upload.key, upload.upload_id)
-                except StorageError:  # e.g. 501 NotImplemented: the objects go all the same
-                    pass
-                for info in list(driver.list_versions("")):
-                    driver.delete(info.key, version_id=info.version_id)
-                for info in list(driver.list("")):
-                    driver.delete(info.key)
-        except (StorageError, ObjectNotFoundError):
-            pass
+            return
+        with self._noting("incomplete multipart uploads"):
+            for upload in list(driver.list_multipart_uploads("")):
+                driver.abort_multipart(upload.key, upload.upload_id)
+        versioned = Capability.VERSIONING in driver.capabilities
+        with self._noting("old object versions", unsupported_is_fine=not versioned):
+            for info in list(driver.list_versions("")):
+                driver.delete(info.key, version_id=info.version_id)
+        with self._noting("objects"):  # current versions: also where versions cannot be listed
+            for info in list(driver.list("")):
+                driver.delete(info.key)
+
+    @contextlib.contextmanager
+    def _noting(self, what: str, *, unsupported_is_fine: bool = False) -> Iterator[None]:
+        """Run one route of ``destroy``; a storage error ends it, noted (once per kind),
+        unless the storage does not support the route and nothing needs it
+        (``unsupported_is_fine``: no versions to list on a server without versioning)."""
+        try:
+            yield
+        except ObjectNotFoundError:
+            pass  # removed meanwhile
+        except StorageError as exc:
+            if unsupported_is_fine and exc.http_status in UNSUPPORTED:
+                return
+            problem = f"{what} under {redact(self.url)}: {exc}"
+            if not any(p.startswith(f"{what} under ") for p in self.cleanup_problems):
+                self.cleanup_problems.append(problem)
+
+
+UNSUPPORTED = (400, 405, 501)
+"""A server's answers to a request it does not implement (NotImplemented, MethodNotAllowed,
+or a 400 for an unknown parameter such as ``?versions``)."""
 
 
 class LocationFactory:
@@ -305,10 +336,14 @@ class LocationFactory:
     def __init__(self, base_url: str, options: dict[str, Any] | None = None) -> None:
         self.base_url = base_url
         self.options = dict(options or {})
+        self.cleanup_problems: list[str] = []
+        """What its locations' ``destroy`` could not remove (the report's ``cleanup``)."""
 
     def __call__(self) -> Location:
         return Location(
-            child_url(self.base_url, f"conformance-{os.getpid()}-{next(_ids)}"), self.options
+            child_url(self.base_url, f"conformance-{os.getpid()}-{next(_ids)}"),
+            self.options,
+            self.cleanup_problems,
         )
 
 

@@ -53,6 +53,8 @@ the budget."""
 ALL_INVARIANTS = tuple(INVARIANTS)
 REPLAYED = "property-based"
 """The layer ``--reproduce`` runs alone."""
+CLEANUP = "cleanup"
+"""The coverage line that says what the suite could not remove of what it wrote."""
 LIBRARY_LOG = "library log"
 """The coverage line that counts what ckptstore logged during the run (``library_log``)."""
 
@@ -151,6 +153,12 @@ def _run_layers(
                 record(report, layer.elsewhere)
             if logged.count:
                 report.coverage[LIBRARY_LOG] = logged.line()
+            left = run.locations.cleanup_problems
+            if left:
+                report.coverage[CLEANUP] = (
+                    f"the suite could not remove everything it wrote ({len(left)} kind(s); "
+                    f"remove it by hand): {'; '.join(left)}"
+                )
 
 
 def _open_base(

@@ -20,7 +20,7 @@ from typing import Any
 
 from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.workload import MANY_PARTS, big_shard_size, pattern
-from ckptstore.conformance.location import Location, refused_at_open
+from ckptstore.conformance.location import UNSUPPORTED, Location, refused_at_open
 from ckptstore.conformance.outcomes import STORAGE_ERROR, retry_storage_failures, storage_failure
 from ckptstore.driver import Capability, DriverFamily, PutMode, driver_family
 from ckptstore.errors import (
@@ -122,6 +122,12 @@ def _run_probes(location: Location, driver: Any) -> list[ProbeResult]:
         lambda outcome: outcome[0] == STORAGE_ERROR,
     )
     results.append(ProbeResult(HIDDEN_NAMES, True, measured, detail, True))
+    if not file_system and Capability.MULTIPART in declared:
+        (measured, detail), _ = retry_storage_failures(
+            functools.partial(_measure, _probe_listed_uploads, driver),
+            lambda outcome: outcome[0] == STORAGE_ERROR,
+        )
+        results.append(ProbeResult(LISTED_UPLOADS, True, measured, detail, True))
     results.extend(
         ProbeResult("opening the store", True, VIOLATED, refusal, True)
         for refusal in refused_at_open(location.base)
@@ -147,6 +153,41 @@ def _name() -> str:
 HIDDEN_NAMES = "names starting with . or _"
 """The report's row for ``_probe_hidden_names``: not a capability a driver declares, but one
 every store needs (trainers write such names: torch DCP's ``.metadata``, ``__0_0.distcp``)."""
+
+
+LISTED_UPLOADS = "incomplete uploads listed"
+"""The report's row for ``_probe_listed_uploads``: GC finds a crashed save's upload so."""
+
+
+def _probe_listed_uploads(store: Any) -> tuple[str, str]:
+    """An incomplete multipart upload with a part, listed by ``ListMultipartUploads``: the
+    one way GC finds the uploads of saves that crashed (a server answering 501 or an empty
+    200 leaks every one of them)."""
+    key = _name()
+    upload = store.create_multipart(key)
+    try:
+        store.upload_part(key, upload, 1, b"a part")
+        try:
+            listed = any(u.upload_id == upload for u in store.list_multipart_uploads(""))
+        except StorageError as exc:
+            if exc.http_status not in UNSUPPORTED:
+                raise
+            return (
+                VIOLATED,
+                f"the server answers {exc.http_status} to ListMultipartUploads: {_LEAK}",
+            )
+        if not listed:
+            return VIOLATED, f"ListMultipartUploads does not list an incomplete upload: {_LEAK}"
+        return HELD, "an incomplete upload is listed: GC finds the uploads of saves that crashed"
+    finally:
+        with contextlib.suppress(CkptStoreError):
+            store.abort_multipart(key, upload)
+
+
+_LEAK = (
+    "GC cannot find the uploads of saves that crashed, whose parts then stay (and are billed) "
+    "until a lifecycle rule (AbortIncompleteMultipartUpload) removes them"
+)
 
 
 def _probe_hidden_names(driver: Any) -> tuple[str, str]:
@@ -551,8 +592,14 @@ def _two_versions(store: Any) -> Iterator[tuple[str, str | None]]:
         distinct = first.version_id is not None and first.version_id != second.version_id
         yield key, first.version_id if distinct else None
     finally:
-        for version in list(store.list_versions(key)):
-            store.delete(key, version_id=version.version_id)
+        try:
+            for version in list(store.list_versions(key)):
+                store.delete(key, version_id=version.version_id)
+        except StorageError as exc:  # no versions to list (405, 501): the key goes plainly
+            if exc.http_status not in UNSUPPORTED:
+                raise
+            with contextlib.suppress(ObjectNotFoundError):
+                store.delete(key)
 
 
 def _probe_versioning(store: Any) -> tuple[str, str]:
@@ -562,7 +609,15 @@ def _probe_versioning(store: Any) -> tuple[str, str]:
         if store.get(key, version_id=old)[0] != b"1":
             return VIOLATED, "reading an old version by id returned other bytes"
         store.delete(key)
-        markers = [v for v in store.list_versions(key) if v.is_delete_marker]
+        try:
+            markers = [v for v in store.list_versions(key) if v.is_delete_marker]
+        except StorageError as exc:
+            if exc.http_status not in UNSUPPORTED:
+                raise
+            return VIOLATED, (
+                f"the server answers {exc.http_status} to ListObjectVersions: old versions "
+                f"cannot be listed, so neither found nor freed"
+            )
         if not markers:
             return VIOLATED, "a plain DELETE removed the object instead of adding a delete marker"
         return HELD, "version ids on put, read by version after overwrite, delete markers"
