@@ -15,6 +15,8 @@ import multiprocessing
 import os
 import re
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,7 +44,13 @@ from ckptstore.conformance.machine import state_machine as machine_module
 from ckptstore.conformance.outcomes import SuiteError
 from ckptstore.conformance.report import SUITE_FAILED, BackendReport, render_text, to_junit
 from ckptstore.driver import UploadInfo
-from ckptstore.errors import CapabilityError, ObjectNotFoundError, StorageError
+from ckptstore.errors import (
+    CapabilityError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StorageError,
+    TransientStorageError,
+)
 from ckptstore.store import Store
 
 PART = 1024
@@ -517,3 +525,49 @@ def test_an_empty_listing_of_uploads_is_a_capability_missing_with_its_cost(
     assert probe.measured == "violated" and probe.required
     assert "does not list an incomplete upload: GC cannot find the uploads" in probe.detail
     assert "AbortIncompleteMultipartUpload" in probe.detail
+
+
+class RaceLosersGet500Driver(MemoryDriver):
+    """A server that answers 500 InternalError, not 412, to the losers of a race of
+    conditional writes on one key (a lock timeout in its metadata store), every time; a
+    conditional write refused alone gets its 412."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.in_flight: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def put(self, key: str, data: Any, **kwargs: Any) -> Any:
+        mode = kwargs.get("mode")
+        if mode is None or not mode.conditional:
+            return super().put(key, data, **kwargs)
+        with self.lock:
+            self.in_flight[key] = self.in_flight.get(key, 0) + 1
+        try:
+            time.sleep(0.02)  # the racers overlap here
+            with self.lock:
+                raced = self.in_flight[key] > 1
+            try:
+                return super().put(key, data, **kwargs)
+            except PreconditionFailedError:
+                if raced:
+                    raise TransientStorageError(
+                        f"PutObject {key}: InternalError", http_status=500
+                    ) from None
+                raise
+        finally:
+            with self.lock:
+                self.in_flight[key] -= 1
+
+
+def test_race_losers_told_by_500_are_a_measured_behaviour_not_a_storage_error(
+    bucket: str, scheme: Any
+) -> None:
+    """Reported "compare-and-swap: STORAGE ERROR ... run again" though it reproduces."""
+    name = scheme("losers-get-500", RaceLosersGet500Driver)
+    for row, what in (("conditional-create", "conditional creates"),
+                      ("compare-and-swap", "compare-and-swaps")):  # fmt: skip
+        probe = _probe_row(f"{name}://{bucket}/{row}", row)
+        assert probe.measured == "held", probe
+        told = f"losers of racing {what} are told by an error status, not 412"
+        assert re.search(rf"{told} \(\d+ got 500 over 3 rounds", probe.detail), probe.detail

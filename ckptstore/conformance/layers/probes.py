@@ -14,6 +14,7 @@ import contextlib
 import functools
 import secrets
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -292,12 +293,21 @@ def _probe_rename_noreplace(fs: Any) -> tuple[str, str]:
     return outcome
 
 
-def _race(racers: int, attempt: Callable[[int], None], refused: type[Exception]) -> list[int]:
+def _race(
+    racers: int,
+    attempt: Callable[[int], None],
+    refused: type[Exception],
+    losers: Counter[str] | None = None,
+) -> list[int]:
     """Run ``attempt(i)`` for every racer at once (released by a barrier); return the racers
-    whose attempt was not ``refused``. Anything else an attempt raised is raised here."""
+    whose attempt was not ``refused``. With ``losers``, a racer the storage answered with an
+    error status (a 500 instead of a 412) lost, its status counted there, provided one racer
+    won the round (else the storage failed it: raised). Anything else an attempt raised is
+    raised here."""
     barrier = threading.Barrier(racers)
     won: list[int] = []
     errors: list[BaseException] = []
+    statuses: list[str] = []
 
     def run(index: int) -> None:
         try:
@@ -306,6 +316,12 @@ def _race(racers: int, attempt: Callable[[int], None], refused: type[Exception])
             won.append(index)
         except refused:
             pass
+        except StorageError as exc:
+            if losers is None or exc.http_status is None or storage_failure(exc) is None:
+                errors.append(exc)
+            else:
+                statuses.append(str(exc.http_status))
+                errors.append(exc)
         except BaseException as exc:  # handed to the caller, which judges it
             errors.append(exc)
 
@@ -314,9 +330,22 @@ def _race(racers: int, attempt: Callable[[int], None], refused: type[Exception])
         thread.start()
     for thread in threads:
         thread.join()
-    if errors:
+    if losers is not None and len(won) == 1 and len(statuses) == len(errors):
+        losers.update(statuses)  # the others lost, told so by an error status
+    elif errors:
         raise errors[0]
     return sorted(won)
+
+
+def _losers_note(what: str, losers: Counter[str]) -> str:
+    """The racers that lost with an error status instead of a 412, for a probe's detail."""
+    if not losers:
+        return ""
+    told = ", ".join(f"{count} got {status}" for status, count in sorted(losers.items()))
+    return (
+        f"; losers of racing {what} are told by an error status, not 412 ({told} over "
+        f"{RACE_ROUNDS} rounds; ckptstore reads back after a 5xx, and learns it lost)"
+    )
 
 
 def _race_verdict(what: str, won: list[int], round_: int, holder: int | None) -> str | None:
@@ -424,20 +453,23 @@ def _probe_conditional_create(store: Any) -> tuple[str, str]:
         )
     if not kept:
         return VIOLATED, "the server answered 412 to a conditional put, yet replaced the object"
-    raced = _race_creates(store)
+    losers: Counter[str] = Counter()
+    raced = _race_creates(store, losers)
     if raced is not None:
         return VIOLATED, f"{raced}: the check is not atomic with the write"
     return HELD, (f"PutObject If-None-Match: * refuses an existing key (412); {RACERS} racing "
-                  f"creates of one key: exactly one succeeded, {RACE_ROUNDS} rounds")  # fmt: skip
+                  f"creates of one key: exactly one succeeded, {RACE_ROUNDS} rounds"
+                  f"{_losers_note('conditional creates', losers)}")  # fmt: skip
 
 
-def _race_creates(store: Any) -> str | None:
-    """Racing conditional creates of one key: exactly one may succeed, and it holds its bytes."""
+def _race_creates(store: Any, losers: Counter[str]) -> str | None:
+    """Racing conditional creates of one key: exactly one may succeed, and it holds its
+    bytes (losers told by an error status other than 412 are counted in ``losers``)."""
     for round_ in range(1, RACE_ROUNDS + 1):
         key = _name()
         try:
             won = _race(RACERS, functools.partial(_create_one, store, key, round_),
-                        PreconditionFailedError)  # fmt: skip
+                        PreconditionFailedError, losers)  # fmt: skip
             holder = _holder(store, key)
         finally:
             store.delete(key)
@@ -557,21 +589,25 @@ def _measure_compare_and_swap(store: Any, key: str) -> tuple[str, str]:
     if missing == "200":
         return VIOLATED, "PutObject If-Match on a missing key created it (200)"
     notes.append(f"If-Match on a missing key: {missing}")
-    raced = _race_swaps(store, key, form)
+    losers: Counter[str] = Counter()
+    raced = _race_swaps(store, key, form, losers)
     if raced is not None:
         return VIOLATED, f"{raced}: the check is not atomic with the write"
     notes.append(
         f"{RACERS} racing swaps from one ETag: exactly one succeeded, {RACE_ROUNDS} rounds"
     )
-    return HELD, "; ".join(notes)
+    return HELD, "; ".join(notes) + _losers_note("compare-and-swaps", losers)
 
 
-def _race_swaps(store: Any, key: str, form: Callable[[str], str]) -> str | None:
-    """Racing compare-and-swaps from one ETag: exactly one may succeed, holding its bytes."""
+def _race_swaps(
+    store: Any, key: str, form: Callable[[str], str], losers: Counter[str]
+) -> str | None:
+    """Racing compare-and-swaps from one ETag: exactly one may succeed, holding its bytes
+    (losers told by an error status other than 412 are counted in ``losers``)."""
     for round_ in range(1, RACE_ROUNDS + 1):
         etag = form(store.head(key).etag.strip('"'))
         won = _race(RACERS, functools.partial(_swap_one, store, key, etag, round_),
-                    PreconditionFailedError)  # fmt: skip
+                    PreconditionFailedError, losers)  # fmt: skip
         wrong = _race_verdict("compare-and-swaps", won, round_, _holder(store, key))
         if wrong is not None:
             return wrong
