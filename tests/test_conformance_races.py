@@ -4,8 +4,10 @@ with its write, and the probes report what the server did, not what the driver w
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,7 +35,7 @@ from ckptstore.conformance.layers.races import (
 from ckptstore.conformance.location import Location, LocationFactory
 from ckptstore.conformance.report import BackendReport, render_text
 from ckptstore.driver import Buffer, ObjectInfo, PutMode
-from ckptstore.errors import TargetExistsError
+from ckptstore.errors import EpochExistsError, TargetExistsError
 from ckptstore.store import Store
 
 SMALL = RaceProfile(threads=Crew(4, 2, 2, 0.0), processes=Crew(2, 1, 1, 0.0))
@@ -145,7 +147,8 @@ def test_races_catch_two_writers_publishing_one_step() -> None:
     result = run_races(_broken_memory, SMALL)
     i5 = [f for f in result.failures if f.invariant == "I5"]
     assert i5, result.failures
-    assert "writers racing for step 1 were told they published it" in i5[0].message
+    # the first publish race's step: after the takeover race's 4 steps
+    assert "writers racing for step 5 were told they published it" in i5[0].message
     assert i5[0].case.startswith("publish race 0 (4 threads)")
     assert "keeps its data in one process" in result.processes_skipped
 
@@ -194,7 +197,10 @@ def test_pointer_race_checks(before: int, hint: int, invariant: str, message: st
 def test_file_store_holds_in_threads_and_processes(tmp_path: Any) -> None:
     result = run_races(LocationFactory(f"file://{tmp_path}/store"), SMALL)
     assert result.failures == [] and result.storage_errors == []
-    assert result.coverage() == "2 rounds of 4 writers (threads) + 1 rounds of 2 (processes)"
+    assert result.coverage() == (
+        "2 rounds of 4 writers (threads) + 1 rounds of 2 (processes); takeover races: 2 "
+        "(takers released at the epoch record)"
+    )
     rename = _probe(run_probes(LocationFactory(f"file://{tmp_path}/probe")()), "rename-noreplace")
     assert rename.measured == HELD and "exactly one succeeded" in rename.detail
 
@@ -314,3 +320,48 @@ def test_multipart_probe_notices_an_empty_etag(moto_s3: Any, one_race_round: Non
 
     multipart = _probe(_probes_through(moto_s3, rule), "multipart")
     assert "CompleteMultipartUpload returns an empty ETag" in multipart.detail
+
+
+# -- takeovers raced against each other (issue 26, item 6) -----------------------------------
+
+
+class CheckThenWriteEpochCommit(ConditionalPutCommit):
+    """A takeover that looks for the epoch record, then writes it plainly: a launcher's "is a
+    run already active" marker taken by check-then-write. Restarted runs that race all pass
+    the check, and all take epoch N."""
+
+    def create_epoch(self, epoch: int, record: bytes) -> None:
+        if self.read_epoch(epoch) is not None:
+            raise EpochExistsError(f"{self.url}: epoch {epoch} exists already", url=self.url)
+        time.sleep(GAP_S)  # the others pass the check meanwhile
+        self.driver.put(self.epoch_key(epoch), record)
+
+
+def _epoch_checking_memory() -> Location:
+    location = Location(f"memory://takers-{secrets.token_hex(4)}/store?min_part_size=4096")
+    location.base = CheckThenWriteEpochCommit(location.base.driver, part_size=4096)
+    return location
+
+
+def test_takers_racing_past_a_checked_epoch_record_are_caught_as_i9() -> None:
+    """Takeovers were only raced against a zombie writer, never against another taker."""
+    result = run_races(_epoch_checking_memory, SMALL, processes=False)
+    i9 = [f for f in result.failures if f.invariant == "I9"]
+    assert i9, result.failures
+    assert re.search(r"takers [0-9, ]+ were all told they took epoch 1", i9[0].message)
+    assert i9[0].case == "takeover race 0 (4 threads)"
+    assert "takeover races: 1" in result.coverage()
+
+
+@pytest.mark.parametrize("scheme", ["file", "memory", "memory+versioned"])
+def test_racing_takers_get_one_epoch_each_and_readers_one_history(
+    scheme: str, tmp_path: Any
+) -> None:
+    url = (
+        f"file://{tmp_path}/store"
+        if scheme == "file"
+        else f"{scheme}://takers-{secrets.token_hex(4)}/store"
+    )
+    result = run_races(LocationFactory(url), SMALL)
+    assert result.failures == [] and result.storage_errors == [], result.failures
+    assert result.takeovers == (2 if scheme == "file" else 1)  # threads, and processes

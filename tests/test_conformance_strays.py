@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import time
 import types
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -417,6 +418,34 @@ def test_the_fifo_guard_leaves_a_correct_reader_alone(tmp_path: Any) -> None:
     fifo.unlink()
     guard.stop()
     assert guard.blocked == []
+
+
+def test_the_fifo_guard_leaves_a_slow_correct_reader_alone(tmp_path: Any) -> None:
+    """A correct reader (it opens with O_NONBLOCK) that a loaded machine keeps from closing
+    for longer than the guard's confirmation was taken for a blocked one: a false I4 on
+    CI, which hypothesis then reported as flaky."""
+    fifo = tmp_path / "LATEST"
+    os.mkfifo(fifo)
+    guard = FifoGuard(interval=0.01, confirm=0.05)
+    guard.watch(str(fifo))
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a correct reader, descheduled
+    time.sleep(0.5)
+    os.close(fd)
+    fifo.unlink()
+    guard.stop()
+    assert guard.blocked == []
+
+
+def test_the_fifo_guard_catches_and_releases_a_blocked_reader(tmp_path: Any) -> None:
+    fifo = tmp_path / "LATEST"
+    os.mkfifo(fifo)
+    guard = FifoGuard(interval=0.01, confirm=0.05)
+    guard.watch(str(fifo))
+    with open(fifo, "rb") as reader:  # blocks until the guard opens its end
+        assert reader.read() == b"x"  # the guard's byte, then end of file
+    fifo.unlink()
+    guard.stop()
+    assert guard.blocked == [str(fifo)]
 
 
 # -- no false positives on today's backends ---------------------------------------------

@@ -21,6 +21,7 @@ import errno
 import os
 import stat as stat_module
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -262,11 +263,13 @@ class FifoGuard:
     Without it, a reader that opens a FIFO planted as LATEST or as a manifest without
     ``O_NONBLOCK`` would hang the suite forever. The guard looks every ``interval`` seconds
     whether some process holds a FIFO open for reading (an ``O_WRONLY | O_NONBLOCK`` open
-    succeeds only then). A correct reader holds it for microseconds (it opens without
-    blocking, sees a FIFO, closes); so the guard, having opened the write end, waits
-    ``confirm`` seconds and writes one byte: the write fails (EPIPE) once every reader is
-    gone, and succeeds if one is still there, blocked. Either way the guard then closes its
-    end, which releases a blocked reader (it reads the byte, then end of file).
+    succeeds only then; it also completes the open of a reader blocked in it). Then it reads
+    how each reader of this process opened it (``/proc/self/fdinfo``): one without
+    ``O_NONBLOCK`` blocked, and is released (the guard writes one byte and closes its end:
+    the reader reads it, then end of file); readers with ``O_NONBLOCK`` are correct, however
+    long a loaded machine keeps them from closing. A reader of another process (or a system
+    without ``/proc``) is judged by time: the guard waits ``confirm`` seconds and writes one
+    byte, which fails (EPIPE) once every reader is gone and succeeds if one is still there.
     """
 
     def __init__(self, interval: float = 0.05, confirm: float = 0.25) -> None:
@@ -306,18 +309,68 @@ class FifoGuard:
         except OSError:
             return False  # ENXIO: nobody reads it; ENOENT: removed
         try:
-            if not stat_module.S_ISFIFO(os.fstat(fd).st_mode):
+            fifo = os.fstat(fd)
+            if not stat_module.S_ISFIFO(fifo.st_mode):
                 return False  # replaced by a regular file meanwhile: never write to it
-            self._stop.wait(self._confirm)
-            try:
-                os.write(fd, b"x")
-            except OSError as exc:
-                if exc.errno in (errno.EPIPE, errno.EAGAIN):
-                    return exc.errno == errno.EAGAIN
-                raise
-            return True
+            here = self._readers_here(fd, fifo)
+            if here is False:
+                return False
+            if here is None:  # not a reader of this process: judged by time
+                self._stop.wait(self._confirm)
+            return self._still_read(fd) or here is True
         finally:
             os.close(fd)
+
+    def _readers_here(self, own: int, fifo: os.stat_result) -> bool | None:
+        """Whether a reader of this process holds the FIFO open without ``O_NONBLOCK`` (True:
+        it blocked) or only with it (False); None if none shows within ``confirm`` seconds
+        (it closed already, it is another process's, or there is no ``/proc``)."""
+        deadline = time.monotonic() + self._confirm
+        while True:
+            flags = _open_flags(own, fifo)
+            if flags is None:
+                return None
+            if flags:
+                return any(not flag & os.O_NONBLOCK for flag in flags)
+            if time.monotonic() >= deadline or self._stop.is_set():
+                return None
+            time.sleep(0.005)
+
+    @staticmethod
+    def _still_read(fd: int) -> bool:
+        """Write one byte: it succeeds while a reader holds the FIFO (and gives a blocked
+        reader something to read; closing then gives it end of file)."""
+        try:
+            os.write(fd, b"x")
+        except OSError as exc:
+            if exc.errno in (errno.EPIPE, errno.EAGAIN):
+                return exc.errno == errno.EAGAIN
+            raise
+        return True
+
+
+def _open_flags(own: int, fifo: os.stat_result) -> list[int] | None:
+    """The open flags of this process's descriptors of ``fifo`` other than ``own`` (None
+    where ``/proc/self`` cannot be read)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    flags = []
+    for name in names:
+        if name == str(own):
+            continue
+        try:
+            held = os.stat(f"/proc/self/fd/{name}")
+            if (held.st_dev, held.st_ino) != (fifo.st_dev, fifo.st_ino):
+                continue
+            with open(f"/proc/self/fdinfo/{name}", encoding="ascii") as info:
+                for line in info:
+                    if line.startswith("flags:"):
+                        flags.append(int(line.split()[1], 8))
+        except (OSError, ValueError):
+            continue  # closed meanwhile
+    return flags
 
 
 def fifo_paths(location: Any, stray: Stray) -> list[str]:

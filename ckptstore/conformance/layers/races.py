@@ -16,6 +16,12 @@ every racer has reached its own, then lets them all go at once:
   (I1), never an older one than before the round (I4), ``latest()`` is the newest step (I4),
   and where the hint is moved by compare-and-swap it names the newest step raced: one that
   names another lost an update (I4).
+- **takeover races** (stores that keep lineages): K restarted runs take the store over at
+  once, resumed from the seed; they meet at the epoch record's conditional create. No two may
+  be told they took the same epoch, each epoch record holds its own taker's note, no epoch
+  exists that no taker was told of, and then each saves a step: readers see only the newest
+  taker's, and ``latest()`` returns it (I9). The racers then join the newest epoch and the
+  other races follow in it.
 
 Whether a child process sees the store is found by trying: the parent saves a checkpoint
 first, and each child must see it.
@@ -39,7 +45,12 @@ from ckptstore.conformance.layers.workload import pattern
 from ckptstore.conformance.location import Location, open_for_measuring
 from ckptstore.conformance.outcomes import SuiteError, storage_failure
 from ckptstore.driver import Capability, DriverFamily, PutMode, driver_family, storage_calls
-from ckptstore.errors import CheckpointExistsError, CkptStoreError
+from ckptstore.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CkptStoreError,
+    SupersededError,
+)
 from ckptstore.registry import backend_modules
 from ckptstore.store import Store
 from ckptstore.urls import parse_url
@@ -54,9 +65,9 @@ __all__ = [
     "run_races",
 ]
 
-INVARIANTS = ("I5", "I1", "I4")
+INVARIANTS = ("I5", "I1", "I4", "I9")
 
-PUBLISH, POINTER = "publish", "pointer"
+PUBLISH, POINTER, TAKEOVER = "publish", "pointer", "takeover"
 POINTER_NAME = "LATEST"
 """The pointer's key (object stores) and file name (file systems)."""
 WAIT_S = 120.0
@@ -111,6 +122,8 @@ class RaceResult:
     process_writers: int = 0
     processes_skipped: str = ""
     """Why no process races ran (empty: they ran)."""
+    takeovers: int = 0
+    """Takeover races judged (threads and processes; none where lineages are not kept)."""
     failures: list[RaceFinding] = field(default_factory=list)
     storage_errors: list[RaceFinding] = field(default_factory=list)
 
@@ -121,6 +134,8 @@ class RaceResult:
             line += f"; processes: {self.processes_skipped}"
         else:
             line += f" + {self.process_rounds} rounds of {self.process_writers} (processes)"
+        if self.takeovers:
+            line += f"; takeover races: {self.takeovers} (takers released at the epoch record)"
         if self.storage_errors:
             line += f"; {len(self.storage_errors)} race(s) undecided (storage error)"
         return line
@@ -205,6 +220,10 @@ class Round:
     def step(self, writer: int) -> int:
         return self.first if self.kind == PUBLISH else self.first + writer
 
+    def taker(self, writer: int) -> str:
+        """The note a taker of a takeover round writes in its epoch record."""
+        return f"race {self.number} taker {writer}"
+
     def steps(self, writers: int) -> list[int]:
         return sorted({self.step(i) for i in range(writers)})
 
@@ -227,6 +246,8 @@ def writer_shards(step: int, writer: int) -> dict[str, bytes]:
 
 
 def _race_once(store: Store, gate: RaceGate, writer: int, race: Round) -> Outcome:
+    if race.kind == TAKEOVER:
+        return _take_over_once(store, gate, writer, race)
     step = race.step(writer)
     # Armed from the start: a writer that fails before its commit point still arrives at the
     # barrier (``release``), so that the others are not left waiting for it.
@@ -246,6 +267,33 @@ def _race_once(store: Store, gate: RaceGate, writer: int, race: Round) -> Outcom
         return Outcome(writer, "error", f"{type(exc).__name__}: {exc}", failure is not None)
     finally:
         gate.release()
+
+
+def _take_over_once(store: Store, gate: RaceGate, writer: int, race: Round) -> Outcome:
+    """Take the store over, held at the epoch record's conditional create until every taker
+    reached its own; then save a step in the epoch taken. ``took`` with ``"<epoch> <what the
+    save did>"``: ``published`` or ``superseded``."""
+    gate.arm(at_publish)
+    try:
+        epoch = store.take_over(SEED_STEP, note=race.taker(writer))
+    except Exception as exc:
+        if isinstance(exc, threading.BrokenBarrierError):
+            raise
+        failure = storage_failure(exc)
+        return Outcome(writer, "error", f"take_over: {type(exc).__name__}: {exc}", bool(failure))
+    finally:
+        gate.release()
+    step = race.step(writer)
+    try:
+        store.save(step, writer_shards(step, writer), {"writer": writer, "round": race.number})
+        saved = "published"
+    except SupersededError:
+        saved = "superseded"
+    except Exception as exc:
+        failure = storage_failure(exc)
+        detail = f"epoch {epoch.number}, then saving step {step}: {type(exc).__name__}: {exc}"
+        return Outcome(writer, "error", detail, failure is not None)
+    return Outcome(writer, "took", f"{epoch.number} {saved}")
 
 
 @dataclass
@@ -310,6 +358,8 @@ def _writer(source: Any, writer: int, plan: list[Round], sync: _Sync) -> None:
                 break
             sync.results.put(_race_once(store, gate, writer, race))
             sync.end.wait(WAIT_S)
+            if race.kind == TAKEOVER:  # every taker is done: the later races are in the newest
+                store.join_epoch(store.lineage().newest)
     except threading.BrokenBarrierError:
         return
     finally:
@@ -348,6 +398,8 @@ class _Judge:
         try:
             if race.kind == PUBLISH:
                 self._publish(race, outcomes, bool(undecided))
+            elif race.kind == TAKEOVER:
+                self._takeover(race, outcomes, bool(undecided))
             else:
                 self._pointer(race, outcomes)
         except CkptStoreError as exc:
@@ -374,6 +426,51 @@ class _Judge:
                           f"published it, yet none failed for the storage's sake")  # fmt: skip
             return
         self._holds_winner(race, step, winners)
+
+    def _takeover(self, race: Round, outcomes: list[Outcome], undecided: bool) -> None:
+        for outcome in outcomes:
+            if outcome.kind == "error" and not outcome.storage:
+                self.fail("I9", race, f"taker {outcome.writer} failed: {outcome.detail}")
+        took = {o.writer: (int(o.detail.split()[0]), o.detail.split()[1])
+                for o in outcomes if o.kind == "took"}  # fmt: skip
+        if not took:
+            return
+        told: dict[int, list[int]] = {}
+        for writer, (epoch, _) in took.items():
+            told.setdefault(epoch, []).append(writer)
+        for epoch, writers in told.items():
+            if len(writers) > 1:
+                self.fail("I9", race, f"takers {', '.join(map(str, writers))} were all told "
+                          f"they took epoch {epoch}: the epoch record's conditional create "
+                          f"let more than one through")  # fmt: skip
+        store = Store(self.location.base)
+        lineage = store.lineage()
+        for writer, (epoch, _) in sorted(took.items()):
+            record = lineage.epoch(epoch)
+            if record is None or record.note != race.taker(writer):
+                held = "nothing" if record is None else repr(record.note)
+                self.fail("I9", race, f"taker {writer} was told it took epoch {epoch}, whose "
+                          f"record holds {held}")  # fmt: skip
+        newest = max(told)
+        if lineage.newest != newest and not undecided:
+            self.fail("I9", race, f"the store's newest epoch is {lineage.newest}, but the "
+                      f"takers were told of epochs up to {newest} only")  # fmt: skip
+        winner = told[newest][0]
+        step, saved = race.step(winner), took[winner][1]
+        if saved != "published":
+            self.fail("I9", race, f"taker {winner}, told it took the newest epoch {newest}, "
+                      f"could not publish step {step}: {saved}")  # fmt: skip
+        raced = set(race.steps(self.writers))
+        seen = sorted(raced & set(store.steps()))
+        if seen != ([step] if saved == "published" else []):
+            self.fail("I9", race, f"after {self.writers} takers raced, readers see steps "
+                      f"{seen} of theirs; only the newest epoch's (taker {winner}, step "
+                      f"{step}) is in the history")  # fmt: skip
+        latest = store.latest()
+        if saved == "published" and (latest is None or latest.step != step):
+            found = None if latest is None else latest.step
+            self.fail("I9", race, f"latest() is step {found} after the takeover race, not "
+                      f"step {step} of the newest epoch {newest}")  # fmt: skip
 
     def _holds_winner(self, race: Round, step: int, winners: list[int]) -> None:
         store = Store(self.location.base)
@@ -406,9 +503,11 @@ class _Judge:
                           f"{outcome.detail or outcome.kind}")  # fmt: skip
         base = self.location.base
         hint = base.read_latest_hint()
-        published = set(base.published_steps())
+        # Every commit point the listing shows, whatever its epoch (a takeover race ran first
+        # where the store keeps lineages: the races after it publish in its epoch).
+        published = {step for step, _ in base.published_checkpoints()}
         before, self.hint = self.hint, hint
-        if hint is not None and hint not in published and base.is_published(hint):
+        if hint is not None and hint not in published and _found_directly(base, hint):
             # A direct read finds it: the listing, not the protocol, lost the step.
             self.fail("I2", race, f"LATEST names step {hint}, which a direct read finds "
                       f"published but the store's listing omits: the storage's listing does "
@@ -445,12 +544,26 @@ class _Judge:
                       f"not the newest published step {newest}")  # fmt: skip
 
 
+def _found_directly(base: CommitStrategy[Any], step: int) -> bool:
+    """Whether a read of ``step``'s manifest by name (no listing) finds it published."""
+    try:
+        Store(base).get(step)
+    except CheckpointNotFoundError:
+        return False
+    return True
+
+
 # -- running -----------------------------------------------------------------------------
 
 
-def _plan(rounds: int, writers: int) -> list[Round]:
+def _plan(rounds: int, writers: int, *, takeover: bool = False) -> list[Round]:
+    """The rounds: a takeover race first where the store keeps lineages (the other races then
+    run in its newest epoch), then publish and pointer races, alternating."""
     plan = []
     first = SEED_STEP + 1
+    if takeover:
+        plan.append(Round(0, TAKEOVER, first))
+        first += writers
     for number in range(rounds):
         plan.append(Round(number, PUBLISH, first))
         plan.append(Round(number, POINTER, first + 1))
@@ -477,7 +590,7 @@ def _process_context() -> Any:
 def _crew(location: Location, crew: Crew, how: str, result: RaceResult) -> int | str:
     """Race ``crew`` in threads or processes; return how many rounds ran, or why the crew
     could not race."""
-    plan = _plan(crew.max_rounds, crew.writers)
+    plan = _plan(crew.max_rounds, crew.writers, takeover=location.base.keeps_lineages)
     writers = crew.writers
     Store(location.base).save(SEED_STEP, {"seed.bin": b"seed"})
     context = _process_context() if how == "processes" else None
@@ -581,6 +694,7 @@ def _lead(
             outcomes = sorted((collector.get() for _ in range(crew.writers)),
                               key=lambda o: o.writer)  # fmt: skip
             judge.judge(race, outcomes)
+            result.takeovers += race.kind == TAKEOVER
     except BaseException:
         sync.abort()  # no racer is left waiting for a round that will not come
         raise
@@ -647,6 +761,8 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
     result = run_races(run.locations, RACE_PROFILES[run.profile])
     if result.thread_rounds or result.process_rounds:  # else nothing was raced: not checked
         found.check("I1", "I4", "I5")
+    if result.takeovers:
+        found.check("I9")
     for failure in result.failures:
         found.violated(failure.invariant, f"{failure.case}: {failure.message}")
     for error in result.storage_errors:

@@ -91,7 +91,7 @@ LAYERS: tuple[Layer, ...] = (
         races.run_layer,
         "Writers released together at the publish and at the LATEST update: one winner per "
         "step with its own data (I5); LATEST names a published step, never going back (I1, "
-        "I4).",
+        "I4); takers released together at the epoch record: one per epoch, one history (I9).",
         announce="parallel races",
         pytest=PytestForm("ParallelRaceTests", "test_parallel_races"),
     ),
