@@ -59,8 +59,10 @@ _FAMILIES: Mapping[str, tuple[str, str]] = MappingProxyType(
 )
 """Scheme prefixes a built-in backend opens whatever follows: ``fsspec+<protocol>``."""
 _registered: dict[str, BackendFactory] = {}
-_imported: list[str] = []
-"""Modules imported with ``import_backend``, in order."""
+_origins: dict[str, str] = {}
+"""The module whose import (``import_backend``) registered a scheme."""
+_importing: list[str] = []
+"""The modules ``import_backend`` is importing now (innermost last)."""
 _lock = threading.Lock()
 
 
@@ -83,32 +85,41 @@ def register(scheme: str, factory: BackendFactory, *, replace: bool = False) -> 
         if not replace and (scheme in _registered or scheme in _BUILTIN):
             raise InvalidInputError(f"scheme {scheme!r} is already registered")
         _registered[scheme] = factory
+        if _importing:
+            _origins[scheme] = _importing[-1]
+        else:
+            _origins.pop(scheme, None)
 
 
 def unregister(scheme: str) -> None:
     """Remove a scheme added with ``register``."""
     with _lock:
         _registered.pop(scheme.lower(), None)
+        _origins.pop(scheme.lower(), None)
 
 
 def import_backend(name: str) -> None:
-    """Import the module ``name`` (which registers schemes when imported) and remember it, so
-    that a process started later to open the same URLs imports it too (``backend_modules``).
-    Raises what the import raises."""
-    importlib.import_module(name)
+    """Import the module ``name`` (which registers schemes when imported), remembering which
+    schemes it registered: a process started later to open their URLs imports it too
+    (``backend_modules``). Raises what the import raises."""
     with _lock:
-        if name not in _imported:
-            _imported.append(name)
+        _importing.append(name)
+    try:
+        importlib.import_module(name)
+    finally:
+        with _lock:
+            _importing.pop()
 
 
 def backend_modules(scheme: str) -> tuple[str, ...]:
     """The modules a fresh process must import for ``scheme://`` URLs to open there as here:
-    every module imported with ``import_backend``, then the module of a factory registered at
-    run time for ``scheme`` (unless it is ``__main__``, which no other process can import).
-    Built-in and entry-point schemes need none."""
+    the module whose import (``import_backend``) registered ``scheme``, and the module of the
+    factory registered for it at run time (unless it is ``__main__``, which no other process
+    can import). Built-in and entry-point schemes need none."""
     with _lock:
-        modules = list(_imported)
+        origin = _origins.get(scheme.lower())
         factory = _registered.get(scheme.lower())
+    modules = [origin] if origin else []
     home = getattr(factory, "__module__", None) if factory is not None else None
     if isinstance(home, str) and home != "__main__" and home not in modules:
         modules.append(home)

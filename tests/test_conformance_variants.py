@@ -47,6 +47,7 @@ from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine
 from ckptstore.conformance.model import InvariantViolation, Model
 from ckptstore.conformance.report import BackendReport, render_text
+from ckptstore.conformance.reproducible import same_examples
 from ckptstore.conformance.tracing.strace import TracerUnavailable
 from ckptstore.store import Store
 
@@ -167,7 +168,9 @@ def power_loss(strategy: Any) -> str:
     return report_of(strategy.url, result.failures, ("I1", "I2", "I3", "I4"))
 
 
-def machine(url: str, examples: int, *, multipart: int = 0) -> tuple[str, str]:
+def machine(
+    url: str, examples: int, *, multipart: int = 0, leave_out: tuple[str, ...] = ()
+) -> tuple[str, str]:
     """The property-based layer's violation: (its report, the steps hypothesis printed).
 
     Derandomised (the same examples every run, no luck involved in CI), in sequences of up to
@@ -176,6 +179,8 @@ def machine(url: str, examples: int, *, multipart: int = 0) -> tuple[str, str]:
     costs nothing while the variant is found early: headroom for rules added later, which
     change the derandomised sequence of examples."""
     test = make_state_machine(LocationFactory(url), multipart_size=multipart)
+    if leave_out:  # rules that would find another of the variant's failures first
+        test = type("CheckpointStoreMachine", (test,), dict.fromkeys(leave_out, _not_a_rule))
     profile = settings(
         PROFILES["ci"],
         max_examples=examples,
@@ -183,13 +188,17 @@ def machine(url: str, examples: int, *, multipart: int = 0) -> tuple[str, str]:
         derandomize=True,
         phases=[Phase.explicit, Phase.generate],
     )
-    with pytest.raises(InvariantViolation) as caught:
+    with same_examples(), pytest.raises(InvariantViolation) as caught:
         run_state_machine_as_test(test, settings=profile)
     violation = caught.value
     report = BackendReport(url=url, strategy="broken variant")
     report.checked(*MACHINE_INVARIANTS)
     report.violated(violation.invariant, violation.detail)
     return render_text([report]), "\n".join(getattr(violation, "__notes__", []))
+
+
+def _not_a_rule(self: Any, **kwargs: Any) -> None:
+    """Overrides a rule with a plain method: hypothesis no longer runs it."""
 
 
 def probes(url: str) -> str:
@@ -263,8 +272,8 @@ def test_copying_directory_rename_is_caught_as_i1(tmp_path: Any, scheme: Any) ->
     text, _ = crash_at(url, manifest_copy, after=4)
     assert verdicts(text)["I1"] == "VIOLATED"
     assert re.search(
-        r"crash before call \d+: crash at call #\d+ create\(step-0+1/data/model/rank\d+\.bin\)"
-        r": published step 1 is incomplete: .* shard 'model/rank\d+\.bin' is missing",
+        r"crash before call \d+: crash at call #\d+ create\(step-0+1/data/[^)]+\)"
+        r": published step 1 is incomplete: .* shard '[^']+' is missing",
         evidence(text, "I1"),
     ), text
     # the manifest half copied: a checkpoint that cannot be read
@@ -445,7 +454,9 @@ def test_a_listing_ending_early_no_longer_hides_the_newest_checkpoint(
 
 def test_a_blindly_written_commit_marker_is_caught_as_i5(bucket: str, scheme: Any) -> None:
     scheme("blind-marker", memory(MemoryDriver, bv.BlindMarkerCommit))
-    text, steps = machine(f"blind-marker://{bucket}/run", 100)
+    # A takeover racing a zombie's publish overwrites its marker too (caught as I3): left out,
+    # so that the search finds the two writers of one step it is named for.
+    text, steps = machine(f"blind-marker://{bucket}/run", 100, leave_out=("take_over",))
     assert "two attempts both published step" in evidence(text, "I5")
     assert "state.concurrent_writers(" in steps
 

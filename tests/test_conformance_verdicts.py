@@ -327,7 +327,6 @@ def shared_fs_module(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator
     home.mkdir()
     (home / "sharedfs_backend.py").write_text(SHARED_FS_BACKEND)
     monkeypatch.syspath_prepend(str(home))
-    monkeypatch.setattr(registry, "_imported", [])
     yield "sharedfs_backend"
     registry.unregister("sharedfs")
     sys.modules.pop("sharedfs_backend", None)
@@ -571,3 +570,33 @@ def test_race_losers_told_by_500_are_a_measured_behaviour_not_a_storage_error(
         assert probe.measured == "held", probe
         told = f"losers of racing {what} are told by an error status, not 412"
         assert re.search(rf"{told} \(\d+ got 500 over 3 rounds", probe.detail), probe.detail
+
+
+ALIAS_BACKEND = '''
+"""Registers a built-in factory under a scheme of its own: the factory's module is not the
+module that registers the scheme."""
+from ckptstore.backends.posix import open_posix
+from ckptstore.registry import register
+
+register("aliasfs", open_posix, replace=True)
+'''
+
+
+def test_a_child_imports_the_module_that_registered_its_scheme_and_only_that(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, shared_fs_module: str
+) -> None:
+    (tmp_path / "backends" / "aliasfs_backend.py").write_text(ALIAS_BACKEND)
+    registry.import_backend(shared_fs_module)
+    registry.import_backend("aliasfs_backend")
+    try:
+        assert registry.backend_modules("aliasfs") == (
+            "aliasfs_backend",
+            "ckptstore.backends.posix",
+        )
+        assert registry.backend_modules("sharedfs") == ("sharedfs_backend",)
+        result = run_races(LocationFactory(f"aliasfs://{tmp_path}/store"), SMALL_RACES)
+        assert result.processes_skipped == "" and result.process_rounds == 1, result
+    finally:
+        registry.unregister("aliasfs")
+        sys.modules.pop("aliasfs_backend", None)
+    assert registry.backend_modules("aliasfs") == ()
