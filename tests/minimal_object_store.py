@@ -61,6 +61,7 @@ class MinimalDriver(ObjectStoreBase):
     max_parts = 10_000
     min_part_size = 1
     capabilities = S3_LIKE
+    process_local = True  # the service lives in this process: no other process reaches it
 
     def __init__(self, service: MinimalService, bucket: str, prefix: str) -> None:
         super().__init__(bucket, prefix, url=None, max_attempts=5, max_delay_s=10.0)
