@@ -224,10 +224,8 @@ def _layer(
         report.layer_error(name, STORAGE_ERROR, f"stopped by the storage: {failure.error!r}")
     except SuiteError as failure:
         report.suite_failed(name, invariants, _told(failure.message, failure))
-    except StorageRefused as refused:
-        for key in invariants:
-            report.not_applicable(key, f"{name}: {refused}")
-        report.coverage.setdefault(name, f"not run: {refused}")
+    except StorageRefused as stopped:
+        _refused(report, name, invariants, str(stopped))
     except InvariantViolation as violation:
         report.violated(violation.invariant, f"{name}: {violation.detail}")
     except Exception as exc:
@@ -236,10 +234,7 @@ def _layer(
             report.storage_error(invariants, f"{name}: {cause!r}")
             report.layer_error(name, STORAGE_ERROR, f"stopped by the storage: {cause!r}")
         elif refusal(exc) is not None:
-            refused = f"the store refuses this storage: {refusal(exc)}"
-            for key in invariants:
-                report.not_applicable(key, f"{name}: {refused}")
-            report.coverage.setdefault(name, f"not run: {refused}")
+            _refused(report, name, invariants, f"the store refuses this storage: {refusal(exc)}")
         elif suite_failed(exc):
             report.suite_failed(name, invariants, _told(f"the suite failed: {exc!r}", exc))
         else:
@@ -256,6 +251,13 @@ def _layer(
         record(report, found)
         report.duration_s = time.monotonic() - started
         written(report)
+
+
+def _refused(report: BackendReport, name: str, invariants: tuple[str, ...], why: str) -> None:
+    """The store refused the storage in layer ``name``: its invariants are not applicable."""
+    for key in invariants:
+        report.not_applicable(key, f"{name}: {why}")
+    report.coverage.setdefault(name, f"not run: {why}")
 
 
 def _told(message: str, error: BaseException) -> str:
