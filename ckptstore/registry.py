@@ -61,8 +61,8 @@ _FAMILIES: Mapping[str, tuple[str, str]] = MappingProxyType(
 _registered: dict[str, BackendFactory] = {}
 _origins: dict[str, str] = {}
 """The module whose import (``import_backend``) registered a scheme."""
-_importing: list[str] = []
-"""The modules ``import_backend`` is importing now (innermost last)."""
+_importing = threading.local()
+"""``modules``: what ``import_backend`` is importing on this thread now (innermost last)."""
 _lock = threading.Lock()
 
 
@@ -85,8 +85,9 @@ def register(scheme: str, factory: BackendFactory, *, replace: bool = False) -> 
         if not replace and (scheme in _registered or scheme in _BUILTIN):
             raise InvalidInputError(f"scheme {scheme!r} is already registered")
         _registered[scheme] = factory
-        if _importing:
-            _origins[scheme] = _importing[-1]
+        importing: list[str] = getattr(_importing, "modules", [])
+        if importing:
+            _origins[scheme] = importing[-1]
         else:
             _origins.pop(scheme, None)
 
@@ -102,13 +103,12 @@ def import_backend(name: str) -> None:
     """Import the module ``name`` (which registers schemes when imported), remembering which
     schemes it registered: a process started later to open their URLs imports it too
     (``backend_modules``). Raises what the import raises."""
-    with _lock:
-        _importing.append(name)
+    importing: list[str] = getattr(_importing, "modules", [])
+    _importing.modules = [*importing, name]
     try:
         importlib.import_module(name)
     finally:
-        with _lock:
-            _importing.pop()
+        _importing.modules = importing
 
 
 def backend_modules(scheme: str) -> tuple[str, ...]:

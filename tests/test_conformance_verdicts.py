@@ -137,11 +137,19 @@ def test_gc_during_a_long_upload_finds_the_upload_on_every_layout(
         machine.teardown()
 
 
+class PartsNeverCountedDriver(MemoryDriver):
+    """A storage that lists an incomplete upload but never counts its parts."""
+
+    def upload_progress(self, upload: UploadInfo) -> Any:
+        progress = super().upload_progress(upload)
+        return type(progress)(progress.last_activity, progress.size, 0)
+
+
 def test_a_wait_that_times_out_is_the_suites_failure(
     bucket: str, scheme: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(machine_module, "PART_WAIT_S", 0.3)
-    name = scheme("unlisted-uploads", UnlistedUploadsDriver)
+    name = scheme("parts-never-counted", PartsNeverCountedDriver)
     machine = make_state_machine(LocationFactory(f"{name}://{bucket}/run"), multipart_size=PART)()
     try:
         with pytest.raises(SuiteError, match=r"waited 0\.3 s for a new multipart upload") as caught:
@@ -149,20 +157,47 @@ def test_a_wait_that_times_out_is_the_suites_failure(
     finally:
         machine.teardown()
     assert not isinstance(caught.value, Exception)  # no rule's ``except Exception`` takes it
+    assert "(0 parts)" in str(caught.value)
+
+
+def test_a_storage_that_lists_no_upload_skips_the_rule_instead(
+    bucket: str, scheme: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its probe (incomplete uploads listed) reports it; the rule cannot run there."""
+    monkeypatch.setattr(machine_module, "PART_WAIT_S", 0.3)
+    name = scheme("unlisted-uploads", UnlistedUploadsDriver)
+    machine = make_state_machine(LocationFactory(f"{name}://{bucket}/run"), multipart_size=PART)()
+    try:
+        machine.gc_during_a_long_multipart_upload()
+        machine.invariants_hold()
+    finally:
+        machine.teardown()
 
 
 def _failing_layer(error: BaseException, invariants: tuple[str, ...] = ("I1", "I5")) -> Layer:
     def run(run: SuiteRun, found: Any) -> None:
         found.check("I2")  # what it checked before it failed stands
+        if isinstance(error, ValueError):
+            _raise_as_the_suite(error)
         raise error
 
     return Layer("failing layer", invariants, run, doc="fails")
 
 
+def _raise_as_the_suite(error: BaseException) -> None:
+    """Raise ``error`` from a frame whose file is in the suite's package, as a Python error
+    in a layer's own code is (the origin decides whose failure it is)."""
+    suite = os.path.dirname(runner.__file__)
+    code = compile("def fail(error):\n    raise error\n", f"{suite}/layers/any.py", "exec")
+    namespace: dict[str, Any] = {}
+    exec(code, namespace)
+    namespace["fail"](error)
+
+
 @pytest.mark.parametrize(
     "error",
     [SuiteError("waited 30 s for the racers"), ValueError("max() arg is an empty sequence")],
-    ids=["suite-error", "python-error"],
+    ids=["suite-error", "python-error-in-the-suite"],
 )
 def test_a_suite_error_is_reported_with_its_traceback_never_as_a_violation(
     bucket: str, error: BaseException
@@ -181,6 +216,15 @@ def test_a_suite_error_is_reported_with_its_traceback_never_as_a_violation(
     # A later layer that checks an invariant the suite failed on does not make it "held".
     report.checked("I1")
     assert status(report, "I1") == SUITE_FAILED
+
+
+def test_a_python_error_raised_in_a_driver_is_the_systems_not_the_suites(bucket: str) -> None:
+    """A third party's driver that raises a KeyError (a missing header, say) fails the
+    system under test: it is judged as before, not excused as the suite's bug."""
+    report = layer_report(_failing_layer(KeyError("ETag")), f"memory://{bucket}/run")
+    assert report.outcome == "violated"
+    assert status(report, "I1") == "violated"
+    assert "KeyError('ETag')" in report.invariants["I1"].evidence[0]
 
 
 def test_a_refusal_escaping_a_layer_makes_its_invariants_not_applicable(bucket: str) -> None:
@@ -600,3 +644,32 @@ def test_a_child_imports_the_module_that_registered_its_scheme_and_only_that(
         registry.unregister("aliasfs")
         sys.modules.pop("aliasfs_backend", None)
     assert registry.backend_modules("aliasfs") == ()
+
+
+class RefusingAtSaveCommit(ConditionalPutCommit):
+    """A store that refuses the storage at every save, for a reason no probe measures (a
+    gateway that gives a version id to PutObject, not to CompleteMultipartUpload, say)."""
+
+    def begin(self, step: int, attempt: str) -> None:
+        raise CapabilityError(f"{self.url}: the storage gave no version id to a completion")
+
+
+def test_a_refusal_no_probe_explains_does_not_pass(bucket: str) -> None:
+    """Every layer read "not applicable", no probe failed: the run passed with exit 0,
+    though ckptstore would refuse every save on that storage."""
+
+    def open_variant(url: Any, options: Any) -> ConditionalPutCommit:
+        bucket_ = get_bucket(url.netloc, min_part_size=PART)
+        return RefusingAtSaveCommit(MemoryDriver(bucket_, url.path), part_size=PART)
+
+    registry.register("refusing-at-save", open_variant, replace=True)
+    try:
+        report = runner.run_backend(f"refusing-at-save://{bucket}/run", budget_s=20)
+    finally:
+        registry.unregister("refusing-at-save")
+    text = render_text([report])
+    assert report.outcome == "violated", text
+    (row,) = report.capability_mismatches
+    assert row.capability == runner.ACCEPTED
+    assert "the storage gave no version id to a completion" in row.detail
+    assert not any(r.status == "violated" for r in report.invariants.values()), text

@@ -5,15 +5,18 @@ ignored, a lagging listing, a server that deletes the live object. Printed, doze
 bury the progress lines and the report, and read as trouble with the storage under test
 when most are about faults the suite made on purpose. While any run of the suite is going,
 the ``ckptstore`` logger's warnings and errors go to a capture instead of its handlers; each
-run gets the records that name its store (all of them while it runs alone), as a count and
-the first one, which the report prints in a coverage line. Several runs at once (``batch``)
-share one capture: it is installed by the first run and removed by the last.
+run gets the records that name its store, and those that name no store going (they are
+counted in every run going), as a count and the first one, which the report prints in a
+coverage line. Several runs at once (``batch``) share one capture: it is installed by the
+first run and removed by the last; meanwhile an application's own ckptstore warnings go to the
+report too. Records logged in the racer processes the suite starts are not captured.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,9 +43,9 @@ class CapturedLog:
     def add(self, level: str, message: str) -> None:
         self.count += 1
         self.levels.add(level)
-        if not self.example:
-            cut = message if len(message) <= EXAMPLE_CHARS else message[:EXAMPLE_CHARS] + "..."
-            self.example = cut.replace("\n", " ")
+        if not self.example:  # redacted whole, then cut: a cut could split a secret
+            shown = redact(message).replace("\n", " ")
+            self.example = shown if len(shown) <= EXAMPLE_CHARS else shown[:EXAMPLE_CHARS] + "..."
 
     def line(self) -> str:
         """The report's coverage line ("" when nothing was logged)."""
@@ -52,7 +55,7 @@ class CapturedLog:
         kinds = " and ".join(sorted(level.lower() + plural for level in self.levels))
         return (
             f"ckptstore logged {self.count} {kinds} during the run, not printed (most are "
-            f"about faults the suite made on purpose); the first: {redact(self.example)}"
+            f"about faults the suite made on purpose); the first: {self.example}"
         )
 
 
@@ -65,9 +68,16 @@ class _Capture(logging.Handler):
         except Exception:  # a record whose arguments do not format: still counted
             message = str(record.msg)
         with _lock:
-            runs = [run for run in _active if any(n in message for n in run.needles)]
+            runs = [run for run in _active if any(_names(message, n) for n in run.needles)]
             for run in runs or _active:
                 run.add(record.levelname, message)
+
+
+def _names(message: str, needle: str) -> bool:
+    """Whether ``message`` names the store ``needle`` is (or a place under it): not another
+    whose name starts alike (``s3://b/run`` is not ``fsspec+s3://b/run-2``)."""
+    pattern = rf"(?<![\w+.-]){re.escape(needle)}(?![\w.-])"
+    return re.search(pattern, message) is not None
 
 
 _lock = threading.Lock()

@@ -30,7 +30,7 @@ from ckptstore.conformance.layers.layer import Findings, Layer, SuiteRun, Target
 from ckptstore.conformance.layers.probes import HELD, NOT_MEASURED
 from ckptstore.conformance.layers.registry import LAYERS
 from ckptstore.conformance.location import LocationFactory
-from ckptstore.conformance.outcomes import STORAGE_ERROR
+from ckptstore.conformance.outcomes import REFUSES, STORAGE_ERROR
 from ckptstore.driver import DriverFamily, driver_family
 
 __all__ = [
@@ -147,6 +147,8 @@ def judge(found: Findings) -> None:
     heading = f"{STORAGE_ERROR} (the storage kept failing; not an invariant violation)"
     _fail_on([f"{heading}: {evidence}" for _, evidence in found.undecided])
     _fail_on([f"suite error: {part} not run: {why}" for part, why in found.not_run.items()])
+    # The store refused the storage mid-case: ckptstore would refuse such saves in production.
+    _fail_on(sorted({why for why in found.not_applicable.values() if REFUSES in why}))
     if found.skipped:
         pytest.skip(found.skipped)
     assert not found.vacuous, found.vacuous

@@ -21,9 +21,15 @@ escaping a case is judged as before, by the invariant it breaks.
 from __future__ import annotations
 
 import functools
+import os
+import sysconfig
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
+
+from hypothesis.errors import HypothesisException
 
 from ckptstore.conformance.faults import InjectedFault
 from ckptstore.conformance.model import InvariantViolation
@@ -39,6 +45,7 @@ from ckptstore.errors import (
 
 __all__ = [
     "CASE_ATTEMPTS",
+    "REFUSES",
     "STORAGE_ERROR",
     "SUITE_ERROR",
     "StorageFailure",
@@ -53,6 +60,8 @@ __all__ = [
 
 STORAGE_ERROR = "storage error"
 SUITE_ERROR = "suite error"
+REFUSES = "the store refuses this storage"
+"""How a refusal (``refusal``) reads in the report: invariants not applicable, with it."""
 CASE_ATTEMPTS = 3
 """Runs of one case (the first and two retries) before the storage's failure is reported."""
 RETRY_PAUSE_S = 0.5
@@ -96,7 +105,7 @@ class StorageRefused(BaseException):
     capability is missing. A BaseException, so that hypothesis stops at once."""
 
     def __init__(self, error: CapabilityError) -> None:
-        super().__init__(f"the store refuses this storage: {error}")
+        super().__init__(f"{REFUSES}: {error}")
         self.error = error
 
 
@@ -142,15 +151,37 @@ def storage_failure(error: BaseException) -> StorageError | None:
 
 
 def suite_failed(error: BaseException) -> bool:
-    """Whether ``error``, escaping a case, is the suite's own failure rather than ckptstore's
-    answer: a ``SuiteError``, or an error that is not ckptstore's (a Python error in the
-    suite's code, a barrier broken by a timeout), or an argument ckptstore refused as
-    malformed (the suite passed it)."""
-    if isinstance(error, SuiteError):
+    """Whether ``error``, escaping a case, is the suite's own failure rather than the answer
+    of the system under test: a ``SuiteError``; a barrier broken by a timeout; hypothesis's
+    own error (a flaky example); an argument ckptstore refused as malformed (the suite passed
+    it); or a Python error raised in the suite's code. A Python error raised in a driver (a
+    third party's ``KeyError``, an SDK's exception) is the system's, as ckptstore's own
+    errors are: judged, not excused."""
+    if isinstance(error, SuiteError | threading.BrokenBarrierError | HypothesisException):
         return True
     if isinstance(error, InvariantViolation | StorageFailure | InjectedFault):
         return False
-    return not isinstance(error, CkptStoreError) or isinstance(error, InvalidInputError)
+    if isinstance(error, CkptStoreError):
+        return isinstance(error, InvalidInputError)
+    return _raised_in_the_suite(error)
+
+
+_SUITE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STDLIB_DIRS = tuple(
+    os.path.abspath(path) + os.sep
+    for path in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}
+)
+
+
+def _raised_in_the_suite(error: BaseException) -> bool:
+    """Whether the innermost frame of ``error``'s traceback outside the standard library is
+    the suite's code (``max()`` of an empty listing in a layer), not a driver's."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if frame.filename.startswith("<") or path.startswith(_STDLIB_DIRS):
+            continue
+        return path.startswith(_SUITE_DIR)
+    return True
 
 
 def abort_on_storage_failure(function: Callable[P, T]) -> Callable[P, T]:

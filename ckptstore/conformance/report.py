@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from xml.etree import ElementTree
 
-from ckptstore.conformance.layers.probes import HELD, NOT_MEASURED, ProbeResult
+from ckptstore.conformance.layers.probes import HELD, MEASURED_ONLY, NOT_MEASURED, ProbeResult
 from ckptstore.conformance.model import INVARIANTS
 from ckptstore.conformance.outcomes import STORAGE_ERROR, SUITE_ERROR
 from ckptstore.urls import redact
@@ -198,6 +198,8 @@ def _missing(probe: ProbeResult) -> bool:
 def _verdict(probe: ProbeResult) -> str:
     if probe.measured == STORAGE_ERROR:
         return "STORAGE ERROR (undecided)"
+    if probe.capability in MEASURED_ONLY:  # declared by no driver: needed by every store
+        return "ok" if probe.measured in (HELD, NOT_MEASURED) else "MISSING (needed, not found)"
     if probe.required and not probe.declared:
         if probe.measured == HELD:
             return "MISSING from the driver's declaration (required; found: declare it)"
@@ -220,7 +222,9 @@ def render_text(reports: list[BackendReport]) -> str:
         lines.append(f"== {report.url}  ({report.strategy}, {report.duration_s:.1f}s)")
         lines.append(f"  {'capability':<32} {'declared':<9} {'measured':<9} verdict / detail")
         for probe in report.capabilities:
-            declared = "yes" if probe.declared else "no"
+            declared = (
+                "-" if probe.capability in MEASURED_ONLY else "yes" if probe.declared else "no"
+            )
             detail = " / ".join(x for x in (_verdict(probe), probe.detail) if x)
             lines.append(f"  {probe.capability:<32} {declared:<9} {_measured(probe):<9} {detail}")
         lines.append("")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.conformance.layers.layer import Findings, Layer, SuiteRun, TargetKind
+from ckptstore.conformance.layers.probes import ACCEPTED, VIOLATED, ProbeResult
 from ckptstore.conformance.layers.property_based import check_reproduction
 from ckptstore.conformance.layers.registry import layer_named, layers_for
 from ckptstore.conformance.library_log import captured
@@ -24,6 +25,7 @@ from ckptstore.conformance.location import LocationFactory, open_for_measuring
 from ckptstore.conformance.machine import PROFILES
 from ckptstore.conformance.model import INVARIANTS, InvariantViolation
 from ckptstore.conformance.outcomes import (
+    REFUSES,
     STORAGE_ERROR,
     SUITE_ERROR,
     StorageFailure,
@@ -33,7 +35,12 @@ from ckptstore.conformance.outcomes import (
     storage_failure,
     suite_failed,
 )
-from ckptstore.conformance.report import INTERRUPTED, VIOLATED_STATUS, BackendReport
+from ckptstore.conformance.report import (
+    INTERRUPTED,
+    NOT_APPLICABLE,
+    VIOLATED_STATUS,
+    BackendReport,
+)
 from ckptstore.driver import DriverFamily, driver_family
 from ckptstore.errors import InvalidOptionError, RefusedError
 from ckptstore.store import Store
@@ -153,6 +160,7 @@ def _run_layers(
                 record(report, layer.elsewhere)
             if logged.count:
                 report.coverage[LIBRARY_LOG] = logged.line()
+            _refusal_missing(report)
             left = run.locations.cleanup_problems
             if left:
                 report.coverage[CLEANUP] = (
@@ -234,7 +242,7 @@ def _layer(
             report.storage_error(invariants, f"{name}: {cause!r}")
             report.layer_error(name, STORAGE_ERROR, f"stopped by the storage: {cause!r}")
         elif refusal(exc) is not None:
-            _refused(report, name, invariants, f"the store refuses this storage: {refusal(exc)}")
+            _refused(report, name, invariants, f"{REFUSES}: {refusal(exc)}")
         elif suite_failed(exc):
             report.suite_failed(name, invariants, _told(f"the suite failed: {exc!r}", exc))
         else:
@@ -251,6 +259,19 @@ def _layer(
         record(report, found)
         report.duration_s = time.monotonic() - started
         written(report)
+
+
+def _refusal_missing(report: BackendReport) -> None:
+    """A refusal of the storage (an invariant not applicable because the store refused it)
+    that no missing capability explains is a capability row of its own, missing: ckptstore
+    would refuse such saves in production, and the run must not pass."""
+    if report.capability_mismatches or any(p.capability == ACCEPTED for p in report.capabilities):
+        return
+    for result in report.invariants.values():
+        refused = next((e for e in result.evidence if REFUSES in e), None)
+        if result.status == NOT_APPLICABLE and refused is not None:
+            report.capabilities.append(ProbeResult(ACCEPTED, True, VIOLATED, refused, True))
+            return
 
 
 def _refused(report: BackendReport, name: str, invariants: tuple[str, ...], why: str) -> None:

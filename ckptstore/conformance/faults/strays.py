@@ -349,6 +349,12 @@ class FifoGuard:
         return True
 
 
+def _holds(name: str, fifo: os.stat_result) -> bool:
+    """Whether this process's descriptor ``name`` is open on ``fifo``."""
+    held = os.stat(f"/proc/self/fd/{name}")
+    return (held.st_dev, held.st_ino) == (fifo.st_dev, fifo.st_ino)
+
+
 def _open_flags(own: int, fifo: os.stat_result) -> list[int] | None:
     """The open flags of this process's descriptors of ``fifo`` other than ``own`` (None
     where ``/proc/self`` cannot be read)."""
@@ -361,13 +367,12 @@ def _open_flags(own: int, fifo: os.stat_result) -> list[int] | None:
         if name == str(own):
             continue
         try:
-            held = os.stat(f"/proc/self/fd/{name}")
-            if (held.st_dev, held.st_ino) != (fifo.st_dev, fifo.st_ino):
+            if not _holds(name, fifo):
                 continue
             with open(f"/proc/self/fdinfo/{name}", encoding="ascii") as info:
-                for line in info:
-                    if line.startswith("flags:"):
-                        flags.append(int(line.split()[1], 8))
+                found = [int(line.split()[1], 8) for line in info if line.startswith("flags:")]
+            if _holds(name, fifo):  # still the FIFO: the number was not reused in between
+                flags.extend(found)
         except (OSError, ValueError):
             continue  # closed meanwhile
     return flags

@@ -20,6 +20,7 @@ from ckptstore.conformance.layers.workload import AGE_PAST_GRACE, GRACE, MULTIPA
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, check_invariants
 from ckptstore.conformance.outcomes import (
+    REFUSES,
     STORAGE_ERROR,
     refusal,
     retry_storage_failures,
@@ -208,7 +209,7 @@ def undecided(
     result.cases += 1
     refused = refusal(error)
     if refused is not None:
-        result.refused = result.refused or f"the store refuses this storage: {refused}"
+        result.refused = result.refused or f"{REFUSES}: {refused}"
         return result
     failure = storage_failure(error)
     if failure is None:
@@ -228,7 +229,7 @@ def run_case(result: CrashPointResult, name: str, body: Callable[[], None]) -> N
         failure = storage_failure(exc)
         refused = refusal(exc)
         if refused is not None:
-            result.refused = result.refused or f"the store refuses this storage: {refused}"
+            result.refused = result.refused or f"{REFUSES}: {refused}"
         elif failure is not None:
             result.storage_errors.append(CaseFailure(name, STORAGE_ERROR, f"{failure!r}"))
         elif isinstance(exc, InvariantViolation):

@@ -65,8 +65,8 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
         version, blob = check_reproduction(run.reproduce)
         machine = hypothesis.reproduce_failure(version, blob.encode())(machine)
         run.say("property-based crash injection: replaying one example (--reproduce)")
-        note = machine_findings(found, machine, settings, None)
-        if not found.not_applicable:
+        note = machine_findings(found, machine, settings, None, run.profile)
+        if not found.not_applicable and note != DID_NOT_FAIL:  # one example held: no proof
             found.check(*INVARIANTS)
         found.coverage["property-based"] = f"replayed one example (--reproduce){note}"
         return
@@ -78,13 +78,17 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
     run.say(
         f"property-based crash injection (profile {run.profile}, {settings.max_examples} examples)"
     )
-    note = machine_findings(found, machine, settings, deadline)
+    note = machine_findings(found, machine, settings, deadline, run.profile)
     if not found.not_applicable:  # else the store refused the storage: nothing was checked
         found.check(*INVARIANTS)
     found.coverage["property-based"] = (
         f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps"
         f"{machine_completions(machine, multipart)}{note}"
     )
+
+
+DID_NOT_FAIL = "; the example passed this time: it did not fail again"
+"""The replay's note when the example held (``--reproduce``): nothing is then held."""
 
 
 def machine_completions(machine: Any, multipart: int) -> str:
@@ -100,17 +104,23 @@ def machine_completions(machine: Any, multipart: int) -> str:
 
 
 def machine_findings(
-    found: Findings, machine: Any, settings: hypothesis.settings, deadline: float | None
+    found: Findings,
+    machine: Any,
+    settings: hypothesis.settings,
+    deadline: float | None,
+    profile: str = "ci",
 ) -> str:
     """Run the state machine, recording what it found; a note for the coverage line.
-    Shrinking stops at ``deadline`` (``time.monotonic()``; None: at hypothesis's own limit)."""
+    Shrinking stops at ``deadline`` (``time.monotonic()``; None: at hypothesis's own limit).
+    ``profile``: the one whose settings these are, named in the command that replays a
+    failure (a blob replays only under the step count it was found with)."""
     undecided = "; stopped by the storage's failure on every run (undecided)"
     printed: list[str] = []
     try:
         with shrinking_stops_at(deadline), with_reporter(lambda value: printed.append(str(value))):
             run_state_machine(machine, settings)
     except DidNotReproduce:
-        return "; the example passed this time: it did not fail again"
+        return DID_NOT_FAIL
     except StorageRefused as refused:  # not applicable here: the probes say what is missing
         for invariant in INVARIANTS:
             found.not_applicable.setdefault(invariant, f"property-based: {refused}")
@@ -122,7 +132,16 @@ def machine_findings(
         # Hypothesis raises several distinct failures as one group, each shrunk on its own.
         errors = list(getattr(exc, "exceptions", None) or [exc])  # an ExceptionGroup's, or it
         url = redact(str(getattr(machine.new_location, "base_url", "URL")))
-        notes = [_finding(found, error, printed, url) for error in errors]
+        url += "" if profile == "ci" else f" --profile {profile}"
+        notes: list[str | None] = []
+        failed: list[SuiteError] = []
+        for error in errors:  # every violation is recorded before the suite's own failure
+            try:
+                notes.append(_finding(found, error, printed, url))
+            except SuiteError as failure:
+                failed.append(failure)
+        if failed and not found.violations:
+            raise failed[0] from exc
         if any(note is None for note in notes):
             return undecided
         return next((note for note in notes if note), "")

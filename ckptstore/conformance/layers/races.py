@@ -74,6 +74,7 @@ WAIT_S = 120.0
 """How long a racer waits for the others at a barrier before the round is called broken."""
 SEED_STEP = 0
 NOT_APPLICABLE = "not applicable"
+COULD_NOT_OPEN = "a racer could not open the store"
 """How a crew's reason for not racing starts where it cannot race there (not a failure)."""
 """A checkpoint the parent saves first: a child process that cannot see it cannot race."""
 
@@ -296,6 +297,17 @@ def _take_over_once(store: Store, gate: RaceGate, writer: int, race: Round) -> O
     return Outcome(writer, "took", f"{epoch.number} {saved}")
 
 
+def _join_newest(store: Store, writer: int) -> Outcome | None:
+    """Join the store's newest epoch after a takeover race; the outcome of every later round
+    instead (an error: undecided where the storage failed) if the writer could not."""
+    try:
+        store.join_epoch(store.lineage().newest)
+    except Exception as exc:
+        detail = f"joining the newest epoch after the takeover race: {type(exc).__name__}: {exc}"
+        return Outcome(writer, "error", detail, storage_failure(exc) is not None)
+    return None
+
+
 @dataclass
 class _Sync:
     """The round's barriers: ``start`` and ``end`` include the parent, ``gate`` only racers."""
@@ -352,14 +364,15 @@ def _writer(source: Any, writer: int, plan: list[Round], sync: _Sync) -> None:
     if not seen:
         return
     try:
+        stuck: Outcome | None = None
         for race in plan:
             sync.start.wait(WAIT_S)
             if sync.stop.is_set():
                 break
-            sync.results.put(_race_once(store, gate, writer, race))
+            sync.results.put(stuck or _race_once(store, gate, writer, race))
             sync.end.wait(WAIT_S)
-            if race.kind == TAKEOVER:  # every taker is done: the later races are in the newest
-                store.join_epoch(store.lineage().newest)
+            if race.kind == TAKEOVER and stuck is None:  # every taker is done: the later
+                stuck = _join_newest(store, writer)  # races are in the newest epoch
     except threading.BrokenBarrierError:
         return
     finally:
@@ -390,10 +403,11 @@ class _Judge:
 
     def judge(self, race: Round, outcomes: list[Outcome]) -> None:
         undecided = [o for o in outcomes if o.kind == "error" and o.storage]
+        invariant = "I9" if race.kind == TAKEOVER else "I5"
         for outcome in undecided:
             case = f"{race.kind} race {race.number} ({self.writers} {self.how})"
             self.result.storage_errors.append(
-                RaceFinding("I5", case, f"writer {outcome.writer}: {outcome.detail}")
+                RaceFinding(invariant, case, f"writer {outcome.writer}: {outcome.detail}")
             )
         try:
             if race.kind == PUBLISH:
@@ -406,7 +420,7 @@ class _Judge:
             if storage_failure(exc) is None:
                 raise
             case = f"{race.kind} race {race.number} ({self.writers} {self.how})"
-            self.result.storage_errors.append(RaceFinding("I5", case, f"checking: {exc!r}"))
+            self.result.storage_errors.append(RaceFinding(invariant, case, f"checking: {exc!r}"))
 
     def _publish(self, race: Round, outcomes: list[Outcome], undecided: bool) -> None:
         step = race.first
@@ -435,6 +449,7 @@ class _Judge:
                 for o in outcomes if o.kind == "took"}  # fmt: skip
         if not took:
             return
+        self.result.takeovers += 1  # decided: at least one taker was told an epoch
         told: dict[int, list[int]] = {}
         for writer, (epoch, _) in took.items():
             told.setdefault(epoch, []).append(writer)
@@ -452,9 +467,12 @@ class _Judge:
                 self.fail("I9", race, f"taker {writer} was told it took epoch {epoch}, whose "
                           f"record holds {held}")  # fmt: skip
         newest = max(told)
-        if lineage.newest != newest and not undecided:
+        if undecided:  # a taker the storage failed may hold a newer epoch: judged no further
+            return
+        if lineage.newest != newest:
             self.fail("I9", race, f"the store's newest epoch is {lineage.newest}, but the "
                       f"takers were told of epochs up to {newest} only")  # fmt: skip
+            return
         winner = told[newest][0]
         step, saved = race.step(winner), took[winner][1]
         if saved != "published":
@@ -683,7 +701,7 @@ def _lead(
                 RaceFinding("I5", how, f"a racer could not open the store: {unready[0].detail}")
             )
             return 0
-        return f"a racer could not open the store: {unready[0].detail}"
+        return f"{COULD_NOT_OPEN}: {unready[0].detail}"
     judge = _Judge(location, crew.writers, how, result)
     started = time.monotonic()
     rounds = 0
@@ -701,7 +719,6 @@ def _lead(
             outcomes = sorted((collector.get() for _ in range(crew.writers)),
                               key=lambda o: o.writer)  # fmt: skip
             judge.judge(race, outcomes)
-            result.takeovers += race.kind == TAKEOVER
     except BaseException:
         sync.abort()  # no racer is left waiting for a round that will not come
         raise
@@ -720,16 +737,23 @@ def run_races(
     ran = _undecided_on_storage_failure(
         result, "threads", lambda: _raced(new_location, profile.threads, "threads", result)
     )
-    if isinstance(ran, str):  # threads share the process: only the suite's failure stops them
+    if isinstance(ran, str) and ran.startswith(COULD_NOT_OPEN):  # ckptstore's error: judged
+        result.failures.append(RaceFinding("I5", "threads", ran))
+    elif isinstance(ran, str):  # threads share the process: only the suite's failure stops them
         raise SuiteError(f"the writer threads could not race: {ran}")
-    if ran is not None:
+    if isinstance(ran, int):
         result.thread_rounds = ran
     if not processes:
         result.processes_skipped = "not run"
         return result
-    ran = _undecided_on_storage_failure(
-        result, "processes", lambda: _raced(new_location, profile.processes, "processes", result)
-    )
+    try:
+        ran = _undecided_on_storage_failure(
+            result,
+            "processes",
+            lambda: _raced(new_location, profile.processes, "processes", result),
+        )
+    except (SuiteError, threading.BrokenBarrierError) as exc:  # what the threads found stands
+        ran = f"the racer processes stopped: {exc}"
     if isinstance(ran, str):
         result.processes_skipped = ran
     elif ran is not None:

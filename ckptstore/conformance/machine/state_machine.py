@@ -345,7 +345,9 @@ class CheckpointStoreMachine(ForeignEntryRules):
         writer.write(data[: part + 1])  # the upload begins: its first part
         self.location.clock.advance(2 * GRACE.total_seconds())
         writer.write(data[part + 1 : 2 * part + 1])  # its second part, now
-        self._wait_for_parts(before, 2)
+        if not self._wait_for_parts(before, 2):
+            pending.abort()  # the storage lists no incomplete upload (the probe says so)
+            return
         self.model.gc_started()
         self.store.gc(grace=GRACE)
         try:
@@ -377,12 +379,14 @@ class CheckpointStoreMachine(ForeignEntryRules):
         driver = self.location.base.driver
         return {(u.key, u.upload_id) for u in driver.list_multipart_uploads("")}
 
-    def _wait_for_parts(self, before: set[tuple[str, str]], parts: int) -> None:
+    def _wait_for_parts(self, before: set[tuple[str, str]], parts: int) -> bool:
         """Until an upload begun since ``before`` (the uploads listed then) holds ``parts``
         parts: parts may go up on threads of their own. The upload is told by being new, not
         by its name, which is the layout's to choose (a version-pinning layout keys uploads
-        by shard, not by step). A wait that times out is the suite's failure: the storage's
-        listing of uploads is the probes' to judge, not an invariant."""
+        by shard, not by step). False if no new upload was ever listed (a storage that lists
+        none: the probe ``incomplete uploads listed`` judges it, and the rule cannot run); a
+        listed upload that never holds the parts is the suite's failure (``SuiteError``),
+        never an invariant."""
         driver = self.location.base.driver
         deadline = time.monotonic() + PART_WAIT_S
         seen: dict[tuple[str, str], int] = {}
@@ -392,8 +396,10 @@ class CheckpointStoreMachine(ForeignEntryRules):
                     continue
                 seen[(upload.key, upload.upload_id)] = driver.upload_progress(upload).parts
                 if seen[(upload.key, upload.upload_id)] >= parts:
-                    return
+                    return True
             time.sleep(0.005)
+        if not seen:
+            return False
         found = ", ".join(f"{key} ({n} parts)" for (key, _), n in seen.items()) or "none"
         raise SuiteError(
             f"waited {PART_WAIT_S:g} s for a new multipart upload to hold {parts} parts; "
