@@ -105,6 +105,7 @@ class FsspecDriver(ObjectStoreBase):
 
     scheme = "fsspec"
     rules = FSSPEC_RULES
+    parts_in_order = True  # an upload is one stream
     reads_back_creates = False
     """One request, never retried here: the commit resolves a lost answer by reading back
     (I8); an implementation may resend a request itself (s3fs on a broken connection)."""

@@ -35,6 +35,7 @@ class S3fsDriver(FsspecDriver):
 
     default_min_part_size = S3_MIN_PART_SIZE
     extra_capabilities = frozenset({Capability.MULTIPART})
+    parts_in_order = False  # S3's own multipart uploads
     metadata_argument = "Metadata"
     names_keep_control_characters = True
 

@@ -139,6 +139,9 @@ class ObjectStoreBase(ObjectStoreDriver):
     """The status of the storage's refusal of a conditional create."""
     reader_threads: ClassVar[str] = "ckptstore-read"
     """The name of the threads that read ahead (``executor``)."""
+    parts_in_order: ClassVar[bool] = False
+    """Its multipart uploads take their parts one after another, by number (a stream): only
+    ``upload_part`` of the next part is accepted."""
     reads_back_creates: ClassVar[bool] = True
     """A create whose outcome is unknown is resolved here by reading back (``resolve_create``);
     False: it is sent once, and its IndeterminateOutcomeError left to the protocol (I8)."""

@@ -134,9 +134,9 @@ def judge(found: Findings) -> None:
     missing = [
         c
         for c in found.capabilities
-        if c.declared and c.measured not in (HELD, NOT_MEASURED, STORAGE_ERROR)
+        if (c.declared or c.required) and c.measured not in (HELD, NOT_MEASURED, STORAGE_ERROR)
     ]
-    assert not missing, "declared but not found: " + "; ".join(
+    assert not missing, "declared or needed, but not found: " + "; ".join(
         f"{c.capability}: {c.detail}" for c in missing
     )
     unmeasured = [c for c in found.capabilities if c.measured == STORAGE_ERROR]

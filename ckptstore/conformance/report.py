@@ -190,6 +190,8 @@ def _missing(probe: ProbeResult) -> bool:
     refuse the storage at open)."""
     if probe.measured == STORAGE_ERROR:
         return False
+    if probe.capability in MEASURED_ONLY:  # no driver declares it: only the measure counts
+        return probe.measured not in (HELD, NOT_MEASURED)
     if probe.required and not probe.declared:
         return True
     return (probe.declared or probe.required) and probe.measured not in (HELD, NOT_MEASURED)

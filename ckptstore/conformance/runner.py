@@ -270,7 +270,7 @@ def _refusal_missing(report: BackendReport) -> None:
     for result in report.invariants.values():
         refused = next((e for e in result.evidence if REFUSES in e), None)
         if result.status == NOT_APPLICABLE and refused is not None:
-            report.capabilities.append(ProbeResult(ACCEPTED, True, VIOLATED, refused, True))
+            report.capabilities.append(ProbeResult(ACCEPTED, False, VIOLATED, refused, True))
             return
 
 

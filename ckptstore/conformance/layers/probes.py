@@ -122,13 +122,13 @@ def _run_probes(location: Location, driver: Any) -> list[ProbeResult]:
         functools.partial(_measure, _probe_hidden_names, driver),
         lambda outcome: outcome[0] == STORAGE_ERROR,
     )
-    results.append(ProbeResult(HIDDEN_NAMES, True, measured, detail, True))
+    results.append(ProbeResult(HIDDEN_NAMES, False, measured, detail, True))
     if not file_system and Capability.MULTIPART in declared:
         (measured, detail), _ = retry_storage_failures(
             functools.partial(_measure, _probe_listed_uploads, driver),
             lambda outcome: outcome[0] == STORAGE_ERROR,
         )
-        results.append(ProbeResult(LISTED_UPLOADS, True, measured, detail, True))
+        results.append(ProbeResult(LISTED_UPLOADS, False, measured, detail, True))
     results.extend(
         ProbeResult("opening the store", True, VIOLATED, refusal, True)
         for refusal in refused_at_open(location.base)
@@ -697,8 +697,13 @@ def _probe_multipart(store: Any) -> tuple[str, str]:
     key = _name()
     size = store.min_part_size
     parts_data = [pattern(size, n) for n in range(1, MANY_PARTS)] + [b"last part"]
-    order = [len(parts_data), *range(1, len(parts_data))]  # part numbers, as uploaded
+    # Part numbers as uploaded: the last first, unless the driver streams them in order.
+    in_order = bool(getattr(store, "parts_in_order", False))
+    order = list(range(1, len(parts_data) + 1))
+    if not in_order:
+        order = [len(parts_data), *order[:-1]]
     upload = store.create_multipart(key)
+    how = "in order: the driver streams them" if in_order else "out of order"
     uploaded = {n: store.upload_part(key, upload, n, parts_data[n - 1]) for n in order}
     parts = [uploaded[n] for n in sorted(uploaded)]
     try:
@@ -715,11 +720,11 @@ def _probe_multipart(store: Any) -> tuple[str, str]:
         if stored != expected or info.size != len(expected):
             return VIOLATED, (
                 f"the object completed from {len(parts)} parts ({len(expected)} bytes, "
-                f"uploaded out of order) {_assembled(stored, parts_data)}"
+                f"uploaded {how}) {_assembled(stored, parts_data)}"
             )
         detail = (
             f"parts invisible until completion; completed object exact ({len(parts)} parts, "
-            f"uploaded out of order)"
+            f"uploaded {how})"
         )
         if not info.etag:
             detail += "; CompleteMultipartUpload returns an empty ETag (the driver reads it back)"
