@@ -26,7 +26,7 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
 from hypothesis.errors import HypothesisException
@@ -109,20 +109,26 @@ class StorageRefused(BaseException):
         self.error = error
 
 
-def refusal(error: BaseException) -> CapabilityError | None:
-    """The ``CapabilityError`` that ``error`` comes from (itself, or an explicit cause), or
-    None: a case that failed because the store refused the storage."""
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and its explicit causes (``raise ... from``), outermost first, each once."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        yield current
+        current = current.__cause__
+
+
+def refusal(error: BaseException) -> CapabilityError | None:
+    """The ``CapabilityError`` that ``error`` comes from (itself, or an explicit cause), or
+    None: a case that failed because the store refused the storage."""
+    for current in _causes(error):
         if isinstance(current, StorageRefused):
             return current.error
         if isinstance(current, CapabilityError):
             return current
         if isinstance(current, InjectedFault):
             return None
-        current = current.__cause__
     return None
 
 
@@ -134,17 +140,13 @@ def storage_failure(error: BaseException) -> StorageError | None:
     injected fault is in the chain.
     """
     deepest: StorageError | None = None
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in _causes(error):
         if isinstance(current, StorageFailure):
             return current.error
         if isinstance(current, InjectedFault):
             return None
         if isinstance(current, StorageError):
             deepest = current
-        current = current.__cause__
     if deepest is None or isinstance(deepest, _ANSWERS):
         return None
     return deepest
