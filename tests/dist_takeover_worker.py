@@ -1,12 +1,15 @@
 """A torchrun worker: the ranks take a store over once (rank 0 takes, the others join), then
 each publishes a step of its own in that epoch; ``--store`` may be a tiered pair's URL.
 
-Prints one line per rank: ``rank R epoch E fast F durable D`` (F and D: a pair's two epochs).
+Prints one line per rank: ``rank R epoch E fast F durable D`` (F and D: a pair's two epochs),
+in one write(2) of under PIPE_BUF bytes, so the ranks' lines never interleave on the shared pipe
+(``print`` writes the text and its newline apart when stdout is unbuffered).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -29,5 +32,5 @@ else:
 store.save(10 + rank, {f"rank{rank}.bin": bytes([rank]) * 10})
 dist.barrier()
 store.close()
-print(f"rank {rank} epoch {epoch} fast {fast} durable {durable}", flush=True)
+os.write(1, f"rank {rank} epoch {epoch} fast {fast} durable {durable}\n".encode())
 dist.destroy_process_group()
