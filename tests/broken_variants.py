@@ -9,6 +9,7 @@ what the suite sees is the real protocol with one real-world mistake in it. Thei
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -353,6 +354,94 @@ class FirstPageListDriver(MemoryDriver):
 
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
         return iter(list(super().list(prefix, start_after=start_after))[: self.PAGE])
+
+
+class ShortPagesDriver(MemoryDriver):
+    """A server (or a proxy in front of a sound one) that drops the continuation token: every
+    listing ends with its first page. S3's pages hold 1000 keys; this one's hold 3, and a page
+    size asked for (``list_page_size``) is honoured, so that the probe sees it with 7 keys."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.list_page_size = 3
+
+    def listing_page(
+        self, snapshot: Sequence[ObjectInfo], start: int
+    ) -> tuple[Sequence[ObjectInfo], int | None]:
+        return super().listing_page(snapshot, start)[0], None
+
+
+class LingeringDeletesDriver(MemoryDriver):
+    """Deletes that linger: a deleted object is still read, found by HEAD and listed by the
+    next few calls that touch it (a cache in front of the bucket index, a replica that lags),
+    although its DELETE was answered."""
+
+    LINGER = 4
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lingering: dict[str, list[Any]] = {}
+
+    def _still(self, key: str) -> tuple[bytes, ObjectInfo] | None:
+        entry = self.lingering.get(key)
+        if entry is None:
+            return None
+        entry[2] -= 1
+        if entry[2] <= 0:
+            del self.lingering[key]
+        return entry[0], entry[1]
+
+    def put_request(self, key: str, body: bytes, mode: PutMode, metadata: Any) -> Any:
+        self.lingering.pop(key, None)
+        return super().put_request(key, body, mode, metadata)
+
+    def delete(self, key: str, *, version_id: str | None = None) -> None:
+        if version_id is None:
+            with contextlib.suppress(ObjectNotFoundError):
+                self.lingering[key] = [*self.read_whole(key, None), self.LINGER]
+        super().delete(key, version_id=version_id)
+
+    def read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
+        still = self._still(key) if version_id is None else None
+        return still if still is not None else super().read_whole(key, version_id)
+
+    def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
+        still = self._still(key) if version_id is None else None
+        return still[1] if still is not None else super().head(key, version_id=version_id)
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        listed = {info.key: info for info in super().list(prefix, start_after=start_after)}
+        for key in list(self.lingering):
+            if key.startswith(prefix) and (start_after is None or key > start_after):
+                still = self._still(key)
+                if still is not None:
+                    listed.setdefault(key, still[1])
+        return iter(sorted(listed.values(), key=lambda info: info.key))
+
+
+class ZeroSizeMultipartDriver(MemoryDriver):
+    """A gateway that stats an object completed from parts by its manifest, not its data:
+    HEAD and listings say 0 bytes, GET returns them all."""
+
+    def _info(self, key: str, version: Any, is_latest: bool = True, *, listed: bool = False) -> Any:
+        info = super()._info(key, version, is_latest, listed=listed)
+        multipart = "-" in info.etag.strip('"')
+        return dataclasses.replace(info, size=0) if multipart else info
+
+    def read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
+        data, info = super().read_whole(key, version_id)
+        return data, dataclasses.replace(info, size=len(data))
+
+
+class LocalTimeListingDriver(MemoryDriver):
+    """Listings stamped in the server's local time zone (UTC+2), HEAD in UTC: a leftover's
+    LastModified as GC lists it is two hours later than the clock GC reads by HEAD."""
+
+    ZONE_S = 2 * 3600
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        for info in super().list(prefix, start_after=start_after):
+            yield dataclasses.replace(info, last_modified=info.last_modified + self.ZONE_S)
 
 
 class PartsByNameDriver(MemoryDriver):

@@ -194,7 +194,7 @@ def _complete(report: BackendReport) -> dict[str, Any]:
     text = render_text([report])
     assert "capability" in text and "I8 indeterminate outcomes resolved" in text
     backend = json.loads(to_json([report]))["backends"][0]
-    assert len(backend["capabilities"]) == 9  # every object-store probe, with its verdict
+    assert len(backend["capabilities"]) == 13  # every object-store probe, with its verdict
     statuses = {key: value["status"] for key, value in backend["invariants"].items()}
     assert "not checked" not in statuses.values(), statuses
     suite = ElementTree.fromstring(to_junit([report])).find("testsuite")
@@ -318,7 +318,7 @@ def test_the_report_files_are_written_after_each_layer(
     assert status not in (0, 1)  # the command line reports the interruption
     backend = json.loads((tmp_path / "r.json").read_text())["backends"][0]
     assert backend["outcome"] == "interrupted"
-    assert len(backend["capabilities"]) == 9  # the probes' verdicts are kept
+    assert len(backend["capabilities"]) == 13  # the probes' verdicts are kept (7 + 6 rows)
     assert backend["invariants"]["I3"]["status"] == "held"  # as is the crash points'
     assert "interrupted" in backend["errors"][0]["message"]
 

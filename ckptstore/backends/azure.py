@@ -370,7 +370,10 @@ class AzureBlobDriver(ObjectStoreBase):
         """Every item of a listing, each page request retried on its own."""
 
         def page(marker: str | None) -> tuple[_Items, str | None]:
-            pages: Any = self.client.list_blobs(**args).by_page(continuation_token=marker)
+            sized: dict[str, Any] = (
+                {"results_per_page": self.list_page_size} if self.list_page_size else {}
+            )
+            pages: Any = self.client.list_blobs(**args, **sized).by_page(continuation_token=marker)
             items = list(next(pages))
             return items, pages.continuation_token or None
 

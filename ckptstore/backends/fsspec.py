@@ -106,6 +106,7 @@ class FsspecDriver(ObjectStoreBase):
     scheme = "fsspec"
     rules = FSSPEC_RULES
     parts_in_order = True  # an upload is one stream
+    pages_listings = False  # the file system pages its listings, in pages of its own
     reads_back_creates = False
     """One request, never retried here: the commit resolves a lost answer by reading back
     (I8); an implementation may resend a request itself (s3fs on a broken connection)."""

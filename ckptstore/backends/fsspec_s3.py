@@ -36,6 +36,7 @@ class S3fsDriver(FsspecDriver):
     default_min_part_size = S3_MIN_PART_SIZE
     extra_capabilities = frozenset({Capability.MULTIPART})
     parts_in_order = False  # S3's own multipart uploads
+    pages_listings = True  # ListObjectsV2 is called here, MaxKeys and all
     metadata_argument = "Metadata"
     names_keep_control_characters = True
 
@@ -74,6 +75,8 @@ class S3fsDriver(FsspecDriver):
         args: dict[str, Any] = {"Bucket": bucket, "Prefix": full}
         if start_after is not None:
             args["StartAfter"] = self._split(start_after)[1]
+        if self.list_page_size:
+            args["MaxKeys"] = self.list_page_size
         while True:
             page = self.retried(
                 f"ListObjectsV2 {prefix}", lambda: self.fs.call_s3("list_objects_v2", **args)

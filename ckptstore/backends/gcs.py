@@ -331,8 +331,9 @@ class GCSDriver(ObjectStoreBase):
         """Every object a listing yields, each page request retried on its own."""
 
         def page(token: str | None) -> tuple[list[Any], str | None]:
+            sized = {"page_size": self.list_page_size} if self.list_page_size else {}
             listing = self.client.list_blobs(
-                self._bucket, page_token=token, retry=None, timeout=self.timeout, **args
+                self._bucket, page_token=token, retry=None, timeout=self.timeout, **args, **sized
             )
             return list(next(listing.pages)), listing.next_page_token or None
 

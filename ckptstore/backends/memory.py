@@ -276,7 +276,17 @@ class MemoryDriver(ObjectStoreBase):
                 current = self.bucket.current(full)
                 if current is not None:
                     snapshot.append(self._info(full[len(self.prefix) :], current, listed=True))
-        return iter(snapshot)
+        if not self.list_page_size:
+            return iter(snapshot)
+        return self.pages(f"listing {prefix}", lambda at: self.listing_page(snapshot, at or 0))
+
+    def listing_page(
+        self, snapshot: Sequence[ObjectInfo], start: int
+    ) -> tuple[Sequence[ObjectInfo], int | None]:
+        """One page of a listing (``list_page_size`` entries from ``start``) and where the
+        next starts (None: the last page), as a server pages a listing by continuation token."""
+        end = start + (self.list_page_size or len(snapshot))
+        return snapshot[start:end], end if end < len(snapshot) else None
 
     def list_versions(self, prefix: str) -> Iterator[ObjectInfo]:
         full_prefix = self.prefix + prefix

@@ -142,6 +142,9 @@ class ObjectStoreBase(ObjectStoreDriver):
     parts_in_order: ClassVar[bool] = False
     """Its multipart uploads take their parts one after another, by number (a stream): only
     ``upload_part`` of the next part is accepted."""
+    pages_listings: ClassVar[bool] = True
+    """Its listings honour ``list_page_size`` (False: the client library pages them itself,
+    in pages of its own size, and the suite's pagination probe cannot make a page small)."""
     reads_back_creates: ClassVar[bool] = True
     """A create whose outcome is unknown is resolved here by reading back (``resolve_create``);
     False: it is sent once, and its IndeterminateOutcomeError left to the protocol (I8)."""
@@ -171,6 +174,10 @@ class ObjectStoreBase(ObjectStoreDriver):
         self.checksums = checksums
         self.max_attempts = max_attempts
         self.read_concurrency = max(1, read_concurrency)
+        self.list_page_size: int | None = None
+        """The entries one listing request asks for (None: the storage's default, 1000 on
+        S3): the conformance suite's pagination probe makes it small, so that a listing of a
+        few keys takes several pages."""
         self.storage_identity = (endpoint, bucket)
         """Which storage this is, whatever the prefix (``ckptstore.driver.IdentifiedStorage``)."""
         self._retrying = retry_policy(

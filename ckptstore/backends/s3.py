@@ -77,6 +77,13 @@ Markers = tuple[tuple[str, str], ...]
 """Request parameters that continue a listing after a truncated page."""
 
 
+_PAGE_SIZE = {
+    "list_objects_v2": "MaxKeys",
+    "list_object_versions": "MaxKeys",
+    "list_multipart_uploads": "MaxUploads",
+    "list_parts": "MaxParts",
+}
+"""The argument of each listing that sets its page size (``list_page_size``)."""
 _PAGE_MARKERS: dict[str, tuple[tuple[str, str], ...]] = {
     "list_objects_v2": (("ContinuationToken", "NextContinuationToken"),),
     "list_object_versions": (
@@ -364,6 +371,8 @@ class S3Driver(ObjectStoreBase, RangedReadDriver):
         paginator cannot be resumed after an error)."""
         markers = _PAGE_MARKERS[operation]
         call = getattr(self.client, operation)
+        if self.list_page_size:
+            args = {**args, _PAGE_SIZE[operation]: self.list_page_size}
 
         def page(following: Markers | None) -> tuple[list[dict[str, Any]], Markers | None]:
             answer: dict[str, Any] = call(**args, **dict(following or ()))

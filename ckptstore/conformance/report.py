@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from xml.etree import ElementTree
 
+from ckptstore.conformance.layers.behaviours import CONSEQUENCES
 from ckptstore.conformance.layers.probes import HELD, MEASURED_ONLY, NOT_MEASURED, ProbeResult
 from ckptstore.conformance.model import INVARIANTS
 from ckptstore.conformance.outcomes import STORAGE_ERROR, SUITE_ERROR
@@ -130,6 +131,19 @@ class BackendReport:
             if len(result.evidence) < 5:
                 result.evidence.append(evidence)
 
+    def storage_blamed(self, invariant: str) -> list[str]:
+        """What the probes measured of this storage that can explain a violation of
+        ``invariant``: one sentence per capability found missing, naming its probe (said
+        before the violation's evidence: the storage is blamed before the protocol)."""
+        if self.invariants[invariant].status != VIOLATED_STATUS:
+            return []
+        blamed = []
+        for probe in self.capability_mismatches:
+            breaks, what = CONSEQUENCES.get(probe.capability, ((), ""))
+            if invariant in breaks:
+                blamed.append(f"{what}: see probe '{probe.capability}'")
+        return blamed
+
     @property
     def capability_mismatches(self) -> list[ProbeResult]:
         """Capabilities declared but not found on the real system."""
@@ -235,6 +249,8 @@ def render_text(reports: list[BackendReport]) -> str:
             loud = result.status in (VIOLATED_STATUS, STORAGE_ERROR_STATUS, SUITE_FAILED)
             status = result.status.upper() if loud else result.status
             lines.append(f"  {result.invariant + ' ' + result.name:<36} {status}")
+            for blamed in report.storage_blamed(result.invariant):
+                lines.append(f"      the storage first: {blamed}")
             if loud:
                 for evidence in result.evidence:
                     lines.extend("      " + part for part in evidence.splitlines())
@@ -278,11 +294,20 @@ def to_json(reports: list[BackendReport]) -> str:
             {
                 "ok": all(r.ok for r in reports),
                 "outcome": worst,
-                "backends": [{**asdict(r), "outcome": r.outcome} for r in reports],
+                "backends": [_backend_json(r) for r in reports],
             },
             indent=2,
         )
     )
+
+
+def _backend_json(report: BackendReport) -> dict[str, Any]:
+    """One backend's report as JSON: its fields, its outcome, and under each violated
+    invariant what the storage is blamed for first (``storage_blamed``)."""
+    found = {**asdict(report), "outcome": report.outcome}
+    for key, result in found["invariants"].items():
+        result["storage_blamed"] = report.storage_blamed(key)
+    return found
 
 
 def to_junit(reports: list[BackendReport]) -> str:
@@ -299,7 +324,10 @@ def to_junit(reports: list[BackendReport]) -> str:
             if result.status == VIOLATED_STATUS:
                 failures += 1
                 failure = ElementTree.SubElement(case, "failure", message="violated")
-                failure.text = "\n\n".join(result.evidence)
+                blamed = [
+                    f"the storage first: {b}" for b in report.storage_blamed(result.invariant)
+                ]
+                failure.text = "\n\n".join([*blamed, *result.evidence])
             elif result.status in (STORAGE_ERROR_STATUS, SUITE_FAILED):
                 errors += 1
                 what = STORAGE_ERROR if result.status == STORAGE_ERROR_STATUS else SUITE_ERROR

@@ -12,13 +12,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ckptstore.conformance.layers.behaviours import (
+    ACCEPTED,
+    HELD,
+    HIDDEN_NAMES,
+    LISTED_UPLOADS,
+    MEASURED_ONLY,
+    NOT_MEASURED,
+    VIOLATED,
+    behaviour_probes,
+    probe_name,
+)
 from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.workload import MANY_PARTS, big_shard_size, pattern
 from ckptstore.conformance.location import UNSUPPORTED, Location, refused_at_open
@@ -33,7 +43,11 @@ from ckptstore.errors import (
 )
 
 __all__ = [
+    "ACCEPTED",
     "HELD",
+    "HIDDEN_NAMES",
+    "LISTED_UPLOADS",
+    "MEASURED_ONLY",
     "NOT_MEASURED",
     "STORAGE_ERROR",
     "VIOLATED",
@@ -42,7 +56,6 @@ __all__ = [
     "run_probes",
 ]
 
-HELD, VIOLATED, NOT_MEASURED = "held", "violated", "not measured"
 RACE_ROUNDS = 3
 RACERS = 8
 """Racing probes: this many threads, released together, in this many rounds."""
@@ -118,17 +131,12 @@ def _run_probes(location: Location, driver: Any) -> list[ProbeResult]:
         results.append(
             ProbeResult(capability.value, capability in declared, measured, detail, needed)
         )
-    (measured, detail), _ = retry_storage_failures(
-        functools.partial(_measure, _probe_hidden_names, driver),
-        lambda outcome: outcome[0] == STORAGE_ERROR,
-    )
-    results.append(ProbeResult(HIDDEN_NAMES, False, measured, detail, True))
-    if not file_system and Capability.MULTIPART in declared:
+    for row, probe in behaviour_probes(driver, declared):
         (measured, detail), _ = retry_storage_failures(
-            functools.partial(_measure, _probe_listed_uploads, driver),
+            functools.partial(_measure, probe, driver),
             lambda outcome: outcome[0] == STORAGE_ERROR,
         )
-        results.append(ProbeResult(LISTED_UPLOADS, False, measured, detail, True))
+        results.append(ProbeResult(row, False, measured, detail, True))
     results.extend(
         ProbeResult("opening the store", True, VIOLATED, refusal, True)
         for refusal in refused_at_open(location.base)
@@ -146,129 +154,11 @@ def _measure(probe: Callable[[Any], tuple[str, str]], driver: Any) -> tuple[str,
         return VIOLATED, f"probe failed: {exc}"
 
 
-def _name() -> str:
-    """A fresh name for a probe's object or file (not hidden: see ``_probe_hidden_names``)."""
-    return f"probe-{secrets.token_hex(6)}"
-
-
-ACCEPTED = "the store accepts this storage"
-"""The report's row for a refusal of the storage no probe explains (``runner``)."""
-HIDDEN_NAMES = "names starting with . or _"
-"""The report's row for ``_probe_hidden_names``: not a capability a driver declares, but one
-every store needs (trainers write such names: torch DCP's ``.metadata``, ``__0_0.distcp``)."""
-
-
-LISTED_UPLOADS = "incomplete uploads listed"
-"""The report's row for ``_probe_listed_uploads``: GC finds a crashed save's upload so."""
-
-
-def _probe_listed_uploads(store: Any) -> tuple[str, str]:
-    """An incomplete multipart upload with a part, listed by ``ListMultipartUploads``: the
-    one way GC finds the uploads of saves that crashed (a server answering 501 or an empty
-    200 leaks every one of them)."""
-    key = _name()
-    upload = store.create_multipart(key)
-    try:
-        store.upload_part(key, upload, 1, b"a part")
-        try:
-            listed = any(u.upload_id == upload for u in store.list_multipart_uploads(""))
-        except StorageError as exc:
-            if exc.http_status not in UNSUPPORTED:
-                raise
-            return (
-                VIOLATED,
-                f"the server answers {exc.http_status} to ListMultipartUploads: {_LEAK}",
-            )
-        if not listed:
-            return VIOLATED, f"ListMultipartUploads does not list an incomplete upload: {_LEAK}"
-        return HELD, "an incomplete upload is listed: GC finds the uploads of saves that crashed"
-    finally:
-        with contextlib.suppress(CkptStoreError):
-            store.abort_multipart(key, upload)
-
-
-_LEAK = (
-    "GC cannot find the uploads of saves that crashed, whose parts then stay (and are billed) "
-    "until a lifecycle rule (AbortIncompleteMultipartUpload) removes them"
-)
-
-
-MEASURED_ONLY = frozenset({ACCEPTED, HIDDEN_NAMES, LISTED_UPLOADS})
-"""Rows no driver declares: what every store needs, measured (the report words them so)."""
-
-
-def _probe_hidden_names(driver: Any) -> tuple[str, str]:
-    """Names that start with ``.`` or ``_``, at the top and a directory down, stored, listed
-    and read back like any other: some S3 gateways and FUSE file systems hide them."""
-    folder = _name()
-    names = [f".{folder}", f"_{folder}", f"{folder}/.metadata", f"{folder}/__0_0.distcp"]
-    file_system = driver_family(driver) is DriverFamily.FILE_SYSTEM
-    listed: set[str] = set()
-    unread: list[str] = []
-    try:
-        if file_system:
-            driver.mkdir(folder)
-        for name in names:
-            _write_small(driver, name, name.encode(), file_system)
-        if file_system:
-            listed = set(driver.listdir("")) | {f"{folder}/{n}" for n in driver.listdir(folder)}
-        else:
-            listed = {info.key for info in driver.list("")}
-        for name in names:
-            if _read_small(driver, name, file_system) != name.encode():
-                unread.append(name)
-    finally:
-        _remove_small(driver, names, folder if file_system else None)
-    hidden = [name for name in names if name not in listed]
-    if not hidden and not unread:
-        return HELD, "stored, listed and read back like any other name (.metadata, __0_0.distcp)"
-    said = [f"not listed: {', '.join(hidden)}"] if hidden else []
-    said += [f"not read back: {', '.join(unread)}"] if unread else []
-    return VIOLATED, (
-        f"{'; '.join(said)} (trainers write such names, torch DCP's .metadata and "
-        f"__0_0.distcp among them; a listing that hides them hides leftovers from GC)"
-    )
-
-
-def _write_small(driver: Any, name: str, data: bytes, file_system: bool) -> None:
-    if not file_system:
-        driver.put(name, data)
-        return
-    handle = driver.create(name)
-    try:
-        driver.write(handle, data)
-    finally:
-        driver.close(handle)
-
-
-def _read_small(driver: Any, name: str, file_system: bool) -> bytes | None:
-    try:
-        if not file_system:
-            data: bytes = driver.get(name)[0]
-            return data
-        with driver.open_read(name) as stream:
-            read: bytes = stream.read()
-            return read
-    except ObjectNotFoundError:
-        return None
-
-
-def _remove_small(driver: Any, names: list[str], folder: str | None) -> None:
-    """Remove the objects, or the files and then their ``folder``, that a probe made; what
-    is gone already (or was never made) is fine."""
-    for name in names:
-        with contextlib.suppress(ObjectNotFoundError):
-            driver.unlink(name) if folder is not None else driver.delete(name)
-    if folder is not None:
-        with contextlib.suppress(ObjectNotFoundError):
-            driver.rmdir(folder)
-
-
 # -- file systems ------------------------------------------------------------------------
 
 
 def _probe_rename_noreplace(fs: Any) -> tuple[str, str]:
-    source, target = _name(), _name()
+    source, target = probe_name(), probe_name()
     fs.mkdir(source)
     fs.mkdir(target)
     handle = fs.create(f"{target}/keep")
@@ -369,8 +259,8 @@ def _race_verdict(what: str, won: list[int], round_: int, holder: int | None) ->
 def _race_renames(fs: Any) -> str | None:
     """Racing no-replace renames of files onto one absent name: exactly one may succeed."""
     for round_ in range(1, RACE_ROUNDS + 1):
-        target = _name()
-        sources = [_name() for _ in range(RACERS)]
+        target = probe_name()
+        sources = [probe_name() for _ in range(RACERS)]
         for index, source in enumerate(sources):
             handle = fs.create(source)
             try:
@@ -396,7 +286,7 @@ def _race_renames(fs: Any) -> str | None:
 
 
 def _probe_fsync(fs: Any) -> tuple[str, str]:
-    name = _name()
+    name = probe_name()
     handle = fs.create(name)
     try:
         fs.write(handle, b"probe")
@@ -409,7 +299,7 @@ def _probe_fsync(fs: Any) -> tuple[str, str]:
 
 
 def _probe_list_after_write(fs: Any) -> tuple[str, str]:
-    name = _name()
+    name = probe_name()
     fs.close(fs.create(name))
     seen = name in fs.listdir("")
     fs.unlink(name)
@@ -430,7 +320,7 @@ _FILE_SYSTEM_PROBES: dict[Capability, Callable[[Any], tuple[str, str]]] = {
 
 
 def _probe_conditional_create(store: Any) -> tuple[str, str]:
-    key = _name()
+    key = probe_name()
     try:
         try:
             store.put(key, b"first", mode=PutMode.CREATE)
@@ -472,7 +362,7 @@ def _race_creates(store: Any, losers: Counter[str]) -> str | None:
     """Racing conditional creates of one key: exactly one may succeed, and it holds its
     bytes (losers told by an error status other than 412 are counted in ``losers``)."""
     for round_ in range(1, RACE_ROUNDS + 1):
-        key = _name()
+        key = probe_name()
         try:
             won = _race(RACERS, functools.partial(_create_one, store, key, round_),
                         PreconditionFailedError, losers)  # fmt: skip
@@ -512,7 +402,7 @@ def _holder(store: Any, key: str) -> int | None:
 
 
 def _probe_conditional_complete(store: Any) -> tuple[str, str]:
-    key = _name()
+    key = probe_name()
     store.put(key, b"first")
     upload = store.create_multipart(key)
     try:
@@ -564,7 +454,7 @@ def _if_match(store: Any, key: str, body: bytes, etag: str) -> str:
 
 
 def _probe_compare_and_swap(store: Any) -> tuple[str, str]:
-    key = _name()
+    key = probe_name()
     try:
         return _measure_compare_and_swap(store, key)
     finally:
@@ -591,7 +481,7 @@ def _measure_compare_and_swap(store: Any, key: str) -> tuple[str, str]:
             f"the server answered 200 to PutObject If-Match with a stale ETag and {what}",
         )
     notes.append(f"a stale ETag: {stale}")
-    missing = _if_match(store, _name(), b"x", form(bare))
+    missing = _if_match(store, probe_name(), b"x", form(bare))
     if missing == "200":
         return VIOLATED, "PutObject If-Match on a missing key created it (200)"
     notes.append(f"If-Match on a missing key: {missing}")
@@ -627,7 +517,7 @@ NO_VERSIONS = "puts return no distinct version ids (versioning off?)"
 def _two_versions(store: Any) -> Iterator[tuple[str, str | None]]:
     """A fresh key written twice (b"1", then b"2"): the key, and the first write's version id
     (None unless the writes got distinct ids); every version of the key is deleted after."""
-    key = _name()
+    key = probe_name()
     first = store.put(key, b"1")
     second = store.put(key, b"2")
     try:
@@ -694,7 +584,7 @@ def _probe_multipart(store: Any) -> tuple[str, str]:
     (short), uploaded in an order of their own (last first, then the rest from the first): a
     server that loses a part, or assembles them by name (1, 10, 11, ...) or by arrival rather
     than by number, is caught when the object is read back byte for byte."""
-    key = _name()
+    key = probe_name()
     size = store.min_part_size
     parts_data = [pattern(size, n) for n in range(1, MANY_PARTS)] + [b"last part"]
     # Part numbers as uploaded: the last first, unless the driver streams them in order.
@@ -717,10 +607,15 @@ def _probe_multipart(store: Any) -> tuple[str, str]:
         if visible or readable:
             return VIOLATED, "an incomplete multipart upload was visible"
         stored, expected = store.get(key)[0], b"".join(parts_data)
-        if stored != expected or info.size != len(expected):
+        if stored != expected:
             return VIOLATED, (
                 f"the object completed from {len(parts)} parts ({len(expected)} bytes, "
                 f"uploaded {how}) {_assembled(stored, parts_data)}"
+            )
+        if info.size != len(expected):
+            return VIOLATED, (
+                f"the object completed from {len(parts)} parts reads back exact, but "
+                f"CompleteMultipartUpload says it holds {info.size} bytes, not {len(expected)}"
             )
         detail = (
             f"parts invisible until completion; completed object exact ({len(parts)} parts, "
@@ -750,7 +645,7 @@ def _assembled(stored: bytes, parts_data: list[bytes]) -> str:
 
 
 def _probe_object_list_after_write(store: Any) -> tuple[str, str]:
-    key = _name()
+    key = probe_name()
     store.put(key, b"x")
     try:
         seen = any(info.key == key for info in store.list(key))

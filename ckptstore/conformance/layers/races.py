@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
+from ckptstore.commit.conditional_put import LATEST_KEY
 from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.workload import pattern
 from ckptstore.conformance.location import Location, open_for_measuring
@@ -174,6 +175,9 @@ class RaceGate:
         self.family = driver_family(inner)
         self._armed: Predicate | None = None
         self._lock = threading.Lock()
+        self.plain_hint_puts = 0
+        """Puts of the LATEST hint sent without a condition (no If-Match): the pointer judge
+        tells a lost update so from a compare-and-swap the storage let through."""
 
     def arm(self, predicate: Predicate) -> None:
         """Hold the next call ``predicate`` selects at the barrier."""
@@ -199,11 +203,20 @@ class RaceGate:
             return attribute
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if name == "put" and _plain_hint_put(args, kwargs):
+                self.plain_hint_puts += 1
             if self._take((name, args, kwargs)):
                 self._barrier.wait(WAIT_S)
             return attribute(*args, **kwargs)
 
         return call
+
+
+def _plain_hint_put(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A put of the LATEST hint (a key named LATEST) without a condition."""
+    key = str(args[0]) if args else str(kwargs.get("key", ""))
+    mode = kwargs.get("mode", args[2] if len(args) > 2 else PutMode.OVERWRITE)
+    return key.rpartition("/")[2] == LATEST_KEY and not getattr(mode, "conditional", False)
 
 
 # -- what each writer does ---------------------------------------------------------------
@@ -238,6 +251,8 @@ class Outcome:
     detail: str = ""
     storage: bool = False
     """The error is the storage's failure (undecided), not the protocol's."""
+    plain_hint: bool = False
+    """The writer put the LATEST hint without a condition (no If-Match sent)."""
 
 
 def writer_shards(step: int, writer: int) -> dict[str, bytes]:
@@ -253,12 +268,13 @@ def _race_once(store: Store, gate: RaceGate, writer: int, race: Round) -> Outcom
     # Armed from the start: a writer that fails before its commit point still arrives at the
     # barrier (``release``), so that the others are not left waiting for it.
     gate.arm(at_publish if race.kind == PUBLISH else at_pointer)
+    plain_before = gate.plain_hint_puts
     try:
         pending = store.begin(step, {"writer": writer, "round": race.number})
         for name, data in writer_shards(step, writer).items():
             pending.write(name, data)
         pending.publish()
-        return Outcome(writer, "published")
+        return Outcome(writer, "published", plain_hint=gate.plain_hint_puts > plain_before)
     except CheckpointExistsError as exc:
         return Outcome(writer, "exists", str(exc))
     except Exception as exc:
@@ -553,10 +569,16 @@ class _Judge:
             and hint != steps[-1]
             and all(o.kind == "published" for o in outcomes)
         ):
+            plain = [str(o.writer) for o in outcomes if o.plain_hint]
+            how = (
+                f"LATEST was written without compare-and-swap (writer(s) {', '.join(plain)} "
+                f"put it plainly, no If-Match sent)"
+                if plain
+                else "two writers' If-Match let through"
+            )
             self.fail("I4", race, f"writers of steps {steps[0]}..{steps[-1]} raced to move "
-                      f"LATEST by compare-and-swap; it names step {hint}: an update was lost "
-                      f"(two writers' If-Match let through), so LATEST went back from "
-                      f"{steps[-1]} to {hint}")  # fmt: skip
+                      f"LATEST; it names step {hint}: an update was lost ({how}), so LATEST "
+                      f"went back from {steps[-1]} to {hint}")  # fmt: skip
         if not published:  # the seed and the publish rounds' steps were all published
             self.fail("I2", race, "the store lists no published step after the pointer race: "
                       "the storage's listing omits what was written")  # fmt: skip
