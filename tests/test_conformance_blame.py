@@ -36,7 +36,7 @@ from ckptstore.conformance.layers.races import (
 )
 from ckptstore.conformance.location import LocationFactory, open_for_measuring
 from ckptstore.conformance.report import BackendReport, render_text, to_json, to_junit
-from ckptstore.driver import PutMode
+from ckptstore.driver import PutMode, UploadInfo
 from ckptstore.hint import encode_hint
 from ckptstore.store import Store
 
@@ -273,3 +273,32 @@ def test_a_latest_put_without_a_condition_is_named_not_blamed_on_if_match(bucket
         and "went back from 7 to 6" in message
         for message in said
     ), said
+
+
+# -- leftovers seen by a second route (item 7) ------------------------------------------------
+
+
+class EmptyUploadListingDriver(MemoryDriver):
+    """A server that answers ListMultipartUploads with an empty 200: GC finds no crashed
+    upload, and an audit that asked the same way found none either."""
+
+    def list_multipart_uploads(self, prefix: str) -> Iterator[UploadInfo]:
+        return iter([])
+
+
+def test_uploads_a_crash_left_are_found_by_a_route_gc_does_not_take(
+    bucket: str, scheme: Any
+) -> None:
+    url = f"{scheme('empty-upload-listing', EmptyUploadListingDriver)}://{bucket}/run"
+    report = _report(url, around="upload_part")
+    evidence = "\n".join(report.invariants["I7"].evidence)
+    assert "not listed by ListMultipartUploads" in evidence, evidence
+    _blamed_first(
+        report,
+        "I7",
+        "this storage does not list incomplete multipart uploads: see probe 'incomplete "
+        "uploads listed'",
+        "not listed by ListMultipartUploads",
+    )
+    sound = _report(f"memory://{bucket}/sound", around="upload_part")
+    assert sound.invariants["I7"].status == "held"

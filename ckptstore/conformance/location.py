@@ -20,7 +20,7 @@ from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.conformance.audit import StorageAudit, audit_of
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
 from ckptstore.conformance.faults.strays import Stray
-from ckptstore.driver import Capability, DriverFamily, driver_family
+from ckptstore.driver import Capability, DriverFamily, UploadInfo, driver_family
 from ckptstore.errors import (
     CapabilityError,
     CheckpointNotFoundError,
@@ -186,12 +186,17 @@ class Location:
         self._touched: set[str] | None = set()
         self.strays: list[Stray] = []
         """Foreign entries the suite planted here: never leftovers of the protocol's."""
+        self.uploads_begun: dict[tuple[str, str], None] = {}
+        """Multipart uploads (key, id) begun through ``open``'s stores and not seen completed
+        or aborted: ``leftovers`` asks the storage for each one it does not list."""
 
     def open(
         self, plan: FaultPlan | None = None, retention: RetentionPolicy | None = None
     ) -> tuple[Store, FaultInjector]:
         """A fresh Store over this location, its driver wrapped in a fault injector."""
-        injector = FaultInjector(self.base.driver, plan, on_change=self.changed)
+        injector = FaultInjector(
+            self.base.driver, plan, on_change=self.changed, on_upload=self._upload_call
+        )
         strategy: CommitStrategy[Any] = self.base.with_driver(injector)
         return Store(strategy, retention=retention, clock=self.store_clock), injector
 
@@ -211,6 +216,34 @@ class Location:
             self._touched = None
         elif self._touched is not None:
             self._touched.update(names)
+
+    def _upload_call(self, name: str, args: tuple[Any, ...], result: Any) -> None:
+        """Track the uploads begun here (``FaultInjector.on_upload``)."""
+        if name == "create_multipart":
+            self.uploads_begun[(str(args[0]), str(result))] = None
+        elif len(args) > 1:
+            self.uploads_begun.pop((str(args[0]), str(args[1])), None)
+
+    def unlisted_uploads(self, listed: set[str]) -> set[str]:
+        """The uploads begun here that the storage still holds and does not list (not in
+        ``listed``, the raw names): found by asking for each one (``upload_progress``: S3's
+        ListParts), a route GC does not take. An upload gone is forgotten."""
+        found = set()
+        driver = self.base.driver
+        for key, upload_id in list(self.uploads_begun):
+            if f"{key} (upload {upload_id})" in listed:
+                continue
+            try:
+                driver.upload_progress(UploadInfo(key, upload_id, 0.0))
+            except ObjectNotFoundError:
+                self.uploads_begun.pop((key, upload_id), None)
+                continue
+            except StorageError as exc:
+                if exc.http_status in UNSUPPORTED:
+                    return found  # no route to ask by: the probes say what is missing
+                raise
+            found.add(f"{key} (upload {upload_id}, not listed by ListMultipartUploads)")
+        return found
 
     def take_touched(self) -> set[str] | None:
         """The raw names changed since the last call (None: some change's names are unknown)."""
@@ -244,11 +277,10 @@ class Location:
                 continue  # a stray named like a step, or unpublished since the listing
             except IntegrityError:
                 owned |= {n for n in self.raw_names() if step_token(step) in n}
-        return {
-            name
-            for name in self.raw_names() - owned
-            if not any(stray.owns(name) for stray in self.strays)
-        }
+        raw = self.raw_names()
+        if self.uploads_begun and driver_family(self.base.driver) is DriverFamily.OBJECT_STORE:
+            raw |= self.unlisted_uploads(raw)
+        return {name for name in raw - owned if not any(stray.owns(name) for stray in self.strays)}
 
     def corrupt(self, step: int, name: str, how: str, epoch: int = 0) -> str | None:
         """Damage one shard of checkpoint (``step``, ``epoch``) behind the store's back;

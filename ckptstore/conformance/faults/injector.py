@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 _LAZY_RESULTS = frozenset({"list", "list_versions", "list_multipart_uploads"})
+_UPLOAD_CALLS = frozenset({"create_multipart", "complete_multipart", "abort_multipart"})
 READ_ONLY_CALLS = frozenset(
     {
         "stat",
@@ -154,11 +155,16 @@ class FaultInjector:
         inner: Any,
         plan: FaultPlan | None = None,
         on_change: Callable[[tuple[str, ...] | None], None] | None = None,
+        on_upload: Callable[[str, tuple[Any, ...], Any], None] | None = None,
     ) -> None:
         self._inner = inner
         self.on_change = on_change
         """Called before each call that may change what the storage holds, with the names it
         may change (None: not known)."""
+        self.on_upload = on_upload
+        """Called with the name, arguments and result of each ``create_multipart``,
+        ``complete_multipart`` and ``abort_multipart`` the storage carried out (the leftover
+        audit's second route to the uploads a crash left)."""
         self._paths: dict[int, str] = {}
         self.on_death: Callable[[SimulatedCrash], None] | None = None
         """Called when the process dies at one of this driver's calls: a process that uses
@@ -241,6 +247,8 @@ class FaultInjector:
                 if dies_after:  # the process dies whatever the storage answered
                     self._die(record, CrashMode.AFTER)
                 raise
+            if self.on_upload is not None and name in _UPLOAD_CALLS:
+                self.on_upload(name, args, result)
             if name in ("create", "create_with_layout"):
                 self._handles.add(result)
                 if args and isinstance(args[0], str):
