@@ -228,7 +228,7 @@ class Location:
         """The uploads begun here that the storage still holds and does not list (not in
         ``listed``, the raw names): found by asking for each one (``upload_progress``: S3's
         ListParts), a route GC does not take. An upload gone is forgotten."""
-        found = set()
+        found: set[str] = set()
         driver = self.base.driver
         for key, upload_id in list(self.uploads_begun):
             if f"{key} (upload {upload_id})" in listed:
