@@ -444,6 +444,55 @@ class LocalTimeListingDriver(MemoryDriver):
             yield dataclasses.replace(info, last_modified=info.last_modified + self.ZONE_S)
 
 
+class StaleAfterOverwriteDriver(MemoryDriver):
+    """Reads that return stale data for a moment: after an object is overwritten, the next
+    ``STALE_READS`` reads of it (GET or HEAD, not by version) return the old version (a
+    read cache or a replica that lags overwrites, with read-after-write of new keys right).
+    Sound for ckptstore, which never overwrites data and cross-checks the LATEST hint."""
+
+    STALE_READS = 2
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stale: dict[str, list[Any]] = {}
+        self.stale_lock = threading.Lock()
+
+    def put_request(self, key: str, body: bytes, mode: PutMode, metadata: Any) -> Any:
+        request = super().put_request(key, body, mode, metadata)
+        send = request.send
+
+        def overwrite() -> ObjectInfo:
+            try:
+                before = super(StaleAfterOverwriteDriver, self).read_whole(key, None)
+            except ObjectNotFoundError:
+                before = None
+            info = send()
+            if before is not None:
+                with self.stale_lock:
+                    self.stale[key] = [*before, self.STALE_READS]
+            return info
+
+        return dataclasses.replace(request, send=overwrite)
+
+    def _old(self, key: str) -> tuple[bytes, ObjectInfo] | None:
+        with self.stale_lock:
+            entry = self.stale.get(key)
+            if entry is None:
+                return None
+            entry[2] -= 1
+            if entry[2] <= 0:
+                del self.stale[key]
+            return entry[0], entry[1]
+
+    def read_whole(self, key: str, version_id: str | None) -> tuple[bytes, ObjectInfo]:
+        old = self._old(key) if version_id is None else None
+        return old if old is not None else super().read_whole(key, version_id)
+
+    def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
+        old = self._old(key) if version_id is None else None
+        return old[1] if old is not None else super().head(key, version_id=version_id)
+
+
 class PartsByNameDriver(MemoryDriver):
     """A gateway that keeps an upload's parts as files named by their number and assembles
     them in the order of those names: 1, 10, 11, 12, 13, 2, ... An upload of up to 9 parts

@@ -20,6 +20,7 @@ from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.conformance.audit import StorageAudit, audit_of
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
 from ckptstore.conformance.faults.strays import Stray
+from ckptstore.conformance.settling import settled
 from ckptstore.driver import Capability, DriverFamily, UploadInfo, driver_family
 from ckptstore.errors import (
     CapabilityError,
@@ -312,7 +313,9 @@ class Location:
             finally:
                 driver.close(handle)
         else:
-            driver.put(record.locator["key"], altered)
+            key = record.locator["key"]
+            driver.put(key, altered)
+            settled(lambda: driver.get(key)[0], lambda read: read == altered)  # a stale read
         return how
 
     def destroy(self) -> None:

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from xml.etree import ElementTree
 
-from ckptstore.conformance.layers.behaviours import CONSEQUENCES
+from ckptstore.conformance.layers.behaviours import CONSEQUENCES, TOLERATED
 from ckptstore.conformance.layers.probes import HELD, MEASURED_ONLY, NOT_MEASURED, ProbeResult
 from ckptstore.conformance.model import INVARIANTS
 from ckptstore.conformance.outcomes import STORAGE_ERROR, SUITE_ERROR
@@ -202,7 +202,7 @@ def _measured(probe: ProbeResult) -> str:
 def _missing(probe: ProbeResult) -> bool:
     """Declared or required, and not found; or required and not declared (ckptstore would
     refuse the storage at open)."""
-    if probe.measured == STORAGE_ERROR:
+    if probe.measured == STORAGE_ERROR or probe.capability in TOLERATED:
         return False
     if probe.capability in MEASURED_ONLY:  # no driver declares it: only the measure counts
         return probe.measured not in (HELD, NOT_MEASURED)
@@ -214,6 +214,8 @@ def _missing(probe: ProbeResult) -> bool:
 def _verdict(probe: ProbeResult) -> str:
     if probe.measured == STORAGE_ERROR:
         return "STORAGE ERROR (undecided)"
+    if probe.capability in TOLERATED:  # measured, and the protocol does without it
+        return "ok" if probe.measured in (HELD, NOT_MEASURED) else "measured (tolerated)"
     if probe.capability in MEASURED_ONLY:  # declared by no driver: needed by every store
         return "ok" if probe.measured in (HELD, NOT_MEASURED) else "MISSING (needed, not found)"
     if probe.required and not probe.declared:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptstore.conformance.location import UNSUPPORTED
+from ckptstore.conformance.settling import settled
 from ckptstore.driver import Capability, DriverFamily, driver_family
 from ckptstore.errors import CkptStoreError, ObjectNotFoundError, StorageError
 
@@ -32,6 +33,8 @@ __all__ = [
     "PAGINATION",
     "READ_AFTER_DELETE",
     "SIZES",
+    "STALE_READS",
+    "TOLERATED",
     "VIOLATED",
     "behaviour_probes",
     "probe_name",
@@ -60,11 +63,16 @@ SIZES = "sizes as written"
 """The report's row for ``_probe_sizes``: what HEAD (stat) and a listing say of a size."""
 CLOCK = "one clock for timestamps"
 """The report's row for ``_probe_clock``: GC ages leftovers on the storage's timestamps."""
+STALE_READS = "reads after overwrite"
+"""The report's row for ``_probe_reads_after_overwrite``: measured, and tolerated."""
 
 MEASURED_ONLY = frozenset(
-    {ACCEPTED, HIDDEN_NAMES, LISTED_UPLOADS, PAGINATION, READ_AFTER_DELETE, SIZES, CLOCK}
-)
+    {ACCEPTED, HIDDEN_NAMES, LISTED_UPLOADS, PAGINATION, READ_AFTER_DELETE, SIZES, CLOCK,
+     STALE_READS}
+)  # fmt: skip
 """Rows no driver declares: what every store needs, measured (the report words them so)."""
+TOLERATED = frozenset({STALE_READS})
+"""Rows whose misbehaviour the protocol tolerates: measured and reported, never missing."""
 
 CONSEQUENCES: dict[str, tuple[tuple[str, ...], str]] = {
     HIDDEN_NAMES: (
@@ -133,6 +141,7 @@ def behaviour_probes(
     ]
     if not file_system:
         probes.insert(1, (PAGINATION, _probe_pagination))
+        probes.append((STALE_READS, _probe_reads_after_overwrite))
         if Capability.MULTIPART in declared:
             probes.insert(1, (LISTED_UPLOADS, _probe_listed_uploads))
     return probes
@@ -450,3 +459,44 @@ def _object_stamps(store: Any, key: str) -> tuple[dict[str, float], list[str]]:
         with contextlib.suppress(CkptStoreError):
             store.abort_multipart(key, upload)
     return stamps, notes
+
+
+def _probe_reads_after_overwrite(store: Any) -> tuple[str, str]:
+    """An object overwritten (after a read of its first bytes, which a cache would keep),
+    then read until it reads its new bytes (for at most ``settling.SETTLE_S``): how many
+    reads, for how long, were stale. ckptstore tolerates stale reads: it never overwrites
+    data, and cross-checks the LATEST hint with a listing; the suite waits them out."""
+    key = probe_name()
+    reads = 0
+
+    def read() -> bytes:
+        nonlocal reads
+        reads += 1
+        data: bytes = store.get(key)[0]
+        return data
+
+    store.put(key, b"old bytes")
+    try:
+        store.get(key)
+        store.put(key, b"new bytes")
+        started = time.monotonic()
+        final = settled(read, lambda data: data == b"new bytes")
+        took = time.monotonic() - started
+    finally:
+        with contextlib.suppress(ObjectNotFoundError):
+            store.delete(key)
+    if reads == 1:
+        return HELD, "an overwritten object reads its new bytes at once"
+    tolerated = (
+        "tolerated: ckptstore never overwrites data and cross-checks the LATEST hint with a "
+        "listing; the suite waits such reads out"
+    )
+    if final != b"new bytes":
+        return VIOLATED, (
+            f"stale reads measured: an overwritten object still read its old bytes after "
+            f"{took:.1f} s ({reads} reads; {tolerated})"
+        )
+    return VIOLATED, (
+        f"stale reads measured: an overwritten object read its old bytes {reads - 1} time(s), "
+        f"for {took * 1000:.0f} ms ({tolerated})"
+    )

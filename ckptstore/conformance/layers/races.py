@@ -35,6 +35,7 @@ import queue
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ from ckptstore.conformance.layers.layer import Findings, SuiteRun
 from ckptstore.conformance.layers.workload import pattern
 from ckptstore.conformance.location import Location, open_for_measuring
 from ckptstore.conformance.outcomes import SuiteError, storage_failure
+from ckptstore.conformance.settling import settled
 from ckptstore.driver import Capability, DriverFamily, PutMode, driver_family, storage_calls
 from ckptstore.errors import (
     CheckpointExistsError,
@@ -175,9 +177,9 @@ class RaceGate:
         self.family = driver_family(inner)
         self._armed: Predicate | None = None
         self._lock = threading.Lock()
-        self.plain_hint_puts = 0
-        """Puts of the LATEST hint sent without a condition (no If-Match): the pointer judge
-        tells a lost update so from a compare-and-swap the storage let through."""
+        self.hint_writes: list[str] = []
+        """The puts of the LATEST hint the storage took: ``plain`` (no condition sent) or
+        ``if-match <ETag>``; the pointer judge tells a lost update by them."""
 
     def arm(self, predicate: Predicate) -> None:
         """Hold the next call ``predicate`` selects at the barrier."""
@@ -203,20 +205,27 @@ class RaceGate:
             return attribute
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if name == "put" and _plain_hint_put(args, kwargs):
-                self.plain_hint_puts += 1
             if self._take((name, args, kwargs)):
                 self._barrier.wait(WAIT_S)
-            return attribute(*args, **kwargs)
+            result = attribute(*args, **kwargs)
+            written = _hint_write(args, kwargs) if name == "put" else None
+            if written is not None:
+                self.hint_writes.append(written)
+            return result
 
         return call
 
 
-def _plain_hint_put(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """A put of the LATEST hint (a key named LATEST) without a condition."""
+def _hint_write(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """How a put wrote the LATEST hint (a key named LATEST): ``plain``, ``if-match <ETag>``
+    or ``create``; None: the put was of another key."""
     key = str(args[0]) if args else str(kwargs.get("key", ""))
+    if key.rpartition("/")[2] != LATEST_KEY:
+        return None
     mode = kwargs.get("mode", args[2] if len(args) > 2 else PutMode.OVERWRITE)
-    return key.rpartition("/")[2] == LATEST_KEY and not getattr(mode, "conditional", False)
+    if not isinstance(mode, PutMode) or mode.kind == "overwrite":
+        return "plain"
+    return f"if-match {str(mode.etag).strip(chr(34))}" if mode.kind == "update" else "create"
 
 
 # -- what each writer does ---------------------------------------------------------------
@@ -251,8 +260,9 @@ class Outcome:
     detail: str = ""
     storage: bool = False
     """The error is the storage's failure (undecided), not the protocol's."""
-    plain_hint: bool = False
-    """The writer put the LATEST hint without a condition (no If-Match sent)."""
+    hint_writes: tuple[str, ...] = ()
+    """How the writer's puts of the LATEST hint that the storage took were sent
+    (``RaceGate.hint_writes``)."""
 
 
 def writer_shards(step: int, writer: int) -> dict[str, bytes]:
@@ -268,13 +278,14 @@ def _race_once(store: Store, gate: RaceGate, writer: int, race: Round) -> Outcom
     # Armed from the start: a writer that fails before its commit point still arrives at the
     # barrier (``release``), so that the others are not left waiting for it.
     gate.arm(at_publish if race.kind == PUBLISH else at_pointer)
-    plain_before = gate.plain_hint_puts
+    writes_before = len(gate.hint_writes)
     try:
         pending = store.begin(step, {"writer": writer, "round": race.number})
         for name, data in writer_shards(step, writer).items():
             pending.write(name, data)
         pending.publish()
-        return Outcome(writer, "published", plain_hint=gate.plain_hint_puts > plain_before)
+        written = tuple(gate.hint_writes[writes_before:])
+        return Outcome(writer, "published", hint_writes=written)
     except CheckpointExistsError as exc:
         return Outcome(writer, "exists", str(exc))
     except Exception as exc:
@@ -543,11 +554,20 @@ class _Judge:
                           f"{race.step(outcome.writer)} while others published other steps: "
                           f"{outcome.detail or outcome.kind}")  # fmt: skip
         base = self.location.base
-        hint = base.read_latest_hint()
+        before = self.hint
+        every_one = all(o.kind == "published" for o in outcomes)
+
+        def settles(hint: int | None) -> bool:  # what a sound store's hint reads after it
+            lost = self.cas and every_one and hint in steps and hint != steps[-1]
+            return not _behind(hint, before) and not lost
+
+        # A hint read back stale for a moment (tolerated: ``settling``) is neither one that
+        # went back nor a lost update: read until it is the newest, for a moment.
+        hint = settled(base.read_latest_hint, settles)
         # Every commit point the listing shows, whatever its epoch (a takeover race ran first
         # where the store keeps lineages: the races after it publish in its epoch).
         published = {step for step, _ in base.published_checkpoints()}
-        before, self.hint = self.hint, hint
+        self.hint = hint
         if hint is not None and hint not in published and _found_directly(base, hint):
             # A direct read finds it: the listing, not the protocol, lost the step.
             self.fail("I2", race, f"LATEST names step {hint}, which a direct read finds "
@@ -557,27 +577,17 @@ class _Judge:
         elif hint is not None and hint not in published:
             self.fail("I1", race, f"after writers of steps {steps[0]}..{steps[-1]} raced to "
                       f"move it, LATEST names step {hint}, which is not published")  # fmt: skip
-        if before is not None and (hint is None or hint < before):
+        if _behind(hint, before):
             self.fail("I4", race, f"LATEST went back from step {before} to {hint} when writers "
                       f"of steps {steps[0]}..{steps[-1]} raced to move it")  # fmt: skip
-        # A hint left where it was is a storage that refuses the swap (readers list past it);
-        # one moved to a raced step other than the newest lost the newest writer's update.
-        moved = hint in steps
-        if (
-            self.cas
-            and moved
-            and hint != steps[-1]
-            and all(o.kind == "published" for o in outcomes)
-        ):
-            plain = [str(o.writer) for o in outcomes if o.plain_hint]
-            how = (
-                f"LATEST was written without compare-and-swap (writer(s) {', '.join(plain)} "
-                f"put it plainly, no If-Match sent)"
-                if plain
-                else "two writers' If-Match let through"
-            )
+        # A hint left behind the newest raced step is one a writer gave up moving (a storage
+        # that refuses the swap, or a stale read of it: readers list past it, and latest() is
+        # checked below); it is a lost update when the storage took two swaps from one ETag,
+        # or a put that sent no condition.
+        lost = _lost_update(outcomes)
+        if self.cas and hint in steps and hint != steps[-1] and every_one and lost:
             self.fail("I4", race, f"writers of steps {steps[0]}..{steps[-1]} raced to move "
-                      f"LATEST; it names step {hint}: an update was lost ({how}), so LATEST "
+                      f"LATEST; it names step {hint}: an update was lost ({lost}), so LATEST "
                       f"went back from {steps[-1]} to {hint}")  # fmt: skip
         if not published:  # the seed and the publish rounds' steps were all published
             self.fail("I2", race, "the store lists no published step after the pointer race: "
@@ -589,6 +599,25 @@ class _Judge:
             found = None if latest is None else latest.step
             self.fail("I4", race, f"latest() returned step {found} after the pointer race, "
                       f"not the newest published step {newest}")  # fmt: skip
+
+
+def _lost_update(outcomes: list[Outcome]) -> str:
+    """How the racers' puts of the LATEST hint could lose an update ("": they could not):
+    some sent no condition, or the storage took two swaps from one ETag."""
+    plain = sorted({o.writer for o in outcomes if "plain" in o.hint_writes})
+    if plain:
+        return (f"LATEST was written without compare-and-swap (writer(s) "
+                f"{', '.join(map(str, plain))} put it plainly, no If-Match sent)")  # fmt: skip
+    swaps = Counter(w for o in outcomes for w in o.hint_writes if w.startswith("if-match "))
+    twice = sorted(w.partition(" ")[2] for w, n in swaps.items() if n > 1)
+    if twice:
+        return f"two writers' If-Match on one ETag ({twice[0]}) both let through"
+    return ""
+
+
+def _behind(hint: int | None, before: int | None) -> bool:
+    """The hint read is behind the one read after the round before."""
+    return before is not None and (hint is None or hint < before)
 
 
 def _found_directly(base: CommitStrategy[Any], step: int) -> bool:
