@@ -3,7 +3,8 @@ checkpointing system or storage server failed; the conformance suite must catch 
 
 Each variant subclasses a real driver or strategy and changes only the broken part, so that
 what the suite sees is the real protocol with one real-world mistake in it. Their tests are in
-``test_conformance_variants.py``; ``CATALOGUE`` lists them for docs/conformance.md's table.
+``test_conformance_variants.py`` and ``test_conformance_blame.py``; docs/conformance.md's table
+lists every one (a test checks).
 """
 
 from __future__ import annotations
