@@ -194,7 +194,7 @@ def _complete(report: BackendReport) -> dict[str, Any]:
     text = render_text([report])
     assert "capability" in text and "I8 indeterminate outcomes resolved" in text
     backend = json.loads(to_json([report]))["backends"][0]
-    assert len(backend["capabilities"]) == 13  # every object-store probe, with its verdict
+    assert len(backend["capabilities"]) == 14  # every object-store probe, with its verdict
     statuses = {key: value["status"] for key, value in backend["invariants"].items()}
     assert "not checked" not in statuses.values(), statuses
     suite = ElementTree.fromstring(to_junit([report])).find("testsuite")
@@ -318,7 +318,7 @@ def test_the_report_files_are_written_after_each_layer(
     assert status not in (0, 1)  # the command line reports the interruption
     backend = json.loads((tmp_path / "r.json").read_text())["backends"][0]
     assert backend["outcome"] == "interrupted"
-    assert len(backend["capabilities"]) == 13  # the probes' verdicts are kept (7 + 6 rows)
+    assert len(backend["capabilities"]) == 14  # the probes' verdicts are kept (7 + 7 rows)
     assert backend["invariants"]["I3"]["status"] == "held"  # as is the crash points'
     assert "interrupted" in backend["errors"][0]["message"]
 
@@ -345,7 +345,8 @@ def test_an_unexpected_error_in_a_layer_is_recorded_and_the_next_layers_run(
     [
         (EmptyEtagDriver, "capability multipart", "did not say what it made"),
         # GC tolerates it (it warns) and the suite runs through; the probe reports the
-        # capability missing, with what it costs (issue 26: it read as all held)
+        # capability missing, with what it costs, and the leftover audit finds the leaked
+        # uploads by asking for each (I7, blamed first on the probe; issue 26: all held)
         (NoListUploadsDriver, None, "answers 501 to ListMultipartUploads: GC cannot find"),
         (FailingManifestListDriver, "I1 atomic visibility", "InternalError"),
     ],
@@ -362,13 +363,20 @@ def test_a_storage_error_is_reported_apart_and_never_ends_the_run(
     measured = {p["capability"]: p["measured"] for p in backend["capabilities"]}
     assert measured["conditional-create"] == "held"  # the probes' verdicts are kept
     text = render_text([report])
-    assert "VIOLATED" not in text
     if undecided is None:
-        assert report.outcome == "violated", text  # by the capability, no invariant
+        assert report.outcome == "violated", text
         (missing,) = report.capability_mismatches
         assert missing.capability == "incomplete uploads listed", text
         assert message is not None and message in missing.detail
+        violated = [r.invariant for r in report.invariants.values() if r.status == "violated"]
+        assert violated == ["I7"], text
+        assert report.storage_blamed("I7") == [
+            "this storage does not list incomplete multipart uploads: see probe 'incomplete "
+            "uploads listed'"
+        ]
+        assert "not listed by ListMultipartUploads" in report.invariants["I7"].evidence[0]
         return
+    assert "VIOLATED" not in text
     assert report.outcome == "storage error", text
     assert any(undecided in entry for entry in report.storage_errors), report.storage_errors
     assert message is not None and message in text

@@ -80,6 +80,9 @@ class BackendReport:
     duration_s: float = 0.0
     errors: list[LayerError] = field(default_factory=list)
     """Layers that stopped early, and why (their invariants' verdicts say what was decided)."""
+    cut_short: dict[str, str] = field(default_factory=dict)
+    """Layers (or parts) the run's time budget cut short, with what they left out: what ran
+    is in the verdicts; a larger ``--budget`` (or ``--profile thorough``) runs the rest."""
 
     def layer_error(self, layer: str, outcome: str, message: str) -> None:
         """Record what stopped ``layer``: ``violated``, ``storage error`` or ``suite error``."""
@@ -259,6 +262,8 @@ def render_text(reports: list[BackendReport]) -> str:
         lines.append("")
         for key, value in report.coverage.items():
             lines.append(f"  {key}: {value}")
+        for part, what in report.cut_short.items():
+            lines.append(f"  cut short by the budget: {part}: {what} (a larger --budget runs it)")
         for error in report.errors:
             first, *rest = error.message.splitlines() or [""]
             lines.append(f"  {error.layer}: {error.outcome.upper()}: {first}")

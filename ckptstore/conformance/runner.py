@@ -139,6 +139,7 @@ def record(report: BackendReport, found: Findings) -> None:
         report.storage_error(invariants, evidence)
     report.capabilities.extend(found.capabilities)
     report.coverage.update(found.coverage)
+    report.cut_short.update(found.cut_short)
     for part, why in found.not_run.items():
         report.layer_error(part, SUITE_ERROR, f"not run: {why}")
 

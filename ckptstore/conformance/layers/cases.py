@@ -70,6 +70,8 @@ class CrashPointResult:
     """Cases the storage failed on every run: undecided, neither passed nor failed."""
     retried: int = 0
     """Runs of cases that were run again because the storage failed them."""
+    not_run: int = 0
+    """Cases left out because the run's time budget was spent (``run_crash_points``)."""
     overlapped: bool = False
     """The workload made storage calls concurrently: a crash after call k differs from one
     before call k + 1, so both are run."""
@@ -105,6 +107,7 @@ class CrashPointResult:
         self.invariants_checked |= other.invariants_checked
         self.storage_errors.extend(other.storage_errors)
         self.retried += other.retried
+        self.not_run += other.not_run
         self.slow_cleanups += other.slow_cleanups
         self.completions_before |= other.completions_before
         self.completions_after |= other.completions_after

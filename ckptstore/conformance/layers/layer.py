@@ -54,6 +54,10 @@ class Findings:
     capabilities: list[ProbeResult] = field(default_factory=list)
     coverage: dict[str, str] = field(default_factory=dict)
     """Coverage lines by name (the layer's name, or a part of it: ``ext4 image``)."""
+    cut_short: dict[str, str] = field(default_factory=dict)
+    """Parts of the layer the run's time budget cut short, with what was left out (the
+    report's "cut short by the budget" line): what ran is reported, nothing was skipped
+    silently."""
     not_run: dict[str, str] = field(default_factory=dict)
     """Parts of the layer the suite could not run where they apply, with why (a racer
     process that could not open the store): a suite error, the run does not pass."""
@@ -106,6 +110,14 @@ class SuiteRun:
     its report prints it); empty: explore."""
     pairs: TieredPairFactory | None = None
     """Fresh tiered pairs, for the layers that run on one."""
+
+    def share_of_budget(self, share: float) -> float | None:
+        """When a layer that may take ``share`` of what is left of the run's budget should
+        stop starting new cases (None: the run has no budget)."""
+        if self.deadline is None:
+            return None
+        now = time.monotonic()
+        return now + max(self.deadline - now, 0.0) * share
 
     def big_shard_size(self) -> int:
         """``multipart_size``, measured on a fresh location if no earlier layer did."""

@@ -50,6 +50,17 @@ MACHINE_MIN_S = 10.0
 """Seconds the property-based layer gets even when the layers before it used the budget (at
 most a quarter of the budget)."""
 BUDGET = Budget(MACHINE_MAX_S, MACHINE_MIN_S)
+MIN_EXAMPLES = {"ci": 25, "thorough": 100}
+"""Examples the layer runs whatever the budget and the machine's load (a budget too short for
+them is exceeded, never met with fewer), unless the storage itself is slow (``SLOW_CASE_S``):
+then the budget bounds the run, and the report says how many examples were cut."""
+SLOW_CASE_S = 3.0
+"""A crash case that took longer than this, run alone, is slow storage (seconds per request:
+a load on this machine makes a case slower by a small factor, not by this much)."""
+SHRINK_LEAST_S = {"ci": 15.0, "thorough": 120.0}
+"""Seconds shrinking gets at least (a quarter of the run's budget at most), from when it
+starts, even past the layer's deadline: a failure found late is still shrunk to a short
+sequence (then the run ends)."""
 EXAMPLE_COST_IN_CRASH_CASES = 8.0
 """An example of the state machine costs about as much storage traffic as this many crash
 cases; used to fit the examples into the budget on slow (networked) storage."""
@@ -73,12 +84,26 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
     if deadline is not None:
         budget = deadline - time.monotonic()
         affordable = int(budget / max(run.per_case_s * EXAMPLE_COST_IN_CRASH_CASES, 1e-6))
-        examples = max(5, min(settings.max_examples, affordable))
+        slow = run.per_case_s > SLOW_CASE_S
+        least = 1 if slow else min(MIN_EXAMPLES.get(run.profile, 25), settings.max_examples)
+        examples = max(least, min(settings.max_examples, affordable))
+        if examples < settings.max_examples:
+            why = (
+                f"the storage is slow: a crash case took {run.per_case_s:.1f} s"
+                if slow
+                else f"at least {least} always run"
+            )
+            found.cut_short["property-based"] = (
+                f"{examples} of {settings.max_examples} examples ({why})"
+            )
         settings = hypothesis.settings(settings, max_examples=examples)
     run.say(
         f"property-based crash injection (profile {run.profile}, {settings.max_examples} examples)"
     )
-    note = machine_findings(found, machine, settings, deadline, run.profile)
+    shrink_least_s = SHRINK_LEAST_S.get(run.profile, 15.0)
+    if run.budget_s:  # a quarter of a short budget at most
+        shrink_least_s = min(shrink_least_s, run.budget_s / 4)
+    note = machine_findings(found, machine, settings, deadline, run.profile, shrink_least_s)
     if not found.not_applicable:  # else the store refused the storage: nothing was checked
         found.check(*INVARIANTS)
     found.coverage["property-based"] = (
@@ -109,15 +134,20 @@ def machine_findings(
     settings: hypothesis.settings,
     deadline: float | None,
     profile: str = "ci",
+    shrink_least_s: float = 0.0,
 ) -> str:
     """Run the state machine, recording what it found; a note for the coverage line.
     Shrinking stops at ``deadline`` (``time.monotonic()``; None: at hypothesis's own limit).
     ``profile``: the one whose settings these are, named in the command that replays a
-    failure (a blob replays only under the step count it was found with)."""
+    failure (a blob replays only under the step count it was found with). Shrinking gets
+    ``shrink_least_s`` at least, from when it starts, whatever ``deadline`` says."""
     undecided = "; stopped by the storage's failure on every run (undecided)"
     printed: list[str] = []
     try:
-        with shrinking_stops_at(deadline), with_reporter(lambda value: printed.append(str(value))):
+        with (
+            shrinking_stops_at(deadline, least_s=shrink_least_s),
+            with_reporter(lambda value: printed.append(str(value))),
+        ):
             run_state_machine(machine, settings)
     except DidNotReproduce:
         return DID_NOT_FAIL

@@ -27,9 +27,11 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def shrinking_stops_at(deadline: float | None) -> Iterator[None]:
+def shrinking_stops_at(deadline: float | None, *, least_s: float = 0.0) -> Iterator[None]:
     """While entered, hypothesis stops shrinking at ``deadline`` (``time.monotonic()``; None:
-    at its own limit) and reports the smallest failing example found by then.
+    at its own limit), but not before ``least_s`` seconds of shrinking (its guaranteed share,
+    for a failure found at the deadline), and reports the smallest failing example found by
+    then.
 
     On a hypothesis without the limit this module moves, shrinking is not bounded (the run
     is still right, only maybe longer) and a warning says so.
@@ -48,7 +50,8 @@ def shrinking_stops_at(deadline: float | None) -> Iterator[None]:
         yield
         return
     left = deadline - time.monotonic()
-    engine.MAX_SHRINKING_SECONDS = _AtDeadline(time.perf_counter() + left)  # type: ignore[assignment]
+    at = _AtDeadline(time.perf_counter() + left, least_s)
+    engine.MAX_SHRINKING_SECONDS = at  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -60,11 +63,14 @@ class _AtDeadline(float):
     engine adds it to ``time.perf_counter()`` then, not now."""
 
     at: float
+    least_s: float
 
-    def __new__(cls, at: float) -> _AtDeadline:
-        seconds = super().__new__(cls, max(at - time.perf_counter(), 0.0))
+    def __new__(cls, at: float, least_s: float = 0.0) -> _AtDeadline:
+        seconds = super().__new__(cls, max(at - time.perf_counter(), least_s, 0.0))
         seconds.at = at
+        seconds.least_s = least_s
         return seconds
 
     def __radd__(self, now: object) -> float:
-        return self.at
+        started = float(now) if isinstance(now, (int, float)) else time.perf_counter()
+        return max(self.at, started + self.least_s)
