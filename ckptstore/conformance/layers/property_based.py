@@ -51,12 +51,12 @@ MACHINE_MIN_S = 10.0
 most a quarter of the budget)."""
 BUDGET = Budget(MACHINE_MAX_S, MACHINE_MIN_S)
 MIN_EXAMPLES = {"ci": 25, "thorough": 100}
-"""Examples the layer runs whatever the budget and the machine's load (a budget too short for
-them is exceeded, never met with fewer), unless the storage itself is slow (``SLOW_CASE_S``):
-then the budget bounds the run, and the report says how many examples were cut."""
-SLOW_CASE_S = 3.0
-"""A crash case that took longer than this, run alone, is slow storage (seconds per request:
-a load on this machine makes a case slower by a small factor, not by this much)."""
+"""Examples the layer runs whatever the layer's deadline and the machine's load (a deadline
+too short for them is exceeded, never met with fewer), unless the storage is too slow for
+them to fit in the run's whole budget: then it runs what fits (at least ``SLOW_MIN_EXAMPLES``)
+and the report says so ("cut short by the budget")."""
+SLOW_MIN_EXAMPLES = 5
+"""Examples on storage too slow for ``MIN_EXAMPLES`` within the run's budget."""
 SHRINK_LEAST_S = {"ci": 15.0, "thorough": 120.0}
 """Seconds shrinking gets at least (a quarter of the run's budget at most), from when it
 starts, even past the layer's deadline: a failure found late is still shrunk to a short
@@ -84,12 +84,17 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
     if deadline is not None:
         budget = deadline - time.monotonic()
         affordable = int(budget / max(run.per_case_s * EXAMPLE_COST_IN_CRASH_CASES, 1e-6))
-        slow = run.per_case_s > SLOW_CASE_S
-        least = 1 if slow else min(MIN_EXAMPLES.get(run.profile, 25), settings.max_examples)
+        least = min(MIN_EXAMPLES.get(run.profile, 25), settings.max_examples)
+        example_s = run.per_case_s * EXAMPLE_COST_IN_CRASH_CASES
+        slow = bool(run.budget_s) and least * example_s > run.budget_s
+        if slow:
+            least = min(SLOW_MIN_EXAMPLES, least)
         examples = max(least, min(settings.max_examples, affordable))
         if examples < settings.max_examples:
             why = (
-                f"the storage is slow: a crash case took {run.per_case_s:.1f} s"
+                f"the storage is slow: an example takes about {example_s:.1f} s here, and "
+                f"{MIN_EXAMPLES.get(run.profile, 25)} would not fit in the run's "
+                f"{run.budget_s:.0f} s"
                 if slow
                 else f"at least {least} always run"
             )
