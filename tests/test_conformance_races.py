@@ -202,7 +202,8 @@ def test_file_store_holds_in_threads_and_processes(tmp_path: Any) -> None:
     assert result.failures == [] and result.storage_errors == []
     assert result.coverage() == (
         "2 rounds of 4 writers (threads) + 1 rounds of 2 (processes); takeover races: 2 "
-        "(takers released at the epoch record)"
+        "(takers released at the epoch record); rollback races: 2 (rollers released at the "
+        "epoch record)"
     )
     rename = _probe(run_probes(LocationFactory(f"file://{tmp_path}/probe")()), "rename-noreplace")
     assert rename.measured == HELD and "exactly one succeeded" in rename.detail
@@ -356,6 +357,56 @@ def test_takers_racing_past_a_checked_epoch_record_are_caught_as_i9() -> None:
     assert "takeover races: 1" in result.coverage()
 
 
+class CheckThenWriteRollbackCommit(ConditionalPutCommit):
+    """Rollbacks written by a path of their own (an operator's rollback script beside the
+    trainer's takeover): its epoch record is checked for, then put plainly, while takeovers
+    create theirs exclusively. Only rollbacks raced against each other show it."""
+
+    def create_epoch(self, epoch: int, record: bytes) -> None:
+        if b"rollback to step" not in record:
+            super().create_epoch(epoch, record)
+            return
+        if self.read_epoch(epoch) is not None:
+            raise EpochExistsError(f"{self.url}: epoch {epoch} exists already", url=self.url)
+        time.sleep(GAP_S)  # the other rollers pass the check meanwhile
+        self.driver.put(self.epoch_key(epoch), record)
+
+
+def _rollback_checking_memory() -> Location:
+    location = Location(f"memory://rollers-{secrets.token_hex(4)}/store?min_part_size=4096")
+    location.base = CheckThenWriteRollbackCommit(location.base.driver, part_size=4096)
+    return location
+
+
+def test_rollers_racing_past_a_checked_epoch_record_are_caught_as_i9() -> None:
+    """Issue 26 item 6: concurrent rollbacks (takeovers from a step) were never raced."""
+    result = run_races(_rollback_checking_memory, SMALL, processes=False)
+    i9 = [f for f in result.failures if f.invariant == "I9"]
+    assert i9, result.failures
+    assert all(f.case == "rollback race 0 (4 threads)" for f in i9), i9
+    assert re.search(r"takers [0-9, ]+ were all told they took epoch \d+", i9[0].message)
+    assert "takeover races: 1" in result.coverage()  # takeovers hold: their path is sound
+
+
+class FreshlyProbingCommit(ConditionalPutCommit):
+    """A sound strategy of its own class, opened afresh: its one-time conditional-create
+    probe has not run when the racers start (a third-party strategy, or a new process)."""
+
+
+def _freshly_probing_memory() -> Location:
+    location = Location(f"memory://probing-{secrets.token_hex(4)}/store?min_part_size=4096")
+    location.base = FreshlyProbingCommit(location.base.driver, part_size=4096)
+    return location
+
+
+def test_a_strategy_probing_at_its_first_create_is_raced_at_its_commit_point() -> None:
+    """The racers' first conditional create was the strategy's probe, held at the gate while
+    the other racers waited on the probe's lock: the round hung, then broke its barrier."""
+    result = run_races(_freshly_probing_memory, SMALL, processes=False)
+    assert result.failures == [] and result.storage_errors == [], result.failures
+    assert result.takeovers == result.rollbacks == 1
+
+
 @pytest.mark.parametrize("scheme", ["file", "memory", "memory+versioned"])
 def test_racing_takers_get_one_epoch_each_and_readers_one_history(
     scheme: str, tmp_path: Any
@@ -368,3 +419,4 @@ def test_racing_takers_get_one_epoch_each_and_readers_one_history(
     result = run_races(LocationFactory(url), SMALL)
     assert result.failures == [] and result.storage_errors == [], result.failures
     assert result.takeovers == (2 if scheme == "file" else 1)  # threads, and processes
+    assert result.rollbacks == result.takeovers  # a rollback race last, the same way

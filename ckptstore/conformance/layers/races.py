@@ -70,7 +70,9 @@ __all__ = [
 
 INVARIANTS = ("I5", "I1", "I4", "I9")
 
-PUBLISH, POINTER, TAKEOVER = "publish", "pointer", "takeover"
+PUBLISH, POINTER, TAKEOVER, ROLLBACK = "publish", "pointer", "takeover", "rollback"
+EPOCH_ROUNDS = (TAKEOVER, ROLLBACK)
+"""Rounds whose racers create an epoch record each (a rollback is a takeover from a step)."""
 POINTER_NAME = "LATEST"
 """The pointer's key (object stores) and file name (file systems)."""
 WAIT_S = 120.0
@@ -128,6 +130,8 @@ class RaceResult:
     """Why no process races ran (empty: they ran)."""
     takeovers: int = 0
     """Takeover races judged (threads and processes; none where lineages are not kept)."""
+    rollbacks: int = 0
+    """Rollback races judged (rollers released together at the epoch record)."""
     failures: list[RaceFinding] = field(default_factory=list)
     storage_errors: list[RaceFinding] = field(default_factory=list)
 
@@ -140,6 +144,8 @@ class RaceResult:
             line += f" + {self.process_rounds} rounds of {self.process_writers} (processes)"
         if self.takeovers:
             line += f"; takeover races: {self.takeovers} (takers released at the epoch record)"
+        if self.rollbacks:
+            line += f"; rollback races: {self.rollbacks} (rollers released at the epoch record)"
         if self.storage_errors:
             line += f"; {len(self.storage_errors)} race(s) undecided (storage error)"
         return line
@@ -272,7 +278,7 @@ def writer_shards(step: int, writer: int) -> dict[str, bytes]:
 
 
 def _race_once(store: Store, gate: RaceGate, writer: int, race: Round) -> Outcome:
-    if race.kind == TAKEOVER:
+    if race.kind in EPOCH_ROUNDS:
         return _take_over_once(store, gate, writer, race)
     step = race.step(writer)
     # Armed from the start: a writer that fails before its commit point still arrives at the
@@ -298,12 +304,20 @@ def _race_once(store: Store, gate: RaceGate, writer: int, race: Round) -> Outcom
 
 
 def _take_over_once(store: Store, gate: RaceGate, writer: int, race: Round) -> Outcome:
-    """Take the store over, held at the epoch record's conditional create until every taker
-    reached its own; then save a step in the epoch taken. ``took`` with ``"<epoch> <what the
-    save did>"``: ``published`` or ``superseded``."""
+    """Take the store over (or roll it back to the seed step: a takeover from it), held at the
+    epoch record's conditional create until every taker reached its own; then save a step in
+    the epoch taken. ``took`` with ``"<epoch> <what the save did>"``: ``published`` or
+    ``superseded``."""
     gate.arm(at_publish)
     try:
-        epoch = store.take_over(SEED_STEP, note=race.taker(writer))
+        if race.kind == ROLLBACK:
+            rolled = store.rollback(SEED_STEP)
+            if rolled.epoch is None:
+                return Outcome(writer, "error", f"rollback to step {SEED_STEP} took no epoch, "
+                               f"though steps {rolled.left or 'none'} were newer")  # fmt: skip
+            epoch = rolled.epoch
+        else:
+            epoch = store.take_over(SEED_STEP, note=race.taker(writer))
     except Exception as exc:
         if isinstance(exc, threading.BrokenBarrierError):
             raise
@@ -383,6 +397,12 @@ def _writer(source: Any, writer: int, plan: list[Round], sync: _Sync) -> None:
         gate = RaceGate(strategy.driver, sync.gate)
         store = Store(strategy.with_driver(gate))
         seen = SEED_STEP in store.steps()
+        # A strategy's one-time capability probe (its first conditional create), made now,
+        # while the gate holds nothing: held at the gate, it would be raced instead of the
+        # commit point, and racers of one process waiting on its lock would never arrive.
+        probe = getattr(store.strategy, "ensure_conditional_create", None)
+        if seen and callable(probe):
+            probe()
     except Exception as exc:
         failed = storage_failure(exc) is not None
         sync.results.put(Outcome(writer, "error", f"{type(exc).__name__}: {exc}", failed))
@@ -398,7 +418,7 @@ def _writer(source: Any, writer: int, plan: list[Round], sync: _Sync) -> None:
                 break
             sync.results.put(stuck or _race_once(store, gate, writer, race))
             sync.end.wait(WAIT_S)
-            if race.kind == TAKEOVER and stuck is None:  # every taker is done: the later
+            if race.kind in EPOCH_ROUNDS and stuck is None:  # every taker is done: the later
                 stuck = _join_newest(store, writer)  # races are in the newest epoch
     except threading.BrokenBarrierError:
         return
@@ -430,7 +450,7 @@ class _Judge:
 
     def judge(self, race: Round, outcomes: list[Outcome]) -> None:
         undecided = [o for o in outcomes if o.kind == "error" and o.storage]
-        invariant = "I9" if race.kind == TAKEOVER else "I5"
+        invariant = "I9" if race.kind in EPOCH_ROUNDS else "I5"
         for outcome in undecided:
             case = f"{race.kind} race {race.number} ({self.writers} {self.how})"
             self.result.storage_errors.append(
@@ -439,7 +459,7 @@ class _Judge:
         try:
             if race.kind == PUBLISH:
                 self._publish(race, outcomes, bool(undecided))
-            elif race.kind == TAKEOVER:
+            elif race.kind in EPOCH_ROUNDS:
                 self._takeover(race, outcomes, bool(undecided))
             else:
                 self._pointer(race, outcomes)
@@ -476,7 +496,10 @@ class _Judge:
                 for o in outcomes if o.kind == "took"}  # fmt: skip
         if not took:
             return
-        self.result.takeovers += 1  # decided: at least one taker was told an epoch
+        if race.kind == ROLLBACK:  # decided: at least one roller was told an epoch
+            self.result.rollbacks += 1
+        else:
+            self.result.takeovers += 1
         told: dict[int, list[int]] = {}
         for writer, (epoch, _) in took.items():
             told.setdefault(epoch, []).append(writer)
@@ -489,7 +512,8 @@ class _Judge:
         lineage = store.lineage()
         for writer, (epoch, _) in sorted(took.items()):
             record = lineage.epoch(epoch)
-            if record is None or record.note != race.taker(writer):
+            note = race.taker(writer) if race.kind == TAKEOVER else f"rollback to step {SEED_STEP}"
+            if record is None or record.note != note:
                 held = "nothing" if record is None else repr(record.note)
                 self.fail("I9", race, f"taker {writer} was told it took epoch {epoch}, whose "
                           f"record holds {held}")  # fmt: skip
@@ -634,7 +658,8 @@ def _found_directly(base: CommitStrategy[Any], step: int) -> bool:
 
 def _plan(rounds: int, writers: int, *, takeover: bool = False) -> list[Round]:
     """The rounds: a takeover race first where the store keeps lineages (the other races then
-    run in its newest epoch), then publish and pointer races, alternating."""
+    run in its newest epoch), then publish and pointer races, alternating, and there a
+    rollback race last (every racer rolls back to the seed step at once: a takeover each)."""
     plan = []
     first = SEED_STEP + 1
     if takeover:
@@ -644,6 +669,8 @@ def _plan(rounds: int, writers: int, *, takeover: bool = False) -> list[Round]:
         plan.append(Round(number, PUBLISH, first))
         plan.append(Round(number, POINTER, first + 1))
         first += writers + 1
+    if takeover:
+        plan.append(Round(0, ROLLBACK, first))
     return plan
 
 
@@ -843,7 +870,7 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
     result = run_races(run.locations, RACE_PROFILES[run.profile])
     if result.thread_rounds or result.process_rounds:  # else nothing was raced: not checked
         found.check("I1", "I4", "I5")
-    if result.takeovers:
+    if result.takeovers or result.rollbacks:
         found.check("I9")
     for failure in result.failures:
         found.violated(failure.invariant, f"{failure.case}: {failure.message}")
