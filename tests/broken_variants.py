@@ -249,6 +249,20 @@ def latest_by_name(self: Store, *, verified: bool = False) -> Checkpoint | None:
     return self.get(steps[-1]) if steps else None
 
 
+_real_begin = Store.begin
+
+
+def begin_in_the_newest_epoch(self: Store, step: int, metadata: Any = None, **kwargs: Any) -> Any:
+    """A writer that names no epoch joins the newest one by itself (the convenience §8.3
+    forbids: every ``ckptstore push`` opens a fresh handle, so a zombie's push would publish
+    into the new run's history)."""
+    if self.epoch is None:
+        newest = self.lineage().newest
+        if newest:
+            self.join_epoch(newest)
+    return _real_begin(self, step, metadata, **kwargs)
+
+
 def verify_sizes_only(self: Checkpoint, progress: Any = None) -> VerifyReport:
     """A verify that checks each shard is there with its recorded size, as ``rclone check
     --size-only`` or an ``ls -l`` audit does: a flipped bit passes."""

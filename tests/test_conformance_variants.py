@@ -399,6 +399,17 @@ def test_resuming_by_name_order_is_caught_as_i4(
     assert "no crash: a save after recovery is not the latest" in evidence(text, "I4")
 
 
+def test_a_push_joining_the_newest_epoch_by_itself_is_caught_as_i9(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26 item 9 (push x takeovers): a push that names no epoch after a takeover must
+    be refused; one that joins the newest epoch by itself publishes a zombie's directory."""
+    monkeypatch.setattr(Store, "begin", bv.begin_in_the_newest_epoch)
+    text, steps = machine(f"file://{tmp_path}", 300)
+    assert "a push naming no epoch (epoch None) published step" in evidence(text, "I9")
+    assert "state.take_over(" in steps and "state.push_a_directory(how='no epoch')" in steps
+
+
 def test_verify_by_size_is_caught_as_i6(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Checkpoint, "verify", bv.verify_sizes_only)
     text, steps = machine(f"file://{tmp_path}", 100)

@@ -18,7 +18,9 @@ itself fails a step (after its driver's retries), the example stops at once with
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,6 +37,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from ckptstore.adapters.directory import publish_directory
 from ckptstore.conformance.faults import CrashMode, FaultPlan, SimulatedCrash
 from ckptstore.conformance.layers.workload import GRACE, MULTIPART_COMPLETION, pattern, save
 from ckptstore.conformance.location import Location
@@ -50,6 +53,7 @@ from ckptstore.conformance.outcomes import (
 from ckptstore.errors import (
     CheckpointExistsError,
     CkptStoreError,
+    EpochRequiredError,
     StorageError,
     SupersededError,
 )
@@ -111,6 +115,10 @@ def _save_rule(sizes: tuple[int, ...]) -> Any:
         self.save_shards(shard_sizes, crash, skip)
 
     return save
+
+
+PUSHES = ("its epoch", "no epoch", "a superseded epoch")
+"""How a push after a takeover names its epoch (``push_a_directory``)."""
 
 
 class CheckpointStoreMachine(ForeignEntryRules):
@@ -487,6 +495,45 @@ class CheckpointStoreMachine(ForeignEntryRules):
         raise InvariantViolation(
             "I9", f"a superseded writer (epoch {saved.epoch}) published step {saved.step}"
         )
+
+    @precondition(lambda self: self.model.newest_epoch > 0)
+    @rule(how=st.sampled_from(PUSHES))
+    @abort_on_storage_failure
+    def push_a_directory(self, how: str) -> None:
+        """``ckptstore push`` after a takeover: a directory published from a fresh store
+        (``publish_directory``, as every push opens one). Told the run's epoch, it publishes
+        in it; naming none, it is refused (EpochRequiredError: it may be the zombie); naming
+        a superseded epoch, SupersededError. Refused, nothing of it is ever returned (I9)."""
+        newest = self.model.newest_epoch
+        epoch = {"its epoch": newest, "no epoch": None}.get(how, newest - 1)
+        saved = self._new_save([100, 37])
+        saved.metadata = {"step": saved.step, "pushed": how}
+        store, _ = self.location.open()
+        with tempfile.TemporaryDirectory(prefix="ckptstore-push-") as directory:
+            for name, blob in saved.shards.items():
+                path = os.path.join(directory, name)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as file:
+                    file.write(blob)
+            if how == "its epoch":
+                self.model.save_started(saved)
+                publish_directory(store, saved.step, directory, metadata=saved.metadata,
+                                  epoch=epoch)  # fmt: skip
+                self.model.save_committed(saved)
+                return
+            try:
+                publish_directory(store, saved.step, directory, metadata=saved.metadata,
+                                  epoch=epoch)  # fmt: skip
+            except EpochRequiredError:
+                return
+            except SupersededError:
+                if epoch is None:
+                    raise
+                return
+        raise InvariantViolation(
+            "I9", f"a push naming {how} (epoch {epoch}) published step {saved.step} after "
+            f"the store was taken over in epoch {newest}"
+        )  # fmt: skip
 
     @rule()
     @abort_on_storage_failure
