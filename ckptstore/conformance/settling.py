@@ -23,10 +23,10 @@ SETTLE_S = 5.0
 """How long a stale answer may last before the suite takes it as the storage's answer."""
 
 
-def settled(read: Callable[[], T], done: Callable[[T], bool], seconds: float = SETTLE_S) -> T:
+def settled(read: Callable[[], T], done: Callable[[T], bool], seconds: float | None = None) -> T:
     """``read()`` again, pausing a little longer each time, until ``done`` accepts its value
-    or ``seconds`` have passed; the last value read."""
-    deadline = time.monotonic() + seconds
+    or ``seconds`` (default ``SETTLE_S``) have passed; the last value read."""
+    deadline = time.monotonic() + (SETTLE_S if seconds is None else seconds)
     pause = 0.01
     while True:
         value = read()
