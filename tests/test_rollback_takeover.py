@@ -416,7 +416,24 @@ def test_a_retention_pass_paused_at_each_call_never_empties_a_rollback(
         _interleave(backend, _retention, target, at, rollback_first=False)
 
 
-@pytest.mark.parametrize("backend", ["file", "memory", PAUSED_ON_S3], indirect=True)
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "file",
+        "memory",
+        pytest.param(
+            *PAUSED_ON_S3.values,
+            marks=[
+                *PAUSED_ON_S3.marks,
+                extended(
+                    "the same interleavings run on memory://, whose commit strategy is s3's "
+                    "(conditional put); the retention pass paused on s3 stays in CI"
+                ),
+            ],
+        ),
+    ],
+    indirect=True,
+)
 def test_a_rollback_paused_at_each_call_never_loses_its_target_to_a_deleter(
     backend: BackendUnderTest, tmp_path: Any
 ) -> None:
