@@ -363,7 +363,10 @@ def _probe_sizes(driver: Any) -> tuple[str, str]:
             driver.unlink(name) if file_system else driver.delete(name)
     what = "a file written in two writes" if file_system else "an object completed from parts"
     if not wrong:
-        return HELD, f"{what} ({expected} bytes): {' and '.join(said)} say so"
+        return HELD, (
+            f"{what} ({expected} bytes): {' and '.join(said)} "
+            f"{'says' if len(said) == 1 else 'say'} so"
+        )
     return VIOLATED, (
         f"{what} holds {expected} bytes, but {'; '.join(wrong)} (ckptstore checks a shard's "
         f"size against its manifest, and GC reports sizes so)"

@@ -657,20 +657,20 @@ def _found_directly(base: CommitStrategy[Any], step: int) -> bool:
 
 
 def _plan(rounds: int, writers: int, *, takeover: bool = False) -> list[Round]:
-    """The rounds: a takeover race first where the store keeps lineages (the other races then
-    run in its newest epoch), then publish and pointer races, alternating, and there a
-    rollback race last (every racer rolls back to the seed step at once: a takeover each)."""
+    """The rounds: where the store keeps lineages, a takeover race, then a rollback race
+    (every racer rolls back to the seed step at once: a takeover each, from a step), both
+    first so that a budget that ends the rounds early never leaves them out (the other races
+    then run in the newest epoch); then publish and pointer races, alternating."""
     plan = []
     first = SEED_STEP + 1
     if takeover:
         plan.append(Round(0, TAKEOVER, first))
-        first += writers
+        plan.append(Round(0, ROLLBACK, first + writers))
+        first += 2 * writers
     for number in range(rounds):
         plan.append(Round(number, PUBLISH, first))
         plan.append(Round(number, POINTER, first + 1))
         first += writers + 1
-    if takeover:
-        plan.append(Round(0, ROLLBACK, first))
     return plan
 
 
