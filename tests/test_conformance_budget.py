@@ -3,8 +3,8 @@ run (issue 26, items 11 and 12).
 
 Crash points stop starting cases when their share of the budget is spent, and the report
 says how many were left out; the property-based layer runs at least 25 examples in ``ci``
-whatever the machine's load, unless the storage is too slow for 25 to fit in the run's budget
-(then it says so); shrinking gets a guaranteed share past the layer's deadline.
+whatever the machine's load, unless the storage is slow (networked: then it says so);
+shrinking gets a guaranteed share past the layer's deadline.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def url() -> Iterator[str]:
 
 
 def test_crash_points_past_their_share_of_the_budget_are_left_out_and_said(url: str) -> None:
-    run = SuiteRun(LocationFactory(url), deadline=time.monotonic(), budget_s=60.0)
+    # the run began four budgets ago: the crash points' time is spent
+    run = SuiteRun(LocationFactory(url), deadline=time.monotonic() - 180.0, budget_s=60.0)
     found = Findings()
     crash_points.run_layer(run, found)
     cut = found.cut_short["crash points"]
@@ -76,7 +77,7 @@ def test_at_least_25_examples_run_whatever_the_load(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 26 item 11: five examples ran on 7 of 8 backends when the machine was loaded."""
-    examples, found = _machine_run(url, 0.25, monkeypatch)  # a loaded machine: slow cases
+    examples, found = _machine_run(url, 0.5, monkeypatch)  # a loaded machine: slow cases
     assert examples == property_based.MIN_EXAMPLES["ci"] == 25
     assert found.cut_short["property-based"] == "25 of 40 examples (at least 25 always run)"
 
@@ -84,11 +85,10 @@ def test_at_least_25_examples_run_whatever_the_load(
 def test_only_slow_storage_gets_fewer_examples_and_the_report_says_why(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    examples, found = _machine_run(url, 1.0, monkeypatch)  # a request takes many ms
+    examples, found = _machine_run(url, 3.0, monkeypatch)  # a request takes many ms
     assert examples == property_based.SLOW_MIN_EXAMPLES == 5
     assert found.cut_short["property-based"] == (
-        "5 of 40 examples (the storage is slow: an example takes about 8.0 s here, and 25 "
-        "would not fit in the run's 60 s)"
+        "5 of 40 examples (the storage is slow: a crash case took 3.0 s, an example about 24 s)"
     )
 
 

@@ -111,13 +111,12 @@ class SuiteRun:
     pairs: TieredPairFactory | None = None
     """Fresh tiered pairs, for the layers that run on one."""
 
-    def share_of_budget(self, share: float) -> float | None:
-        """When a layer that may take ``share`` of what is left of the run's budget should
-        stop starting new cases (None: the run has no budget)."""
+    def budgets_from_start(self, budgets: float) -> float | None:
+        """When ``budgets`` times the run's budget have passed since the run began: when a
+        layer allowed that long stops starting new cases (None: the run has no budget)."""
         if self.deadline is None:
             return None
-        now = time.monotonic()
-        return now + max(self.deadline - now, 0.0) * share
+        return self.deadline + (budgets - 1) * self.budget_s
 
     def big_shard_size(self) -> int:
         """``multipart_size``, measured on a fresh location if no earlier layer did."""
