@@ -62,6 +62,7 @@ UNRELATED_RULES = (
     "concurrent_writers",
     "corrupt_a_shard",
     "gc_during_a_long_multipart_upload",
+    "push_a_directory",
 )
 
 
