@@ -19,10 +19,11 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import BinaryIO, NoReturn
+from typing import BinaryIO, NoReturn, Protocol
 
 from ckptstore.checksum import Crc32c, crc32c_combine, crc32c_of
 from ckptstore.commit.base import ShardRanges
+from ckptstore.digest import BlockDigests, block_hexdigest, digest_length
 from ckptstore.driver import BytesLike
 from ckptstore.errors import (
     IntegrityError,
@@ -44,6 +45,60 @@ Opener = Callable[[Manifest, ShardRecord], BinaryIO]
 RangeOpener = Callable[[Manifest, ShardRecord], "ShardRanges | None"]
 
 
+class _ShardCheck(Protocol):
+    """What a streaming read checks a shard's bytes with, fed in order as they arrive."""
+
+    size: int
+
+    def update(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    def early_problem(self) -> str | None:
+        """A mismatch already certain (a block's digest), or None."""
+
+    def final_problem(self, record: ShardRecord) -> str | None:
+        """Once every byte arrived: the mismatch, or None."""
+
+
+class _CrcCheck(Crc32c):
+    """A shard without digests is checked against its CRC32C."""
+
+    def early_problem(self) -> str | None:
+        return None
+
+    def final_problem(self, record: ShardRecord) -> str | None:
+        if self.hexdigest() == record.crc32c:
+            return None
+        return (
+            f"CRC32C mismatch: stored bytes have {self.hexdigest()}, manifest says {record.crc32c}"
+        )
+
+
+class _DigestCheck(BlockDigests):
+    """A shard with digests is checked block by block against them (a CRC32C adds nothing a
+    cryptographic digest does not already prove, so it is not computed)."""
+
+    def __init__(self, record: ShardRecord, first_block: int = 0) -> None:
+        super().__init__(
+            record.digest_algorithm,
+            record.block_size,
+            expected=record.block_digests,
+            first_block=first_block,
+        )
+
+    def early_problem(self) -> str | None:
+        return self.mismatch
+
+    def final_problem(self, record: ShardRecord) -> str | None:
+        self.finish()
+        if self.mismatch is not None:
+            return self.mismatch
+        if f"{self.algorithm}:{self.hexdigest()}" != record.digest:
+            return (
+                f"{self.algorithm} digest mismatch: the shard's digest differs from the manifest's"
+            )
+        return None
+
+
 class ShardReader(io.RawIOBase):
     """A read-only stream of one shard that verifies its size and CRC32C as it goes."""
 
@@ -55,7 +110,7 @@ class ShardReader(io.RawIOBase):
         self.record = record
         self._where = where
         self._checksum_thread = checksum_thread
-        self._crc = Crc32c()
+        self._crc: _ShardCheck = _DigestCheck(record) if record.digest else _CrcCheck()
         self._verified = False
         self._checksummer: ThreadPoolExecutor | None = None
 
@@ -76,7 +131,7 @@ class ShardReader(io.RawIOBase):
             while count < view.nbytes:
                 piece = view[count : count + _HOT_PIECE]
                 more = self._raw.readinto(piece) or 0  # type: ignore[attr-defined]
-                self._crc.update(piece[:more])
+                self._update(piece[:more])
                 count += more
                 if more < piece.nbytes:
                     break
@@ -110,7 +165,7 @@ class ShardReader(io.RawIOBase):
                     checksumming.result()
                     checksumming = None
                 if count:
-                    checksumming = checksummer.submit(self._crc.update, piece[:count])
+                    checksumming = checksummer.submit(self._update, piece[:count])
                 got += count
                 if count < piece.nbytes:
                     break
@@ -126,21 +181,25 @@ class ShardReader(io.RawIOBase):
             chunk = self._raw.read(self.record.size - self._crc.size)
             if not chunk:
                 self._fail(f"truncated: {self._crc.size} of {self.record.size} bytes")
-            self._crc.update(chunk)
+            self._update(chunk)
             chunks.append(chunk)
         self._finish()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _update(self, piece: memoryview | bytes) -> None:
+        self._crc.update(piece)
+        problem = self._crc.early_problem()
+        if problem is not None:
+            self._fail(problem)
 
     def _finish(self) -> None:
         if self._verified:
             return
         if self._raw.read(1):
             self._fail(f"longer than the recorded {self.record.size} bytes")
-        if self._crc.hexdigest() != self.record.crc32c:
-            self._fail(
-                f"CRC32C mismatch: stored bytes have {self._crc.hexdigest()}, "
-                f"manifest says {self.record.crc32c}"
-            )
+        problem = self._crc.final_problem(self.record)
+        if problem is not None:
+            self._fail(problem)
         self._verified = True
 
     def _fail(self, problem: str) -> None:
@@ -325,6 +384,8 @@ class Checkpoint:
                 for future in futures:
                     future.cancel()
                 raise
+        if record.digest:
+            return  # every block was checked against its digest as it landed
         whole = crcs[0]
         for start, crc in zip(starts[1:], crcs[1:], strict=True):
             whole = crc32c_combine(whole, crc, min(step, record.size - start))
@@ -339,6 +400,12 @@ class Checkpoint:
         block = record.block_size
         if not block:
             return crc32c_of(view[start:end])
+        if record.digest:
+            for first in range(start, end, block):
+                self._check_block_digest(
+                    record, first // block, view[first : min(first + block, end)]
+                )
+            return 0
         crc = 0
         for first in range(start, end, block):
             last = min(first + block, end)
@@ -354,6 +421,19 @@ class Checkpoint:
             crc = value if first == start else crc32c_combine(crc, value, last - first)
         return crc
 
+    def _check_block_digest(self, record: ShardRecord, index: int, data: memoryview) -> None:
+        """ShardCorruptError unless block ``index``'s bytes ``data`` have its recorded digest."""
+        algorithm = record.digest_algorithm
+        length = digest_length(algorithm)
+        expected = record.block_digests[length * index : length * (index + 1)]
+        if block_hexdigest(algorithm, data) != expected:
+            first = index * record.block_size
+            self._corrupt(
+                record,
+                f"{algorithm} digest mismatch in block {index} (bytes {first}.."
+                f"{first + data.nbytes})",
+            )
+
     def _read_in_two(self, record: ShardRecord, view: memoryview) -> bool:
         """Read a large shard as two halves at once, each from its own stream and checksummed
         piece by piece while in cache; the halves' CRC32Cs combine into the shard's, checked
@@ -363,20 +443,32 @@ class Checkpoint:
         if seekable is None or not seekable():
             first.close()
             return False
-        middle = record.size // 2 // _HOT_PIECE * _HOT_PIECE
+        # Halves of whole blocks where blocks carry digests: each half checks its own.
+        grain = record.block_size if record.digest else _HOT_PIECE
+        middle = record.size // 2 // grain * grain
 
         def read(raw: BinaryIO, start: int, end: int, last: bool) -> int:
             with contextlib.closing(raw):
                 _skip_to(raw, start)
-                crc = Crc32c()
+                crc: _CrcCheck | _DigestCheck = (
+                    _DigestCheck(record, start // grain) if record.digest else _CrcCheck()
+                )
                 while crc.size < end - start:
                     piece = view[start + crc.size : min(start + crc.size + _HOT_PIECE, end)]
                     count = _fill(raw, piece)
                     crc.update(piece[:count])
+                    problem = crc.early_problem()
+                    if problem is not None:
+                        self._corrupt(record, problem)
                     if count < piece.nbytes:
                         self._corrupt(record, f"truncated: {start + crc.size} bytes, not {end}")
                 if last and raw.read(1):
                     self._corrupt(record, f"longer than the recorded {record.size} bytes")
+                if isinstance(crc, _DigestCheck):
+                    crc.finish()
+                    if crc.mismatch is not None:
+                        self._corrupt(record, crc.mismatch)
+                    return 0
                 return crc.value
 
         with ThreadPoolExecutor(1, thread_name_prefix="ckptstore-read") as helper:
@@ -387,6 +479,8 @@ class Checkpoint:
                 head = read(first, 0, middle, False)
             finally:
                 tail = second.result()  # waited for even after a failure: it writes ``view``
+        if record.digest:
+            return True  # each half checked every block it read against its digest
         combined = f"{crc32c_combine(head, tail, record.size - middle):08x}"
         if combined != record.crc32c:
             self._corrupt(
@@ -439,6 +533,12 @@ class Checkpoint:
                     target = scratch[: last - first]
                 if _fill(raw, target) != target.nbytes:
                     self._corrupt(record, f"truncated in block {index}")
+                if record.digest:
+                    self._check_block_digest(record, index, target)
+                    if not in_place:
+                        lo, hi = max(first, offset), min(last, end)
+                        out[lo - offset : hi - offset] = target[lo - first : hi - first]
+                    continue
                 crc = Crc32c()
                 crc.update(target)
                 expected = record.block_crc32c[8 * index : 8 * index + 8]

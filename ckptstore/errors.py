@@ -37,7 +37,8 @@ and ``except ValueError`` keep working in code that does not know ckptstore::
     │   ├── ManifestCorruptError
     │   ├── ShardCorruptError
     │   ├── ShardMissingError
-    │   └── LineageCorruptError                   an epoch record does not parse
+    │   ├── LineageCorruptError                   an epoch record does not parse
+    │   └── UntrustedCheckpointError              unsigned, or signed by a key not trusted
     └── StorageError (OSError)                    a driver call failed
         ├── StorageAccessDeniedError (PermissionError)
         ├── ObjectNotFoundError (FileNotFoundError)
@@ -54,6 +55,7 @@ place each, chained with ``raise ... from exc``.
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 from ckptstore.redaction import redact
 
@@ -101,6 +103,7 @@ __all__ = [
     "TransientStorageError",
     "UnknownSchemeError",
     "UnsafePickleError",
+    "UntrustedCheckpointError",
 ]
 
 
@@ -287,6 +290,17 @@ class ShardCorruptError(IntegrityError):
 class LineageCorruptError(IntegrityError):
     """An epoch record is truncated, malformed or fails its checksum: the store's history
     cannot be told, so readers refuse to guess it."""
+
+
+class UntrustedCheckpointError(IntegrityError):
+    """A store opened with ``trust`` met a manifest or epoch record that is unsigned, signed
+    by a key it does not trust, or changed since it was signed, or a signed manifest without
+    digests; ``reason`` says which (``unsigned``, ``untrusted-key``, ``bad-signature``,
+    ``no-digest``). Bytes that differ from a signed digest are a ShardCorruptError."""
+
+    def __init__(self, *args: object, reason: str = "", **where: Any) -> None:
+        super().__init__(*args, **where)
+        self.reason = reason
 
 
 class ShardMissingError(IntegrityError, FileNotFoundError):

@@ -31,6 +31,7 @@ from ckptstore.hint import ignore_hint, report_lagging_listing
 from ckptstore.lineage import Epoch, Lineage
 from ckptstore.manifest import Manifest, WriterInfo
 from ckptstore.names import check_epoch, check_step
+from ckptstore.signing import SigningKey, Trust
 
 __all__ = ["History", "SupersededCheckpoint"]
 
@@ -55,9 +56,20 @@ class SupersededCheckpoint:
 class History:
     """The checkpoints of one history, by step, over a strategy that names them by epoch."""
 
-    def __init__(self, strategy: CommitStrategy[Any], clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        strategy: CommitStrategy[Any],
+        clock: Callable[[], float],
+        *,
+        trust: Trust | None = None,
+        signing_key: SigningKey | None = None,
+    ) -> None:
+        """``trust``: every manifest and epoch record read must be signed by a trusted key
+        (UntrustedCheckpointError); ``signing_key``: the epochs this history takes are signed."""
         self.strategy = strategy
         self.clock = clock
+        self.trust = trust
+        self.signing_key = signing_key
         self._epochs: list[Epoch] = []
         self._listed = False
         self._lock = threading.Lock()
@@ -79,7 +91,10 @@ class History:
 
     def _decode(self, number: int, data: bytes) -> Epoch:
         where = f"{self.strategy.url}/epochs/epoch-{number:020d}"
-        return Epoch.decode(data, where=where, expected=number)
+        epoch = Epoch.decode(data, where=where, expected=number)
+        if self.trust is not None:
+            epoch.check_trust(self.trust, where=self.strategy.url)
+        return epoch
 
     def take(
         self, resumed_from: int | None, note: str = "", *, parent_epoch: int | None = None
@@ -98,6 +113,8 @@ class History:
                 note=note,
                 parent_epoch=None if parent is None or base == number - 1 else base,
             )
+            if self.signing_key is not None:
+                epoch = epoch.signed_by(self.signing_key)
             try:
                 self.strategy.create_epoch(number, epoch.encode())
             except EpochExistsError:
@@ -269,7 +286,7 @@ class History:
         epoch = self.owner(step)
         while True:  # each pass reads a newer lineage, and epochs are few: this ends
             try:
-                manifest = _read_manifest(self.strategy, step, epoch)
+                manifest = self.read_manifest_of(step, epoch)
             except CheckpointNotFoundError:
                 owner = self.lineage().owner(step)
                 if owner == epoch:
@@ -282,8 +299,12 @@ class History:
             epoch = owner
 
     def read_manifest_of(self, step: int, epoch: int) -> Manifest:
-        """The manifest of checkpoint (``step``, ``epoch``), in the history or not."""
-        return _read_manifest(self.strategy, step, epoch)
+        """The manifest of checkpoint (``step``, ``epoch``), in the history or not (under
+        ``trust``: only if a trusted key signed it, else UntrustedCheckpointError)."""
+        manifest = _read_manifest(self.strategy, step, epoch)
+        if self.trust is not None:
+            manifest.check_trust(self.trust, where=self.strategy.url)
+        return manifest
 
     def unpublish(self, step: int, epoch: int | None = None) -> None:
         """Unpublish the history's checkpoint at ``step`` (or that of ``epoch``)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -22,6 +22,7 @@ from ckptstore.errors import LineageCorruptError
 from ckptstore.jsonload import load_json
 from ckptstore.manifest import WriterInfo
 from ckptstore.names import check_epoch, check_step
+from ckptstore.signing import Signature, SigningKey, Trust, signed_payload
 
 __all__ = ["EPOCH_FORMAT", "MAX_EPOCH_RECORD_BYTES", "Epoch", "Lineage"]
 
@@ -43,6 +44,22 @@ class Epoch:
     parent_epoch: int | None = None
     """The epoch of the checkpoint the run resumed from, when it is not the epoch before this
     one (None: ``number - 1``, the rule of every record written without the field)."""
+    signature: Signature | None = None
+    """The taker's signature of the record (``ckptstore.signing``), or None: unsigned."""
+    signed: bytes = field(default=b"", compare=False, repr=False)
+    """The payload ``signature`` covers: set when a record is signed or decoded signed."""
+
+    def signed_by(self, key: SigningKey) -> Epoch:
+        """This record signed with ``key``."""
+        document = self._document()
+        document.pop("signature", None)
+        payload = signed_payload(EPOCH_FORMAT, document)
+        return replace(self, signature=key.sign(payload), signed=payload)
+
+    def check_trust(self, trust: Trust, *, where: str) -> str:
+        """The id of the trusted key that signed this record; UntrustedCheckpointError if it
+        is unsigned, signed by another key or changed since (a takeover nobody trusted)."""
+        return trust.check(self.signature, self.signed, what=f"{where}: epoch {self.number}")
 
     @property
     def base(self) -> int:
@@ -71,6 +88,8 @@ class Epoch:
         }
         if self.parent_epoch is not None and self.parent_epoch != self.number - 1:
             document["parent_epoch"] = self.parent_epoch  # absent: the epoch before (§8.2)
+        if self.signature is not None:
+            document["signature"] = self.signature.to_document()
         return document
 
     @classmethod
@@ -87,6 +106,9 @@ class Epoch:
             parent = document["parent"]
             writer = document["writer"]
             parent_epoch = document.get("parent_epoch")
+            signature = None
+            if "signature" in document:
+                signature = Signature.from_document(document["signature"])
             epoch = cls(
                 number=check_epoch(document["epoch"]),
                 parent=None if parent is None else check_step(parent),
@@ -94,6 +116,8 @@ class Epoch:
                 writer=WriterInfo(host=str(writer["host"]), pid=int(writer["pid"])),
                 note=str(document.get("note", "")),
                 parent_epoch=None if parent_epoch is None else check_epoch(parent_epoch),
+                signature=signature,
+                signed=b"" if signature is None else signed_payload(EPOCH_FORMAT, document),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise LineageCorruptError(

@@ -13,14 +13,21 @@ import math
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, TypeAlias
 
 from ckptstore.checksum import crc32c_hex
-from ckptstore.errors import InvalidMetadataError, ManifestCorruptError
+from ckptstore.digest import ALGORITHMS, digest_length
+from ckptstore.errors import (
+    InvalidInputError,
+    InvalidMetadataError,
+    ManifestCorruptError,
+    UntrustedCheckpointError,
+)
 from ckptstore.jsonload import JSONDocumentError, load_json
 from ckptstore.names import check_attempt_id, check_epoch, check_shard_name, check_step
+from ckptstore.signing import Signature, SigningKey, Trust, signed_payload
 
 __all__ = [
     "FORMAT_NAME",
@@ -63,6 +70,16 @@ class ShardRecord:
     locator: Mapping[str, str]
     block_size: int = 0
     block_crc32c: str = ""
+    digest: str = ""
+    """``<algorithm>:<hex>``, the shard's cryptographic digest (``ckptstore.digest``), or
+    empty: recorded by a store that computes digests (every store that signs)."""
+    block_digests: str = ""
+    """The digest of each ``block_size`` piece, in hex, in order (empty without ``digest``)."""
+
+    @property
+    def digest_algorithm(self) -> str:
+        """The algorithm of ``digest`` (empty if the shard has none)."""
+        return self.digest.partition(":")[0]
 
     def block_range(self, offset: int, length: int) -> range:
         """The indexes of the blocks that bytes ``offset``..``offset + length`` touch."""
@@ -120,6 +137,45 @@ class Manifest:
     takeover, and in manifests written before lineages (the field is then absent)."""
     source: ReplicaSource | None = None
     """Set on a replica only: where the checkpoint was first published."""
+    signature: Signature | None = None
+    """The writer's signature of the manifest (``ckptstore.signing``), or None: unsigned."""
+    signed: bytes = field(default=b"", compare=False, repr=False)
+    """The payload ``signature`` covers: set when a manifest is signed or decoded signed."""
+
+    def signed_by(self, key: SigningKey) -> Manifest:
+        """This manifest signed with ``key`` (every shard must carry a digest)."""
+        unhashed = [shard.name for shard in self.shards if not shard.digest]
+        if unhashed:
+            raise InvalidInputError(
+                f"step {self.step}: shard(s) {', '.join(unhashed[:5])} have no digest: a signed "
+                f"manifest fixes every byte only through digests (open every rank's store "
+                f"with the signing key, or digests=True)",
+                step=self.step,
+            )
+        document = self.to_document()
+        document.pop("signature", None)
+        payload = signed_payload(FORMAT_NAME, document)
+        return replace(self, signature=key.sign(payload), signed=payload)
+
+    def check_trust(self, trust: Trust, *, where: str) -> str:
+        """The id of the trusted key that signed this manifest; UntrustedCheckpointError
+        if it is unsigned, signed by another key, changed since, or a shard has no digest."""
+        key = trust.check(
+            self.signature,
+            self.signed,
+            what=f"{where}: manifest of step {self.step}",
+            step=self.step,
+        )
+        for shard in self.shards:
+            if not shard.digest:
+                raise UntrustedCheckpointError(
+                    f"{where}: step {self.step} is signed, but shard {shard.name!r} has no "
+                    f"digest: its bytes are not fixed by the signature",
+                    reason="no-digest",
+                    step=self.step,
+                    key=shard.name,
+                )
+        return key
 
     @property
     def total_size(self) -> int:
@@ -156,6 +212,7 @@ class Manifest:
             # they always had, and readers of either kind accept both.
             **({} if self.source is None else {"source": _source_document(self.source)}),
             **({"epoch": self.epoch} if self.epoch else {}),
+            **({} if self.signature is None else {"signature": self.signature.to_document()}),
         }
 
     def encode(self) -> bytes:
@@ -316,6 +373,9 @@ def _from_document(document: object, where: str) -> Manifest:
         epoch = check_epoch(_require(document, "epoch", int)) if "epoch" in document else 0
     except ValueError as exc:
         raise ManifestCorruptError(f"{where}: {exc}") from exc
+    signature = None
+    if "signature" in document:
+        signature = Signature.from_document(document["signature"])
     return Manifest(
         step=step,
         attempt=attempt,
@@ -334,6 +394,8 @@ def _from_document(document: object, where: str) -> Manifest:
         format_version=version,
         epoch=epoch,
         source=_source_from_document(document["source"]) if "source" in document else None,
+        signature=signature,
+        signed=b"" if signature is None else signed_payload(FORMAT_NAME, document),
     )
 
 
@@ -367,6 +429,9 @@ def _shard_document(record: ShardRecord) -> dict[str, Any]:
     if record.block_size:
         document["block_size"] = record.block_size
         document["block_crc32c"] = record.block_crc32c
+    if record.digest:
+        document["digest"] = record.digest
+        document["block_digests"] = record.block_digests
     return document
 
 
@@ -391,6 +456,21 @@ def _shard_from_document(entry: object) -> ShardRecord:
         expected = 8 * -(-size // block_size) if block_size > 0 else -1
         if len(blocks) != expected or any(c not in "0123456789abcdef" for c in blocks):
             raise ValueError(f"shard {name!r}: bad block_size or block_crc32c")
+    digest, block_digests = "", ""
+    if "digest" in entry:
+        digest = _require(entry, "digest", str)
+        block_digests = _require(entry, "block_digests", str)
+        algorithm, _, value = digest.partition(":")
+        if algorithm not in ALGORITHMS or block_size <= 0:
+            raise ValueError(f"shard {name!r}: digest of unknown algorithm or without blocks")
+        length = digest_length(algorithm)
+        blocks_count = -(-size // block_size)
+        if (
+            len(value) != length
+            or len(block_digests) != length * blocks_count
+            or any(c not in "0123456789abcdef" for c in value + block_digests)
+        ):
+            raise ValueError(f"shard {name!r}: bad digest or block_digests")
     return ShardRecord(
         name=name,
         size=size,
@@ -398,4 +478,6 @@ def _shard_from_document(entry: object) -> ShardRecord:
         locator=dict(locator),
         block_size=block_size,
         block_crc32c=blocks,
+        digest=digest,
+        block_digests=block_digests,
     )

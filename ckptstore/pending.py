@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ckptstore.checksum import BlockCrc32c
 from ckptstore.commit.base import ShardSink
+from ckptstore.digest import BlockDigests
 from ckptstore.driver import BytesLike
 from ckptstore.errors import (
     CheckpointExistsError,
@@ -140,14 +141,17 @@ class ShardWriter:
         *,
         closed: Callable[[ShardRecord], None],
         failed: Callable[[str], None],
+        digest_algorithm: str | None = None,
     ) -> None:
         """``closed`` counts the shard's record once it is finished, ``failed`` its name if
-        it is given up (the pending checkpoint's own bookkeeping)."""
+        it is given up (the pending checkpoint's own bookkeeping). ``digest_algorithm``: also
+        record the shard's cryptographic digests (``ckptstore.digest``), in the same pass."""
         self.name = name
         self._sink = sink
         self._closed_to = closed
         self._failed_to = failed
         self._crc = BlockCrc32c()
+        self._digests = None if digest_algorithm is None else BlockDigests(digest_algorithm)
         self._record: ShardRecord | None = None
         self._closed = False
 
@@ -157,14 +161,14 @@ class ShardWriter:
             raise CheckpointStateError(f"shard {self.name!r} is already closed", key=self.name)
         view = _as_view(data)
         if view.nbytes < _OVERLAP_FROM:
-            self._crc.update(view)
+            self._checksum(view)
             self._sink.write(view)
             return view.nbytes
         failure: list[BaseException] = []
 
         def checksum() -> None:
             try:
-                self._crc.update(view)
+                self._checksum(view)
             except BaseException as exc:  # raised below, in the writer's thread
                 failure.append(exc)
 
@@ -177,6 +181,11 @@ class ShardWriter:
         if failure:
             raise failure[0]
         return view.nbytes
+
+    def _checksum(self, view: memoryview) -> None:
+        self._crc.update(view)
+        if self._digests is not None:
+            self._digests.update(view)
 
     @property
     def size(self) -> int:
@@ -198,7 +207,12 @@ class ShardWriter:
         except BaseException:
             self._failed_to(self.name)
             raise
-        crc = self._crc
+        crc, digests = self._crc, self._digests
+        digest, block_digests = "", ""
+        if digests is not None:
+            digests.finish()
+            digest = f"{digests.algorithm}:{digests.hexdigest()}"
+            block_digests = digests.block_hexdigests()
         record = ShardRecord(
             self.name,
             crc.size,
@@ -206,6 +220,8 @@ class ShardWriter:
             dict(locator),
             block_size=crc.block_size,
             block_crc32c=crc.block_hexdigests(),
+            digest=digest,
+            block_digests=block_digests,
         )
         self._closed_to(record)
         self._record = record
@@ -256,8 +272,12 @@ class PendingCheckpoint:
         expected: frozenset[str] | None,
         writer: WriterInfo,
         owner: AttemptOwner,
+        digest_algorithm: str | None = None,
     ) -> None:
+        """``digest_algorithm``: every shard written here also records its cryptographic
+        digests (a store that signs, or that was opened with ``digests``)."""
         self.step = step
+        self.digest_algorithm = digest_algorithm
         self.attempt = attempt
         self.metadata = metadata
         self.expected = expected
@@ -357,7 +377,13 @@ class PendingCheckpoint:
         except BaseException:
             self._shard_failed(name)
             raise
-        return ShardWriter(name, sink, closed=self._shard_closed, failed=self._shard_failed)
+        return ShardWriter(
+            name,
+            sink,
+            closed=self._shard_closed,
+            failed=self._shard_failed,
+            digest_algorithm=self.digest_algorithm,
+        )
 
     def write(self, name: str, data: ShardData) -> ShardRecord:
         """Write a whole shard from bytes, a buffer (numpy, memoryview), a file or chunks."""
@@ -474,7 +500,8 @@ class PendingCheckpoint:
         self._move(PendingState.PUBLISHING)
         try:
             checkpoint = self._owner.commit(self._manifest(shards))
-        except (CheckpointExistsError, LineageError, StrayEntryError):  # certain: nothing
+        except (CheckpointExistsError, LineageError, StrayEntryError, InvalidInputError):
+            # certain: nothing
             # was published
             self._move(PendingState.FAILED)
             self._discard()

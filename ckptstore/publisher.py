@@ -60,6 +60,8 @@ class Publisher:
         # Just before the commit point: a writer superseded since it began publishes nothing.
         # A takeover after this check is the race the readers' rule covers (§8.2).
         self.history.check_writable(manifest.step, manifest.epoch)
+        if self.store.signing_key is not None:
+            manifest = manifest.signed_by(self.store.signing_key)
         self.store.strategy.publish(manifest)
         return self.checkpoint_of(manifest)
 

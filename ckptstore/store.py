@@ -27,6 +27,7 @@ from ckptstore.commit.base import (
     StrategyDriver,
     clock_lead,
 )
+from ckptstore.digest import check_algorithm, default_algorithm
 from ckptstore.driver import BytesLike
 from ckptstore.errors import (
     CheckpointNotFoundError,
@@ -41,6 +42,7 @@ from ckptstore.errors import (
     ShardMissingError,
     StorageError,
     TransientStorageError,
+    UntrustedCheckpointError,
 )
 from ckptstore.fencing import HOLD, INTENT, INTENT_STALE_S, Markers
 from ckptstore.hint import ignore_hint
@@ -59,6 +61,14 @@ from ckptstore.pending import PendingCheckpoint
 from ckptstore.publisher import JoinedAttempt, Publisher, StoreAttempt
 from ckptstore.registry import resolve
 from ckptstore.retention import CheckpointAge, RetentionPolicy
+from ckptstore.signing import (
+    SigningKey,
+    SigningKeyLike,
+    Trust,
+    TrustLike,
+    signing_key_from,
+    trust_from,
+)
 from ckptstore.urls import parse_url, split_epoch
 
 __all__ = [
@@ -132,15 +142,29 @@ class Store(CheckpointStore):
         *,
         retention: RetentionPolicy | None = None,
         clock: Clock = time.time,
+        signing_key: SigningKey | None = None,
+        trust: Trust | None = None,
+        digest_algorithm: str | None = None,
     ) -> None:
+        """``signing_key``: sign every manifest published and epoch taken here; ``trust``:
+        read only checkpoints and epochs a trusted key signed; ``digest_algorithm``: record
+        every shard's cryptographic digests (default: the fastest available when signing,
+        else none). ``ckptstore.open`` reads the first two from the environment too."""
         if retention is not None and not isinstance(retention, RetentionPolicy):
             raise InvalidOptionError(f"retention must be a RetentionPolicy, got {retention!r}")
         strategy.check_capabilities()
         self.strategy = strategy
         self.retention = retention
         self.clock = clock
+        self.signing_key = signing_key
+        self.trust = trust
+        if digest_algorithm is None and signing_key is not None:
+            digest_algorithm = default_algorithm()
+        self.digest_algorithm = (
+            None if digest_algorithm is None else check_algorithm(digest_algorithm)
+        )
         self._confirmed: dict[int, _Confirmed] = {}
-        self._history = History(strategy, clock)
+        self._history = History(strategy, clock, trust=trust, signing_key=signing_key)
         self._markers = Markers(strategy)
         self._epoch: int | None = None
         self._publisher = Publisher(self, self._history, self._checkpoint_of)
@@ -368,6 +392,7 @@ class Store(CheckpointStore):
                 expected=expected,
                 writer=WriterInfo.current(world_size=world_size),
                 owner=StoreAttempt(self._publisher, step, attempt_id),
+                digest_algorithm=self.digest_algorithm,
             )
         )
 
@@ -388,6 +413,7 @@ class Store(CheckpointStore):
                 expected=None,
                 writer=WriterInfo.current(),
                 owner=JoinedAttempt(self.strategy, step, attempt_id),
+                digest_algorithm=self.digest_algorithm,
             )
         )
 
@@ -593,6 +619,9 @@ class Store(CheckpointStore):
                 continue  # a stray: reported by ls and verify, never returned
             except CheckpointNotFoundError:
                 raced = True  # unpublished since it was listed
+                continue
+            except UntrustedCheckpointError as exc:
+                log.warning("%s: skipping step %d, not trusted: %s", self.url, step, exc)
                 continue
             except IntegrityError as exc:
                 if verified:
@@ -950,15 +979,30 @@ def open_store(
     retention: RetentionPolicy | None = None,
     clock: Clock | None = None,
     epoch: int | None = None,
+    signing_key: SigningKeyLike | None = None,
+    trust: TrustLike | None = None,
+    digests: bool | str | None = None,
     **options: object,
 ) -> Store:
     """Open the store at ``url`` (``file:///path``, a bare path, ``memory://bucket/prefix``).
 
     ``create=False`` refuses to create a missing store (for readers and tools). ``epoch`` (or
     ``?epoch=N`` in the URL): write in that epoch, taken by another process of this run
-    (``Store.join_epoch``). Other keyword arguments are backend options and override the
-    URL's query parameters.
+    (``Store.join_epoch``). ``signing_key`` (a PEM file's path; default
+    ``$CKPTSTORE_SIGNING_KEY``): sign what this store publishes. ``trust`` (public key files;
+    default ``$CKPTSTORE_TRUST``): read only what a trusted key signed (``ckptstore.signing``).
+    ``digests``: record shards' cryptographic digests (True, ``"blake3"``, ``"sha256"``;
+    on by default when signing). Other keyword arguments are backend options and override
+    the URL's query parameters.
     """
+    key = signing_key_from(signing_key)
+    trusted = trust_from(trust)
+    if digests is False and key is not None:
+        raise InvalidOptionError(
+            "digests=False with a signing key: a signature fixes shard bytes only through "
+            "their digests"
+        )
+    algorithm = default_algorithm() if digests is True else digests or None
     parsed, url_epoch = split_epoch(parse_url(url))
     if url_epoch is not None and epoch is not None and url_epoch != epoch:
         raise InvalidOptionError(
@@ -968,7 +1012,14 @@ def open_store(
     factory = resolve(parsed.scheme)
     strategy = factory(parsed, {**parsed.query, **options})
     strategy.open_root(create=create)
-    store = Store(strategy, retention=retention, clock=clock or time.time)
+    store = Store(
+        strategy,
+        retention=retention,
+        clock=clock or time.time,
+        signing_key=key,
+        trust=trusted,
+        digest_algorithm=algorithm,
+    )
     if epoch is not None:
         store.join_epoch(epoch)
     return store
