@@ -70,6 +70,8 @@ def repair_epoch(store: Store, epoch: int, parent: int | None, *, note: str = ""
         writer=WriterInfo.current(),
         note=("repaired by ckptstore repair-epoch" + (f": {note}" if note else ""))[:1000],
     )
+    if store.signing_key is not None:  # a store that trusts keys reads only a signed repair
+        record = record.signed_by(store.signing_key)
     _replace(strategy, number, data, record.encode())
     return record
 

@@ -33,7 +33,7 @@ import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast
 
 from ckptstore.errors import BackendUnavailableError, InvalidOptionError, UntrustedCheckpointError
 
@@ -198,9 +198,12 @@ def _private_from_pem(data: bytes, what: str) -> Ed25519PrivateKey:
     return cast("Ed25519PrivateKey", key)
 
 
-def signing_key_from(source: SigningKeyLike | None) -> SigningKey | None:
+def signing_key_from(source: SigningKeyLike | Literal[False] | None) -> SigningKey | None:
     """The signing key ``source`` names (a key, or the path of a PEM file), or, for None, the
-    one ``CKPTSTORE_SIGNING_KEY`` names (a path; None if unset or empty)."""
+    one ``CKPTSTORE_SIGNING_KEY`` names (a path; None if unset or empty); False: none, whatever
+    the environment says."""
+    if source is False:
+        return None
     if source is None:
         value = os.environ.get(SIGNING_KEY_ENV, "")
         if not value:
@@ -285,10 +288,13 @@ def _public_keys_from(data: bytes, what: str) -> list[Ed25519PublicKey]:
     return keys
 
 
-def trust_from(source: TrustLike | None) -> Trust | None:
+def trust_from(source: TrustLike | Literal[False] | None) -> Trust | None:
     """The trust ``source`` gives (public keys, signing keys, paths of PEM files), or, for
-    None, the one ``CKPTSTORE_TRUST`` names (paths separated by ``os.pathsep``; None if unset).
-    An empty list, or a set but empty variable, is refused: it would trust nothing."""
+    None, the one ``CKPTSTORE_TRUST`` names (paths separated by ``os.pathsep``; None if unset);
+    False: none, whatever the environment says. An empty list, or a set but empty variable,
+    is refused: it would trust nothing."""
+    if source is False:
+        return None
     if source is None:
         if TRUST_ENV not in os.environ:
             return None

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, Literal, cast
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.commit.base import (
@@ -592,10 +592,11 @@ class Store(CheckpointStore):
         reader lists every step: None means that no checkpoint exists.
         """
         hint = self._history.read_hint()  # before any listing: it cross-checks them (§4.2)
+        warned: set[int] = set()  # each step passed over is said once
         for round_ in range(_LATEST_ROUNDS):
             from_hint = hint is not None and round_ == 0 and not verified
             candidates = self._history.steps((hint or 0) if from_hint else 0, hint=hint)
-            checkpoint, raced = self._newest_of(candidates, verified=verified)
+            checkpoint, raced = self._newest_of(candidates, verified=verified, warned=warned)
             if checkpoint is not None:
                 return checkpoint
             if not from_hint and not raced:
@@ -608,7 +609,7 @@ class Store(CheckpointStore):
         )
 
     def _newest_of(
-        self, candidates: Sequence[int], *, verified: bool
+        self, candidates: Sequence[int], *, verified: bool, warned: set[int]
     ) -> tuple[Checkpoint | None, bool]:
         """The newest readable checkpoint of ``candidates``, and whether a deletion raced us."""
         raced = False
@@ -621,7 +622,9 @@ class Store(CheckpointStore):
                 raced = True  # unpublished since it was listed
                 continue
             except UntrustedCheckpointError as exc:
-                log.warning("%s: skipping step %d, not trusted: %s", self.url, step, exc)
+                if step not in warned:
+                    warned.add(step)
+                    log.warning("%s: skipping step %d, not trusted: %s", self.url, step, exc)
                 continue
             except IntegrityError as exc:
                 if verified:
@@ -979,8 +982,8 @@ def open_store(
     retention: RetentionPolicy | None = None,
     clock: Clock | None = None,
     epoch: int | None = None,
-    signing_key: SigningKeyLike | None = None,
-    trust: TrustLike | None = None,
+    signing_key: SigningKeyLike | Literal[False] | None = None,
+    trust: TrustLike | Literal[False] | None = None,
     digests: bool | str | None = None,
     **options: object,
 ) -> Store:

@@ -28,6 +28,7 @@ from typing import Any, NoReturn, TextIO
 from ckptstore import registry
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.cli.directory import add_directory_commands
+from ckptstore.cli.keys import add_key_options, key_options
 from ckptstore.cli.lineage import (
     ancestry,
     ancestry_text,
@@ -57,7 +58,9 @@ from ckptstore.errors import (
 )
 from ckptstore.interface import CheckpointStore
 from ckptstore.interval import DEFAULT_RECENT, MIN_SAVES, advise
+from ckptstore.manifest import Manifest
 from ckptstore.names import MAX_STEP
+from ckptstore.signing import generate_key, write_key_pair
 from ckptstore.store import DEFAULT_GRACE, DEFAULT_SUPERSEDED_GRACE, Store, open_store
 from ckptstore.tiers.replication import shown_url
 from ckptstore.tiers.tiered import split_tiered_url
@@ -193,8 +196,8 @@ def human_size(size: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _open(url: str) -> Store:
-    return open_store(url, create=False)
+def _open(url: str, args: argparse.Namespace | None = None) -> Store:
+    return open_store(url, create=False, **key_options(args))
 
 
 def _take_tier_options(args: argparse.Namespace) -> None:
@@ -310,7 +313,7 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
     itself succeeded, whatever an entry is."""
     if args.replicate_to:
         return _ls_pair(args, out)
-    store = _open(args.url)
+    store = _open(args.url, args)
     entries = [_entry(store, step)[0] for step in _listed_steps(store)]
     lineage = store.lineage()
     superseded = store.superseded() if lineage.newest else []
@@ -407,7 +410,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
             return _show(pair.fast if in_fast else pair.durable, checkpoint, args, out, tier)
         finally:
             pair.close(wait=False)
-    store = _open(args.url)
+    store = _open(args.url, args)
     return _show(store, _pick(store, args.step), args, out)
 
 
@@ -434,6 +437,7 @@ def _show(
         f"created     {manifest.created_at.isoformat()}",
         f"committed   {manifest.committed_at.isoformat()}",
         f"size        {human_size(manifest.total_size)} in {len(manifest.shards)} shard(s)",
+        f"signed      {_signer_text(store, manifest)}",
     ]
     if lineage.newest:  # a store never taken over shows what it always showed
         lines[1:1] = [
@@ -453,6 +457,16 @@ def _show(
     if len(shown) < len(manifest.shards):
         out.write(f"... and {len(manifest.shards) - len(shown)} more (--all-shards)\n")
     return EXIT_OK
+
+
+def _signer_text(store: Store, manifest: Manifest) -> str:
+    """Who signed ``manifest``, and whether this reader trusts the key."""
+    if manifest.signature is None:
+        return "no (unsigned)"
+    key = manifest.signature.key_id
+    if store.trust is None:
+        return f"by {key} (not checked: no --trust given)"
+    return f"by {key}, trusted"  # a store with trust reads no other manifest
 
 
 def _epoch_text(link: dict[str, Any]) -> str:
@@ -478,7 +492,7 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
         raise InvalidInputError("verify takes a STEP or --all, not both")
     if args.replicate_to:
         return _verify_pair(args, out)
-    store = _open(args.url)
+    store = _open(args.url, args)
     results = _verify_store(store, args)
     if not any(result["status"] in _CHECKED for result in results):
         strays = sum(result["status"] == "stray" for result in results)
@@ -607,7 +621,7 @@ def _verify_result(step: int, status: str, problems: list[str]) -> dict[str, Any
 
 
 def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
-    store = _open(args.url)
+    store = _open(args.url, args)
     report = store.gc(
         grace=args.grace, superseded_grace=args.superseded_grace, dry_run=args.dry_run
     )
@@ -679,7 +693,7 @@ def cmd_delete(args: argparse.Namespace, out: TextIO) -> int:
             f"deleted step {args.step} from {printable(where)}\n",
         )
         return EXIT_OK
-    store = _open(args.url)
+    store = _open(args.url, args)
     store.delete(args.step, force=args.force)
     write_result(
         out,
@@ -693,7 +707,7 @@ def cmd_delete(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_rollback(args: argparse.Namespace, out: TextIO) -> int:
     if args.replicate_to:
         return _rollback_pair(args, out)
-    store = _open(args.url)
+    store = _open(args.url, args)
     refuse_a_fast_tier_alone(store, args.step)
     done = store.rollback(args.step)
     after = None if done.collected_after is None else done.collected_after.isoformat()
@@ -723,7 +737,7 @@ def cmd_rollback(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_take_over(args: argparse.Namespace, out: TextIO) -> int:
-    store = _open(args.url)
+    store = _open(args.url, args)
     if args.step is None and not args.discard_history:
         raise InvalidInputError("take-over needs STEP, or --discard-history for a fresh start")
     epoch = store.take_over(
@@ -884,7 +898,7 @@ def cmd_lifecycle(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_advise(args: argparse.Namespace, out: TextIO) -> int:
-    store = _open(args.url)
+    store = _open(args.url, args)
     advice = advise(store, mtbi=args.mtbi, recent=args.recent, restart=args.restart)
     if args.json:
         json.dump({"url": store.url, **advice.to_document()}, out, indent=2)
@@ -954,6 +968,19 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     return run_bench(args.url, args.size, args.repeats, out)
 
 
+def cmd_keygen(args: argparse.Namespace, out: TextIO) -> int:
+    key = generate_key()
+    private, public = write_key_pair(key, args.file)
+    write_result(
+        out,
+        args.json,
+        {"key_id": key.key_id, "private": str(private), "public": str(public)},
+        f"wrote signing key {key.key_id} to {private} (keep it secret) and its public key "
+        f"to {public} (give it to readers: --trust {public})\n",
+    )
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     from ckptstore.tools.demo import run_demo
 
@@ -994,16 +1021,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("ls", "list published checkpoints")
     _replicate_to(p, "list the pair's history")
+    add_key_options(p, signs=False)
     p.set_defaults(func=cmd_ls)
     p = command("show", "show a checkpoint's manifest (default: the latest)")
     p.add_argument("step", nargs="?", type=parse_step)
     p.add_argument("--all-shards", action="store_true", help="list every shard")
     _replicate_to(p, "show the pair's checkpoint, from the tier that holds it")
+    add_key_options(p, signs=False)
     p.set_defaults(func=cmd_show)
     p = command("verify", "read and check every shard's CRC32C (default: the latest)")
     p.add_argument("step", nargs="?", type=parse_step)
     p.add_argument("--all", action="store_true", help="verify every checkpoint")
     _replicate_to(p, "verify each tier's copies")
+    add_key_options(p, signs=False)
     p.set_defaults(func=cmd_verify)
     p = command("gc", "remove leftovers of dead saves idle for longer than the grace period")
     p.add_argument(
@@ -1031,6 +1061,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("step", type=parse_step)
     _replicate_to(p, "roll back the pair")
+    add_key_options(p, signs=True)
     p.set_defaults(func=cmd_rollback)
     p = command("take-over", "take the store over from STEP (of --from-epoch: an undo)")
     p.add_argument("step", nargs="?", type=parse_step)
@@ -1041,6 +1072,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the epoch of STEP's checkpoint, when a takeover or rollback superseded it",
     )
     p.add_argument("--note", default="", help="free text shown by ls (a job id)")
+    add_key_options(p, signs=True)
     p.add_argument(
         "--discard-history",
         action="store_true",
@@ -1144,6 +1176,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_conformance)
     add_directory_commands(sub, parse_step, counted(1, 1024))
     add_repair_command(sub, parse_step, counted(1, 10**12))
+    p = sub.add_parser(
+        "keygen",
+        help="make an Ed25519 key pair for signed checkpoints: FILE (0600) and FILE.pub",
+        description="Write a new Ed25519 signing key to FILE (mode 0600, never over an existing "
+        "file) and its public key to FILE.pub. Writers sign with --signing-key FILE (or "
+        "CKPTSTORE_SIGNING_KEY=FILE, or ckptstore.open(url, signing_key=FILE)); readers trust "
+        "FILE.pub (--trust, CKPTSTORE_TRUST, trust=[...]). docs/protocol.md §10.",
+    )
+    p.add_argument("file", metavar="FILE", help="where to write the private key")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_keygen)
     p = command("demo", "save, crash and resume on an embedded default store (no setup)")
     p.add_argument("--dir", help="directory for the file:// store (default: a temporary one)")
     p.set_defaults(func=cmd_demo)

@@ -14,6 +14,7 @@ from ckptstore.adapters.directory import (
     publish_directory,
     refuse_nested,
 )
+from ckptstore.cli.keys import add_key_options, key_options
 from ckptstore.cli.output import write_result
 from ckptstore.errors import CheckpointNotFoundError, InvalidInputError, InvalidOptionError
 from ckptstore.interface import CheckpointStore
@@ -35,9 +36,9 @@ def cmd_push(args: argparse.Namespace, out: TextIO) -> int:
                 "push --epoch names an epoch of one store; a tiered pair's epochs are its "
                 "takeover's: push to the pair without --epoch, or to one tier"
             )
-        store: CheckpointStore = open_checkpoints(args.url)
+        store: CheckpointStore = open_checkpoints(args.url, **key_options(args))
     else:
-        store = open_store(args.url, epoch=args.epoch)
+        store = open_store(args.url, epoch=args.epoch, **key_options(args))
     with store:
         checkpoint = publish_directory(
             store,
@@ -69,9 +70,9 @@ def cmd_pull(args: argparse.Namespace, out: TextIO) -> int:
             f"or ./{args.directory} for a directory of that name"
         )
     store: CheckpointStore = (
-        open_checkpoints(args.url, create=False, background=False)  # reads; never copies
-        if split_tiered_url(args.url)[1]
-        else open_store(args.url, create=False)
+        open_checkpoints(args.url, create=False, background=False, **key_options(args))
+        if split_tiered_url(args.url)[1]  # reads; never copies
+        else open_store(args.url, create=False, **key_options(args))
     )
     try:
         checkpoint = store.latest() if args.step is None else store.get(args.step)
@@ -123,6 +124,7 @@ def add_directory_commands(
         help="publish what symbolic links to files point to (default: refuse links)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
+    add_key_options(p, signs=True)
     p.set_defaults(func=cmd_push, takes_tiered_url=True)
     text = (
         "write checkpoint STEP (default: the latest) into DIR, verified; DIR appears whole or "
@@ -137,4 +139,5 @@ def add_directory_commands(
     p.add_argument("--parallel", type=parse_count, default=DEFAULT_PARALLEL,
                    help=f"files written at once (default {DEFAULT_PARALLEL})")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON")
+    add_key_options(p, signs=False)
     p.set_defaults(func=cmd_pull, takes_tiered_url=True)

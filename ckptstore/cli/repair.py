@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from ckptstore.cli.keys import add_key_options, key_options
 from ckptstore.cli.output import write_result
 from ckptstore.epoch_repair import repair_epoch
 from ckptstore.store import open_store
@@ -17,7 +18,7 @@ EXIT_OK = 0
 
 
 def cmd_repair_epoch(args: argparse.Namespace, out: TextIO) -> int:
-    store = open_store(args.url, create=False)
+    store = open_store(args.url, create=False, **key_options(args))
     parent = None if args.fresh_start else args.parent
     record = repair_epoch(store, args.epoch, parent, note=args.note)
     resumed = "a fresh start" if record.parent is None else f"step {record.parent}"
@@ -47,5 +48,6 @@ def add_repair_command(
     which.add_argument("--fresh-start", action="store_true",
                        help="the run that took EPOCH started from nothing")  # fmt: skip
     p.add_argument("--note", default="", help="a note kept in the record (who, why)")
+    add_key_options(p, signs=True)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_repair_epoch)
