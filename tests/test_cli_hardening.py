@@ -312,7 +312,7 @@ def test_stored_hostile_names_are_printed_escaped(made):
     for escaped in ("a\\u202eb", "x\\x85y", "l\\u2028m", "evil\\x1b[2J\\u202ehost", "\\x9b"):
         assert escaped in text
     assert "write_s\\n 1.000" in text
-    assert len(text.splitlines()) == 8 + 1 + 1 + 3  # header, blank line, table head, 3 shards
+    assert len(text.splitlines()) == 9 + 1 + 1 + 3  # header, blank line, table head, 3 shards
     status, text = run("show", url, "--json")
     assert status == 0 and text.isascii()
     assert [s["name"] for s in json.loads(text)["shards"]] == ["a\u202eb", "x\x85y", "l\u2028m"]
