@@ -8,6 +8,8 @@ the size, checks the schema, every shard name (docs/protocol.md §1) and the man
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import os
@@ -116,6 +118,19 @@ class ReplicaSource:
     step: int
     attempt: str
     committed_at: datetime
+    signature: Signature | None = None
+    """The first write's signature, kept by the copy (the replicator never signs)."""
+    signed: bytes = field(default=b"", repr=False)
+    """The payload ``signature`` covers: the first write's manifest, as it was signed."""
+
+
+TIER_KEY = "ckptstore.tier"
+"""The metadata key of a fast-tier checkpoint saved by a tiered store: ``{"durable": URL,
+"durable_epoch": E}``, the durable store (shown without credentials or query) and the epoch
+of its lineage the writer was in (docs/protocol.md §9.3, T5). Reserved: a trainer's metadata
+may not use it; durable copies do not carry it."""
+_COPIED_FIELDS = ("name", "size", "crc32c", "block_size", "block_crc32c", "digest", "block_digests")
+"""What a copy's shard records keep of the first write's (the locator is the copy's own)."""
 
 
 @dataclass(frozen=True)
@@ -157,15 +172,68 @@ class Manifest:
         payload = signed_payload(FORMAT_NAME, document)
         return replace(self, signature=key.sign(payload), signed=payload)
 
+    def _not_a_copy_of(self, payload: bytes) -> str | None:
+        """What differs between this copy and the first write signed as ``payload``."""
+        prefix = signed_payload(FORMAT_NAME, {})[: -len(b"{}")]
+        if not payload.startswith(prefix):
+            return "the signed payload is not a manifest"
+        try:
+            first = json.loads(payload[len(prefix) :].decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return "the signed manifest does not parse"
+        if not isinstance(first, dict) or not isinstance(first.get("shards"), list):
+            return "the signed payload is not a manifest"
+        assert self.source is not None
+        shards = [
+            {k: v for k, v in _shard_document(s).items() if k in _COPIED_FIELDS}
+            for s in self.shards
+        ]
+        signed = [
+            {k: v for k, v in s.items() if k in _COPIED_FIELDS}
+            for s in first["shards"]
+            if isinstance(s, dict)
+        ]
+        metadata = first.get("metadata")
+        tier = metadata.get(TIER_KEY) if isinstance(metadata, dict) else None
+        epoch = tier.get("durable_epoch", 0) if isinstance(tier, dict) else 0
+        if first.get("step") != self.step or first.get("attempt") != self.source.attempt:
+            return f"step {first.get('step')!r} attempt {first.get('attempt')!r} was signed"
+        if sorted(map(_canonical, shards)) != sorted(map(_canonical, signed)):
+            return "its shards are not those signed"
+        if not isinstance(metadata, dict) or _canonical(
+            {k: v for k, v in metadata.items() if k != TIER_KEY}
+        ) != _canonical(dict(self.metadata)):
+            return "its metadata is not that signed"
+        if type(epoch) is not int or epoch != self.epoch:
+            return f"it is in epoch {self.epoch}, the first write signed durable epoch {epoch!r}"
+        return None
+
     def check_trust(self, trust: Trust, *, where: str) -> str:
         """The id of the trusted key that signed this manifest; UntrustedCheckpointError
-        if it is unsigned, signed by another key, changed since, or a shard has no digest."""
-        key = trust.check(
-            self.signature,
-            self.signed,
-            what=f"{where}: manifest of step {self.step}",
-            step=self.step,
-        )
+        if it is unsigned, signed by another key, changed since, or a shard has no digest.
+
+        A replica (``source`` set, no signature of its own) is checked as a copy: the first
+        write's signature must hold, and the copy must be of that step and attempt, with its
+        shards (names, sizes, checksums, digests), its metadata, and as its epoch the durable
+        epoch the first write's signed tier record names."""
+        what = f"{where}: manifest of step {self.step}"
+        if self.signature is None and self.source is not None and self.source.signature:
+            key = trust.check(
+                self.source.signature,
+                self.source.signed,
+                what=f"{what} (a copy of {self.source.url})",
+                step=self.step,
+            )
+            problem = self._not_a_copy_of(self.source.signed)
+            if problem is not None:
+                raise UntrustedCheckpointError(
+                    f"{what}: signed by {key} as the first write, but the copy differs from "
+                    f"what was signed: {problem}",
+                    reason="bad-signature",
+                    step=self.step,
+                )
+        else:
+            key = trust.check(self.signature, self.signed, what=what, step=self.step)
         for shard in self.shards:
             if not shard.digest:
                 raise UntrustedCheckpointError(
@@ -399,23 +467,41 @@ def _from_document(document: object, where: str) -> Manifest:
     )
 
 
+def _canonical(value: object) -> str:
+    """``value`` as canonical JSON: compared as text, so 1 is never taken for true."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _source_document(source: ReplicaSource) -> dict[str, Any]:
-    return {
+    document: dict[str, Any] = {
         "url": source.url,
         "step": source.step,
         "attempt": source.attempt,
         "committed_at": _iso(source.committed_at),
     }
+    if source.signature is not None:
+        document["signature"] = source.signature.to_document()
+        document["signed"] = base64.b64encode(source.signed).decode("ascii")
+    return document
 
 
 def _source_from_document(entry: object) -> ReplicaSource:
     if not isinstance(entry, dict):
         raise TypeError("source is not an object")
+    signature, signed = None, b""
+    if "signature" in entry:
+        signature = Signature.from_document(entry["signature"])
+        try:
+            signed = base64.b64decode(_require(entry, "signed", str), validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"source.signed is not base64: {exc}") from exc
     return ReplicaSource(
         url=str(_require(entry, "url", str)),
         step=check_step(_require(entry, "step", int)),
         attempt=check_attempt_id(entry["attempt"]),
         committed_at=_parse_time(entry["committed_at"], "source.committed_at"),
+        signature=signature,
+        signed=signed,
     )
 
 

@@ -426,3 +426,64 @@ def test_digests_alone_catch_damage_on_every_read_path(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError):
         ckptstore.open(url).get(2)
     assert json.loads((tmp_path / "s" / f"step-{1:020d}" / "manifest.json").read_text())
+
+
+# -- tiers: a copy keeps the first signature, and is checked as a copy -----------------------
+
+
+def test_a_durable_copy_keeps_the_first_signature_and_the_replicator_signs_nothing(
+    tmp_path: Path, keys: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    private, public = keys
+    fast, durable = f"file://{tmp_path}/fast", f"file://{tmp_path}/durable"
+    ckptstore.open(fast)  # the fast store exists; an unsigned step is saved in it below
+    with ckptstore.open(fast, replicate_to=durable, signing_key=private) as pair:
+        with pair.begin(1, metadata={"lr": 0.5}) as pending:
+            pending.write("w", os.urandom(5 * 1024 * 1024))
+        pair.wait_replicated(timeout=60)
+    copy = ckptstore.open(durable).manifest(1)
+    assert copy.signature is None and copy.source is not None
+    assert copy.source.signature is not None and copy.shards[0].digest
+    trusted = ckptstore.open(durable, trust=[public])
+    assert trusted.get(1).verify().ok and trusted.steps() == [1]
+
+    # A key in the environment: the trainer's store signs, the replicator still does not.
+    monkeypatch.setenv(SIGNING_KEY_ENV, str(private))
+    with ckptstore.open(fast, replicate_to=durable, signing_key=False) as pair:
+        with pair.begin(2) as pending:  # unsigned: signing_key=False beats the environment
+            pending.write("w", b"2")
+        pair.wait_replicated(timeout=60)
+    monkeypatch.delenv(SIGNING_KEY_ENV)
+    assert ckptstore.open(durable).manifest(2).source is not None
+    with pytest.raises(UntrustedCheckpointError, match="is not signed"):
+        trusted.get(2)
+
+    # A copy edited in the durable tier (its metadata; or its epoch) is refused.
+    path = tmp_path / "durable" / f"step-{1:020d}" / "manifest.json"
+    original = path.read_bytes()
+    edited = dataclasses.replace(Manifest.decode(original, where="t"), metadata={"lr": 5.0})
+    path.write_bytes(edited.encode())
+    with pytest.raises(UntrustedCheckpointError, match="metadata is not that signed"):
+        ckptstore.open(durable, trust=[public]).get(1)
+    moved = dataclasses.replace(Manifest.decode(original, where="t"), epoch=3)
+    path.write_bytes(moved.encode())
+    with pytest.raises(Exception, match="epoch"):
+        ckptstore.open(durable, trust=[public]).get(1)
+    path.write_bytes(original)
+    assert ckptstore.open(durable, trust=[public]).get(1).verify().ok
+
+
+def test_a_trusting_pair_reads_what_a_signing_pair_wrote(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    private, public = keys
+    fast, durable = f"file://{tmp_path}/fast", f"file://{tmp_path}/durable"
+    with ckptstore.open(fast, replicate_to=durable, signing_key=private) as pair:
+        for step in (1, 2):
+            with pair.begin(step) as pending:
+                pending.write("w", b"%d" % step)
+        pair.wait_replicated(timeout=60)
+    (tmp_path / "fast" / f"step-{2:020d}" / "manifest.json").unlink()  # the node was lost
+    with ckptstore.open(fast, replicate_to=durable, trust=[public]) as reader:
+        latest = reader.latest()
+        assert latest is not None and latest.step == 2 and latest.read("w") == b"2"

@@ -44,7 +44,7 @@ from ckptstore.errors import (
     SupersededError,
 )
 from ckptstore.lineage import Lineage
-from ckptstore.manifest import Manifest, ReplicaSource, ShardRecord
+from ckptstore.manifest import TIER_KEY, Manifest, ReplicaSource, ShardRecord
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.retention import CheckpointAge, RetentionPolicy
 from ckptstore.store import Store
@@ -72,11 +72,6 @@ COPY_CHUNK = 8 * 1024 * 1024
 """Bytes read from the fast store and written to the durable one at a time."""
 _BACKOFF_S = (0.5, 30.0)
 """A failed pass is tried again after the first delay, doubled at each failure up to the second."""
-TIER_KEY = "ckptstore.tier"
-"""The metadata key of a fast-tier checkpoint saved by a tiered store: ``{"durable": URL,
-"durable_epoch": E}``, the durable store (shown without credentials or query) and the epoch
-of its lineage the writer was in (docs/protocol.md §9.3, T5). Reserved: a trainer's metadata
-may not use it; durable copies do not carry it."""
 
 
 def shown_url(url: str) -> str:
@@ -444,6 +439,12 @@ class Replicator:
             step=manifest.step,
             attempt=manifest.attempt,
             committed_at=manifest.committed_at,
+            signature=manifest.signature,  # kept, never made: the replicator signs nothing
+            signed=manifest.signed,
+        )
+        # The copy records the digests the first write did (so a trusting reader checks it).
+        pending.digest_algorithm = next(
+            (s.digest_algorithm for s in manifest.shards if s.digest), None
         )
         for name, seconds in manifest.timings.items():
             pending.add_timing(name, seconds)  # what the save cost the trainer, not the copy
@@ -667,6 +668,11 @@ def _check_same(step: int, first: ShardRecord, copied: ShardRecord) -> None:
         problem = f"CRC32C {copied.crc32c} copied, {first.crc32c} recorded"
     elif first.block_size == copied.block_size and first.block_crc32c != copied.block_crc32c:
         problem = "block CRC32Cs differ from those recorded"
+    elif first.digest and (first.digest, first.block_digests) != (
+        copied.digest,
+        copied.block_digests,
+    ):
+        problem = f"digest {copied.digest or 'none'} copied, {first.digest} recorded"
     if problem is not None:
         raise ShardCorruptError(
             f"step {step}: shard {first.name!r}: the copy does not match the first write "

@@ -45,6 +45,7 @@ from ckptstore.names import check_step
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.redaction import redact
 from ckptstore.retention import RetentionPolicy
+from ckptstore.signing import signing_key_from, trust_from
 from ckptstore.store import DEFAULT_GRACE, Clock, Store, newest_refused, open_store
 from ckptstore.tiers.replication import (
     TIER_KEY,
@@ -636,13 +637,27 @@ def open_tiered(
     _check_apart(url, options, replicate_to, durable_opts)
     now = clock or time.time
     fast_opts: dict[str, Any] = dict(options)
-    fast = open_store(url, create=create, retention=retention, clock=now, **fast_opts)
+    # One key and one trust for the pair (read once, from the options or the environment):
+    # the trainer's store and the durable store sign (a takeover of the pair signs its epoch
+    # records in both); the replicator's stores never sign: a copy keeps the first signature.
+    key = signing_key_from(fast_opts.pop("signing_key", None))
+    trust = trust_from(fast_opts.pop("trust", None))
+    keys: dict[str, Any] = {"signing_key": key or False, "trust": trust or False}
+    no_key: dict[str, Any] = {"signing_key": False, "trust": trust or False}
+    fast = open_store(url, create=create, retention=retention, clock=now, **keys, **fast_opts)
     try:
-        replicator_fast = open_store(url, create=create, clock=now, **fast_opts)
+        replicator_fast = open_store(url, create=create, clock=now, **no_key, **fast_opts)
         try:
-            durable = open_store(replicate_to, create=create, clock=now, **durable_opts)
+            durable_opts.pop("signing_key", None)
+            durable_opts.pop("trust", None)
+            durable = open_store(replicate_to, create=create, clock=now, **keys, **durable_opts)
             writer = open_store(
-                replicate_to, create=create, retention=durable_retention, clock=now, **durable_opts
+                replicate_to,
+                create=create,
+                retention=durable_retention,
+                clock=now,
+                **no_key,
+                **durable_opts,
             )
         except InvalidInputError:
             raise
