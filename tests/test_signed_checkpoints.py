@@ -339,7 +339,7 @@ def test_multi_rank_receipts_without_digests_cannot_be_signed(
     rank1.write("rank1", b"x")
     pending.add_receipts(rank1.seal())
     pending.write("rank0", b"y")
-    with pytest.raises(InvalidInputError, match="rank1.*no digest"):
+    with pytest.raises(InvalidInputError, match=r"rank1.*no digest"):
         pending.publish()
     assert ckptstore.open(url).steps() == []
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
 from ckptstore.commit.conditional_put import ConditionalPutCommit
+from ckptstore.commit.rename import MANIFEST_NAME
 from ckptstore.conformance.audit import StorageAudit, audit_of
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
 from ckptstore.conformance.faults.strays import Stray
@@ -32,6 +33,7 @@ from ckptstore.errors import (
 from ckptstore.names import checkpoint_token, step_token
 from ckptstore.registry import resolve
 from ckptstore.retention import RetentionPolicy
+from ckptstore.signing import SigningKey, Trust
 from ckptstore.store import Store
 from ckptstore.urls import parse_url, redact
 
@@ -192,14 +194,27 @@ class Location:
         or aborted: ``leftovers`` asks the storage for each one it does not list."""
 
     def open(
-        self, plan: FaultPlan | None = None, retention: RetentionPolicy | None = None
+        self,
+        plan: FaultPlan | None = None,
+        retention: RetentionPolicy | None = None,
+        *,
+        signing_key: SigningKey | None = None,
+        trust: Trust | None = None,
     ) -> tuple[Store, FaultInjector]:
-        """A fresh Store over this location, its driver wrapped in a fault injector."""
+        """A fresh Store over this location, its driver wrapped in a fault injector (that
+        signs with ``signing_key``, and reads only what ``trust`` trusts, if given)."""
         injector = FaultInjector(
             self.base.driver, plan, on_change=self.changed, on_upload=self._upload_call
         )
         strategy: CommitStrategy[Any] = self.base.with_driver(injector)
-        return Store(strategy, retention=retention, clock=self.store_clock), injector
+        store = Store(
+            strategy,
+            retention=retention,
+            clock=self.store_clock,
+            signing_key=signing_key,
+            trust=trust,
+        )
+        return store, injector
 
     @property
     def store_clock(self) -> Callable[[], float]:
@@ -317,6 +332,24 @@ class Location:
             driver.put(key, altered)
             settled(lambda: driver.get(key)[0], lambda read: read == altered)  # a stale read
         return how
+
+    def replace_manifest(self, step: int, data: bytes, epoch: int = 0) -> None:
+        """Overwrite the stored manifest of checkpoint (``step``, ``epoch``) with ``data``,
+        behind the store's back (a forger with write access to the storage)."""
+        self.changed((step_token(step),))
+        driver = self.base.driver
+        if isinstance(self.base, ConditionalPutCommit):
+            key = self.base.manifest_key(step, epoch)
+            driver.put(key, data)
+            settled(lambda: driver.get(key)[0], lambda read: read == data)  # a stale read
+            return
+        path = f"{checkpoint_token(step, epoch)}/{MANIFEST_NAME}"
+        driver.unlink(path)
+        handle = driver.create(path)
+        try:
+            driver.write(handle, memoryview(data))
+        finally:
+            driver.close(handle)
 
     def destroy(self) -> None:
         """Remove everything at this location, by every route the storage supports: a step

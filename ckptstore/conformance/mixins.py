@@ -41,6 +41,7 @@ __all__ = [
     "ParallelRaceTests",
     "PowerLossTests",
     "StateMachineTests",
+    "TrustTests",
     "UnknownOutcomeTests",
 ]
 
@@ -100,10 +101,15 @@ class ParallelRaceTests(ConformanceFixtures):
     with its own data (I5); LATEST names a published step, never going back (I1, I4)."""
 
 
+class TrustTests(ConformanceFixtures):
+    """A reader that trusts a signing key refuses every forgery of a writer without it (I6)."""
+
+
 class ConformanceTests(
     CapabilityProbeTests,
     CrashPointTests,
     UnknownOutcomeTests,
+    TrustTests,
     PowerLossTests,
     ParallelRaceTests,
     StateMachineTests,

@@ -14,6 +14,7 @@ from ckptstore.conformance.layers import (
     syscall_trace,
     takeover,
     tiers,
+    trust,
     unknown_outcomes,
 )
 from ckptstore.conformance.layers.layer import Findings, Layer, PytestForm, TargetKind
@@ -58,6 +59,16 @@ LAYERS: tuple[Layer, ...] = (
         ),
         announce="unknown outcomes of conditional writes",
         pytest=PytestForm("UnknownOutcomeTests", "test_unknown_outcomes_are_read_back"),
+    ),
+    Layer(
+        "trust",
+        trust.INVARIANTS,
+        trust.run_layer,
+        "A reader that trusts a signing key refuses every forgery of a writer without it: "
+        "shards replaced (CRC32Cs recomputed or not), manifests edited, stripped or replayed, "
+        "takeovers unsigned or signed by another key (I6).",
+        announce="signed checkpoints",
+        pytest=PytestForm("TrustTests", "test_forgeries_are_refused"),
     ),
     Layer(
         "power loss",
