@@ -1,15 +1,16 @@
 """Signed checkpoints on this storage: a reader that trusts a key never loads a forgery (I6).
 
-A writer with a signing key saves checkpoints; a forger with write access to the storage (and
-no key) then changes them behind the store's back, one attack per checkpoint: a shard's bytes
+A writer with a signing key saves checkpoints; a forger with write access to the storage (and no
+key) then changes them behind the store's back, one attack per checkpoint: a shard's bytes
 replaced (the manifest left as signed), a shard replaced with its CRC32Cs, its digests and the
 manifest's checksum recomputed (the stale signature kept), the manifest's metadata edited, the
-signature stripped, and a validly signed manifest of another step copied over a newer one's.
-A reader that trusts the writer's key must refuse each one (an ``IntegrityError``: never the
-forged bytes, never the forged manifest), and ``latest(verified=True)`` must return the one intact checkpoint. Then a takeover
-written without the key, and one signed by another key: a trusting reader must refuse to read
-the store's history at all. What the storage does matters here: a store that serves a stale
-manifest, or hides a write, could make a refused forgery look accepted or the reverse.
+signature stripped, and a validly signed manifest of another step copied over a newer one's. A
+reader that trusts the writer's key must refuse each one (an ``IntegrityError``: never the
+forged bytes, never the forged manifest), and ``latest(verified=True)`` must return the one
+intact checkpoint. Then a takeover written without the key, and one signed by another key: a
+trusting reader must refuse to read the store's history at all. What the storage does matters
+here: a store that serves a stale manifest, or hides a write, could make a refused forgery look
+accepted or the reverse.
 """
 
 from __future__ import annotations
