@@ -487,3 +487,35 @@ def test_a_trusting_pair_reads_what_a_signing_pair_wrote(
     with ckptstore.open(fast, replicate_to=durable, trust=[public]) as reader:
         latest = reader.latest()
         assert latest is not None and latest.step == 2 and latest.read("w") == b"2"
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_keygen_ls_show_verify_under_trust(tmp_path: Path, capsys: Any) -> None:
+    import io
+
+    out = io.StringIO()
+    assert cli(["keygen", str(tmp_path / "run.key")], out) == 0
+    assert "run.key.pub" in out.getvalue() and "PRIVATE" not in out.getvalue()
+    assert cli(["keygen", str(tmp_path / "run.key")], io.StringIO()) == 2  # never overwrites
+    url, public = f"file://{tmp_path}/s", str(tmp_path / "run.key.pub")
+    source = tmp_path / "dir"
+    source.mkdir()
+    (source / "weights.bin").write_bytes(b"w" * 1000)
+    push = ["push", str(source), url, "--step", "1", "--signing-key", str(tmp_path / "run.key")]
+    assert cli(push, io.StringIO()) == 0
+    assert cli(["push", str(source), url, "--step", "2"], io.StringIO()) == 0  # unsigned
+    out = io.StringIO()
+    assert cli(["ls", url, "--trust", public], out) == 0
+    assert "UNTRUSTED" in out.getvalue() and "manifest of step 2 is not signed" in out.getvalue()
+    out = io.StringIO()
+    assert cli(["verify", url, "--all", "--trust", public], out) == 1
+    assert "1 ok, 0 broken, 1 untrusted" in out.getvalue()
+    out = io.StringIO()
+    assert cli(["show", url, "1", "--trust", public], out) == 0
+    assert "signed      by ed25519:" in out.getvalue() and "trusted" in out.getvalue()
+    out = io.StringIO()
+    assert cli(["show", url, "2"], out) == 0
+    assert "signed      no (unsigned)" in out.getvalue()
+    capsys.readouterr()

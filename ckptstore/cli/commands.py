@@ -55,6 +55,7 @@ from ckptstore.errors import (
     InvalidOptionError,
     NotACheckpointError,
     StorageError,
+    UntrustedCheckpointError,
 )
 from ckptstore.interface import CheckpointStore
 from ckptstore.interval import DEFAULT_RECENT, MIN_SAVES, advise
@@ -283,6 +284,8 @@ def _entry(store: Store, step: int) -> tuple[dict[str, Any], Checkpoint | None]:
         # named like a step), not one deleted since the listing.
         status = "stray" if step in _listed_steps(store) else "vanished"
         return {"step": step, "status": status, "problem": str(exc)}, None
+    except UntrustedCheckpointError as exc:  # under --trust: not signed by a trusted key
+        return {"step": step, "status": "untrusted", "problem": str(exc)}, None
     except IntegrityError as exc:
         return {"step": step, "status": "broken", "problem": str(exc)}, None
     except StorageError as exc:
@@ -478,8 +481,8 @@ def _epoch_text(link: dict[str, Any]) -> str:
     return f"{link['epoch']}, resumed from {parent}, taken {taken} by {by}"
 
 
-_STATUSES = ("ok", "broken", "unreadable", "vanished", "stray")
-_CHECKED = _STATUSES[:3]  # the statuses of an entry that is a checkpoint
+_STATUSES = ("ok", "broken", "unreadable", "untrusted", "vanished", "stray")
+_CHECKED = _STATUSES[:4]  # the statuses of an entry that is a checkpoint
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
@@ -551,7 +554,7 @@ def _verify_pair(args: argparse.Namespace, out: TextIO) -> int:
 
 def _verify_status(results: list[dict[str, Any]]) -> int:
     statuses = {result["status"] for result in results}
-    if "broken" in statuses:
+    if "broken" in statuses or "untrusted" in statuses:  # a forgery is as bad as damage
         return EXIT_BROKEN
     return EXIT_ERROR if "unreadable" in statuses else EXIT_OK
 
@@ -590,6 +593,8 @@ def _verify_one(store: Store, step: int, *, quiet: bool, named: bool = False) ->
     if named:
         try:
             checkpoint: Checkpoint | None = store.get(step)
+        except UntrustedCheckpointError as exc:
+            return _verify_result(step, "untrusted", [str(exc)])
         except IntegrityError as exc:
             return _verify_result(step, "broken", [str(exc)])
     else:
