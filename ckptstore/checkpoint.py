@@ -118,12 +118,23 @@ class ShardReader(io.RawIOBase):
         return True
 
     def readinto(self, buffer: BytesLike) -> int:
+        """Fill ``buffer`` with the shard's next bytes, checked as they come; a mismatch
+        raises ShardCorruptError and, for a shard with digests, zeroes what this call wrote
+        (bytes of the failing block that earlier calls returned are the caller's to drop)."""
         view = memoryview(buffer).cast("B")
         remaining = self.record.size - self._crc.size
         if remaining <= 0:
             self._finish()
             return 0
         view = view[:remaining]
+        try:
+            return self._readinto_checked(view)
+        except IntegrityError:
+            if self.record.digest and not view.readonly:
+                _wipe(view)
+            raise
+
+    def _readinto_checked(self, view: memoryview) -> int:
         if view.nbytes >= 2 * _PIPELINE_PIECE and not view.readonly and self._checksum_thread:
             count = self._readinto_pipelined(view)
         else:  # piece by piece, each checksummed while it is still in the CPU's cache
@@ -229,6 +240,11 @@ def _skip_to(raw: BinaryIO, position: int) -> None:
         if not count:
             return  # short: the block read that follows reports the truncation
         position -= count
+
+
+def _wipe(view: memoryview) -> None:
+    """Zero ``view``: bytes that failed a digest are not left where the caller reads."""
+    view[:] = bytes(view.nbytes)
 
 
 def _fill(raw: BinaryIO, view: memoryview) -> int:
@@ -370,6 +386,10 @@ class Checkpoint:
             try:
                 ranges.read(start, view[start:end])
                 return self._check_range(record, view, start, end)
+            except IntegrityError:
+                failed.set()
+                _wipe(view[start:end])  # bytes that failed their check never stay in place
+                raise
             except BaseException:
                 failed.set()
                 raise
@@ -459,6 +479,7 @@ class Checkpoint:
                     crc.update(piece[:count])
                     problem = crc.early_problem()
                     if problem is not None:
+                        _wipe(view[start : start + crc.size])  # this half, as far as read
                         self._corrupt(record, problem)
                     if count < piece.nbytes:
                         self._corrupt(record, f"truncated: {start + crc.size} bytes, not {end}")
@@ -467,6 +488,7 @@ class Checkpoint:
                 if isinstance(crc, _DigestCheck):
                     crc.finish()
                     if crc.mismatch is not None:
+                        _wipe(view[start:end])
                         self._corrupt(record, crc.mismatch)
                     return 0
                 return crc.value
@@ -534,7 +556,11 @@ class Checkpoint:
                 if _fill(raw, target) != target.nbytes:
                     self._corrupt(record, f"truncated in block {index}")
                 if record.digest:
-                    self._check_block_digest(record, index, target)
+                    try:
+                        self._check_block_digest(record, index, target)
+                    except IntegrityError:
+                        _wipe(target)
+                        raise
                     if not in_place:
                         lo, hi = max(first, offset), min(last, end)
                         out[lo - offset : hi - offset] = target[lo - first : hi - first]

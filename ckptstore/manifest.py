@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, TypeAlias
+from urllib.parse import urlsplit, urlunsplit
 
 from ckptstore.checksum import crc32c_hex
 from ckptstore.digest import ALGORITHMS, digest_length
@@ -172,8 +173,9 @@ class Manifest:
         payload = signed_payload(FORMAT_NAME, document)
         return replace(self, signature=key.sign(payload), signed=payload)
 
-    def _not_a_copy_of(self, payload: bytes) -> str | None:
-        """What differs between this copy and the first write signed as ``payload``."""
+    def _not_a_copy_of(self, payload: bytes, store_url: str) -> str | None:
+        """What differs between this copy, read from ``store_url``, and the first write
+        signed as ``payload``."""
         prefix = signed_payload(FORMAT_NAME, {})[: -len(b"{}")]
         if not payload.startswith(prefix):
             return "the signed payload is not a manifest"
@@ -195,9 +197,20 @@ class Manifest:
         ]
         metadata = first.get("metadata")
         tier = metadata.get(TIER_KEY) if isinstance(metadata, dict) else None
-        epoch = tier.get("durable_epoch", 0) if isinstance(tier, dict) else 0
-        if first.get("step") != self.step or first.get("attempt") != self.source.attempt:
+        if not isinstance(tier, dict):  # only a pair's checkpoints are copied as signed
+            return "the signed manifest has no tier record: it was not saved by a tiered pair"
+        epoch = tier.get("durable_epoch")
+        durable = tier.get("durable")
+        if not isinstance(durable, str) or shown_location(durable) != shown_location(store_url):
+            return f"it was signed for the durable store {durable!r}, not this one"
+        if (first.get("step"), first.get("attempt")) != (self.step, self.source.attempt) or (
+            self.source.step != self.step
+        ):
             return f"step {first.get('step')!r} attempt {first.get('attempt')!r} was signed"
+        if first.get("committed_at") != _iso(self.source.committed_at):
+            return "its first commit time is not that signed"
+        if _canonical(first.get("timings")) != _canonical(dict(self.timings)):
+            return "its timings are not those signed"
         if sorted(map(_canonical, shards)) != sorted(map(_canonical, signed)):
             return "its shards are not those signed"
         if not isinstance(metadata, dict) or _canonical(
@@ -224,7 +237,7 @@ class Manifest:
                 what=f"{what} (a copy of {self.source.url})",
                 step=self.step,
             )
-            problem = self._not_a_copy_of(self.source.signed)
+            problem = self._not_a_copy_of(self.source.signed, where)
             if problem is not None:
                 raise UntrustedCheckpointError(
                     f"{what}: signed by {key} as the first write, but the copy differs from "
@@ -465,6 +478,13 @@ def _from_document(document: object, where: str) -> Manifest:
         signature=signature,
         signed=b"" if signature is None else signed_payload(FORMAT_NAME, document),
     )
+
+
+def shown_location(url: str) -> str:
+    """``url`` as a tier record names a store: without userinfo, query or fragment."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
 
 
 def _canonical(value: object) -> str:

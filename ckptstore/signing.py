@@ -164,20 +164,36 @@ SigningKeyLike: TypeAlias = "SigningKey | Ed25519PrivateKey | str | os.PathLike[
 TrustLike: TypeAlias = "Trust | Iterable[Ed25519PublicKey | SigningKey | str | os.PathLike[str]]"
 
 
+def _key_text(value: str) -> str | None:
+    """``value`` as a PEM key's text, if it is one (quotes, a BOM and blanks around it taken
+    off, as ``.env`` files and shells leave them), else None: a path."""
+    text = value.strip().lstrip("\ufeff").strip().strip("\"'").strip()
+    return text if text.startswith("-----BEGIN") else None
+
+
+def _shown(value: str) -> str:
+    """A path as an error may show it: never a key's text given where a path was expected."""
+    looks_like_a_key = "-----" in value or "PRIVATE" in value or "\n" in value
+    if looks_like_a_key or len(value) > 4096:
+        return "(a value that is not a path: not shown, it may be a key)"
+    return repr(value)
+
+
 def _read_key_file(path: str | os.PathLike[str], what: str) -> bytes:
-    """A key file's bytes: a regular file, not through a symbolic link, at most 1 MiB."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    shown = os.fspath(path)
+    """A key file's bytes: a regular file (a symbolic link is followed: secrets are mounted
+    so), opened without blocking, at most 1 MiB."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+    shown = _shown(os.fspath(path))
     try:
         fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        raise InvalidOptionError(f"{what} {shown!r} cannot be opened: {exc.strerror}") from exc
+        raise InvalidOptionError(f"{what} {shown} cannot be opened: {exc.strerror}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise InvalidOptionError(f"{what} {shown!r} is not a regular file")
+            raise InvalidOptionError(f"{what} {shown} is not a regular file")
         if info.st_size > _MAX_KEY_FILE:
-            raise InvalidOptionError(f"{what} {shown!r} is larger than a key file can be")
+            raise InvalidOptionError(f"{what} {shown} is larger than a key file can be")
         with os.fdopen(fd, "rb", closefd=False) as stream:
             return stream.read(_MAX_KEY_FILE + 1)
     finally:
@@ -206,18 +222,22 @@ def signing_key_from(source: SigningKeyLike | Literal[False] | None) -> SigningK
         return None
     if source is None:
         value = os.environ.get(SIGNING_KEY_ENV, "")
-        if not value:
+        if not value.strip():
             return None
-        if value.lstrip().startswith("-----BEGIN"):  # the key itself: accepted, never shown
-            return SigningKey(_private_from_pem(value.encode(), f"${SIGNING_KEY_ENV}"))
-        return SigningKey(_private_from_pem(_read_key_file(value, f"${SIGNING_KEY_ENV}"), value))
+        text = _key_text(value)
+        if text is not None:  # the key itself: accepted, never shown
+            return SigningKey(_private_from_pem(text.encode(), f"${SIGNING_KEY_ENV}"))
+        data = _read_key_file(value, f"${SIGNING_KEY_ENV}")
+        return SigningKey(_private_from_pem(data, f"${SIGNING_KEY_ENV} {_shown(value)}"))
     if isinstance(source, SigningKey):
         return source
     _, ed25519 = _crypto()
     if isinstance(source, ed25519.Ed25519PrivateKey):
         return SigningKey(source)
+    if isinstance(source, str) and _key_text(source) is not None:  # the key's text
+        return SigningKey(_private_from_pem(str(_key_text(source)).encode(), "signing key"))
     if isinstance(source, (str, os.PathLike)):
-        where = os.fspath(source)
+        where = f"signing key {_shown(os.fspath(source))}"
         return SigningKey(_private_from_pem(_read_key_file(source, "signing key"), where))
     raise InvalidOptionError(
         f"signing_key must be a key file's path or an Ed25519 private key, got "
@@ -304,17 +324,20 @@ def trust_from(source: TrustLike | Literal[False] | None) -> Trust | None:
         source = paths
     if isinstance(source, Trust):
         return source
-    if isinstance(source, (str, os.PathLike)):
-        source = [source]
     _, ed25519 = _crypto()
+    if isinstance(source, (str, os.PathLike, SigningKey, ed25519.Ed25519PublicKey)):
+        source = [source]  # one key, or one file
     keys: list[Ed25519PublicKey] = []
     for item in source:
         if isinstance(item, SigningKey):
             keys.append(item.public_key())
         elif isinstance(item, ed25519.Ed25519PublicKey):
             keys.append(item)
+        elif isinstance(item, str) and _key_text(item) is not None:  # a key's text
+            keys.extend(_public_keys_from(str(_key_text(item)).encode(), "a trusted key"))
         elif isinstance(item, (str, os.PathLike)):
-            keys.extend(_public_keys_from(_read_key_file(item, "trusted key"), repr(str(item))))
+            where = f"trusted key {_shown(os.fspath(item))}"
+            keys.extend(_public_keys_from(_read_key_file(item, "trusted key"), where))
         else:
             raise InvalidOptionError(
                 f"trust takes public keys or paths of PEM files, got {type(item).__name__}"

@@ -174,6 +174,12 @@ class Store(CheckpointStore):
         """The store's URL."""
         return self.strategy.url
 
+    def sign_epochs_with(self, key: SigningKey | None) -> None:
+        """Sign the epoch records this store takes with ``key``, and nothing else: the
+        replicator's durable writer of a signing pair takes the pair's durable epochs, and its
+        copies keep the first write's signature (it never signs a manifest)."""
+        self._history.signing_key = key
+
     def __repr__(self) -> str:
         return f"<Store {self.url} ({self.strategy.name})>"
 
@@ -1000,6 +1006,10 @@ def open_store(
     """
     key = signing_key_from(signing_key)
     trusted = trust_from(trust)
+    if trusted is None and key is not None and trust is not False:
+        # A store that signs reads what it signed, not what anyone with write access left
+        # (it would resume from a forgery, and sign what it trains from it): trust=False opts out.
+        trusted = Trust([key.public_key()])
     if digests is False and key is not None:
         raise InvalidOptionError(
             "digests=False with a signing key: a signature fixes shard bytes only through "

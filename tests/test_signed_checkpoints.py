@@ -365,10 +365,19 @@ def test_keys_are_files_written_once_and_never_shown(tmp_path: Path) -> None:
     assert "PRIVATE" not in str(caught.value) and secret[30:50].decode() not in str(caught.value)
     with pytest.raises(InvalidOptionError, match="no key"):
         ckptstore.open(f"file://{tmp_path}/s", trust=[])
-    link = tmp_path / "link.pub"
+    link = tmp_path / "link.pub"  # a secret mounted as a link (Kubernetes): followed
     link.symlink_to(public)
-    with pytest.raises(InvalidOptionError, match="cannot be opened"):
-        ckptstore.open(f"file://{tmp_path}/s", trust=[link])
+    assert ckptstore.open(f"file://{tmp_path}/s", trust=[link]).trust is not None
+    assert ckptstore.open(f"file://{tmp_path}/s", trust=key).trust is not None  # one key
+    for given in ('"' + secret.decode() + '"', "\ufeff" + secret.decode()):  # key text: taken
+        assert ckptstore.open(f"file://{tmp_path}/s", signing_key=given).signing_key is not None
+    broken = secret.decode().replace("MC4", "XX4")
+    with pytest.raises(InvalidOptionError) as caught:
+        ckptstore.open(f"file://{tmp_path}/s", signing_key=broken[:-30])
+    assert secret.decode()[40:60] not in str(caught.value)
+    with pytest.raises(InvalidOptionError, match="not shown") as caught:
+        ckptstore.open(f"file://{tmp_path}/s", signing_key=f"/no/such/{secret.decode()}")
+    assert secret.decode()[40:60] not in str(caught.value)
     with pytest.raises(InvalidOptionError, match="digests=False"):
         ckptstore.open(f"file://{tmp_path}/s", signing_key=private, digests=False)
 
@@ -519,3 +528,123 @@ def test_keygen_ls_show_verify_under_trust(tmp_path: Path, capsys: Any) -> None:
     assert cli(["show", url, "2"], out) == 0
     assert "signed      no (unsigned)" in out.getvalue()
     capsys.readouterr()
+
+
+# -- what a hostile review found (each fixed) -------------------------------------------------
+
+
+def test_a_store_that_signs_trusts_its_own_key_and_never_resumes_from_a_forgery(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    private, _ = keys
+    url = f"file://{tmp_path}/s"
+    with ckptstore.open(url, signing_key=private, retention=ckptstore.KeepLast(2)) as trainer:
+        for step in (1, 2):
+            with trainer.begin(step) as pending:
+                pending.write("w", b"genuine %d" % step)
+    with ckptstore.open(url) as forger:  # write access, no key
+        for step in (3, 4):
+            with forger.begin(step) as pending:
+                pending.write("w", b"FORGED %d" % step)
+    with ckptstore.open(url, signing_key=private, retention=ckptstore.KeepLast(2)) as trainer:
+        resumed = trainer.latest()
+        assert resumed is not None and resumed.read("w") == b"genuine 2"
+        with trainer.begin(5) as pending:
+            pending.write("w", resumed.read("w") + b" -> trained")
+        assert trainer.steps() == [2, 5]  # retention counted the signed steps only
+    assert ckptstore.open(url).steps() == [2, 3, 4, 5]  # the forgeries are left alone
+    assert ckptstore.open(url, signing_key=private, trust=False).latest().step == 5
+
+
+def test_a_signed_checkpoint_wrapped_as_a_copy_is_not_planted_in_another_epoch(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    from ckptstore.manifest import ReplicaSource
+
+    private, public = keys
+    url = f"file://{tmp_path}/s"
+    writer = ckptstore.open(url, signing_key=private)
+    with writer.begin(1) as pending:
+        pending.write("w", b"GOOD")
+    fresh = ckptstore.open(url, signing_key=private)
+    fresh.take_over(None, discard_history=True)
+    with fresh.begin(1) as pending:
+        pending.write("w", b"BAD")
+    ckptstore.open(url, signing_key=private).take_over(1, from_epoch=0)  # the undo
+    bad = fresh.strategy.read_manifest(1, 1)
+    copy = dataclasses.replace(
+        bad,
+        epoch=0,
+        signature=None,
+        signed=b"",
+        source=ReplicaSource(
+            url="file:///elsewhere",
+            step=1,
+            attempt=bad.attempt,
+            committed_at=bad.committed_at,
+            signature=bad.signature,
+            signed=bad.signed,
+        ),
+    )
+    root = tmp_path / "s"
+    (root / f"step-{1:020d}" / "data" / "w").write_bytes(b"BAD")
+    (root / f"step-{1:020d}" / "manifest.json").write_bytes(copy.encode())
+    with pytest.raises(UntrustedCheckpointError, match="no tier record"):
+        ckptstore.open(url, trust=[public]).get(1)
+
+
+def test_a_pair_signs_its_durable_takeovers_and_binds_a_copy_to_its_signed_fields(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    private, public = keys
+    fast, durable = f"file://{tmp_path}/fast", f"file://{tmp_path}/durable"
+    with ckptstore.open(fast, replicate_to=durable, signing_key=private) as pair:
+        for step in (1, 2):
+            with pair.begin(step) as pending:
+                pending.write("w", b"%d" % step)
+        pair.wait_replicated(timeout=60)
+        fast_epoch, durable_epoch = pair.take_over(2, note="restart")
+        assert fast_epoch.signature is not None and durable_epoch.signature is not None
+        pair.rollback(1)
+    reader = ckptstore.open(durable, trust=[public])
+    assert reader.latest() is not None and reader.latest().step == 1
+    path = tmp_path / "durable" / f"step-{1:020d}" / "manifest.json"
+    copy = Manifest.decode(path.read_bytes(), where="t")
+    for edit, problem in (
+        ({"timings": {"write_s": 1e9}}, "timings"),
+        ({"source": dataclasses.replace(copy.source, step=2)}, "was signed"),
+    ):
+        path.write_bytes(dataclasses.replace(copy, **edit).encode())
+        with pytest.raises(UntrustedCheckpointError, match=problem):
+            ckptstore.open(durable, trust=[public]).get(1)
+    # The copy read through another store's URL is not that store's copy.
+    elsewhere = tmp_path / "elsewhere"
+    (tmp_path / "durable").rename(elsewhere)
+    path = elsewhere / f"step-{1:020d}" / "manifest.json"
+    path.write_bytes(copy.encode())
+    with pytest.raises(UntrustedCheckpointError, match="signed for the durable store"):
+        ckptstore.open(f"file://{elsewhere}", trust=[public]).get(1)
+
+
+def test_bytes_that_fail_their_digest_are_not_left_in_the_callers_buffer(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    private, public = keys
+    url = f"file://{tmp_path}/s"
+    size = 40 * 1024 * 1024
+    with ckptstore.open(url, signing_key=private).begin(1) as pending:
+        pending.write("big", bytes(size))
+    path = tmp_path / "s" / f"step-{1:020d}" / "data" / "big"
+    forged = bytearray(size)
+    forged[5 * 1024 * 1024 : 6 * 1024 * 1024] = b"\x7f" * (1024 * 1024)  # in block 1
+    path.write_bytes(bytes(forged))
+    checkpoint = ckptstore.open(url, trust=[public]).get(1)
+    for read in (
+        lambda out: checkpoint.read_into("big", out),
+        lambda out: checkpoint.read_range("big", 0, size, into=out),
+        lambda out: checkpoint.open("big").readinto(out),
+    ):
+        out = bytearray(size)
+        with pytest.raises(ShardCorruptError, match="digest mismatch in block 1"):
+            read(out)
+        assert b"\x7f" not in out

@@ -348,7 +348,7 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
 
 def _ls_pair(args: argparse.Namespace, out: TextIO) -> int:
     """The pair's history across tiers, and the fast checkpoints outside it (§9.3, T5)."""
-    pair = open_pair(args.url, args.replicate_to)
+    pair = open_pair(args.url, args.replicate_to, **key_options(args))
     try:
         document = pair_document(pair, _summary)
     finally:
@@ -401,7 +401,7 @@ def _pick(store: CheckpointStore, step: int | None) -> Checkpoint:
 
 def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     if args.replicate_to:
-        pair = open_pair(args.url, args.replicate_to)
+        pair = open_pair(args.url, args.replicate_to, **key_options(args))
         try:
             checkpoint = _pick(pair, args.step)
             in_fast = checkpoint.url == pair.url
@@ -521,7 +521,7 @@ def _verify_pair(args: argparse.Namespace, out: TextIO) -> int:
     """Verify each tier's copies: the newest (a STEP, every one with ``--all``) of the fast
     tier and of the durable tier, each read from its own storage. A STEP is an error only
     when neither tier holds it."""
-    pair = open_pair(args.url, args.replicate_to)
+    pair = open_pair(args.url, args.replicate_to, **key_options(args))
     tiers = {"fast": pair.fast, "durable": pair.durable}
     results: list[dict[str, Any]] = []
     missing: list[CheckpointNotFoundError] = []
@@ -685,7 +685,7 @@ def _age(seconds: float) -> str:
 
 def cmd_delete(args: argparse.Namespace, out: TextIO) -> int:
     if args.replicate_to:
-        pair = open_pair(args.url, args.replicate_to)
+        pair = open_pair(args.url, args.replicate_to, **key_options(args))
         try:
             pair.delete(args.step, force=args.force)
         finally:
@@ -764,7 +764,7 @@ def cmd_take_over(args: argparse.Namespace, out: TextIO) -> int:
 
 def _rollback_pair(args: argparse.Namespace, out: TextIO) -> int:
     """One rollback for both tiers of a pair: a takeover of both from the step (§9.3, T6)."""
-    pair = open_pair(args.url, args.replicate_to)
+    pair = open_pair(args.url, args.replicate_to, **key_options(args))
     try:
         left = pair.rollback(args.step)
         document = pair_document(pair, _summary)

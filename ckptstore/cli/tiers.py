@@ -16,10 +16,11 @@ from ckptstore.tiers.tiered import TieredStore, open_tiered
 __all__ = ["open_pair", "outside_rows", "pair_document", "refuse_a_fast_tier_alone"]
 
 
-def open_pair(url: str, durable_url: str) -> TieredStore:
+def open_pair(url: str, durable_url: str, **keys: Any) -> TieredStore:
     """The pair for a command: nothing created, no replicator thread (close it with
-    ``close(wait=False)``: a command never copies)."""
-    return open_tiered(url, replicate_to=durable_url, create=False, background=False)
+    ``close(wait=False)``: a command never copies); ``keys``: its --trust and --signing-key
+    (``cli.keys.key_options``)."""
+    return open_tiered(url, replicate_to=durable_url, create=False, background=False, **keys)
 
 
 def pair_document(

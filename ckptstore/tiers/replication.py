@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from urllib.parse import urlsplit, urlunsplit
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.errors import (
@@ -44,7 +43,7 @@ from ckptstore.errors import (
     SupersededError,
 )
 from ckptstore.lineage import Lineage
-from ckptstore.manifest import TIER_KEY, Manifest, ReplicaSource, ShardRecord
+from ckptstore.manifest import TIER_KEY, Manifest, ReplicaSource, ShardRecord, shown_location
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.retention import CheckpointAge, RetentionPolicy
 from ckptstore.store import Store
@@ -76,9 +75,7 @@ _BACKOFF_S = (0.5, 30.0)
 
 def shown_url(url: str) -> str:
     """``url`` as the tier record shows it: without userinfo, query or fragment."""
-    parts = urlsplit(url)
-    netloc = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    return shown_location(url)
 
 
 def tier_record(manifest: Manifest) -> Mapping[str, object] | None:

@@ -45,7 +45,7 @@ from ckptstore.names import check_step
 from ckptstore.pending import PendingCheckpoint
 from ckptstore.redaction import redact
 from ckptstore.retention import RetentionPolicy
-from ckptstore.signing import signing_key_from, trust_from
+from ckptstore.signing import Trust, signing_key_from, trust_from
 from ckptstore.store import DEFAULT_GRACE, Clock, Store, newest_refused, open_store
 from ckptstore.tiers.replication import (
     TIER_KEY,
@@ -641,7 +641,10 @@ def open_tiered(
     # the trainer's store and the durable store sign (a takeover of the pair signs its epoch
     # records in both); the replicator's stores never sign: a copy keeps the first signature.
     key = signing_key_from(fast_opts.pop("signing_key", None))
-    trust = trust_from(fast_opts.pop("trust", None))
+    given_trust = fast_opts.pop("trust", None)
+    trust = trust_from(given_trust)
+    if trust is None and key is not None and given_trust is not False:
+        trust = Trust([key.public_key()])  # as open_store: a signer reads what it signed
     keys: dict[str, Any] = {"signing_key": key or False, "trust": trust or False}
     no_key: dict[str, Any] = {"signing_key": False, "trust": trust or False}
     fast = open_store(url, create=create, retention=retention, clock=now, **keys, **fast_opts)
@@ -665,6 +668,7 @@ def open_tiered(
             raise ReplicationError(
                 f"replicate_to={replicate_to!r}: the durable store cannot be opened: {exc}"
             ) from exc
+        writer.sign_epochs_with(key)  # the pair's durable takeovers are signed; copies never
         replicator = Replicator(replicator_fast, writer, policy)
         try:
             replicator.refresh()  # reachable, and readable: said now, not in a thread later
