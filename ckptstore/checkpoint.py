@@ -8,6 +8,10 @@ differ; ``read`` and ``read_into`` check before they return anything.
 reads it as ranged reads in parallel, all pinned to the one object version a HEAD found, each
 landing in place in the caller's buffer; each block is checked against its recorded CRC32C as
 its range lands, and the blocks' CRC32Cs combine into the shard's (no second pass).
+
+A shard whose manifest records cryptographic digests (``ckptstore.digest``) is checked against
+them instead, block by block on every path, and its CRC32C is not computed; a block that fails
+is zeroed where it was written into the caller's buffer (docs/protocol.md §10).
 """
 
 from __future__ import annotations
