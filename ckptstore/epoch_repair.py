@@ -18,6 +18,7 @@ first step saved in epoch E). ``repair_epoch`` does that, and only that:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timezone
 
 from ckptstore.commit.conditional_put import ConditionalPutCommit
@@ -26,6 +27,7 @@ from ckptstore.driver import PutMode
 from ckptstore.errors import (
     CapabilityError,
     EpochNotFoundError,
+    InvalidOptionError,
     LineageCorruptError,
     PreconditionFailedError,
     RefusedError,
@@ -35,7 +37,41 @@ from ckptstore.manifest import WriterInfo
 from ckptstore.names import check_epoch, check_step, epoch_token, new_attempt_id
 from ckptstore.store import Store
 
-__all__ = ["repair_epoch"]
+__all__ = ["repair_epoch", "resign_epoch"]
+
+
+def resign_epoch(store: Store, epoch: int) -> Epoch:
+    """Sign the intact record of ``epoch`` with ``store``'s signing key, its content unchanged;
+    return the record written.
+
+    The way out of a takeover written without the key (docs/protocol.md §10): every reader
+    that trusts the key refuses the store's history while one of its epochs is unsigned or
+    signed by another key. The key holder, having checked that the takeover was legitimate
+    (its parent step, who took it: ``ckptstore ls`` with ``trust=False``), endorses it. The
+    same atomic replacement as a repair; a record that does not read back is repaired with
+    ``repair_epoch`` instead. InvalidOptionError without a signing key; RefusedError for a
+    record already signed by that key.
+    """
+    number = check_epoch(epoch)
+    strategy = store.strategy
+    key = store.signing_key
+    if key is None:
+        raise InvalidOptionError(
+            f"{strategy.url}: re-signing epoch {number} needs the signing key (--signing-key, "
+            f"$CKPTSTORE_SIGNING_KEY)"
+        )
+    if number == 0:
+        raise RefusedError(f"{strategy.url}: epoch 0 has no record (it is implicit)")
+    where = f"{strategy.url}/{EPOCHS_DIR}/{epoch_token(number)}"
+    data = strategy.read_epoch(number)
+    if data is None:
+        raise EpochNotFoundError(f"{where}: there is no record of epoch {number} to sign")
+    record = Epoch.decode(data, where=where, expected=number)  # damaged: LineageCorruptError
+    if record.signature is not None and record.signature.key_id == key.key_id:
+        raise RefusedError(f"{where}: epoch {number} is already signed by {key.key_id}")
+    signed = replace(record, signature=None, signed=b"").signed_by(key)
+    _replace(strategy, number, data, signed.encode())
+    return signed
 
 
 def repair_epoch(store: Store, epoch: int, parent: int | None, *, note: str = "") -> Epoch:

@@ -639,12 +639,37 @@ def test_bytes_that_fail_their_digest_are_not_left_in_the_callers_buffer(
     forged[5 * 1024 * 1024 : 6 * 1024 * 1024] = b"\x7f" * (1024 * 1024)  # in block 1
     path.write_bytes(bytes(forged))
     checkpoint = ckptstore.open(url, trust=[public]).get(1)
+    def stream(out: bytearray) -> None:
+        with checkpoint.open("big") as reader:
+            reader.readinto(out)
+
     for read in (
         lambda out: checkpoint.read_into("big", out),
         lambda out: checkpoint.read_range("big", 0, size, into=out),
-        lambda out: checkpoint.open("big").readinto(out),
+        stream,
     ):
         out = bytearray(size)
         with pytest.raises(ShardCorruptError, match="digest mismatch in block 1"):
             read(out)
         assert b"\x7f" not in out
+
+
+def test_the_key_holder_signs_an_unsigned_takeover_it_checked(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    import io
+
+    private, public = keys
+    url = f"file://{tmp_path}/s"
+    with ckptstore.open(url, signing_key=private).begin(1) as pending:
+        pending.write("w", b"1")
+    ckptstore.open(url).take_over(1, note="an unsigned restart")
+    with pytest.raises(UntrustedCheckpointError, match="epoch 1 is not signed"):
+        ckptstore.open(url, trust=[public]).latest()
+    assert cli(["repair-epoch", url, "1", "--resign"], io.StringIO()) == 2  # no key: refused
+    out = io.StringIO()
+    assert cli(["repair-epoch", url, "1", "--resign", "--signing-key", str(private)], out) == 0
+    assert "signed the record of epoch 1" in out.getvalue()
+    reader = ckptstore.open(url, trust=[public])
+    assert reader.latest() is not None and reader.lineage().epoch(1).note == "an unsigned restart"
+    assert cli(["repair-epoch", url, "1", "--resign", "--signing-key", str(private)], out) == 2
