@@ -639,6 +639,7 @@ def test_bytes_that_fail_their_digest_are_not_left_in_the_callers_buffer(
     forged[5 * 1024 * 1024 : 6 * 1024 * 1024] = b"\x7f" * (1024 * 1024)  # in block 1
     path.write_bytes(bytes(forged))
     checkpoint = ckptstore.open(url, trust=[public]).get(1)
+
     def stream(out: bytearray) -> None:
         with checkpoint.open("big") as reader:
             reader.readinto(out)
