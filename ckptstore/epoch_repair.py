@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from datetime import datetime, timezone
+from typing import Any
 
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import EPOCH_RECORD, EPOCHS_DIR, RenameCommit
@@ -60,12 +61,7 @@ def resign_epoch(store: Store, epoch: int) -> Epoch:
             f"{strategy.url}: re-signing epoch {number} needs the signing key (--signing-key, "
             f"$CKPTSTORE_SIGNING_KEY)"
         )
-    if number == 0:
-        raise RefusedError(f"{strategy.url}: epoch 0 has no record (it is implicit)")
-    where = f"{strategy.url}/{EPOCHS_DIR}/{epoch_token(number)}"
-    data = strategy.read_epoch(number)
-    if data is None:
-        raise EpochNotFoundError(f"{where}: there is no record of epoch {number} to sign")
+    where, data = _stored_record(strategy, number, "sign")
     record = Epoch.decode(data, where=where, expected=number)  # damaged: LineageCorruptError
     if record.signature is not None and record.signature.key_id == key.key_id:
         raise RefusedError(f"{where}: epoch {number} is already signed by {key.key_id}")
@@ -84,12 +80,7 @@ def repair_epoch(store: Store, epoch: int, parent: int | None, *, note: str = ""
     number = check_epoch(epoch)
     resumed_from = None if parent is None else check_step(parent)
     strategy = store.strategy
-    if number == 0:
-        raise RefusedError(f"{strategy.url}: epoch 0 has no record (it is implicit)")
-    where = f"{strategy.url}/{EPOCHS_DIR}/{epoch_token(number)}"
-    data = strategy.read_epoch(number)
-    if data is None:
-        raise EpochNotFoundError(f"{where}: there is no record of epoch {number} to repair")
+    where, data = _stored_record(strategy, number, "repair")
     try:
         Epoch.decode(data, where=where, expected=number)
     except LineageCorruptError:
@@ -110,6 +101,18 @@ def repair_epoch(store: Store, epoch: int, parent: int | None, *, note: str = ""
         record = record.signed_by(store.signing_key)
     _replace(strategy, number, data, record.encode())
     return record
+
+
+def _stored_record(strategy: Any, number: int, doing: str) -> tuple[str, bytes]:
+    """Where the record of epoch ``number`` is (as messages name it) and its stored bytes;
+    RefusedError for epoch 0, EpochNotFoundError if there is none to ``doing``."""
+    if number == 0:
+        raise RefusedError(f"{strategy.url}: epoch 0 has no record (it is implicit)")
+    where = f"{strategy.url}/{EPOCHS_DIR}/{epoch_token(number)}"
+    data = strategy.read_epoch(number)
+    if data is None:
+        raise EpochNotFoundError(f"{where}: there is no record of epoch {number} to {doing}")
+    return where, data
 
 
 def _started_at(store: Store, number: int) -> datetime:
