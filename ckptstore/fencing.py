@@ -38,14 +38,23 @@ from ckptstore.names import (
     parse_checkpoint_token,
 )
 
-__all__ = ["FILE_MARKER_MARK", "HOLD", "INTENT", "INTENT_STALE_S", "Markers", "is_file_marker"]
+__all__ = [
+    "CLOCK_MARKER",
+    "FILE_MARKER_MARK",
+    "HOLD",
+    "INTENT",
+    "INTENT_STALE_S",
+    "Markers",
+    "is_file_marker",
+]
 
 log = logging.getLogger(__name__)
 
 HOLD = "hold-"
 INTENT = "intent-"
-_CLOCK = "clock-"
-_PREFIXES = (HOLD, INTENT, _CLOCK)
+CLOCK_MARKER = "clock-"
+"""The name prefix of a reading of the storage's clock among the markers (written, then removed)."""
+_PREFIXES = (HOLD, INTENT, CLOCK_MARKER)
 FILE_MARKER_MARK = "."
 """On a file system, a marker is the root's hidden file ``.`` + ``hold-``/``intent-`` + token."""
 INTENT_STALE_S = 120.0
@@ -138,7 +147,7 @@ class Markers:
         if self.kind == "files":
             name = GC_CLOCK_PREFIX + new_attempt_id()  # GC knows a dead one's: "gc-clock"
         else:
-            name = EPOCHS + _CLOCK + new_attempt_id()
+            name = EPOCHS + CLOCK_MARKER + new_attempt_id()
         self._create(name)
         try:
             stamp = self._stamp(name)
@@ -180,8 +189,11 @@ class Markers:
         """Remove markers older than the report's grace period (their process died)."""
         if not self.supported:
             return
+        markers = list(self.leftovers())
+        if not markers:
+            return  # the storage's clock is read only when there is something to age
         storage_now = self.storage_now() + clock_lead(now)
-        for name, stamp in list(self.leftovers()):
+        for name, stamp in markers:
             age = max(0.0, storage_now - stamp)
             item = GcItem("marker", name, age, 0)
             if age < max(report.grace_s, INTENT_STALE_S):

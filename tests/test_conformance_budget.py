@@ -54,41 +54,45 @@ def test_crash_points_past_their_share_of_the_budget_are_left_out_and_said(url: 
     assert whole.cut_short == {}
 
 
-def _machine_run(url: str, per_case_s: float, monkeypatch: pytest.MonkeyPatch) -> tuple[int, Any]:
+def _machine_run(url: str, call_s: float, monkeypatch: pytest.MonkeyPatch) -> tuple[int, Any, Any]:
     """The property-based layer with its deadline spent, as it would be after slow layers;
-    the number of examples it chose, and its findings (the state machine is not run)."""
-    chosen: list[int] = []
+    the number of examples it chose, its findings and its settings (the state machine is not
+    run)."""
+    chosen: list[Any] = []
 
     def counted(found: Findings, machine: Any, settings: Any, *args: Any) -> str:
-        chosen.append(settings.max_examples)
+        chosen.append(settings)
         return ""
 
     monkeypatch.setattr(property_based, "machine_findings", counted)
     run = SuiteRun(LocationFactory(url), deadline=time.monotonic(), budget_s=60.0)
     run.layer_deadline = time.monotonic()
     run.multipart_size = 0
-    run.per_case_s = per_case_s
+    run.call_s = call_s
     found = Findings()
     property_based.run_layer(run, found)
-    return chosen[0], found
+    return chosen[0].max_examples, found, chosen[0]
 
 
 def test_at_least_25_examples_run_whatever_the_load(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 26 item 11: five examples ran on 7 of 8 backends when the machine was loaded."""
-    examples, found = _machine_run(url, 0.5, monkeypatch)  # a loaded machine: slow cases
+    examples, found, settings = _machine_run(url, 0.02, monkeypatch)  # an emulator, loaded
     assert examples == property_based.MIN_EXAMPLES["ci"] == 25
     assert found.cut_short["property-based"] == "25 of 40 examples (at least 25 always run)"
+    assert settings.stateful_step_count == property_based.NETWORKED_STEPS["ci"] == 12
+    examples, found, settings = _machine_run(url, 0.0002, monkeypatch)  # a local disk
+    assert examples == 25 and settings.stateful_step_count == 20
 
 
 def test_only_slow_storage_gets_fewer_examples_and_the_report_says_why(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    examples, found = _machine_run(url, 3.0, monkeypatch)  # a request takes many ms
+    examples, found, _ = _machine_run(url, 0.1, monkeypatch)  # a request takes 100 ms
     assert examples == property_based.SLOW_MIN_EXAMPLES == 5
     assert found.cut_short["property-based"] == (
-        "5 of 40 examples (the storage is slow: a crash case took 3.0 s, an example about 24 s)"
+        "5 of 40 examples (the storage is slow: a request took 100 ms, an example about 36 s)"
     )
 
 

@@ -129,9 +129,12 @@ def blind_marker(buckets: list[str]) -> Iterator[str]:
     registry.unregister("greedy-gc-replay")
 
 
+@pytest.mark.parametrize("steps", [None, 12], ids=["profile-steps", "networked-steps"])
 def test_a_failing_example_is_replayed_alone_from_the_report(
-    blind_marker: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+    steps: int | None, blind_marker: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """With examples of fewer steps than the profile's (networked storage), the command names
+    the step count: a blob replays only under the step count it was found with."""
     from hypothesis import Phase, settings
 
     from ckptstore.conformance.layers.layer import Findings
@@ -142,8 +145,12 @@ def test_a_failing_example_is_replayed_alone_from_the_report(
 
     found = Findings()
     machine = make_state_machine(LocationFactory(blind_marker))
-    derandomized = settings(  # the ci profile's step count: a blob replays only under it
-        PROFILES["ci"], max_examples=100, derandomize=True, phases=[Phase.generate]
+    derandomized = settings(
+        PROFILES["ci"],
+        max_examples=100,
+        derandomize=True,
+        phases=[Phase.generate],
+        stateful_step_count=steps or PROFILES["ci"].stateful_step_count,
     )
     with same_examples():
         machine_findings(found, machine, derandomized, None)
@@ -153,6 +160,7 @@ def test_a_failing_example_is_replayed_alone_from_the_report(
         evidence,
     )
     assert replay, evidence
+    assert replay.group(1).endswith(f":{steps}") == (steps is not None), replay.group(1)
     report_file = tmp_path / "replay.json"
     out = io.StringIO()
     command = ["conformance", blind_marker, "--reproduce", replay.group(1)]
@@ -176,6 +184,8 @@ def test_a_failing_example_is_replayed_alone_from_the_report(
     [
         ("not-a-blob", "--reproduce takes VERSION:BLOB"),
         ("6.170.17:!!!", "--reproduce takes VERSION:BLOB"),
+        ("6.170.17:AXic:0", "--reproduce takes VERSION:BLOB[:STEPS]"),
+        ("6.170.17:AXic:twelve", "--reproduce takes VERSION:BLOB[:STEPS]"),
         ("1.0.0:AXicY2BkAAAABQAC", "the example was found with hypothesis 1.0.0"),
     ],
 )

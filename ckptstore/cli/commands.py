@@ -1164,7 +1164,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--reproduce",
-        metavar="VERSION:BLOB",
+        metavar="VERSION:BLOB[:STEPS]",
         default=None,
         help="replay one failing example of the property-based layer, as a report printed it "
         "('replay it alone: ...'), and run nothing else",

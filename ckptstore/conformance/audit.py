@@ -14,7 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
-from ckptstore.commit.conditional_put import EPOCHS, LATEST_KEY, MANIFESTS, ConditionalPutCommit
+from ckptstore.commit.conditional_put import (
+    EPOCHS,
+    LATEST_KEY,
+    MANIFESTS,
+    PROBE_PREFIX,
+    ConditionalPutCommit,
+)
 from ckptstore.commit.rename import (
     DATA_DIR,
     EPOCH_RECORD,
@@ -26,6 +32,7 @@ from ckptstore.commit.rename import (
 )
 from ckptstore.commit.version_pin import VersionPinCommit, versioned_name
 from ckptstore.errors import ObjectNotFoundError
+from ckptstore.fencing import CLOCK_MARKER
 from ckptstore.manifest import Manifest
 from ckptstore.names import checkpoint_token, epoch_token
 
@@ -39,6 +46,11 @@ class StorageAudit(abc.ABC):
     def fixed_names(self) -> frozenset[str]:
         """Raw names that belong to the store itself rather than to a checkpoint (the hint)."""
         return frozenset()
+
+    def is_scratch(self, name: str) -> bool:
+        """Whether raw ``name`` is one of the store's short-lived probes (a clock reading),
+        which no checkpoint ever refers to: a change to it changes no checkpoint."""
+        return False
 
     @abc.abstractmethod
     def stored_names(self, manifest: Manifest) -> set[str]:
@@ -95,6 +107,9 @@ class RenameAudit(_OfStrategy):
         except ObjectNotFoundError:
             return False
 
+    def is_scratch(self, name: str) -> bool:
+        return name.startswith(GC_CLOCK_PREFIX)
+
     def raw_names(self) -> set[str]:
         names: set[str] = set()
         pending = [""]
@@ -118,6 +133,9 @@ class ObjectStoreAudit(_OfStrategy):
     """An object store: every key under the prefix, and every incomplete multipart upload."""
 
     strategy: ConditionalPutCommit
+
+    def is_scratch(self, name: str) -> bool:
+        return name.startswith((PROBE_PREFIX, f"{EPOCHS}{CLOCK_MARKER}"))
 
     def stored_names(self, manifest: Manifest) -> set[str]:
         names = {self.strategy.manifest_key(manifest.step, manifest.epoch)}

@@ -91,7 +91,7 @@ def run_backend(
     report (a violation, or a storage error) and the next layer runs. ``budget_s`` (default:
     the profile's ``BUDGET_S``) bounds the run, shrinking included. ``on_layer`` is called with
     the report after each layer, so that what is found is written as it is found.
-    ``reproduce`` (``VERSION:BLOB`` from a report): replay that one failing example of the
+    ``reproduce`` (``VERSION:BLOB[:STEPS]`` from a report): replay that one failing example of the
     property-based layer, and run nothing else.
     """
     if profile not in PROFILES:

@@ -34,6 +34,8 @@ __all__ = [
 
 _LAZY_RESULTS = frozenset({"list", "list_versions", "list_multipart_uploads"})
 _UPLOAD_CALLS = frozenset({"create_multipart", "complete_multipart", "abort_multipart"})
+_KEYED_BY_UPLOAD = frozenset({"upload_part", "complete_multipart", "abort_multipart"})
+"""Calls whose second argument is an upload's id, not a name."""
 READ_ONLY_CALLS = frozenset(
     {
         "stat",
@@ -222,7 +224,7 @@ class FaultInjector:
             )
             self.calls.append(record)
             if self.on_change is not None and name not in READ_CALLS:
-                self.on_change(self._names(args))
+                self.on_change(self._names(name, args))
             plan = self.plan
             if self._crash_at is None and plan.crash_on == name:
                 self._crash_at = record.index
@@ -270,11 +272,12 @@ class FaultInjector:
 
         return call
 
-    def _names(self, args: tuple[Any, ...]) -> tuple[str, ...] | None:
-        """The names a changing call with ``args`` may change: its leading string arguments
-        (a key, a path, a rename's two paths), or a handle's path; None if not known."""
+    def _names(self, call: str, args: tuple[Any, ...]) -> tuple[str, ...] | None:
+        """The names a changing ``call`` with ``args`` may change: its leading string arguments
+        (a key, a path, a rename's two paths; an upload's key, not its id), or a handle's path;
+        None if not known."""
         names = []
-        for arg in args[:2]:
+        for arg in args[: 1 if call in _KEYED_BY_UPLOAD else 2]:
             if isinstance(arg, str):
                 names.append(arg)
             elif isinstance(arg, int) and arg in self._paths:

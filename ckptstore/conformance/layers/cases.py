@@ -90,6 +90,9 @@ class CrashPointResult:
     refused: str = ""
     """The store refused the storage in a case (``outcomes.refusal``): the layer's
     invariants are not applicable there, with this reason."""
+    call_s: float = 0.0
+    """Seconds one storage call of the workload took, run alone without a crash (0: not
+    measured): what the property-based layer fits its examples to."""
     completions_before: set[int] = field(default_factory=set)
     completions_after: set[int] = field(default_factory=set)
     """The multipart completions (by call number) that a case died before, and just after,

@@ -88,6 +88,7 @@ def run_crash_points(
     if baseline.storage_errors:  # the workload never ran through: no call to crash at
         return result
     result.calls = baseline.calls
+    result.call_s = baseline.call_s
     result.call_names = baseline.call_names
     result.overlapped = baseline.overlapped
     result.records = baseline.records
@@ -124,9 +125,12 @@ def _baseline(new_location: workload.LocationMaker) -> cases.CrashPointResult:
         result, model = case.result, Model()
         clock = location.clock
         plan = FaultPlan(observe=lambda: (model.events, clock.offset))
-        store = workload.standard_workload(location, plan, model, workload.big_shard_size(location))
+        big = workload.big_shard_size(location)
+        started = time.monotonic()
+        store = workload.standard_workload(location, plan, model, big)
         injector = store.strategy.driver
         assert isinstance(injector, FaultInjector)  # Location.open puts one under every store
+        result.call_s = (time.monotonic() - started) / max(len(injector.calls), 1)
         result.calls = len(injector.calls)
         result.records = list(injector.calls)
         result.call_names = [call.name for call in injector.calls]
@@ -162,12 +166,10 @@ def _recover(result: cases.CrashPointResult, location: Location, model: Model) -
 def run_layer(run: SuiteRun, found: Findings) -> None:
     """The layer on ``run``'s target; it measures what one crash case costs, run alone (the
     property-based layer fits its examples to that)."""
-    started = time.monotonic()
     result = run_crash_points(
         run.locations, workers=CRASH_WORKERS, deadline=run.budgets_from_start(BUDGETS)
     )
-    # What one case costs when run alone (the state machine runs one thing at a time).
-    run.per_case_s = (time.monotonic() - started) * CRASH_WORKERS / max(result.cases, 1)
+    run.call_s = result.call_s  # measured alone: the state machine makes one call at a time
     if result.calls:  # else the workload failed without a crash: nothing was proved held
         found.check(*INVARIANTS)
     found.cases(INVARIANTS, result)

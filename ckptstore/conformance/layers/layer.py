@@ -103,11 +103,12 @@ class SuiteRun:
     """When the running layer should end, from its ``Budget`` (None: not cut)."""
     multipart_size: int | None = None
     """A shard size that takes a multipart upload (0: none), once measured."""
-    per_case_s: float = 0.0
-    """What one crash case cost, run alone (0: not measured)."""
+    call_s: float = 0.0
+    """Seconds one storage call took in the crash points' workload, run alone (0: not
+    measured)."""
     reproduce: str = ""
-    """A failing example of the property-based layer to replay alone (``VERSION:BLOB``, as
-    its report prints it); empty: explore."""
+    """A failing example of the property-based layer to replay alone
+    (``VERSION:BLOB[:STEPS]``, as its report prints it); empty: explore."""
     pairs: TieredPairFactory | None = None
     """Fresh tiered pairs, for the layers that run on one."""
 

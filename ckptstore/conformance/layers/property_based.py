@@ -34,7 +34,7 @@ from ckptstore.urls import redact
 
 __all__ = [
     "BUDGET",
-    "EXAMPLE_COST_IN_CRASH_CASES",
+    "CALLS_PER_STEP",
     "INVARIANTS",
     "MACHINE_MAX_S",
     "MACHINE_MIN_S",
@@ -52,22 +52,29 @@ most a quarter of the budget)."""
 BUDGET = Budget(MACHINE_MAX_S, MACHINE_MIN_S)
 MIN_EXAMPLES = {"ci": 25, "thorough": 100}
 """Examples the layer runs whatever the layer's deadline and the machine's load (a deadline
-too short for them is exceeded, never met with fewer), unless the storage is slow (a crash
-case took longer than ``SLOW_CASE_S``): then it runs what fits (at least
+too short for them is exceeded, never met with fewer), unless the storage is slow (a storage
+call took longer than ``SLOW_CALL_S``): then it runs what fits (at least
 ``SLOW_MIN_EXAMPLES``) and the report says so ("cut short by the budget")."""
-SLOW_CASE_S = 1.0
-"""A crash case that took longer than this, run alone, is networked storage (tens of
-requests at milliseconds each); a loaded machine makes a local one slower by a small factor,
-not this much."""
+SLOW_CALL_S = 0.05
+"""A storage call that took longer than this, run alone, is a remote server's (or a slow
+one's): the embedded emulators answer in a few milliseconds, on a loaded machine too."""
 SLOW_MIN_EXAMPLES = 5
 """Examples on slow storage, whatever its budget."""
+NETWORKED_CALL_S = 0.001
+"""A storage call that took this long or longer, run alone, is a request over a network (an
+emulator on 127.0.0.1 included), where examples get ``NETWORKED_STEPS``."""
+NETWORKED_STEPS = {"ci": 12}
+"""Steps per example where a storage call is a network request, by profile (others, and
+other storage: the profile's own, ``machine.PROFILES``): an example's cost is its requests,
+and 25 examples of 12 steps fit where 25 of 20 do not. Failures found so far shrink to
+fewer steps than this."""
 SHRINK_LEAST_S = {"ci": 15.0, "thorough": 120.0}
 """Seconds shrinking gets at least (a quarter of the run's budget at most), from when it
 starts, even past the layer's deadline: a failure found late is still shrunk to a short
 sequence (then the run ends)."""
-EXAMPLE_COST_IN_CRASH_CASES = 8.0
-"""An example of the state machine costs about as much storage traffic as this many crash
-cases; used to fit the examples into the budget on slow (networked) storage."""
+CALLS_PER_STEP = 30
+"""Storage calls a step of the state machine makes, on average with its checks and its
+example's setup and cleanup (measured on moto): to fit examples to the budget."""
 
 
 def run_layer(run: SuiteRun, found: Findings) -> None:
@@ -77,7 +84,9 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
     settings = PROFILES[run.profile]
     deadline = run.layer_deadline
     if run.reproduce:
-        version, blob = check_reproduction(run.reproduce)
+        version, blob, steps = check_reproduction(run.reproduce)
+        if steps is not None:  # found with examples of that many steps: replayed so
+            settings = hypothesis.settings(settings, stateful_step_count=steps)
         machine = hypothesis.reproduce_failure(version, blob.encode())(machine)
         run.say("property-based crash injection: replaying one example (--reproduce)")
         note = machine_findings(found, machine, settings, None, run.profile)
@@ -85,26 +94,10 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
             found.check(*INVARIANTS)
         found.coverage["property-based"] = f"replayed one example (--reproduce){note}"
         return
+    if run.call_s >= NETWORKED_CALL_S and run.profile in NETWORKED_STEPS:
+        settings = hypothesis.settings(settings, stateful_step_count=NETWORKED_STEPS[run.profile])
     if deadline is not None:
-        budget = deadline - time.monotonic()
-        affordable = int(budget / max(run.per_case_s * EXAMPLE_COST_IN_CRASH_CASES, 1e-6))
-        least = min(MIN_EXAMPLES.get(run.profile, 25), settings.max_examples)
-        example_s = run.per_case_s * EXAMPLE_COST_IN_CRASH_CASES
-        slow = run.per_case_s > SLOW_CASE_S
-        if slow:
-            least = min(SLOW_MIN_EXAMPLES, least)
-        examples = max(least, min(settings.max_examples, affordable))
-        if examples < settings.max_examples:
-            why = (
-                f"the storage is slow: a crash case took {run.per_case_s:.1f} s, an example "
-                f"about {example_s:.0f} s"
-                if slow
-                else f"at least {least} always run"
-            )
-            found.cut_short["property-based"] = (
-                f"{examples} of {settings.max_examples} examples ({why})"
-            )
-        settings = hypothesis.settings(settings, max_examples=examples)
+        settings = _fitted(run, found, settings, deadline - time.monotonic())
     run.say(
         f"property-based crash injection (profile {run.profile}, {settings.max_examples} examples)"
     )
@@ -118,6 +111,32 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
         f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps"
         f"{machine_completions(machine, multipart)}{note}"
     )
+
+
+def _fitted(
+    run: SuiteRun, found: Findings, settings: hypothesis.settings, budget: float
+) -> hypothesis.settings:
+    """``settings`` with as many examples as ``budget`` seconds allow, at least
+    ``MIN_EXAMPLES`` (``SLOW_MIN_EXAMPLES`` on slow storage); a number below the profile's is
+    recorded as cut short, with why."""
+    example_s = run.call_s * CALLS_PER_STEP * settings.stateful_step_count
+    affordable = int(budget / max(example_s, 1e-6))
+    least = min(MIN_EXAMPLES.get(run.profile, 25), settings.max_examples)
+    slow = run.call_s > SLOW_CALL_S
+    if slow:
+        least = min(SLOW_MIN_EXAMPLES, least)
+    examples = max(least, min(settings.max_examples, affordable))
+    if examples < settings.max_examples:
+        why = (
+            f"the storage is slow: a request took {run.call_s * 1000:.0f} ms, an example "
+            f"about {example_s:.0f} s"
+            if slow
+            else f"at least {least} always run"
+        )
+        found.cut_short["property-based"] = (
+            f"{examples} of {settings.max_examples} examples ({why})"
+        )
+    return hypothesis.settings(settings, max_examples=examples)
 
 
 DID_NOT_FAIL = "; the example passed this time: it did not fail again"
@@ -147,7 +166,8 @@ def machine_findings(
     """Run the state machine, recording what it found; a note for the coverage line.
     Shrinking stops at ``deadline`` (``time.monotonic()``; None: at hypothesis's own limit).
     ``profile``: the one whose settings these are, named in the command that replays a
-    failure (a blob replays only under the step count it was found with). Shrinking gets
+    failure (a blob replays only under the step count it was found with: the command names
+    it where it is not the profile's). Shrinking gets
     ``shrink_least_s`` at least, from when it starts, whatever ``deadline`` says."""
     undecided = "; stopped by the storage's failure on every run (undecided)"
     printed: list[str] = []
@@ -171,11 +191,13 @@ def machine_findings(
         errors = list(getattr(exc, "exceptions", None) or [exc])  # an ExceptionGroup's, or it
         url = redact(str(getattr(machine.new_location, "base_url", "URL")))
         url += "" if profile == "ci" else f" --profile {profile}"
+        count = settings.stateful_step_count
+        steps = "" if count == PROFILES[profile].stateful_step_count else f":{count}"
         notes: list[str | None] = []
         failed: list[SuiteError] = []
         for error in errors:  # every violation is recorded before the suite's own failure
             try:
-                notes.append(_finding(found, error, printed, url))
+                notes.append(_finding(found, error, printed, url, steps))
             except SuiteError as failure:
                 failed.append(failure)
         if failed and not found.violations:
@@ -186,16 +208,20 @@ def machine_findings(
     return ""
 
 
-def _finding(found: Findings, error: BaseException, printed: list[str], url: str) -> str | None:
+def _finding(
+    found: Findings, error: BaseException, printed: list[str], url: str, steps: str
+) -> str | None:
     """Record one failure the state machine found; its coverage note (None: undecided)."""
     if isinstance(error, InvariantViolation):
-        found.violated(error.invariant, _shrunk(error.detail, error, printed, url))
+        found.violated(error.invariant, _shrunk(error.detail, error, printed, url, steps))
         return _budget_note(error, printed)
     cause = storage_failure(error)  # one that hypothesis shrank: the storage failed
     if cause is None and suite_failed(error):  # the suite's own error: no verdict
-        raise SuiteError(_shrunk(f"a rule failed: {error!r}", error, printed, url)) from error
+        failed = _shrunk(f"a rule failed: {error!r}", error, printed, url, steps)
+        raise SuiteError(failed) from error
     if cause is None:  # anything else the store raised is reported, not hidden
-        found.violated("I1", _shrunk(f"unexpected error: {error!r}", error, printed, url))
+        unexpected = _shrunk(f"unexpected error: {error!r}", error, printed, url, steps)
+        found.violated("I1", unexpected)
         return _budget_note(error, printed)
     found.storage_error(INVARIANTS, f"property-based: {cause!r}")
     return None
@@ -236,10 +262,15 @@ def _steps(error: BaseException, printed: list[str]) -> list[str]:
     return steps
 
 
-def _shrunk(message: str, error: BaseException, printed: list[str], url: str) -> str:
+def _shrunk(
+    message: str, error: BaseException, printed: list[str], url: str, step_count: str = ""
+) -> str:
+    """``message`` with the shrunk steps and the command that replays them (``step_count``:
+    ``:N`` where the examples had N steps, not the profile's number)."""
     steps = _steps(error, printed)
     replay = _replay(error, printed)
     if replay:
+        replay += step_count
         message += f"\n  replay it alone: ckptstore conformance {url} --reproduce {replay}"
     if not steps:
         return message
@@ -257,18 +288,20 @@ def _replay(error: BaseException, printed: list[str]) -> str:
     return f"{found.group(1)}:{found.group(2)}" if found else ""
 
 
-def check_reproduction(value: str) -> tuple[str, str]:
-    """The hypothesis version and the example blob of ``--reproduce VERSION:BLOB``; raise
-    InvalidOptionError if it is malformed or from another hypothesis version (whose blobs
-    this one cannot read)."""
-    version, _, blob = value.partition(":")
+def check_reproduction(value: str) -> tuple[str, str, int | None]:
+    """The hypothesis version, the example blob and the examples' step count (None: the
+    profile's) of ``--reproduce VERSION:BLOB[:STEPS]``; raise InvalidOptionError if it is
+    malformed or from another hypothesis version (whose blobs this one cannot read)."""
+    version, _, rest = value.partition(":")
+    blob, _, count = rest.partition(":")
     try:
         base64.b64decode(blob, validate=True)
     except (binascii.Error, ValueError):
         blob = ""
-    if not version or not blob:
+    steps = int(count) if count.isdigit() and count.isascii() and 0 < int(count) <= 1000 else None
+    if not version or not blob or (count and steps is None):
         raise InvalidOptionError(
-            "--reproduce takes VERSION:BLOB, as a report prints it after 'replay it alone'"
+            "--reproduce takes VERSION:BLOB[:STEPS], as a report prints it after 'replay it alone'"
         )
     if version != hypothesis.__version__:
         raise InvalidOptionError(
@@ -276,4 +309,4 @@ def check_reproduction(value: str) -> tuple[str, str]:
             f"hypothesis {hypothesis.__version__} is installed; replay it with {version} "
             f"(pip install 'hypothesis=={version}')"
         )
-    return version, blob
+    return version, blob, steps
