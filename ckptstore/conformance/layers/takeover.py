@@ -54,8 +54,12 @@ def run_takeover_crash_points(new_location: LocationMaker) -> cases.CrashPointRe
     result.calls, result.call_names = baseline.calls, baseline.call_names
     result.records = baseline.records
     result.reads = sum(record.reads_only for record in baseline.records)
-    for index, mode in cases.crash_cases(baseline.records, overlapped=baseline.overlapped):
-        result.add(cases.retried(functools.partial(_takeover_case, new_location, index, mode)))
+    chosen = [
+        functools.partial(_takeover_case, new_location, index, mode)
+        for index, mode in cases.crash_cases(baseline.records, overlapped=baseline.overlapped)
+    ]
+    for outcome in cases.run_all(chosen):
+        result.add(outcome)
     return result
 
 

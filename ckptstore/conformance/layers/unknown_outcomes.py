@@ -32,7 +32,10 @@ NOT_ON_FILE_SYSTEMS = "file-system calls have no unknown outcomes"
 
 
 def run_indeterminate_outcomes(
-    new_location: workload.LocationMaker, *, before_every_call: bool = False
+    new_location: workload.LocationMaker,
+    *,
+    before_every_call: bool = False,
+    workers: int = cases.CASE_WORKERS,
 ) -> cases.CrashPointResult:
     """Fail storage calls of two saves, one per case; then read back (I8) and check.
 
@@ -42,7 +45,8 @@ def run_indeterminate_outcomes(
     after it took effect; with ``before_every_call``, every call of both fails both ways. A
     save whose publish took effect must not report failure, nor mistake its own earlier write
     for another writer's (CheckpointExistsError); a save that reports success must have
-    published; whatever the saves left must satisfy the invariants.
+    published; whatever the saves left must satisfy the invariants. ``workers`` cases run at
+    once.
     """
     result = cases.CrashPointResult()
     baseline = cases.retried(functools.partial(_count_save_calls, new_location))
@@ -50,6 +54,7 @@ def run_indeterminate_outcomes(
     if baseline.storage_errors:
         return result
     result.calls, result.first_save_calls = baseline.calls, baseline.first_save_calls
+    chosen = []
     for index, label in enumerate(baseline.call_names):
         commit_point = commit_point_label(label) is not None
         every = before_every_call or commit_point
@@ -58,8 +63,9 @@ def run_indeterminate_outcomes(
             modes.append(CrashMode.AFTER)
         for mode in modes:
             saves = 1 if index < baseline.first_save_calls else 2
-            case = functools.partial(_transient_case, new_location, index, mode, saves)
-            result.add(cases.retried(case))
+            chosen.append(functools.partial(_transient_case, new_location, index, mode, saves))
+    for outcome in cases.run_all(chosen, workers):
+        result.add(outcome)
     return result
 
 
