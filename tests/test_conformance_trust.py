@@ -3,6 +3,7 @@ refused on a correct store, and a reader that skips a check is caught, with the 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from ckptstore.conformance.layers.registry import layer_named
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.lineage import Epoch
 from ckptstore.manifest import Manifest
+from ckptstore.tools.embedded_gcs import EmbeddedGCS
 
 
 def _run(url: str) -> Findings:
@@ -61,3 +63,22 @@ def test_a_reader_that_does_not_check_digests_is_caught(monkeypatch: pytest.Monk
     found = _run("memory://trust-digests/run")
     (violation, *_) = found.violations
     assert violation[0] == "I6" and "trust: shard bytes replaced (step 2)" in violation[1]
+
+
+def test_a_forgery_the_storage_rules_out_is_named_and_not_judged(fake_gcs: EmbeddedGCS) -> None:
+    """fake-gcs keeps versions it cannot delete: a shard's pinned bytes can be neither changed
+    nor removed there, so the "bytes replaced" forgery cannot be made. It was judged anyway,
+    and the intact checkpoint read fine: I6 VIOLATED on a correct store (gs+versioned://)."""
+    versioned = fake_gcs.versioned_bucket(f"{fake_gcs.bucket}-trust-versioned")
+    url = versioned.url(f"trust-{os.getpid()}", scheme="gs+versioned", part_size=4096)
+    found = Findings()
+    run = SuiteRun(LocationFactory(url, versioned.options), "ci", TargetKind.OBJECT_STORE)
+    trust.run_layer(run, found)
+    assert found.violations == [] and found.undecided == []
+    assert found.checked == ("I6",)
+    coverage = found.coverage["trust"]
+    assert coverage.startswith("6 forgeries") and coverage.endswith(
+        "; not possible here: shard bytes replaced (a pinned version can be neither changed "
+        "nor deleted)"
+    )
+    assert "it: shard replaced, its CRC32Cs" in coverage  # the one not made is not listed

@@ -30,6 +30,8 @@ from ckptstore.errors import (
     CapabilityError,
     InvalidOptionError,
     InvalidURLError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
     StorageAccessDeniedError,
     StoreNotFoundError,
     TransientStorageError,
@@ -327,3 +329,26 @@ def test_unreachable_endpoint_fails_within_seconds() -> None:
         ckptstore.open(f"fsspec+s3://bucket/run?endpoint_url=http://127.0.0.1:{port}",
                        key="x", secret="y")  # fmt: skip
     assert time.monotonic() - started < 10
+
+
+def test_a_missing_key_read_after_a_refused_create_is_missing_not_refused(
+    moto_s3: EmbeddedS3,
+) -> None:
+    """Found by the suite's takeover race on s3fs: a taker whose epoch create was refused
+    (412) read the record back before the winner's was visible; s3fs's FileNotFoundError,
+    raised while that 412 was being handled, was taken for a 412 (PreconditionFailedError),
+    and the taker failed instead of learning that another took the epoch."""
+    store = ckptstore.open(
+        fsspec_s3_url(moto_s3, f"refused-then-missing-{os.getpid()}"),
+        **fsspec_s3_options(moto_s3),
+    )
+    driver = store.strategy.driver
+    driver.put("taken.json", b"{}", mode=PutMode.CREATE)
+    try:
+        driver.put("taken.json", b"{}", mode=PutMode.CREATE)
+    except PreconditionFailedError:
+        with pytest.raises(ObjectNotFoundError):  # not PreconditionFailedError
+            driver.get("not-yet-visible.json")
+    else:
+        pytest.fail("a create of an existing key was not refused")
+    assert store.strategy.read_epoch(7) is None

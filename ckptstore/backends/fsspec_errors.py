@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ckptstore.backends.error_table import translating
 from ckptstore.errors import (
+    CkptStoreError,
     IndeterminateOutcomeError,
     ObjectNotFoundError,
     PreconditionFailedError,
@@ -59,9 +60,14 @@ def _names(exc: BaseException) -> set[str]:
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the errors it was raised from or while handling, up to the first of
+    ckptstore's own: an error raised while ckptstore handled an earlier one (reading an epoch
+    back after a refused create) is not that earlier error, whose 412 it must not inherit."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
+        if current is not exc and isinstance(current, CkptStoreError):
+            return
         seen.add(id(current))
         yield current
         current = current.__cause__ or current.__context__

@@ -48,10 +48,11 @@ ATTACKS = (
 def run_layer(run: SuiteRun, found: Findings) -> None:
     """Every attack on a fresh location of ``run``'s target, then the two forged takeovers."""
     cases = 0
+    impossible: list[str] = []
     for attack in (_attack_checkpoints, _attack_epochs):
         location = run.locations()
         try:
-            cases += attack(location, found)
+            cases += attack(location, found, impossible)
         except CapabilityError as exc:
             found.not_applicable.setdefault("I6", f"the store refused to save: {exc}")
             return
@@ -64,13 +65,17 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
         finally:
             location.destroy()
     found.check(*INVARIANTS)
+    made = [a for a in ATTACKS if not any(i.startswith(f"{a} (") for i in impossible)]
     found.coverage["trust"] = (
         f"{cases} forgeries by a writer without the key, each refused by a reader that trusts "
-        f"it: {', '.join(ATTACKS)}; a takeover unsigned, and signed by another key"
+        f"it: {', '.join(made)}; a takeover unsigned, and signed by another key"
+        + "".join(f"; not possible here: {what}" for what in impossible)
     )
 
 
-def _attack_checkpoints(location: Location, found: Findings) -> int:
+def _attack_checkpoints(location: Location, found: Findings, impossible: list[str]) -> int:
+    """The manifest-level attacks, one per checkpoint; how many were made (one this storage
+    rules out is added to ``impossible``, with why, and its checkpoint is not judged)."""
     key = generate_key()
     trust = Trust([key.public_key()])
     writer, _ = location.open(signing_key=key)
@@ -81,6 +86,7 @@ def _attack_checkpoints(location: Location, found: Findings) -> int:
             pending.write("trainer_state.json", b'{"step": %d}' % step)
     forger = location.base
     done = 0
+    untouched = {1}
     for step, attack in zip(steps[1:], ATTACKS, strict=True):
         manifest = forger.read_manifest(step)
         record = manifest.shard(_SHARD)
@@ -89,6 +95,8 @@ def _attack_checkpoints(location: Location, found: Findings) -> int:
         if attack == "shard bytes replaced":
             if location.corrupt(step, _SHARD, "bitflip") is None:
                 done -= 1
+                untouched.add(step)
+                impossible.append(f"{attack} (a pinned version can be neither changed nor deleted)")
         elif attack == "shard replaced, its CRC32Cs, digests and checksum recomputed":
             forged = bytes([_DATA[0] ^ 1]) + _DATA[1:]
             if "version_id" in record.locator:  # a new version, and the manifest pins it
@@ -121,6 +129,8 @@ def _attack_checkpoints(location: Location, found: Findings) -> int:
             location.replace_manifest(step, forger.read_manifest(1).encode())
     reader, _ = location.open(trust=trust)
     for step, attack in zip(steps[1:], ATTACKS, strict=True):
+        if step in untouched:
+            continue  # not forged: nothing to refuse
         accepted = _loads(reader, step)
         if accepted is not None:
             found.violated(
@@ -129,17 +139,18 @@ def _attack_checkpoints(location: Location, found: Findings) -> int:
                 f"{accepted}",
             )
     checkpoint = _quietly(lambda: reader.latest(verified=True))
-    if checkpoint is None or checkpoint.step != 1:
+    newest = max(untouched)
+    if checkpoint is None or checkpoint.step != newest:
         found.violated(
             "I6",
             f"trust: latest(verified=True) returned "
-            f"{'nothing' if checkpoint is None else f'step {checkpoint.step}'}, not step 1, the "
-            f"one checkpoint no forger touched",
+            f"{'nothing' if checkpoint is None else f'step {checkpoint.step}'}, not step "
+            f"{newest}, the newest checkpoint no forger touched",
         )
     return done
 
 
-def _attack_epochs(location: Location, found: Findings) -> int:
+def _attack_epochs(location: Location, found: Findings, impossible: list[str]) -> int:
     key, stranger = generate_key(), generate_key()
     trust = Trust([key.public_key()])
     writer, _ = location.open(signing_key=key)
