@@ -6,12 +6,15 @@ durable lineage does not hold is caught (I9)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 from broken_variants import HistoryBlindReplicator
 from conftest import extended_conformance
+from hypothesis import Phase, settings
 
 from ckptstore.conformance.layers.tiers import (
     TieredPairFactory,
@@ -90,3 +93,41 @@ def test_replication_crash_points_hold_on_file_and_s3(tmp_path: Path, moto_s3: E
     durable = moto_s3.url(f"tiered-suite/{os.getpid()}", part_size=moto_s3.min_part_size)
     report = run_tiered(f"file://{tmp_path}", durable, durable_options=moto_s3.options)
     assert report.ok, report.invariants
+
+
+def test_the_state_machine_composes_tiers_with_takeovers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26 item 9: tiers x takeovers was a fixed case of the tiered mode only; the
+    state machine now draws a partitioned fast tier among its other rules on every backend.
+    A replicator blind to the durable history is caught there when the job restarts on the
+    partitioned node (its zombie replicator is refused by the durable epoch fence), with the
+    rule in the shrunk steps; a sound replicator passes the same rule, every way it is drawn."""
+    from ckptstore.conformance.layers.layer import Findings
+    from ckptstore.conformance.layers.property_based import machine_findings
+    from ckptstore.conformance.machine import PROFILES, make_state_machine, state_machine
+    from ckptstore.conformance.reproducible import same_examples
+
+    for before, during, taken, heal in itertools.product(
+        (0, 2), (1, 2), (False, True), state_machine.HEALS
+    ):
+        sound = make_state_machine(LocationFactory(f"memory://tiers-sound-{os.getpid()}/run"))()
+        try:
+            sound.save_shards([100], None, 0)
+            sound.invariants_hold()
+            sound.fast_tier_partitioned(before, during, taken, heal)
+            sound.invariants_hold()
+            sound.save_shards([100], None, 0)
+            sound.invariants_hold()
+        finally:
+            sound.teardown()
+    monkeypatch.setattr(state_machine, "Replicator", HistoryBlindReplicator)
+    found = Findings()
+    machine = make_state_machine(LocationFactory(f"memory://tiers-blind-{os.getpid()}/run"))
+    derandomized = settings(
+        PROFILES["ci"], max_examples=200, derandomize=True, phases=[Phase.generate, Phase.shrink]
+    )
+    with same_examples():
+        machine_findings(found, machine, derandomized, None)
+    assert found.violations, "the history-blind replicator was not caught"
+    invariant, evidence = found.violations[0]
+    assert invariant == "I9", evidence
+    assert "fast_tier_partitioned" in evidence and "the job restarts on the node" in evidence

@@ -843,11 +843,11 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
         ]
     elif args.urls:
         reports = run([Target(url) for url in args.urls], args.jobs or 1)
-    else:  # the embedded defaults share the machine well: all at once unless told otherwise
+    else:  # as many at once as the machine has cores: a backend keeps about one busy
         with embedded_targets(
             skipped=lambda line: sys.stderr.write(f"conformance: {line}\n")
         ) as targets:
-            reports = run(targets, args.jobs or len(targets))
+            reports = run(targets, args.jobs or min(len(targets), os.cpu_count() or 1))
     write(reports)
     out.write(to_json(reports) + "\n" if args.json else render_text(reports))
     outcomes = {report.outcome for report in reports}
@@ -1160,7 +1160,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         type=counted(1, 64),
         default=None,
-        help="backends run at once (default: 1 for URLs given, all for the embedded defaults)",
+        help="backends run at once (default: 1 for URLs given, one per CPU core for the "
+        "embedded defaults)",
     )
     p.add_argument(
         "--reproduce",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -213,7 +213,7 @@ is waiting for answers, and the client and the server then both work."""
 
 
 def run_all(
-    chosen: list[Callable[[], CrashPointResult]], workers: int = CASE_WORKERS
+    chosen: Sequence[Callable[[], CrashPointResult]], workers: int = CASE_WORKERS
 ) -> list[CrashPointResult]:
     """Run each independent case (``retried``), ``workers`` at once; the outcomes in
     ``chosen``'s order, so that reports are the same whatever finished first."""

@@ -61,8 +61,8 @@ from ckptstore.conformance.layers.workload import (
 )
 from ckptstore.conformance.location import Location, LocationFactory
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
+from ckptstore.conformance.tiered_model import tell_model
 from ckptstore.errors import CkptStoreError
-from ckptstore.manifest import Manifest
 from ckptstore.retention import KeepLast
 from ckptstore.tiers.replication import ReplicateAll, ReplicationPolicy, Replicator
 from ckptstore.tiers.tiered import TieredStore
@@ -118,7 +118,7 @@ class TieredPair:
         fast_faults.on_death = durable_faults.kill
         durable_faults.on_death = fast_faults.kill
         replicator = self.replicator(fast, durable, self.policy())
-        _tell_model(replicator, self.models["durable"])
+        tell_model(replicator, self.models["durable"])
         return TieredStore(fast, durable, replicator, background=False)
 
     def injectors(self, store: TieredStore) -> dict[str, FaultInjector]:
@@ -134,37 +134,6 @@ class TieredPair:
         """Remove both locations (best effort)."""
         self.fast.destroy()
         self.durable.destroy()
-
-
-def _tell_model(replicator: Replicator, model: Model) -> None:
-    """Tell ``model`` of each copy: in doubt from its start, committed once the durable
-    publish returned (before the hint and retention), as ``workload.save`` does for saves."""
-    replicate = replicator.replicate
-    strategy = replicator.durable.strategy
-    publish = strategy.publish
-    copying: dict[int, Saved] = {}
-
-    def replicate_and_tell(step: int) -> bool:
-        try:
-            source = replicator.fast.get(step)
-        except CkptStoreError:
-            return replicate(step)  # gone (or unreadable): the replicator decides
-        saved = Saved(step, {n: source.read(n) for n in source.names}, dict(source.metadata))
-        model.save_started(saved)
-        copying[step] = saved
-        try:
-            return replicate(step)
-        finally:
-            copying.pop(step, None)
-
-    def publish_and_tell(manifest: Manifest) -> None:
-        publish(manifest)
-        saved = copying.get(manifest.step)
-        if saved is not None:
-            model.save_committed(saved)
-
-    replicator.replicate = replicate_and_tell  # type: ignore[method-assign]
-    strategy.publish = publish_and_tell  # type: ignore[method-assign]
 
 
 @dataclass

@@ -8,7 +8,9 @@ effect), read, verify, apply retention, collect garbage (with and without aging 
 leftovers, and while a save is still live), restart the store, race a second writer at the
 same step, corrupt a shard behind the store's back, and inject transient faults, and take
 the store over (a restarted run, resumed from an older step or fresh) while the old writer,
-its zombie, keeps saving: before, across and racing the takeover; the rules of
+its zombie, keeps saving: before, across and racing the takeover; a tiered node whose
+fast tier is cut off from this store across a takeover replicates what it owes when it
+heals (tiers x takeovers); the rules of
 ``foreign.ForeignEntryRules`` plant strays and corrupt pointers and run an operator's delete,
 rollback and retention under a resuming reader. After every step the model checks I1 to I7
 and I9; a failure is shrunk by hypothesis to a short sequence of rules. Where the storage
@@ -52,6 +54,7 @@ from ckptstore.conformance.outcomes import (
     retry_storage_failures,
     storage_failure,
 )
+from ckptstore.conformance.tiered_model import tell_model
 from ckptstore.errors import (
     CheckpointExistsError,
     CkptStoreError,
@@ -60,8 +63,11 @@ from ckptstore.errors import (
     SupersededError,
 )
 from ckptstore.manifest import Manifest
+from ckptstore.names import new_attempt_id
 from ckptstore.retention import KeepLast
 from ckptstore.store import Store
+from ckptstore.tiers.replication import ReplicateAll, Replicator
+from ckptstore.tiers.tiered import TieredStore
 
 __all__ = ["PROFILES", "CheckpointStoreMachine", "make_state_machine", "run_state_machine"]
 
@@ -119,6 +125,8 @@ def _save_rule(sizes: tuple[int, ...]) -> Any:
     return save
 
 
+HEALS = ("its replicator resumes", "the job restarts on the node")
+"""How a partitioned node comes back (``fast_tier_partitioned``)."""
 PUSHES = ("its epoch", "no epoch", "a superseded epoch")
 """How a push after a takeover names its epoch (``push_a_directory``)."""
 
@@ -481,6 +489,64 @@ class CheckpointStoreMachine(ForeignEntryRules):
         except CheckpointExistsError:
             pass  # the step was taken in the old epoch: the zombie lost its race
 
+    @precondition(lambda self: self.location.base.keeps_lineages)
+    @rule(
+        before=st.integers(0, 2),
+        during=st.integers(1, 2),
+        taken=st.booleans(),
+        heal=st.sampled_from(HEALS),
+    )
+    @abort_on_storage_failure
+    def fast_tier_partitioned(self, before: int, during: int, taken: bool, heal: str) -> None:
+        """Tiers across a takeover: a node trains on a fast tier of its own (memory)
+        replicating into this store, its durable tier. It saves ``before`` steps, replicated;
+        then, cut off from this store, ``during`` more, to its fast tier alone. Meanwhile
+        (``taken``) a restarted run resumes from the newest durable step and takes this store
+        over. When the partition heals (``heal``), the node's replicator resumes, or the job
+        restarts on the node (a new pair on the same fast tier, in the store's newest epoch),
+        and copies what it owes: into the history if the store was not taken over; else
+        nothing of the node's branch (a copy of it published is I9, one lost is I2)."""
+        node = self._tiered_node()
+        restarted: _TieredNode | None = None
+        try:
+            for _ in range(before):
+                self._save_to_fast_tier(node)
+            node.replicator.run_pass()
+            for _ in range(during):
+                self._save_to_fast_tier(node)
+            if taken:
+                steps = self.store.steps()
+                parent = steps[-1] if steps else None
+                self._take_over(parent)
+                self.next_step = 1 if parent is None else parent + 1
+            if heal == HEALS[1]:
+                restarted = node = self._tiered_node(node.fast_location)
+            try:
+                node.replicator.run_pass()
+            except SupersededError:
+                if not taken or restarted is not None:
+                    raise
+        finally:
+            for pair in {id(p): p for p in (node, restarted) if p is not None}.values():
+                pair.close(wait=False)  # what it still owes is not for this store now
+            node.fast_location.destroy()
+
+    def _tiered_node(self, fast_location: Location | None = None) -> _TieredNode:
+        """A TieredStore whose fast tier is ``fast_location`` (default: a fresh memory
+        location) and whose durable tier is this store, opened afresh in the run's newest
+        epoch, as ``open_tiered`` does; the model learns of each copy."""
+        if fast_location is None:
+            fast_location = Location(f"memory://machine-fast-{new_attempt_id()}/fast")
+        fast, _ = fast_location.open()
+        durable = self._writer()
+        replicator = Replicator(fast, durable, ReplicateAll())
+        tell_model(replicator, self.model, durable.epoch or 0)
+        return _TieredNode(fast, durable, replicator, fast_location)
+
+    def _save_to_fast_tier(self, node: _TieredNode) -> None:
+        saved = self._new_save([100])
+        node.save(saved.step, saved.shards, saved.metadata)
+
     @precondition(lambda self: self.zombie is not None)
     @rule()
     @abort_on_storage_failure
@@ -640,6 +706,16 @@ class CheckpointStoreMachine(ForeignEntryRules):
         model = self.model
         read = frozenset(s for s in model.committed if model.read_at.get(s) == model.epoch)
         check_invariants(self.store, model, unchanged=read)
+
+
+class _TieredNode(TieredStore):
+    """A trainer's tiered pair (``fast_tier_partitioned``), and its fast tier's location."""
+
+    def __init__(
+        self, fast: Store, durable: Store, replicator: Replicator, fast_location: Location
+    ) -> None:
+        super().__init__(fast, durable, replicator, background=False)
+        self.fast_location = fast_location
 
 
 def make_state_machine(
