@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from ckptstore.conformance import runner
 from ckptstore.conformance.batch import run_targets
 from ckptstore.conformance.layers.layer import Layer, SuiteRun
 from ckptstore.conformance.library_log import captured
+from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.report import render_text
 from ckptstore.conformance.runner import LIBRARY_LOG, Target
 
@@ -200,3 +202,38 @@ def test_a_reproduction_that_cannot_be_replayed_is_a_clear_error(
 def test_reproduce_takes_one_url(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["conformance", "--reproduce", "6.170.17:AXic"]) == 2
     assert "replays an example on the one URL" in capsys.readouterr().err
+
+
+def test_a_racer_processs_warnings_are_counted_by_the_leader_and_not_printed(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The process races' racers printed ckptstore's warnings to the terminal ("the server
+    deletes the live object ...", three times in a default run on gs+versioned): they go to
+    the leading process now, whose run counts them in the report."""
+    from ckptstore.conformance.layers import races
+    from ckptstore.store import Store
+
+    (tmp_path / "racer_warns.py").write_text(
+        "import logging, os\n"
+        "logging.getLogger('ckptstore.backends.test').warning("
+        "'%s: the racer saw something odd', os.environ['RACER_URL'])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    url = f"file://{tmp_path}/store"
+    monkeypatch.setenv("RACER_URL", url)
+    location = LocationFactory(url)()
+    Store(location.base).save(races.SEED_STEP, {"seed.bin": b"seed"})
+    context = races._process_context()
+    sync = races._Sync(context.Barrier(2), context.Barrier(1), context.Barrier(2),
+                       context.Queue(), context.Event())  # fmt: skip
+    source = races.ChildSource(location.url, {}, ("racer_warns",), tuple(sys.path))
+    racer = context.Process(target=races._writer, args=(source, 0, [], sync), daemon=True)
+    with captured(url) as log:
+        racer.start()
+        try:
+            outcome = races._Collector(sync, [racer]).get()
+        finally:
+            racer.join(30)
+    assert outcome.kind == "ready", outcome
+    assert log.count == 1 and "the racer saw something odd" in log.example, log
+    assert "the racer saw something odd" not in capfd.readouterr().err

@@ -9,7 +9,8 @@ run gets the records that name its store, and those that name no store going (th
 counted in every run going), as a count and the first one, which the report prints in a
 coverage line. Several runs at once (``batch``) share one capture: it is installed by the
 first run and removed by the last; meanwhile an application's own ckptstore warnings go to the
-report too. Records logged in the racer processes the suite starts are not captured.
+report too. Records logged in the racer processes the suite starts are sent to the leading
+process and counted there (``layers/races``).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ first, and each child must see it.
 from __future__ import annotations
 
 import importlib
+import logging
 import multiprocessing
 import queue
 import sys
@@ -82,6 +83,40 @@ NOT_APPLICABLE = "not applicable"
 COULD_NOT_OPEN = "a racer could not open the store"
 """How a crew's reason for not racing starts where it cannot race there (not a failure)."""
 """A checkpoint the parent saves first: a child process that cannot see it cannot race."""
+
+
+_RACER_LOG = logging.getLogger("ckptstore.conformance.racers")
+
+
+@dataclass(frozen=True)
+class _Logged:
+    """A warning ckptstore logged in a racer process, sent to the leader to be logged there
+    (where the run's capture counts it in the report instead of printing it)."""
+
+    level: int
+    message: str
+
+
+class _ToLeader(logging.Handler):
+    """In a racer process: ckptstore's warnings go to the leader, never to stderr."""
+
+    def __init__(self, results: Any) -> None:
+        super().__init__(logging.WARNING)
+        self.results = results
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.results.put(_Logged(record.levelno, record.getMessage()))
+        except Exception:  # a record that cannot be sent is dropped, never printed
+            pass
+
+
+def _log_to_leader(results: Any) -> None:
+    """Send this racer process's ckptstore warnings to the leader (``_Collector.get``)."""
+    logger = logging.getLogger("ckptstore")
+    logger.handlers = [_ToLeader(results)]
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
 
 
 @dataclass(frozen=True)
@@ -393,6 +428,8 @@ def _writer(source: Any, writer: int, plan: list[Round], sync: _Sync) -> None:
     ``ChildSource`` a process opens), say whether it sees the seed, then race every round."""
     try:
         shared = isinstance(source, CommitStrategy)
+        if not shared:
+            _log_to_leader(sync.results)
         strategy = source if shared else source.open()
         gate = RaceGate(strategy.driver, sync.gate)
         store = Store(strategy.with_driver(gate))
@@ -740,8 +777,7 @@ class _Collector:
         deadline = time.monotonic() + WAIT_S
         while True:
             try:
-                outcome: Outcome = self.sync.results.get(timeout=0.2)
-                return outcome
+                item: Outcome | _Logged = self.sync.results.get(timeout=0.2)
             except queue.Empty:
                 dead = [r for r in self.runners if getattr(r, "exitcode", None) not in (None, 0)]
                 if dead:
@@ -749,6 +785,11 @@ class _Collector:
                                      f"before it could race") from None  # fmt: skip
                 if time.monotonic() > deadline:
                     raise _RacerDied(f"no word from a racer for {WAIT_S:.0f} s") from None
+                continue
+            if isinstance(item, _Logged):  # logged here, counted by the run's capture
+                _RACER_LOG.log(item.level, "%s", item.message)
+                continue
+            return item
 
 
 def _lead(
