@@ -131,3 +131,27 @@ def test_the_state_machine_composes_tiers_with_takeovers(monkeypatch: pytest.Mon
     invariant, evidence = found.violations[0]
     assert invariant == "I9", evidence
     assert "fast_tier_partitioned" in evidence and "the job restarts on the node" in evidence
+
+
+def test_what_a_tiered_run_could_not_remove_is_in_its_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tiered run's locations are its pair's: what the durable tier's cleanup could not
+    remove was never reported (only the fast URL's factory was asked)."""
+    from ckptstore.conformance.location import Location
+    from ckptstore.conformance.report import render_text
+
+    destroy = Location.destroy
+
+    def refusing(self: Location) -> None:
+        destroy(self)
+        if "/durable" in self.url and not self.cleanup_problems:
+            self.cleanup_problems.append("objects under durable: the storage refused (test)")
+
+    monkeypatch.setattr(Location, "destroy", refusing)
+    report = run_tiered(
+        f"memory://tiered-cleanup-{os.getpid()}/fast",
+        f"memory://tiered-cleanup-{os.getpid()}/durable",
+    )
+    text = render_text([report])
+    assert "objects under durable: the storage refused (test)" in report.coverage["cleanup"], text

@@ -162,12 +162,23 @@ def _run_layers(
             if logged.count:
                 report.coverage[LIBRARY_LOG] = logged.line()
             _refusal_missing(report)
-            left = run.locations.cleanup_problems
+            left = _cleanup_problems(run)
             if left:
                 report.coverage[CLEANUP] = (
                     f"the suite could not remove everything it wrote ({len(left)} kind(s); "
                     f"remove it by hand): {'; '.join(left)}"
                 )
+
+
+def _cleanup_problems(run: SuiteRun) -> list[str]:
+    """What the run's locations could not remove: its store's, and each tier's of a pair."""
+    factories = [run.locations]
+    if run.pairs is not None:
+        factories += [run.pairs.fast, run.pairs.durable]
+    left: dict[str, None] = {}
+    for factory in factories:
+        left.update(dict.fromkeys(factory.cleanup_problems))
+    return list(left)
 
 
 def _open_base(
@@ -316,13 +327,12 @@ def run_tiered(
     for key in ALL_INVARIANTS:
         if key not in checked:
             report.not_applicable(key, "checked by the suite on each store's own URL")
+    fast = LocationFactory(url, options)
     run = SuiteRun(
-        LocationFactory(url, options),
+        fast,
         kind=TargetKind.TIERED_PAIR,
         say=progress or (lambda message: None),
-        pairs=TieredPairFactory(
-            LocationFactory(url, options), LocationFactory(durable_url, durable_options)
-        ),
+        pairs=TieredPairFactory(fast, LocationFactory(durable_url, durable_options)),
     )
     _run_layers(report, run, started=started, written=written)
     return report
