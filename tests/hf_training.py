@@ -15,9 +15,11 @@ import ckptstore.directory
 from ckptstore.adapters.huggingface import CkptStoreCallback
 
 
-def train(store: str, output_dir: str) -> tuple[dict[str, Any], CkptStoreCallback]:
+def train(
+    store: str, output_dir: str, **arguments: Any
+) -> tuple[dict[str, Any], CkptStoreCallback]:
     """Train 9 steps, saving every 3, resuming from the store's newest checkpoint; return the
-    final weights and the callback."""
+    final weights and the callback. ``arguments``: more TrainingArguments."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 64, (48, 12), generator=generator)
     data = [{"input_ids": row, "labels": row} for row in tokens]
@@ -36,6 +38,7 @@ def train(store: str, output_dir: str) -> tuple[dict[str, Any], CkptStoreCallbac
         logging_strategy="no",
         disable_tqdm=True,
         dataloader_num_workers=0,
+        **arguments,
     )
     callback = CkptStoreCallback(store)
     trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=[callback])

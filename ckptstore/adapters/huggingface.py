@@ -24,6 +24,15 @@ In a job of several machines without a shared file system, each machine's ``outp
 holds only the files its own processes wrote (``rng_state_<rank>.pth``, sharded optimizer
 states): every machine then contributes its files to the one commit
 (``publish_from_every_machine``), and every machine materialises the whole checkpoint.
+
+Training does not wait for the publish (``background=True``, the default, in a run of one
+process): ``on_save`` hard-links the checkpoint's files aside (``adapters.background``: one link
+per file) and publishes them on a thread of its own, at most one checkpoint at a time; the next
+save waits only if the previous publish is still going, and ``on_train_end`` waits for the
+last. ``save_total_limit`` may then rotate the directory away at once: the links keep its
+files. A publish that fails raises at the next save (or at the end of training): nothing of
+that checkpoint was published. A run of several processes publishes on the training thread,
+a collective of every process (``publish_from_every_machine``).
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from typing import Any, BinaryIO
 
 from transformers import TrainerCallback
 
+from ckptstore.adapters.background import BackgroundPublisher, remove_stale_snapshots
 from ckptstore.adapters.directory import (
     directory_files,
     materialize,
@@ -62,11 +72,23 @@ _CHECKPOINT_DIR = re.compile(r"^checkpoint-([0-9]+)$", re.ASCII)
 class CkptStoreCallback(TrainerCallback):
     """Publish every checkpoint the Trainer saves; materialise the newest on start."""
 
-    def __init__(self, store: CheckpointStore | str, *, parallel: int = 8, **options: Any) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore | str,
+        *,
+        parallel: int = 8,
+        background: bool = True,
+        **options: Any,
+    ) -> None:
+        """``background``: publish each checkpoint on a thread of the callback's own, so that
+        training does not wait for it (``adapters.background``); False publishes it on the
+        training thread, in ``on_save``."""
         self.store: CheckpointStore = (
             open_checkpoints(store, **options) if isinstance(store, str) else store
         )
         self.parallel = parallel
+        self.publisher = BackgroundPublisher(self.store, parallel=parallel) if background else None
+        """Publishes in the background (None: on the training thread)."""
         self.restored: Checkpoint | None = None
         """The checkpoint materialised when the Trainer was built (None: none published)."""
 
@@ -82,6 +104,7 @@ class CkptStoreCallback(TrainerCallback):
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         with args.main_process_first(local=True, desc="ckptstore: materialise the newest"):
             if args.local_process_index == 0:
+                remove_stale_snapshots(args.output_dir)  # a killed run's links, never files
                 self.restored = self.prepare_output_dir(Path(args.output_dir))
             else:
                 latest = self.store.latest()
@@ -121,10 +144,19 @@ class CkptStoreCallback(TrainerCallback):
                 self.store, state.global_step, directory, args, metadata, self.parallel
             )
         elif args.process_index == 0:  # several processes without torch.distributed: one
-            publish_directory(
-                self.store, state.global_step, directory, metadata=metadata,
-                parallel=self.parallel,
-            )  # fmt: skip
+            if self.publisher is not None and args.world_size <= 1:
+                self.publisher.publish(state.global_step, directory, metadata)
+            else:
+                publish_directory(
+                    self.store, state.global_step, directory, metadata=metadata,
+                    parallel=self.parallel,
+                )  # fmt: skip
+        return control
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """Wait for the last checkpoint's publish (raising its failure)."""
+        if self.publisher is not None:
+            self.publisher.wait()
         return control
 
     # -- resuming --------------------------------------------------------------------------
