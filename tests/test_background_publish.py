@@ -128,7 +128,7 @@ def test_without_hard_links_the_directory_is_published_at_once(
     publisher.publish(1, _checkpoint(tmp_path / "out", 1))
     assert store.steps() == [1]  # published before publish() returned
     assert publisher.in_flight is None and _snapshots(tmp_path / "out") == []
-    assert "makes no hard links" in caplog.text
+    assert "this file system makes no hard links: checkpoints are published on the" in caplog.text
 
 
 def test_a_snapshot_refuses_what_a_publish_refuses_and_leaves_nothing(tmp_path: Path) -> None:
@@ -206,3 +206,21 @@ def test_a_trainer_killed_while_a_background_publish_is_in_flight_resumes_in_pla
     assert _snapshots(out) == []
     assert ckptstore.open(store).steps() == [3, 6, 9]
     assert all(ckptstore.open(store).get(s).verify().ok for s in (3, 6, 9))
+
+
+def test_a_read_only_output_dir_is_published_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    mkdir = os.mkdir
+
+    def read_only(path: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(path).name.startswith(SNAPSHOT_PREFIX):
+            raise OSError(errno.EROFS, "Read-only file system")
+        mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(background.os, "mkdir", read_only)
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    publisher = BackgroundPublisher(store)
+    publisher.publish(1, _checkpoint(tmp_path / "out", 1))
+    assert store.steps() == [1] and publisher.in_flight is None
+    assert "Read-only file system: checkpoints are published on the training thread" in caplog.text

@@ -72,19 +72,30 @@ _NO_LINKS = frozenset(
 def snapshot_directory(directory: str | os.PathLike[str]) -> Path | None:
     """Hard links to every file ``directory`` holds (as ``directory_files`` lists them), in a
     new hidden sibling directory; the directory of the links (publish it as you would
-    ``directory``), or None where the file system makes no hard links (nothing is left
-    behind). Raises InvalidInputError for what ``publish_directory`` refuses, and for a file
-    swapped for another between the listing and its link."""
-    source = Path(directory)
+    ``directory``), or None where no snapshot can be made there (a file system without hard
+    links, a read-only or full parent directory: nothing is left behind). Raises
+    InvalidInputError for what ``publish_directory`` refuses, and for a file swapped for
+    another between the listing and its link."""
+    try:
+        return _snapshot(Path(directory))
+    except _NoSnapshot:
+        return None
+
+
+class _NoSnapshot(Exception):
+    """No snapshot can be made beside the directory (the reason: the message)."""
+
+
+def _snapshot(source: Path) -> Path:
     files = directory_files(source)
     top = source.parent / f"{SNAPSHOT_PREFIX}{source.name}-{new_attempt_id()}"
-    os.mkdir(top, 0o700)
     try:
-        fd = os.open(
-            top / _MARKER,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-        )
+        os.mkdir(top, 0o700)
+    except OSError as exc:  # a read-only or full output directory: published at once
+        raise _NoSnapshot(f"cannot make {top.name} beside it: {exc.strerror or exc}") from exc
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(top / _MARKER, flags, 0o600)
         try:
             os.write(fd, f"links to {source.name}, made by ckptstore to publish it\n".encode())
         finally:
@@ -104,8 +115,8 @@ def snapshot_directory(directory: str | os.PathLike[str]) -> Path | None:
     except OSError as exc:
         _remove(top)
         if exc.errno in _NO_LINKS:
-            return None
-        raise InvalidInputError(f"{source}: cannot link its files aside: {exc}") from exc
+            raise _NoSnapshot("this file system makes no hard links") from exc
+        raise _NoSnapshot(f"cannot link its files aside: {exc.strerror or exc}") from exc
     except BaseException:
         _remove(top)
         raise
@@ -175,14 +186,13 @@ class BackgroundPublisher:
         first wait for the previous publish (raising its failure)."""
         self.wait()
         refuse_nested(self.store.url, directory)
-        links = snapshot_directory(directory)
-        if links is None:
+        try:
+            links = _snapshot(Path(directory))
+        except _NoSnapshot as exc:
             if not self._warned_no_links:
                 self._warned_no_links = True
                 log.warning(
-                    "%s: this file system makes no hard links: checkpoints are published on "
-                    "the training thread",
-                    Path(directory).parent,
+                    "%s: %s: checkpoints are published on the training thread", directory, exc
                 )
             self.last = publish_directory(
                 self.store, step, directory, metadata=metadata, parallel=self.parallel
