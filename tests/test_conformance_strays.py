@@ -63,6 +63,7 @@ UNRELATED_RULES = (
     "corrupt_a_shard",
     "gc_during_a_long_multipart_upload",
     "push_a_directory",
+    "fast_tier_partitioned",
 )
 
 

@@ -205,7 +205,8 @@ def test_hugging_face_callback_on_a_tiered_url(tmp_path: Path) -> None:
     (output / "checkpoint-5" / "model.safetensors").write_bytes(b"weights")
     callback = CkptStoreCallback(pair_url(tmp_path))
     args = SimpleNamespace(output_dir=str(output), world_size=1, process_index=0)
-    callback.on_save(args, SimpleNamespace(global_step=5), None)
+    callback.on_save(args, SimpleNamespace(global_step=5), None)  # published in the background
+    callback.on_train_end(args, SimpleNamespace(global_step=5), None)  # waits for it, as train()
     callback.store.close()
     assert durable_steps(tmp_path) == [5]
     shutil.rmtree(tmp_path / "fast")

@@ -208,6 +208,9 @@ class BackgroundPublisher:
             return publish_directory(
                 self.store, step, links, metadata=metadata, parallel=self.parallel
             )
+        except BaseException as exc:  # said now, and raised by the next publish or wait
+            log.error("%s: checkpoint %d was not published: %s", self.store.url, step, exc)
+            raise
         finally:
             _remove(links.parent)
 
@@ -223,12 +226,8 @@ class BackgroundPublisher:
         future, self._in_flight = self._in_flight, None
         if future is None:
             return None
-        step, self._in_flight_step = self._in_flight_step, None
-        try:
-            self.last = future.result()
-        except BaseException:
-            log.error("%s: checkpoint %s was not published", self.store.url, step)
-            raise
+        self._in_flight_step = None
+        self.last = future.result()  # its failure, logged when it happened, raised here
         return self.last
 
     def close(self) -> None:

@@ -159,6 +159,13 @@ class CkptStoreCallback(TrainerCallback):
             self.publisher.wait()
         return control
 
+    def close(self) -> None:
+        """Wait for the publish in flight (raising its failure) and stop the callback's
+        publishing thread; then the store may be closed. (``trainer.train`` waits at its end:
+        this is for code that calls ``on_save`` itself, or stops without ``on_train_end``.)"""
+        if self.publisher is not None:
+            self.publisher.close()
+
     # -- resuming --------------------------------------------------------------------------
 
     def prepare_output_dir(self, output_dir: Path) -> Checkpoint | None:
