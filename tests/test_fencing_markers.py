@@ -56,3 +56,25 @@ def test_a_live_takers_hold_outlives_a_zero_grace(tmp_path: Path) -> None:
     hold.touch()  # a taker that is creating its epoch now
     assert not [item for item in store.gc(grace=timedelta(0)).removed if item.kind == "marker"]
     assert hold.exists()
+
+
+def test_gc_reads_the_markers_clock_only_when_there_are_markers() -> None:
+    """A GC pass wrote, read and removed ``epochs/clock-<id>`` every time, markers or not:
+    three requests per pass on an object store, for nothing."""
+    from ckptstore.conformance.faults import FaultInjector
+    from ckptstore.store import Store
+
+    base = ckptstore.open(f"memory://fencing-clock-{os.getpid()}/run")
+    injector = FaultInjector(base.strategy.driver)
+    store = Store(base.strategy.with_driver(injector))
+    store.save(1, {"a": b"1"})
+    store.take_over(1)
+    store.save(2, {"a": b"2"})
+    before = len(injector.calls)
+    store.gc()
+    clock = [c for c in injector.calls[before:] if c.args and "epochs/clock-" in c.args[0]]
+    assert clock == []
+    store.strategy.driver.put("epochs/intent-step-00000000000000000001", b"")  # a dead deleter's
+    before = len(injector.calls)
+    store.gc()
+    assert [c.name for c in injector.calls[before:] if c.args and "epochs/clock-" in c.args[0]]
