@@ -1,10 +1,14 @@
 """Loading a trainer's state: ckptstore.torch and its DCP reader against a raw read and DCP's
 own FileSystemReader, with the memory each one needs beyond the state itself.
 
-    python -m benchmarks.bench_torch_load [--size 1G] [--repeats 5] [--dir /path] [--world 2:4]
+    python -m benchmarks.bench_torch_load [--layouts 8x128M,64x16M] [--busy 0,2] [--repeats 5]
+        [--dir /path] [--world 2:4]
 
-Everything is read from the page cache (each file is read once first), so the tables show
-what the software costs, not the disk. Contenders, each filling tensors that exist already:
+For each layout (tensor count x size) and each number of busy processes beside (CPU-bound
+loops, as a training node has data-loader workers and other ranks), the tables compare loads
+from the page cache (each file read once first: what the software costs, not the disk) and
+from the disk (the page cache dropped before each load). Contenders, each filling tensors
+that exist already:
 
 - raw read: ``readinto`` of one file into preallocated tensors (the baseline);
 - ckptstore read_into: the plain API, every shard verified;
@@ -33,7 +37,7 @@ import torch.multiprocessing as mp
 
 import ckptstore
 from benchmarks.bench_posix import ExistingModel
-from ckptstore.tools.timing import measure, print_table, sizes
+from ckptstore.tools.timing import busy, evict, layout, measure, print_table, sizes
 from ckptstore.torch import load_state
 from ckptstore.torch.dcp import CkptStoreReader, CkptStoreWriter
 
@@ -58,9 +62,10 @@ def peak_growth(action: Callable[[], object]) -> int:
     return (_status_kib("VmHWM") - before) * 1024
 
 
-def local_loads(root: str, total: int, repeats: int) -> None:
-    state = {f"layer{i}.weight": torch.randn(total // 8 // 4) for i in range(8)}
+def local_loads(root: str, count: int, each: int, repeats: int, busy_processes: int) -> None:
+    state = {f"layer{i}.weight": torch.randn(each // 4) for i in range(count)}
     size = sum(t.numel() * t.element_size() for t in state.values())
+    shape = layout(count, each)
     raw_path = os.path.join(root, "raw.bin")
     with open(raw_path, "wb") as f:
         for tensor in state.values():
@@ -77,8 +82,10 @@ def local_loads(root: str, total: int, repeats: int) -> None:
     dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_path), no_dist=True)
     dcp_store = ckptstore.open(os.path.join(root, "dcp-ckptstore"))
     dcp.save(state, storage_writer=CkptStoreWriter(dcp_store), checkpoint_id=1, no_dist=True)
+    os.sync()
 
     target = {name: torch.zeros_like(t) for name, t in state.items()}  # exists, touched
+    del state
     model = ExistingModel(target)
     plain_checkpoint = plain.get(1)
     adapter_checkpoint = adapter.get(1)
@@ -110,16 +117,24 @@ def local_loads(root: str, total: int, repeats: int) -> None:
         "DCP FileSystemReader": dcp_fs,
         "DCP CkptStoreReader": dcp_ckptstore,
     }
+    plain_ones = {k: v for k, v in contenders.items() if not k.startswith("DCP")}
     for contender in contenders.values():
         contender(-1)  # every file into the page cache
-    results = measure(contenders, repeats)
-    title = f"Load {size / 2**30:.2f} GiB in 8 tensors into existing tensors (page cache)"
-    print_table(title, {k: v for k, v in results.items() if not k.startswith("DCP")},
-                "raw read", size)  # fmt: skip
-    print_table(title + ", through dcp.load",
-                {k: v for k, v in results.items() if k.startswith("DCP")},
-                "DCP FileSystemReader", size)  # fmt: skip
-    print(f"### Peak RSS growth beyond the destination tensors ({size / 2**20:.0f} MiB state)\n")
+    with busy(busy_processes):
+        warm = measure(contenders, repeats)
+        cold = measure(plain_ones, repeats, before=lambda name, repeat: evict(root))
+    title = f"Load {size / 2**30:.2f} GiB into existing tensors"
+    facts = {"layout": shape, "busy": busy_processes}
+    print_table(f"{title}, page cache", {k: warm[k] for k in plain_ones}, "raw read", size,
+                **facts)  # type: ignore[arg-type]  # fmt: skip
+    print_table(f"{title}, page cache, through dcp.load",
+                {k: v for k, v in warm.items() if k.startswith("DCP")},
+                "DCP FileSystemReader", size, **facts)  # type: ignore[arg-type]  # fmt: skip
+    print_table(f"{title}, from the disk (page cache dropped before each load)", cold,
+                "raw read", size, **facts)  # type: ignore[arg-type]  # fmt: skip
+    if busy_processes:
+        return
+    print(f"### Peak RSS growth beyond the destination tensors ({size / 2**20:.0f} MiB, {shape})\n")
     print("| contender | peak RSS growth | of the state |")
     print("| --- | --- | --- |")
     for name, contender in contenders.items():
@@ -175,19 +190,28 @@ def reshard(root: str, total: int, saved_on: int, loaded_on: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="1G")
+    parser.add_argument("--layouts", default="8x128M,64x16M", help="tensor count x size, ...")
+    parser.add_argument("--busy", default="0,2", help="busy processes beside, one run each")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None)
     parser.add_argument("--world", default="2:4", help="ranks that save : ranks that load")
+    parser.add_argument("--reshard-size", default="256M")
     args = parser.parse_args()
-    total = sizes([args.size])[0]
-    root = tempfile.mkdtemp(prefix="ckpt-bench-load-", dir=args.dir)
-    try:
-        local_loads(root, total, args.repeats)
-        saved_on, loaded_on = (int(n) for n in args.world.split(":"))
-        reshard(root, total, saved_on, loaded_on)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    for shape in args.layouts.split(","):
+        count, each = shape.lower().split("x")
+        for busy_processes in (int(n) for n in args.busy.split(",")):
+            root = tempfile.mkdtemp(prefix="ckpt-bench-load-", dir=args.dir)
+            try:
+                local_loads(root, int(count), sizes([each])[0], args.repeats, busy_processes)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+    if args.world:
+        root = tempfile.mkdtemp(prefix="ckpt-bench-load-", dir=args.dir)
+        try:
+            saved_on, loaded_on = (int(n) for n in args.world.split(":"))
+            reshard(root, sizes([args.reshard_size])[0], saved_on, loaded_on)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import contextlib
 import io
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import BinaryIO, NoReturn, Protocol
@@ -40,11 +40,13 @@ from ckptstore.manifest import JSONValue, Manifest, ShardRecord
 __all__ = ["Checkpoint", "ShardReader", "VerifyReport"]
 
 _CHUNK = 8 * 1024 * 1024
-_HOT_PIECE = 2 * 1024 * 1024
+_HOT_PIECE = 512 * 1024
 """A large read in one thread reads and checksums this much at a time (still in cache)."""
 _PIPELINE_PIECE = 16 * 1024 * 1024
 """A read at least twice this large checksums each piece while the next one is read (small
 pieces: only the last piece's checksum is not overlapped with reading)."""
+_READ_SEGMENTS = 2
+"""Streams a large shard's ``read_into`` reads at once where the storage's streams seek."""
 Opener = Callable[[Manifest, ShardRecord], BinaryIO]
 RangeOpener = Callable[[Manifest, ShardRecord], "ShardRanges | None"]
 
@@ -362,7 +364,7 @@ class Checkpoint:
             if ranges is not None:
                 self._read_ranged(record, view, ranges)
                 return record.size
-            if self._read_in_two(record, view):
+            if self._read_in_segments(record, view):
                 return record.size
         with self.open(name) as reader:
             got = 0
@@ -458,20 +460,31 @@ class Checkpoint:
                 f"{first + data.nbytes})",
             )
 
-    def _read_in_two(self, record: ShardRecord, view: memoryview) -> bool:
-        """Read a large shard as two halves at once, each from its own stream and checksummed
-        piece by piece while in cache; the halves' CRC32Cs combine into the shard's, checked
-        with its size. False (nothing read) if the storage's streams cannot seek."""
+    def _read_in_segments(self, record: ShardRecord, view: memoryview) -> bool:
+        """Read a large shard as segments at once (``_READ_SEGMENTS``), each from its own
+        stream and checksummed piece by piece while in cache; the segments' CRC32Cs combine
+        into the shard's, checked with its size. False (nothing read) if the storage's streams
+        cannot seek.
+
+        A verified read costs a copy and a CRC32C (about the same, per byte): split over more
+        threads than one, it keeps up with a plain read even where other processes hold the
+        cores, as a fair scheduler gives each runnable thread its share.
+        """
         first = self._opener(self.manifest, record)
         seekable = getattr(first, "seekable", None)
         if seekable is None or not seekable():
             first.close()
             return False
-        # Halves of whole blocks where blocks carry digests: each half checks its own.
+        # Segments of whole blocks where blocks carry digests: each segment checks its own.
         grain = record.block_size if record.digest else _HOT_PIECE
-        middle = record.size // 2 // grain * grain
+        count = max(2, min(_READ_SEGMENTS, record.size // _PIPELINE_PIECE))
+        length = max(grain, record.size // count // grain * grain)
+        starts = list(range(0, record.size, length))
+        if len(starts) > 1 and record.size - starts[-1] < length // 2:
+            starts.pop()  # a short tail joins the segment before it
+        ends = [*starts[1:], record.size]
 
-        def read(raw: BinaryIO, start: int, end: int, last: bool) -> int:
+        def read(raw: BinaryIO, start: int, end: int) -> int:
             with contextlib.closing(raw):
                 _skip_to(raw, start)
                 crc: _CrcCheck | _DigestCheck = (
@@ -483,11 +496,11 @@ class Checkpoint:
                     crc.update(piece[:count])
                     problem = crc.early_problem()
                     if problem is not None:
-                        _wipe(view[start : start + crc.size])  # this half, as far as read
+                        _wipe(view[start : start + crc.size])  # this segment, as far as read
                         self._corrupt(record, problem)
                     if count < piece.nbytes:
                         self._corrupt(record, f"truncated: {start + crc.size} bytes, not {end}")
-                if last and raw.read(1):
+                if end == record.size and raw.read(1):
                     self._corrupt(record, f"longer than the recorded {record.size} bytes")
                 if isinstance(crc, _DigestCheck):
                     crc.finish()
@@ -497,17 +510,24 @@ class Checkpoint:
                     return 0
                 return crc.value
 
-        with ThreadPoolExecutor(1, thread_name_prefix="ckptstore-read") as helper:
-            second = helper.submit(
-                lambda: read(self._opener(self.manifest, record), middle, record.size, True)
-            )
+        def read_rest(start: int, end: int) -> int:
+            return read(self._opener(self.manifest, record), start, end)
+
+        with ThreadPoolExecutor(len(starts) - 1, thread_name_prefix="ckptstore-read") as helpers:
+            rest = [
+                helpers.submit(read_rest, a, b) for a, b in zip(starts[1:], ends[1:], strict=True)
+            ]
             try:
-                head = read(first, 0, middle, False)
+                head = read(first, starts[0], ends[0])
             finally:
-                tail = second.result()  # waited for even after a failure: it writes ``view``
+                wait(rest)  # even after a failure: they write ``view``
+        crcs = [head, *(future.result() for future in rest)]  # a segment's failure, raised
         if record.digest:
-            return True  # each half checked every block it read against its digest
-        combined = f"{crc32c_combine(head, tail, record.size - middle):08x}"
+            return True  # each segment checked every block it read against its digest
+        whole = crcs[0]
+        for start, end, crc in zip(starts[1:], ends[1:], crcs[1:], strict=True):
+            whole = crc32c_combine(whole, crc, end - start)
+        combined = f"{whole:08x}"
         if combined != record.crc32c:
             self._corrupt(
                 record,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -156,5 +157,28 @@ def test_bench_prints_ratios_against_the_raw_baseline(tmp_path):
     assert status == 0
     assert "| raw write+fsync / read |" in text
     assert "| ckptstore |" in text
-    assert text.count("x |") == 8  # two ratios (median, best) per contender, save and load
+    assert len(re.findall(r"[0-9]\.[0-9]{2}x \|", text)) == 4  # median ratios, save and load
+    assert text.count("| contender | min | median | max |") == 2
+    assert "2 interleaved repeats; layout: 8 x 256 KiB; 0 busy processes beside" in text
     assert list((tmp_path / "b").iterdir()) == []  # it cleans up after itself
+
+
+def test_bench_runs_busy_processes_beside_and_says_so(tmp_path):
+    status, text = run(
+        "bench", str(tmp_path / "b"), "--size", "1M", "--repeats", "1", "--busy", "2"
+    )
+    assert status == 0
+    assert text.count("2 busy processes beside") == 2
+
+
+def test_busy_processes_run_inside_and_are_gone_after_even_on_an_error():
+    from ckptstore.tools.timing import busy
+
+    with pytest.raises(RuntimeError, match="inside"), busy(2) as pids:
+        assert len(pids) == 2
+        for pid in pids:
+            os.kill(pid, 0)  # alive
+        raise RuntimeError("inside")
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # killed and reaped

@@ -5,8 +5,8 @@ ETag): ranges of ``window`` bytes on a fixed grid are fetched up to ``depth`` ah
 reader, on the driver's threads; a seek drops the read-ahead. ``fetch(offset, length)`` asks
 for one range pinned to the object first opened, so a replaced object fails the read
 (``ObjectReplacedError``) rather than splicing two objects' bytes. Streams of the same object
-share the ranges in flight (``SharedRanges``): the two halves ``Checkpoint.read_into`` reads at
-once do not fetch the first half's read-ahead twice.
+share the ranges in flight (``SharedRanges``): the segments ``Checkpoint.read_into`` reads at
+once do not fetch a segment's read-ahead twice.
 """
 
 from __future__ import annotations

@@ -970,7 +970,7 @@ def _interval(seconds: float | None, steps: int | None) -> str:
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     from ckptstore.tools.store_bench import run_bench
 
-    return run_bench(args.url, args.size, args.repeats, out)
+    return run_bench(args.url, args.size, args.repeats, out, busy_processes=args.busy)
 
 
 def cmd_keygen(args: argparse.Namespace, out: TextIO) -> int:
@@ -1088,7 +1088,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--size", type=parse_size, default="256M", help="bytes to save and load (default 256M)"
     )
-    p.add_argument("--repeats", type=counted(1, 1000), default=3, help="(default 3)")
+    p.add_argument("--repeats", type=counted(1, 1000), default=5, help="(default 5)")
+    p.add_argument(
+        "--busy",
+        type=counted(0, 64),
+        default=0,
+        metavar="N",
+        help="N CPU-bound processes beside the measurement, as on a training node (default 0)",
+    )
     p.set_defaults(func=cmd_bench)
     p = command("advise", "the checkpoint interval that loses the least work, from the timings")
     p.add_argument(

@@ -16,15 +16,18 @@ from ckptstore.backends.s3 import S3Driver
 from ckptstore.conformance.location import child_url
 from ckptstore.errors import InvalidInputError
 from ckptstore.store import open_store
-from ckptstore.tools.timing import evict, measure, print_table
+from ckptstore.tools.timing import busy, evict, layout, measure, print_table
 
 __all__ = ["run_bench"]
 
 MiB = 2**20
 
 
-def run_bench(url: str, size: int, repeats: int, out: TextIO) -> int:
-    """Benchmark the store at ``url`` with ``size`` bytes in 8 shards; print the tables."""
+def run_bench(url: str, size: int, repeats: int, out: TextIO, *, busy_processes: int = 0) -> int:
+    """Benchmark the store at ``url`` with ``size`` bytes in 8 shards; print the tables.
+
+    ``busy_processes`` CPU-bound processes run beside the measurement (a training node is
+    never idle: data-loader workers, other ranks)."""
     run = f"ckptstore-bench-{secrets.token_hex(4)}"
     store = open_store(child_url(url, run))
     driver: Any = store.strategy.driver
@@ -98,10 +101,19 @@ def run_bench(url: str, size: int, repeats: int, out: TextIO) -> int:
     else:
         raise InvalidInputError(f"{url}: ckptstore bench measures file systems and S3")
     try:
-        saved = measure({baseline: raw_save, "ckptstore": ckpt_save}, repeats)
-        print_table(f"save, {total / MiB:.0f} MiB in 8 shards", saved, baseline, total, write_line)
-        loaded = measure({baseline: raw_load, "ckptstore": ckpt_load}, repeats, before=drop)
-        print_table(f"load, {total / MiB:.0f} MiB", loaded, baseline, total, write_line)
+        with busy(busy_processes):
+            saved = measure({baseline: raw_save, "ckptstore": ckpt_save}, repeats)
+            loaded = measure({baseline: raw_load, "ckptstore": ckpt_load}, repeats, before=drop)
+        for what, results in (("save", saved), ("load", loaded)):
+            print_table(
+                f"{what}, {total / MiB:.0f} MiB",
+                results,
+                baseline,
+                total,
+                write_line,
+                layout=layout(len(shards), len(block) * max(1, per // len(block))),
+                busy=busy_processes,
+            )
     finally:
         cleanup()
     return 0
