@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import BinaryIO, NoReturn, Protocol
+from typing import BinaryIO, NoReturn, Protocol, TypeVar, cast
 
 from ckptstore.checksum import Crc32c, crc32c_combine, crc32c_of
 from ckptstore.commit.base import ShardRanges
@@ -38,6 +38,8 @@ from ckptstore.errors import (
 from ckptstore.manifest import JSONValue, Manifest, ShardRecord
 
 __all__ = ["Checkpoint", "ShardReader", "VerifyReport"]
+
+T = TypeVar("T")
 
 _CHUNK = 8 * 1024 * 1024
 _HOT_PIECE = 512 * 1024
@@ -248,6 +250,34 @@ def _skip_to(raw: BinaryIO, position: int) -> None:
         position -= count
 
 
+def _in_parallel(tasks: list[Callable[[], T]], workers: int) -> list[T]:
+    """Each task's result, in order; up to ``workers`` at once (one task: in this thread).
+    On a failure the tasks not started are dropped and those under way finish (they may
+    write into a caller's buffer) before the first failure is raised."""
+    if len(tasks) == 1:
+        return [tasks[0]()]
+    failed = threading.Event()
+
+    def guarded(task: Callable[[], T]) -> T | None:
+        if failed.is_set():
+            return None  # another task failed: the result is not used
+        try:
+            return task()
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(min(workers, len(tasks)), "ckptstore-read") as pool:
+        futures = [pool.submit(guarded, task) for task in tasks]
+        try:
+            return [cast(T, future.result()) for future in futures]
+        except BaseException:
+            failed.set()
+            for future in futures:
+                future.cancel()
+            raise
+
+
 def _wipe(view: memoryview) -> None:
     """Zero ``view``: bytes that failed a digest are not left where the caller reads."""
     view[:] = bytes(view.nbytes)
@@ -287,6 +317,7 @@ class Checkpoint:
         self.manifest = manifest
         self._opener = opener
         self._ranges = ranges
+        self._pins: dict[str, ShardRanges | None] = {}
         self.url = url
         self._records = {record.name: record for record in manifest.shards}
 
@@ -360,7 +391,7 @@ class Checkpoint:
         if view.readonly:
             raise ValueError("buffer is read-only")
         if record.size >= 2 * _PIPELINE_PIECE:
-            ranges = None if self._ranges is None else self._ranges(self.manifest, record)
+            ranges = self._pinned(record)
             if ranges is not None:
                 self._read_ranged(record, view, ranges)
                 return record.size
@@ -373,43 +404,43 @@ class Checkpoint:
             reader.readinto(bytearray(1))  # reaching the end verifies
         return got
 
+    def _pinned(self, record: ShardRecord) -> ShardRanges | None:
+        """The shard pinned for ranged reads (one HEAD per shard and checkpoint object: every
+        range after it asks for that object by condition), or None where the storage reads
+        none; a stored size other than the recorded one is corrupt."""
+        if self._ranges is None:
+            return None
+        if record.name not in self._pins:
+            ranges = self._ranges(self.manifest, record)
+            if ranges is not None and ranges.size != record.size:
+                self._corrupt(
+                    record, f"stored with {ranges.size} bytes, manifest says {record.size}"
+                )
+            self._pins[record.name] = ranges
+        return self._pins[record.name]
+
     def _read_ranged(self, record: ShardRecord, view: memoryview, ranges: ShardRanges) -> None:
         """Read ``ranges`` (whole blocks each) in parallel into ``view``; check each block as
         its range lands, then the shard's CRC32C combined from the ranges'. On an error the
         ranges not started are dropped and those under way finish (they write into ``view``)
         before it is raised."""
-        if ranges.size != record.size:
-            self._corrupt(record, f"stored with {ranges.size} bytes, manifest says {record.size}")
         block = record.block_size
         step = max(1, ranges.range_size // block) * block if block else ranges.range_size
         starts = range(0, record.size, step)
-        failed = threading.Event()
 
-        def read(start: int) -> int:
-            if failed.is_set():
-                return 0  # another range failed: the result is not used
-            end = min(start + step, record.size)
-            try:
-                ranges.read(start, view[start:end])
-                return self._check_range(record, view, start, end)
-            except IntegrityError:
-                failed.set()
-                _wipe(view[start:end])  # bytes that failed their check never stay in place
-                raise
-            except BaseException:
-                failed.set()
-                raise
+        def read(start: int) -> Callable[[], int]:
+            def one() -> int:
+                end = min(start + step, record.size)
+                try:
+                    ranges.read(start, view[start:end])
+                    return self._check_range(record, view, start, end)
+                except IntegrityError:
+                    _wipe(view[start:end])  # bytes that failed their check never stay in place
+                    raise
 
-        workers = min(ranges.concurrency, len(starts))
-        with ThreadPoolExecutor(workers, thread_name_prefix="ckptstore-read") as pool:
-            futures = [pool.submit(read, start) for start in starts]
-            try:
-                crcs = [future.result() for future in futures]
-            except BaseException:
-                failed.set()
-                for future in futures:
-                    future.cancel()
-                raise
+            return one
+
+        crcs = _in_parallel([read(start) for start in starts], ranges.concurrency)
         if record.digest:
             return  # every block was checked against its digest as it landed
         whole = crcs[0]
@@ -563,6 +594,11 @@ class Checkpoint:
         return out
 
     def _read_blocks(self, record: ShardRecord, offset: int, out: memoryview) -> None:
+        """The blocks ``out`` touches, each checked; wholly wanted blocks land in place."""
+        ranges = self._pinned(record)
+        if ranges is not None:
+            self._read_blocks_ranged(record, offset, out, ranges)
+            return
         size, blocks = record.block_size, record.block_range(offset, out.nbytes)
         end = offset + out.nbytes
         scratch: memoryview | None = None
@@ -579,28 +615,75 @@ class Checkpoint:
                     target = scratch[: last - first]
                 if _fill(raw, target) != target.nbytes:
                     self._corrupt(record, f"truncated in block {index}")
-                if record.digest:
-                    try:
-                        self._check_block_digest(record, index, target)
-                    except IntegrityError:
-                        _wipe(target)
-                        raise
-                    if not in_place:
-                        lo, hi = max(first, offset), min(last, end)
-                        out[lo - offset : hi - offset] = target[lo - first : hi - first]
-                    continue
-                crc = Crc32c()
-                crc.update(target)
-                expected = record.block_crc32c[8 * index : 8 * index + 8]
-                if crc.hexdigest() != expected:
-                    self._corrupt(
-                        record,
-                        f"CRC32C mismatch in block {index} (bytes {first}..{last}): stored "
-                        f"bytes have {crc.hexdigest()}, manifest says {expected}",
-                    )
+                self._check_block(record, index, target)
                 if not in_place:
                     lo, hi = max(first, offset), min(last, end)
                     out[lo - offset : hi - offset] = target[lo - first : hi - first]
+
+    def _read_blocks_ranged(
+        self, record: ShardRecord, offset: int, out: memoryview, ranges: ShardRanges
+    ) -> None:
+        """The blocks ``out`` touches as bounded ranged reads of the pinned object, no byte
+        asked for that is not used: runs of wholly wanted blocks (up to ``range_size`` each)
+        straight into ``out``, a block wanted in part (at most the first and the last) into
+        its own buffer; in parallel when there are several."""
+        size, blocks = record.block_size, record.block_range(offset, out.nbytes)
+        end = offset + out.nbytes
+        per = max(1, ranges.range_size // size)
+        requests: list[tuple[int, int, bool]] = []  # first block, blocks, in place
+        for index in blocks:
+            first, last = index * size, min((index + 1) * size, record.size)
+            in_place = offset <= first and last <= end
+            if requests and in_place and requests[-1][2] and requests[-1][1] < per:
+                requests[-1] = (requests[-1][0], requests[-1][1] + 1, True)
+            else:
+                requests.append((index, 1, in_place))
+
+        def read(first_block: int, count: int, in_place: bool) -> Callable[[], None]:
+            def one() -> None:
+                first = first_block * size
+                last = min((first_block + count) * size, record.size)
+                target = (
+                    out[first - offset : last - offset]
+                    if in_place
+                    else memoryview(bytearray(last - first))
+                )
+                ranges.read(first, target)
+                try:
+                    for index in range(first_block, first_block + count):
+                        lo = index * size - first
+                        self._check_block(record, index, target[lo : lo + size])
+                except IntegrityError:
+                    _wipe(target)
+                    raise
+                if not in_place:
+                    lo, hi = max(first, offset), min(last, end)
+                    out[lo - offset : hi - offset] = target[lo - first : hi - first]
+
+            return one
+
+        _in_parallel([read(*request) for request in requests], ranges.concurrency)
+
+    def _check_block(self, record: ShardRecord, index: int, data: memoryview) -> None:
+        """ShardCorruptError (``data`` zeroed) unless block ``index``'s bytes ``data`` have
+        its recorded digest, or else its recorded CRC32C."""
+        if record.digest:
+            try:
+                self._check_block_digest(record, index, data)
+            except IntegrityError:
+                _wipe(data)
+                raise
+            return
+        crc = Crc32c()
+        crc.update(data)
+        expected = record.block_crc32c[8 * index : 8 * index + 8]
+        if crc.hexdigest() != expected:
+            first = index * record.block_size
+            self._corrupt(
+                record,
+                f"CRC32C mismatch in block {index} (bytes {first}..{first + data.nbytes}): "
+                f"stored bytes have {crc.hexdigest()}, manifest says {expected}",
+            )
 
     def _read_through(self, record: ShardRecord, offset: int, out: memoryview) -> None:
         """The whole shard streamed and verified; the range copied out on the way."""

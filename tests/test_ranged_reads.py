@@ -314,3 +314,83 @@ def test_read_options_are_checked(location: S3Backend) -> None:
         location.open(read_concurrency=0)
     store = location.open(read_range_size=5 * BLOCK)
     assert store.strategy.settings()["read_range_size"] == 5 * BLOCK
+
+
+class _Requests:
+    """The GetObject (with their Range) and HeadObject requests the S3 client sends."""
+
+    def __init__(self, driver: S3Driver) -> None:
+        self.gets: list[str | None] = []
+        self.heads = 0
+        events = driver.client.meta.events
+        events.register("before-call.s3.GetObject", self._get)
+        events.register("before-call.s3.HeadObject", self._head)
+
+    def _get(self, params: dict[str, Any], **_: Any) -> None:
+        self.gets.append(params.get("headers", {}).get("Range"))
+
+    def _head(self, **_: Any) -> None:
+        self.heads += 1
+
+
+@pytest.mark.parametrize(
+    ("offset", "length", "expected"),
+    [
+        (0, 100, ["bytes=0-1023"]),  # in the first block: that block only
+        (1500, 100, ["bytes=1024-2047"]),  # inside one block
+        (1000, 100, ["bytes=0-1023", "bytes=1024-2047"]),  # across two: each its own buffer
+        (BLOCK, 3 * BLOCK, ["bytes=1024-4095"]),  # whole blocks: one GET, in place
+        (BLOCK, 5 * BLOCK, ["bytes=1024-4095", "bytes=4096-6143"]),  # a RANGE at most a GET
+        (  # partial head and tail blocks around whole ones
+            BLOCK - 1,
+            4 * BLOCK + 2,
+            ["bytes=0-1023", "bytes=1024-4095", "bytes=4096-5119", "bytes=5120-6143"],
+        ),
+        (10 * BLOCK + 7, 10, ["bytes=10240-10256"]),  # in the short last block
+    ],
+)
+def test_a_range_asks_only_for_the_blocks_it_touches_bounded_never_a_whole_get(
+    location: S3Backend, offset: int, length: int, expected: list[str]
+) -> None:
+    store = _open(location)
+    data = _data(10 * BLOCK + 17)
+    store.save(1, {"w": data})
+    checkpoint = store.get(1)
+    requests = _Requests(store.strategy.driver)
+    assert bytes(checkpoint.read_range("w", offset, length)) == data[offset : offset + length]
+    assert sorted(requests.gets) == sorted(expected)  # type: ignore[arg-type]
+    assert requests.heads == 1  # the pin
+    into = bytearray(length + 3)
+    checkpoint.read_range("w", offset, length, into)
+    assert bytes(into[:length]) == data[offset : offset + length]
+    assert requests.heads == 1  # one pin per shard and checkpoint object
+
+
+def test_a_damaged_block_in_a_range_is_named_and_wiped(location: S3Backend) -> None:
+    store = _open(location)
+    data = _data(10 * BLOCK + 5)
+    store.save(1, {"w": data})
+
+    def flip(stored: bytes) -> bytes:
+        changed = bytearray(stored)
+        changed[3 * BLOCK + 3] ^= 0x01
+        return bytes(changed)
+
+    location.rewrite_shard(store, 1, "w", flip)
+    checkpoint = store.get(1)
+    into = bytearray(b"\xff" * (4 * BLOCK))
+    with pytest.raises(ShardCorruptError, match=r"'w'.*CRC32C mismatch in block 3 \(bytes 3072"):
+        checkpoint.read_range("w", BLOCK, 4 * BLOCK, into)
+    assert bytes(into[2 * BLOCK : 3 * BLOCK]) == bytes(BLOCK)  # the failing range zeroed
+    assert bytes(checkpoint.read_range("w", 0, 2 * BLOCK)) == data[: 2 * BLOCK]
+
+
+def test_a_range_of_an_object_replaced_after_the_pin_is_refused(location: S3Backend) -> None:
+    store = _open(location)
+    data = _data(6 * BLOCK)
+    store.save(1, {"w": data})
+    checkpoint = store.get(1)
+    assert bytes(checkpoint.read_range("w", 0, BLOCK)) == data[:BLOCK]  # pinned
+    location.rewrite_shard(store, 1, "w", lambda stored: b"\xff" * len(stored))
+    with pytest.raises(ShardCorruptError, match="replaced while being read"):
+        checkpoint.read_range("w", 2 * BLOCK, BLOCK)
