@@ -149,7 +149,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank(rank: int, world: int, port: int, url: str, mode: str, rows: int, out: object) -> None:
+def _rank(
+    rank: int, world: int, port: int, url: str, mode: str, rows: int, dim: int, out: object
+) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
@@ -160,14 +162,15 @@ def _rank(rank: int, world: int, port: int, url: str, mode: str, rows: int, out:
         store = ckptstore.open(url)
         full = torch.arange(rows * 1024, dtype=torch.float32).reshape(rows, 1024)
         if mode == "save":
-            state = {"weights": distribute_tensor(full, mesh, [Shard(0)])}
+            state = {"weights": distribute_tensor(full, mesh, [Shard(dim)])}
             dcp.save(state, storage_writer=CkptStoreWriter(store), checkpoint_id=1)
         else:
-            target = {"weights": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)])}
+            target = {"weights": distribute_tensor(torch.zeros_like(full), mesh, [Shard(dim)])}
             reader = CkptStoreReader(store, 1)
             dcp.load(target, storage_reader=reader)
             local = target["weights"].to_local()
-            assert torch.equal(local, full[rank * local.shape[0] : (rank + 1) * local.shape[0]])
+            width = local.shape[dim]
+            assert torch.equal(local, full.narrow(dim, rank * width, width))
             out[rank] = (reader.bytes_read, local.numel() * local.element_size())  # type: ignore[index]
     finally:
         dist.destroy_process_group()
@@ -175,17 +178,20 @@ def _rank(rank: int, world: int, port: int, url: str, mode: str, rows: int, out:
 
 def reshard(root: str, total: int, saved_on: int, loaded_on: int) -> None:
     rows = max(total // 4096 // (saved_on * loaded_on) * (saved_on * loaded_on), 4)
-    url = os.path.join(root, "reshard")
-    manager = mp.Manager()
-    out = manager.dict()
-    for world, mode in ((saved_on, "save"), (loaded_on, "load")):
-        mp.spawn(_rank, args=(world, _free_port(), url, mode, rows, out), nprocs=world)
-    read = sum(got for got, _ in out.values())
-    needed = sum(need for _, need in out.values())
     print(f"### Resharded DCP load: saved on {saved_on} ranks, loaded on {loaded_on}\n")
-    print(f"{rows} x 1024 float32 rows ({needed / 2**20:.0f} MiB), row-sharded: the ranks read "
-          f"{read / 2**20:.1f} MiB for the {needed / 2**20:.1f} MiB they needed "
-          f"({read / needed:.3f}x)\n")  # fmt: skip
+    print("| sharded by | tensor | bytes needed | bytes read | read / needed |")
+    print("| --- | --- | --- | --- | --- |")
+    for dim, by in ((0, "rows"), (1, "columns")):
+        url = os.path.join(root, f"reshard-{by}")
+        manager = mp.Manager()
+        out = manager.dict()
+        for world, mode in ((saved_on, "save"), (loaded_on, "load")):
+            mp.spawn(_rank, args=(world, _free_port(), url, mode, rows, dim, out), nprocs=world)
+        read = sum(got for got, _ in out.values())
+        needed = sum(need for _, need in out.values())
+        print(f"| {by} | {rows} x 1024 float32 | {needed / 2**20:.1f} MiB | "
+              f"{read / 2**20:.1f} MiB | {read / needed:.3f}x |")  # fmt: skip
+    print()
 
 
 def main() -> None:
