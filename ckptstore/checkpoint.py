@@ -42,8 +42,10 @@ __all__ = ["Checkpoint", "ShardReader", "VerifyReport"]
 T = TypeVar("T")
 
 _CHUNK = 8 * 1024 * 1024
-_HOT_PIECE = 512 * 1024
-"""A large read in one thread reads and checksums this much at a time (still in cache)."""
+_HOT_PIECE = 2 * 1024 * 1024
+"""A large read in one thread reads and checksums this much at a time (still in the L3 cache).
+Measured (benchmarks/README.md): 512 KiB pieces fit the L2 cache but cost 2.5x the user CPU
+of 2 MiB pieces in per-piece overhead; 4 and 8 MiB were no faster."""
 _PIPELINE_PIECE = 16 * 1024 * 1024
 """A read at least twice this large checksums each piece while the next one is read (small
 pieces: only the last piece's checksum is not overlapped with reading)."""
@@ -497,9 +499,8 @@ class Checkpoint:
         into the shard's, checked with its size. False (nothing read) if the storage's streams
         cannot seek.
 
-        A verified read costs a copy and a CRC32C (about the same, per byte): split over more
-        threads than one, it keeps up with a plain read even where other processes hold the
-        cores, as a fair scheduler gives each runnable thread its share.
+        A verified read costs a copy and a CRC32C (about the same CPU per byte): split over
+        two threads, it keeps up with a plain read; more segments were measured slower.
         """
         first = self._opener(self.manifest, record)
         seekable = getattr(first, "seekable", None)

@@ -14,7 +14,7 @@ import ckptstore.checkpoint
 from ckptstore.errors import ShardCorruptError
 
 PIECE = 1024
-DATA = bytes(range(256)) * 64  # 16 KiB: 16 pieces, read as 4 segments of 4 KiB
+DATA = bytes(range(256)) * 64  # 16 KiB: 16 pieces, read as two segments of 8 KiB
 
 
 @pytest.fixture(autouse=True)
@@ -65,13 +65,13 @@ def test_a_large_shard_reads_whole_and_exact(
     "edit",
     [
         _flip(10),  # the first segment
-        _flip(5000),  # the second
-        _flip(3 * 4096 - 1),  # the last byte of the third
-        _flip(len(DATA) - 10),  # the last
+        _flip(8192),  # the first byte of the second
+        _flip(8192 - 1),  # the last byte of the first
+        _flip(len(DATA) - 10),  # the end of the second
         lambda data: data[:-1],  # shorter than recorded
         lambda data: data + b"\0",  # longer than recorded
     ],
-    ids=["first", "second", "third", "last", "truncated", "extended"],
+    ids=["first", "second-start", "first-end", "last", "truncated", "extended"],
 )
 def test_a_damaged_large_shard_is_refused(
     backend: BackendUnderTest, edit: Callable[[bytes], bytes]
