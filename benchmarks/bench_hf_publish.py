@@ -17,12 +17,10 @@ spinning processes beside it (a training node is never idle).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import multiprocessing
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,24 +29,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 import ckptstore
 from ckptstore.adapters.huggingface import CkptStoreCallback
 from ckptstore.tools.embedded import embedded_moto
+from ckptstore.tools.timing import busy as busy_processes
 from ckptstore.tools.timing import measure, print_table, sizes
-
-
-def _spin() -> None:
-    while True:
-        pass
-
-
-@contextlib.contextmanager
-def _busy(count: int) -> Iterator[None]:
-    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(count)]
-    for spinner in spinners:
-        spinner.start()
-    try:
-        yield
-    finally:
-        for spinner in spinners:
-            spinner.kill()
 
 
 def _trainer(size: int, output_dir: str) -> Trainer:
@@ -114,13 +96,11 @@ def run(size: int, repeats: int, busy: int) -> None:
                 "HF save + background publish": _saver(trainer, background),
             }
 
-            with _busy(busy):
+            with busy_processes(busy):
                 results = measure(contenders, repeats, after=_tidy(root, url, options, background))
-            title = (
-                f"Trainer's wait at a save, {where}: {weights / 2**20:.0f} MiB of weights "
-                f"(+ Adam state), {repeats} repeats, {busy} busy processes beside"
-            )
-            print_table(title, results, "HF save alone")
+            title = f"Trainer's wait at a save, {where}"
+            shape = f"GPT-2, {weights / 2**20:.0f} MiB of fp32 weights (+ Adam state)"
+            print_table(title, results, "HF save alone", layout=shape, busy=busy)
 
 
 def main() -> None:
