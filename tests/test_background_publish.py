@@ -224,3 +224,54 @@ def test_a_read_only_output_dir_is_published_at_once(
     publisher.publish(1, _checkpoint(tmp_path / "out", 1))
     assert store.steps() == [1] and publisher.in_flight is None
     assert "Read-only file system: checkpoints are published on the training thread" in caplog.text
+
+
+def test_a_file_rewritten_in_place_during_the_publish_publishes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The snapshot shares the trainer's inodes: a trainer that writes a saved file again in
+    place (same size, new bytes) while it is published must not get a checkpoint that mixes
+    the two versions."""
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    publisher = BackgroundPublisher(store)
+    gate = _Gate(monkeypatch)
+    directory = _checkpoint(tmp_path / "out", 3)
+    publisher.publish(3, directory)
+    assert gate.reached.wait(30)
+    weights = directory / "model.safetensors"
+    listed = weights.stat()
+    with open(weights, "r+b") as same_inode:  # torch.save or safetensors into the old dir
+        same_inode.write(b"X" * listed.st_size)
+    os.utime(weights, ns=(listed.st_atime_ns, listed.st_mtime_ns + 1_000_000))  # its tick
+    gate.release.set()
+    with pytest.raises(InvalidInputError, match=r"model\.safetensors changed while it was"):
+        publisher.wait()
+    assert store.steps() == [] and _snapshots(tmp_path / "out") == []
+    assert "checkpoint 3 was not published" in caplog.text
+    publisher.publish(4, _checkpoint(tmp_path / "out", 4))  # the next save goes on
+    publisher.close()
+    assert store.steps() == [4]
+
+
+def test_a_directory_file_rewritten_after_it_was_listed_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same on the training thread: ``publish_directory`` (ckptstore push)."""
+    from ckptstore.adapters import directory as adapter
+
+    store = ckptstore.open(f"file://{tmp_path}/store")
+    folder = _checkpoint(tmp_path / "out", 1)
+    opened = adapter._opened
+
+    def rewritten_after_open(file: Any) -> Any:
+        context = opened(file)
+        if file.name == "optimizer.pt":
+            listed = file.path.stat()
+            file.path.write_bytes(b"Y" * listed.st_size)  # truncates and writes: same inode
+            os.utime(file.path, ns=(listed.st_atime_ns, listed.st_mtime_ns + 1_000_000))
+        return context
+
+    monkeypatch.setattr(adapter, "_opened", rewritten_after_open)
+    with pytest.raises(InvalidInputError, match=r"optimizer\.pt changed while it was published"):
+        ckptstore.directory.publish_directory(store, 1, folder)
+    assert store.steps() == []

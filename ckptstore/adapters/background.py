@@ -16,8 +16,10 @@ What the snapshot guarantees, and when:
   snapshot left behind is removed by ``remove_stale_snapshots`` when the next run starts).
 - The trainer must not rewrite a file of a saved directory in place (the same inode, opened
   for writing): a link shares the file, not a copy of it. Hugging Face and Accelerate write
-  every checkpoint to a new directory; a file that changes size while it is read is refused
-  (nothing published).
+  every checkpoint to a new directory. A file written again after the publish listed it (its
+  size or modification time changed by the end of its read) is refused, and nothing is
+  published; a rewrite within the file system's timestamp granularity of the listing (a clock
+  tick: milliseconds, a second or two on some file systems) that keeps the size is not seen.
 - Where the file system makes no hard links (some network and FUSE file systems, a directory
   on another device than its parent), the directory is published at once, on the caller's
   thread, as ``publish_directory`` does.

@@ -70,8 +70,10 @@ class DirectoryFile:
     """A file to publish: its shard name (relative path, '/'-separated) and where it is.
 
     ``device`` and ``inode`` identify the file that was listed (for a followed link: the file
-    it pointed to); ``follow`` says it was reached through a symbolic link. The read opens the
-    path again and refuses anything but that same regular file."""
+    it pointed to); ``follow`` says it was reached through a symbolic link; ``modified``: its
+    modification time (ns) when listed. The read opens the path again and refuses anything but
+    that same regular file, and a file whose size or modification time is not the listed one
+    once it has been read (written meanwhile: its bytes may mix two versions)."""
 
     name: str
     path: Path
@@ -79,6 +81,7 @@ class DirectoryFile:
     device: int | None = None
     inode: int | None = None
     follow: bool = False
+    modified: int | None = None
 
 
 def directory_files(
@@ -121,7 +124,15 @@ def directory_files(
             except InvalidInputError as exc:
                 raise InvalidInputError(f"{path}: cannot be published: {exc}") from exc
             found.append(
-                DirectoryFile(relative, path, info.st_size, info.st_dev, info.st_ino, follow)
+                DirectoryFile(
+                    relative,
+                    path,
+                    info.st_size,
+                    info.st_dev,
+                    info.st_ino,
+                    follow,
+                    info.st_mtime_ns,
+                )
             )
     return sorted(found, key=lambda f: f.name)
 
@@ -276,6 +287,14 @@ def _publish_file(pending: PendingCheckpoint, file: DirectoryFile) -> None:
         while count := source.readinto(view):
             shard.write(view[:count])
             copied += count
+        after = os.fstat(source.fileno())
+        rewritten = file.modified is not None and after.st_mtime_ns != file.modified
+        if copied == file.size and after.st_size == file.size and rewritten:
+            raise InvalidInputError(
+                f"{file.path} changed while it was published (written again after it was "
+                f"listed: what was read may mix two versions of it); nothing was "
+                f"published: publish a directory only once its writer is done"
+            )
     if copied != file.size:
         raise InvalidInputError(
             f"{file.path} changed while it was published ({file.size} bytes when listed, "
