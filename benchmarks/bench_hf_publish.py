@@ -1,7 +1,7 @@
 """How long a Hugging Face Trainer waits at each save: its own save alone, against its save
 plus ckptstore's publish, on the training thread and in the background.
 
-    python -m benchmarks.bench_hf_publish [--size 160M] [--repeats 5] [--busy 0]
+    python -m benchmarks.bench_hf_publish [--size 160M] [--repeats 5] [--busy 0] [--dir /xfs]
 
 Baseline (issue 27 item 1): the Trainer's own ``_save_checkpoint`` (model, optimizer,
 scheduler, RNG states, trainer state), which is what a run without ckptstore waits for. The
@@ -11,7 +11,9 @@ link per file, and for the previous publish only if it is still going; the bench
 finish between saves, untimed, as the training steps between two saves do). Stores: a
 directory on the same disk (``file://``) and S3 on an embedded moto server. Each save writes a
 new step; directories and steps are removed between repeats, untimed. ``--busy N`` starts N
-spinning processes beside it (a training node is never idle).
+spinning processes beside it (a training node is never idle). ``--dir`` puts the trainer's
+output and the file:// store there: on XFS or btrfs the publish clones the files (reflinks)
+instead of copying them.
 """
 
 from __future__ import annotations
@@ -78,8 +80,8 @@ def _tidy(
     return tidy
 
 
-def run(size: int, repeats: int, busy: int) -> None:
-    with tempfile.TemporaryDirectory(prefix="bench-hf-") as root, embedded_moto() as s3:
+def run(size: int, repeats: int, busy: int, where: str | None = None) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-hf-", dir=where) as root, embedded_moto() as s3:
         stores = {
             "file://": f"file://{root}/store",
             "s3:// (moto)": s3.url(f"bench-hf-{os.getpid()}"),
@@ -108,9 +110,12 @@ def main() -> None:
     parser.add_argument("--size", default="160M", help="weights' size (fp32)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--busy", type=int, default=0, help="spinning processes beside it")
+    parser.add_argument(
+        "--dir", default=None, help="where the output and file:// store go (XFS: reflinks)"
+    )
     args = parser.parse_args()
     (size,) = sizes([args.size])
-    run(size, args.repeats, args.busy)
+    run(size, args.repeats, args.busy, args.dir)
 
 
 if __name__ == "__main__":

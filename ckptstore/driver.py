@@ -35,6 +35,7 @@ __all__ = [  # the errors a driver raises are part of its interface
     "Buffer",
     "BytesLike",
     "Capability",
+    "CloningDriver",
     "ClosableDriver",
     "DriverFamily",
     "FileStat",
@@ -255,6 +256,20 @@ class FileSystemDriver(Protocol):
 
     def rmdir(self, path: str) -> None:
         """Remove an empty directory."""
+
+
+class CloningDriver(FileSystemDriver, Protocol):
+    """A file system that also makes copy-on-write clones of files (reflinks).
+
+    Optional: a driver without ``clone`` works unchanged (a directory's files are then
+    copied into a checkpoint). With it, ``publish_directory(clone=True)`` makes each shard a
+    clone of the file it publishes, no byte copied, where the file is on the same file system.
+    """
+
+    def clone(self, handle: int, source: int) -> bool:
+        """Make the new, empty file ``handle`` a clone of the whole open file ``source``;
+        False, with nothing changed, where no clone can be made (a file system without
+        clones, or two file systems). Durable once ``handle`` is fsynced."""
 
 
 @runtime_checkable

@@ -127,6 +127,8 @@ class AttemptOwner(Protocol):
         """Remove what the attempt staged, as far as possible (GC removes the rest)."""
 
 
+_CLONE_READ = 8 * 1024 * 1024
+"""A cloned shard is read back and checksummed this much at a time."""
 _OVERLAP_FROM = 16 * 1024 * 1024
 """A write at least this large is checksummed on another thread while the sink writes it."""
 
@@ -181,6 +183,23 @@ class ShardWriter:
         if failure:
             raise failure[0]
         return view.nbytes
+
+    def clone_from(self, source: int) -> bool:
+        """Make this (still empty) shard a copy-on-write clone of the whole open file
+        ``source`` where the storage can (a reflink: no byte copied), then checksum the clone
+        as stored; False where it cannot (nothing written: write the bytes instead)."""
+        if self._closed or self.size:
+            raise CheckpointStateError(
+                f"shard {self.name!r}: only an empty, open shard is cloned", key=self.name
+            )
+        stream = self._sink.clone_from(source)
+        if stream is None:
+            return False
+        with stream:
+            chunk = memoryview(bytearray(_CLONE_READ))
+            while count := stream.readinto(chunk):  # type: ignore[attr-defined]
+                self._checksum(chunk[:count])
+        return True
 
     def _checksum(self, view: memoryview) -> None:
         self._crc.update(view)

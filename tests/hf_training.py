@@ -50,10 +50,10 @@ def die_while_publishing(step: int) -> None:
     """SIGKILL this process when checkpoint ``step`` has some of its files published."""
     publish_file = ckptstore.directory._publish_file
 
-    def dying(pending: Any, file: Any) -> None:
+    def dying(pending: Any, file: Any, *rest: Any) -> None:
         if pending.step == step and file.name == "optimizer.pt":
             os.kill(os.getpid(), signal.SIGKILL)
-        publish_file(pending, file)
+        publish_file(pending, file, *rest)
 
     ckptstore.directory._publish_file = dying  # type: ignore[assignment]
 

@@ -48,10 +48,10 @@ class _Gate:
         self.release = threading.Event()
         publish_file = ckptstore.directory._publish_file
 
-        def held(pending: Any, file: Any) -> None:
+        def held(pending: Any, file: Any, *rest: Any) -> None:
             self.reached.set()
             assert self.release.wait(30), "the gate was never released"
-            publish_file(pending, file)
+            publish_file(pending, file, *rest)
 
         monkeypatch.setattr(ckptstore.directory, "_publish_file", held)
 
@@ -162,9 +162,9 @@ def test_rotation_racing_a_slow_publish_never_publishes_a_partial_directory(
 
     publish_file = ckptstore.directory._publish_file
 
-    def slow(pending: Any, file: Any) -> None:
+    def slow(pending: Any, file: Any, *rest: Any) -> None:
         time.sleep(0.2)  # a slow store: the next save's rotation comes first
-        publish_file(pending, file)
+        publish_file(pending, file, *rest)
 
     monkeypatch.setattr(ckptstore.directory, "_publish_file", slow)
     url = f"file://{tmp_path}/store"

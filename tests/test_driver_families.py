@@ -17,6 +17,7 @@ from ckptstore.backends.s3 import S3Driver
 from ckptstore.conformance.faults import FaultInjector
 from ckptstore.conformance.models.simfs import SimulatedFileSystem
 from ckptstore.driver import (
+    CloningDriver,
     DriverFamily,
     FileSystemDriver,
     ObjectStoreDriver,
@@ -26,17 +27,18 @@ from ckptstore.driver import (
 )
 
 DRIVERS = [
-    (PosixDriver, DriverFamily.FILE_SYSTEM, FileSystemDriver),
-    (LustreDriver, DriverFamily.FILE_SYSTEM, LayoutFileSystemDriver),
-    (SimulatedFileSystem, DriverFamily.FILE_SYSTEM, FileSystemDriver),
-    (MemoryDriver, DriverFamily.OBJECT_STORE, ObjectStoreDriver),
-    (S3Driver, DriverFamily.OBJECT_STORE, RangedReadDriver),
+    (PosixDriver, DriverFamily.FILE_SYSTEM, (CloningDriver,)),
+    (LustreDriver, DriverFamily.FILE_SYSTEM, (LayoutFileSystemDriver, CloningDriver)),
+    (SimulatedFileSystem, DriverFamily.FILE_SYSTEM, (FileSystemDriver,)),
+    (MemoryDriver, DriverFamily.OBJECT_STORE, (ObjectStoreDriver,)),
+    (S3Driver, DriverFamily.OBJECT_STORE, (RangedReadDriver,)),
 ]
 
 
-def _declared(protocol: type) -> set[str]:
+def _declared(*protocols: type) -> set[str]:
     return {
         name
+        for protocol in protocols
         for klass in protocol.__mro__
         if klass.__module__.startswith("ckptstore")
         for name, member in vars(klass).items()
@@ -46,11 +48,11 @@ def _declared(protocol: type) -> set[str]:
 
 @pytest.mark.parametrize(("driver", "family", "protocol"), DRIVERS)
 def test_every_driver_declares_its_family_and_implements_every_call(
-    driver: type, family: DriverFamily, protocol: type
+    driver: type, family: DriverFamily, protocol: tuple[type, ...]
 ) -> None:
     assert driver.family is family  # type: ignore[attr-defined]
     calls = storage_calls(object.__new__(driver))
-    assert calls == _declared(protocol)
+    assert calls == _declared(*protocol)
     for name in calls:  # its own code, never a protocol's empty stub
         owner = next(k for k in driver.__mro__ if name in vars(k))
         assert owner.__module__ != "ckptstore.driver", f"{driver.__name__}.{name} is a stub"

@@ -197,7 +197,7 @@ class BackgroundPublisher:
                     "%s: %s: checkpoints are published on the training thread", directory, exc
                 )
             self.last = publish_directory(
-                self.store, step, directory, metadata=metadata, parallel=self.parallel
+                self.store, step, directory, metadata=metadata, parallel=self.parallel, clone=True
             )
             return
         self._in_flight_step = step
@@ -208,7 +208,7 @@ class BackgroundPublisher:
     ) -> Checkpoint:
         try:
             return publish_directory(
-                self.store, step, links, metadata=metadata, parallel=self.parallel
+                self.store, step, links, metadata=metadata, parallel=self.parallel, clone=True
             )
         except BaseException as exc:  # said now, and raised by the next publish or wait
             log.error("%s: checkpoint %d was not published: %s", self.store.url, step, exc)

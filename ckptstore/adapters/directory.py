@@ -191,6 +191,7 @@ def publish_directory(
     parallel: int = DEFAULT_PARALLEL,
     epoch: int | None = None,
     follow_symlinks: bool = False,
+    clone: bool = False,
 ) -> Checkpoint:
     """Publish every file under ``directory`` as checkpoint ``step``, in one commit.
 
@@ -200,7 +201,11 @@ def publish_directory(
     in that epoch (``Store.join_epoch``; SupersededError if a newer one took the store over);
     by default the store's own (docs/protocol.md §8.3: once the store has been taken over, a
     store that neither took it over nor joined an epoch is refused). ``follow_symlinks``:
-    publish what symbolic links to files point to, instead of refusing them.
+    publish what symbolic links to files point to, instead of refusing them. ``clone``: on a
+    file-system store whose file system makes copy-on-write clones (reflinks: XFS, btrfs),
+    each file on that same file system becomes its shard without a byte copied (the clone is
+    then read once for its checksums); anywhere else, or where a clone fails for want of
+    support, the bytes are copied as usual.
     """
     if parallel < 1:
         raise InvalidInputError(f"parallel must be at least 1, got {parallel}")
@@ -222,7 +227,7 @@ def publish_directory(
     refuse_nested(store.url, directory)
     files = directory_files(directory, follow_symlinks=follow_symlinks)
     with store.begin(step, metadata) as pending:
-        write_files(pending, files, parallel=parallel)
+        write_files(pending, files, parallel=parallel, clone=clone)
     assert pending.checkpoint is not None
     return pending.checkpoint
 
@@ -253,13 +258,19 @@ def refuse_nested(url: str, directory: str | os.PathLike[str]) -> None:
 
 
 def write_files(
-    pending: PendingCheckpoint, files: list[DirectoryFile], *, parallel: int = DEFAULT_PARALLEL
+    pending: PendingCheckpoint,
+    files: list[DirectoryFile],
+    *,
+    parallel: int = DEFAULT_PARALLEL,
+    clone: bool = False,
 ) -> None:
     """Write ``files`` (from ``directory_files``) as shards of ``pending``, ``parallel`` at a
-    time: a part of a directory, when several machines each hold some of its files."""
+    time: a part of a directory, when several machines each hold some of its files.
+    ``clone``: where the store is a file system that makes copy-on-write clones of files
+    (reflinks) and the files are on it, each shard is a clone, no byte copied."""
     if parallel < 1:
         raise InvalidInputError(f"parallel must be at least 1, got {parallel}")
-    _run_all(parallel, [functools.partial(_publish_file, pending, f) for f in files])
+    _run_all(parallel, [functools.partial(_publish_file, pending, f, clone) for f in files])
 
 
 @contextlib.contextmanager
@@ -276,17 +287,20 @@ def _local(action: str, path: Path) -> Iterator[None]:
         raise error from exc
 
 
-def _publish_file(pending: PendingCheckpoint, file: DirectoryFile) -> None:
+def _publish_file(pending: PendingCheckpoint, file: DirectoryFile, clone: bool = False) -> None:
     copied = 0
     with (
         _local("read", file.path),
         _opened(file) as source,
         pending.open_shard(file.name, file.size) as shard,
     ):
-        view = memoryview(bytearray(min(_COPY_CHUNK, max(file.size, 1))))
-        while count := source.readinto(view):
-            shard.write(view[:count])
-            copied += count
+        if clone and file.size and shard.clone_from(source.fileno()):
+            copied = shard.size  # a reflink of the file as it was at that instant, checksummed
+        else:
+            view = memoryview(bytearray(min(_COPY_CHUNK, max(file.size, 1))))
+            while count := source.readinto(view):
+                shard.write(view[:count])
+                copied += count
         after = os.fstat(source.fileno())
         rewritten = file.modified is not None and after.st_mtime_ns != file.modified
         if copied == file.size and after.st_size == file.size and rewritten:

@@ -149,7 +149,7 @@ class CkptStoreCallback(TrainerCallback):
             else:
                 publish_directory(
                     self.store, state.global_step, directory, metadata=metadata,
-                    parallel=self.parallel,
+                    parallel=self.parallel, clone=True,
                 )  # fmt: skip
         return control
 
@@ -367,7 +367,7 @@ def publish_from_every_machine(
         try:
             mine = pending if pending is not None else store.join(step, attempt)
             files = [f for f in directory_files(directory) if owners.get(f.name) == rank]
-            write_files(mine, files, parallel=parallel)
+            write_files(mine, files, parallel=parallel, clone=True)
             if mine is not pending:
                 receipts = [dataclasses.asdict(record) for record in mine.seal()]
         except Exception as exc:  # every process must hear of it, or the others wait

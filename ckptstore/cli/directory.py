@@ -46,6 +46,7 @@ def cmd_push(args: argparse.Namespace, out: TextIO) -> int:
             args.directory,
             parallel=args.parallel,
             follow_symlinks=args.follow_symlinks,
+            clone=True,
         )
     write_result(
         out,

@@ -67,6 +67,12 @@ class ShardSink(abc.ABC):
     def abort(self) -> None:
         """Give up on the shard, releasing what can be released (best effort)."""
 
+    def clone_from(self, source: int) -> BinaryIO | None:
+        """Make the (still empty) shard a copy-on-write clone of the whole open file
+        ``source``, where the storage can: return a stream of the shard's bytes as stored
+        (to checksum), or None, having changed nothing (then write the bytes)."""
+        return None
+
 
 @dataclass(frozen=True)
 class ShardProblem:

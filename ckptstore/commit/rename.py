@@ -110,6 +110,15 @@ class FileShardSink(ShardSink):
         with self._errors():
             self._driver.write(self._handle, data)
 
+    def clone_from(self, source: int) -> BinaryIO | None:
+        clone = getattr(self._driver, "clone", None)  # optional: a driver that clones
+        if clone is None or self._handle is None:
+            return None
+        with self._errors():
+            if not clone(self._handle, source):
+                return None
+            return self._driver.open_read(self._path)
+
     def close(self) -> Mapping[str, str]:
         assert self._handle is not None
         handle, self._handle = self._handle, None
