@@ -256,8 +256,8 @@ def _in_parallel(tasks: list[Callable[[], T]], workers: int) -> list[T]:
     """Each task's result, in order; up to ``workers`` at once (one task: in this thread).
     On a failure the tasks not started are dropped and those under way finish (they may
     write into a caller's buffer) before the first failure is raised."""
-    if len(tasks) == 1:
-        return [tasks[0]()]
+    if len(tasks) <= 1:
+        return [task() for task in tasks]
     failed = threading.Event()
 
     def guarded(task: Callable[[], T]) -> T | None:
