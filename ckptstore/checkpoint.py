@@ -51,6 +51,8 @@ _PIPELINE_PIECE = 16 * 1024 * 1024
 pieces: only the last piece's checksum is not overlapped with reading)."""
 _READ_SEGMENTS = 2
 """Streams a large shard's ``read_into`` reads at once where the storage's streams seek."""
+_SEGMENT_GRAIN = 4096
+"""Segment boundaries of a shard without digests fall on multiples of this (pages)."""
 Opener = Callable[[Manifest, ShardRecord], BinaryIO]
 RangeOpener = Callable[[Manifest, ShardRecord], "ShardRanges | None"]
 
@@ -508,7 +510,7 @@ class Checkpoint:
             first.close()
             return False
         # Segments of whole blocks where blocks carry digests: each segment checks its own.
-        grain = record.block_size if record.digest else _HOT_PIECE
+        grain = record.block_size if record.digest else _SEGMENT_GRAIN
         count = max(2, min(_READ_SEGMENTS, record.size // _PIPELINE_PIECE))
         length = max(grain, record.size // count // grain * grain)
         starts = list(range(0, record.size, length))
@@ -545,6 +547,9 @@ class Checkpoint:
         def read_rest(start: int, end: int) -> int:
             return read(self._opener(self.manifest, record), start, end)
 
+        if len(starts) == 1:  # too small to split on this grain: one segment, this thread
+            head = read(first, 0, record.size)
+            return self._combined(record, [head], starts, ends)
         with ThreadPoolExecutor(len(starts) - 1, thread_name_prefix="ckptstore-read") as helpers:
             rest = [
                 helpers.submit(read_rest, a, b) for a, b in zip(starts[1:], ends[1:], strict=True)
@@ -554,8 +559,15 @@ class Checkpoint:
             finally:
                 wait(rest)  # even after a failure: they write ``view``
         crcs = [head, *(future.result() for future in rest)]  # a segment's failure, raised
+        return self._combined(record, crcs, starts, ends)
+
+    def _combined(
+        self, record: ShardRecord, crcs: list[int], starts: list[int], ends: list[int]
+    ) -> bool:
+        """True once the segments' CRC32Cs combine into the recorded one (a shard with
+        digests: each segment checked its blocks already), else ShardCorruptError."""
         if record.digest:
-            return True  # each segment checked every block it read against its digest
+            return True
         whole = crcs[0]
         for start, end, crc in zip(starts[1:], ends[1:], crcs[1:], strict=True):
             whole = crc32c_combine(whole, crc, end - start)
