@@ -257,6 +257,35 @@ def test_canary_hypothesis_still_limits_shrinking_as_the_suite_moves_it() -> Non
     assert isinstance(getattr(engine, "MAX_SHRINKING_SECONDS", None), int), version
     source = inspect.getsource(engine.ConjectureRunner.shrink_interesting_test_cases)
     assert "time.perf_counter() + MAX_SHRINKING_SECONDS" in source, version
+    search = inspect.getsource(engine.ConjectureRunner.generate_new_test_cases)
+    assert "self.should_generate_more()" in search, version  # where the search asks to go on
+
+
+def test_the_search_for_more_failures_stops_at_the_deadline() -> None:
+    """Found by CI: once a failure is found, hypothesis searches on for distinct ones for up
+    to ten seconds, past the layer's deadline (a conformance run took 24 s of an 8 s budget)."""
+    kinds = [type(f"Failure{i}", (Exception,), {}) for i in range(30)]
+    calls = 0
+
+    @settings(database=None, phases=[Phase.generate, Phase.shrink], max_examples=1000)
+    @given(st.integers(0, 10**6))
+    def always_fails_differently(value: int) -> None:
+        nonlocal calls
+        calls += 1
+        time.sleep(0.1)  # a slow example: ten seconds of searching is about a hundred
+        raise kinds[value % len(kinds)](value)
+
+    from hypothesis.internal.conjecture import engine
+
+    searching = engine.ConjectureRunner.should_generate_more
+    started = time.monotonic()
+    with pytest.raises(Exception, match="distinct failures"), shrinking_stops_at(started + 1.0):
+        always_fails_differently()  # an ExceptionGroup (Python 3.11 on) of the failures
+    took = time.monotonic() - started
+    # Searching stops at 1 s; then each distinct failure found is run once more to report it
+    # (shrinking has no time left): about 20 examples, not the hundred of a 10 s search.
+    assert calls < 40 and took < 6.0, (calls, took)
+    assert engine.ConjectureRunner.should_generate_more is searching  # restored
 
 
 # -- every layer runs and is reported, whatever another one found ---------------------------

@@ -1,5 +1,5 @@
-"""Hypothesis stops shrinking at the suite's deadline: the one place the suite moves a limit
-inside hypothesis's engine.
+"""Hypothesis stops searching for more failures and shrinking at the suite's deadline: the one
+place the suite moves limits inside hypothesis's engine.
 
 Hypothesis gives up shrinking five minutes after it began: its engine reads
 ``time.perf_counter() + MAX_SHRINKING_SECONDS`` (``hypothesis.internal.conjecture.engine``)
@@ -12,6 +12,13 @@ suite's time budget must cover shrinking, so ``shrinking_stops_at`` moves that p
 constant, and nothing else does. ``tests/test_conformance_report.py`` holds the canary that
 fails on a hypothesis whose engine no longer reads it so; pyproject.toml pins the range of
 hypothesis versions it was checked on.
+
+Once one failure is found, hypothesis also goes on generating examples to find other, distinct
+failures, for up to ten seconds after the first (``ConjectureRunner.should_generate_more``),
+whatever the settings' deadline: on a loaded machine that search alone took the layer 16 s
+past an 8 s budget. While a deadline is set, that search ends at the deadline too (the
+examples before the first failure are not cut: the settings' ``max_examples`` bounds them).
+The same canary checks the method still exists.
 """
 
 from __future__ import annotations
@@ -28,10 +35,10 @@ log = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def shrinking_stops_at(deadline: float | None, *, least_s: float = 0.0) -> Iterator[None]:
-    """While entered, hypothesis stops shrinking at ``deadline`` (``time.monotonic()``; None:
-    at its own limit), but not before ``least_s`` seconds of shrinking (its guaranteed share,
-    for a failure found at the deadline), and reports the smallest failing example found by
-    then.
+    """While entered, hypothesis stops searching for failures other than the first it found,
+    and stops shrinking, at ``deadline`` (``time.monotonic()``; None: at its own limits), but
+    shrinks for ``least_s`` seconds at least (its guaranteed share, for a failure found at
+    the deadline), and reports the smallest failing example found by then.
 
     On a hypothesis without the limit this module moves, shrinking is not bounded (the run
     is still right, only maybe longer) and a warning says so.
@@ -51,11 +58,24 @@ def shrinking_stops_at(deadline: float | None, *, least_s: float = 0.0) -> Itera
         return
     left = deadline - time.monotonic()
     at = _AtDeadline(time.perf_counter() + left, least_s)
+    runner = engine.ConjectureRunner
+    searching = runner.__dict__.get("should_generate_more")
+
+    def search_more(self: engine.ConjectureRunner) -> bool:
+        if self.interesting_test_cases and time.monotonic() >= deadline:
+            return False  # a failure is found and the time is up: shrink it
+        assert searching is not None
+        return bool(searching(self))
+
     engine.MAX_SHRINKING_SECONDS = at  # type: ignore[assignment]
+    if searching is not None:
+        runner.should_generate_more = search_more  # type: ignore[method-assign]
     try:
         yield
     finally:
         engine.MAX_SHRINKING_SECONDS = saved  # type: ignore[assignment]
+        if searching is not None:
+            runner.should_generate_more = searching  # type: ignore[method-assign]
 
 
 class _AtDeadline(float):
