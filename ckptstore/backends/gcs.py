@@ -176,13 +176,20 @@ class GCSDriver(ObjectStoreBase):
         )
 
     def _upload(
-        self, full: str, body: bytes, metadata: Mapping[str, str] | None, condition: int | None
+        self,
+        full: str,
+        body: bytes,
+        metadata: Mapping[str, str] | None,
+        condition: int | None,
+        checksum: str | None = None,
     ) -> Any:
+        """Upload ``body`` as ``full``; with checksums on, its CRC32C (``checksum`` if the
+        caller computed it) goes in the upload's metadata, and the server checks it."""
         blob = self._blob(full)
         if metadata:
             blob.metadata = dict(metadata)
         if self.checksums:
-            blob.crc32c = crc32c_b64(body)  # sent in the upload's metadata: the server checks
+            blob.crc32c = checksum or crc32c_b64(body)
         blob.upload_from_string(
             body,
             content_type="application/octet-stream",
@@ -413,10 +420,11 @@ class GCSDriver(ObjectStoreBase):
     def upload_part(self, key: str, upload_id: str, part_number: int, data: Buffer) -> PartInfo:
         if not 1 <= part_number <= self.max_parts:
             raise InvalidInputError(f"part number {part_number} is not in 1..{self.max_parts}")
-        body = bytes(data)
+        body = bytes(data)  # no copy of the bytes parts arrive as
+        checksum = crc32c_b64(body) if self.checksums else None  # once: sent and recorded
         piece = self._piece(key, upload_id, f"p{part_number:05d}")
         blob = self.retried(
-            f"upload {piece}", lambda: self._upload(piece, body, None, None), key=key
+            f"upload {piece}", lambda: self._upload(piece, body, None, None, checksum), key=key
         )
         try:  # after the piece: an abort that raced it is seen, and its piece removed
             self._stat(self._piece(key, upload_id, "init"), None)
@@ -428,7 +436,6 @@ class GCSDriver(ObjectStoreBase):
                 url=self.url,
                 key=key,
             ) from exc
-        checksum = crc32c_b64(body) if self.checksums else None
         return PartInfo(part_number, f'"{blob.generation}"', len(body), checksum)
 
     def complete(
