@@ -42,6 +42,7 @@ __all__ = [  # the errors a driver raises are part of its interface
     "FileSystemDriver",
     "IdentifiedStorage",
     "IndeterminateOutcomeError",
+    "LinkingDriver",
     "ObjectInfo",
     "ObjectNotFoundError",
     "ObjectStoreDriver",
@@ -270,6 +271,28 @@ class CloningDriver(FileSystemDriver, Protocol):
         """Make the new, empty file ``handle`` a clone of the whole open file ``source``;
         False, with nothing changed, where no clone can be made (a file system without
         clones, or two file systems). Durable once ``handle`` is fsynced."""
+
+
+@runtime_checkable
+class LinkingDriver(FileSystemDriver, Protocol):
+    """A file system that also makes hard links: incremental saves share unchanged shards.
+
+    Optional: a driver without ``link`` writes every shard of an incremental save (nothing
+    is shared). With it, a shard whose bytes an earlier checkpoint holds becomes a new link
+    to that checkpoint's file (docs/protocol.md, "Incremental checkpoints").
+    """
+
+    def link(self, source: str, target: str) -> int:
+        """Make the new name ``target`` a hard link to the regular file ``source`` (never
+        following a symbolic link); return the file's size. TargetExistsError if ``target``
+        exists, ObjectNotFoundError if ``source`` does not, StorageError (nothing left at
+        ``target``) if ``source`` is not a regular file. Durable once ``target``'s directory
+        is fsynced."""
+
+    def links(self, path: str) -> tuple[int, float]:
+        """How many names the regular file ``path`` has (its link count), and when its inode
+        last changed (ctime, on the file system's clock). StorageError if it is not a
+        regular file."""
 
 
 @runtime_checkable

@@ -7,6 +7,7 @@ Used as a context manager it publishes on a clean exit and aborts on an exceptio
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 import time
@@ -41,8 +42,11 @@ __all__ = [
     "PendingCheckpoint",
     "PendingState",
     "ShardData",
+    "ShardSharing",
     "ShardWriter",
     "save_shards",
+    "shard_checksums",
+    "shard_record",
 ]
 
 _READ_CHUNK = 8 * 1024 * 1024
@@ -133,6 +137,16 @@ _OVERLAP_FROM = 16 * 1024 * 1024
 """A write at least this large is checksummed on another thread while the sink writes it."""
 
 
+class ShardSharing(Protocol):
+    """Where an incremental save shares shards with earlier checkpoints (docs/protocol.md
+    §12): ``share`` makes a shard the bytes a checkpoint already holds, or returns None
+    (then the shard is written); ``index`` makes a published checkpoint's shards found."""
+
+    def share(self, name: str, digest: str, size: int) -> Mapping[str, str] | None: ...
+
+    def index(self, manifest: Manifest) -> None: ...
+
+
 class ShardWriter:
     """Streams one shard into its attempt; ``close`` finishes and records it (durable at seal)."""
 
@@ -184,6 +198,21 @@ class ShardWriter:
             raise failure[0]
         return view.nbytes
 
+    def write_summed(self, data: BytesLike, crc: BlockCrc32c, digests: BlockDigests | None) -> int:
+        """Write the whole shard at once, its checksums already computed over exactly these
+        bytes (``shard_checksums``): the bytes are not read again."""
+        if self._closed or self.size:
+            raise CheckpointStateError(
+                f"shard {self.name!r}: only an empty, open shard takes summed bytes",
+                key=self.name,
+            )
+        view = _as_view(data)
+        if crc.size != view.nbytes or (digests is not None) != (self._digests is not None):
+            raise ValueError(f"shard {self.name!r}: checksums of other bytes")
+        self._sink.write(view)
+        self._crc, self._digests = crc, digests
+        return view.nbytes
+
     def clone_from(self, source: int) -> bool:
         """Make this (still empty) shard a copy-on-write clone of the whole open file
         ``source`` where the storage can (a reflink: no byte copied), then checksum the clone
@@ -226,22 +255,7 @@ class ShardWriter:
         except BaseException:
             self._failed_to(self.name)
             raise
-        crc, digests = self._crc, self._digests
-        digest, block_digests = "", ""
-        if digests is not None:
-            digests.finish()
-            digest = f"{digests.algorithm}:{digests.hexdigest()}"
-            block_digests = digests.block_hexdigests()
-        record = ShardRecord(
-            self.name,
-            crc.size,
-            crc.hexdigest(),
-            dict(locator),
-            block_size=crc.block_size,
-            block_crc32c=crc.block_hexdigests(),
-            digest=digest,
-            block_digests=block_digests,
-        )
+        record = shard_record(self.name, locator, self._crc, self._digests)
         self._closed_to(record)
         self._record = record
         return record
@@ -261,6 +275,58 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+def shard_checksums(
+    view: memoryview, algorithm: str | None
+) -> tuple[BlockCrc32c, BlockDigests | None]:
+    """The CRC32Cs (and, with ``algorithm``, the digests) of a whole shard's bytes; a large
+    shard's two on two threads (both hash without holding the GIL)."""
+    crc = BlockCrc32c()
+    digests = None if algorithm is None else BlockDigests(algorithm)
+    if digests is None or view.nbytes < _OVERLAP_FROM:
+        crc.update(view)
+        if digests is not None:
+            digests.update(view)
+        return crc, digests
+    failure: list[BaseException] = []
+
+    def crc_all() -> None:
+        try:
+            crc.update(view)
+        except BaseException as exc:  # raised below, in the caller's thread
+            failure.append(exc)
+
+    summing = threading.Thread(target=crc_all, name="ckptstore-crc-share")
+    summing.start()
+    try:
+        digests.update(view)
+    finally:
+        summing.join()
+    if failure:
+        raise failure[0]
+    return crc, digests
+
+
+def shard_record(
+    name: str, locator: Mapping[str, str], crc: BlockCrc32c, digests: BlockDigests | None
+) -> ShardRecord:
+    """The record of a finished shard of these checksums (``digests`` is finished here)."""
+    digest, block_digests = "", ""
+    if digests is not None:
+        digests.finish()
+        digest = f"{digests.algorithm}:{digests.hexdigest()}"
+        block_digests = digests.block_hexdigests()
+    return ShardRecord(
+        name,
+        crc.size,
+        crc.hexdigest(),
+        dict(locator),
+        block_size=crc.block_size,
+        block_crc32c=crc.block_hexdigests(),
+        digest=digest,
+        block_digests=block_digests,
+    )
 
 
 def _as_view(data: Any) -> memoryview:
@@ -292,11 +358,17 @@ class PendingCheckpoint:
         writer: WriterInfo,
         owner: AttemptOwner,
         digest_algorithm: str | None = None,
+        sharing: ShardSharing | None = None,
     ) -> None:
         """``digest_algorithm``: every shard written here also records its cryptographic
-        digests (a store that signs, or that was opened with ``digests``)."""
+        digests (a store that signs, or that was opened with ``digests``). ``sharing`` (an
+        incremental save, which needs digests): a shard written whole from a buffer whose
+        bytes an earlier checkpoint holds is shared with it, not written again."""
+        if sharing is not None and digest_algorithm is None:
+            raise ValueError("a save that shares shards names them by their digests")
         self.step = step
         self.digest_algorithm = digest_algorithm
+        self._sharing = sharing
         self.attempt = attempt
         self.metadata = metadata
         self.expected = expected
@@ -391,6 +463,9 @@ class PendingCheckpoint:
         ``size_hint`` (the shard's size, if known) lets object stores choose the part size.
         """
         self._claim(name)
+        return self._open_claimed(name, size_hint)
+
+    def _open_claimed(self, name: str, size_hint: int | None) -> ShardWriter:
         try:
             sink = self._owner.open_sink(name, size_hint)
         except BaseException:
@@ -414,6 +489,8 @@ class PendingCheckpoint:
                 f"got {type(data).__name__}"
             )
         view = None if hasattr(data, "read") or not _is_buffer(data) else _as_view(data)
+        if view is not None and self._sharing is not None:
+            return self._write_shared(name, view, self._sharing)
         with self.open_shard(name, None if view is None else view.nbytes) as writer:
             if view is not None:
                 writer.write(view)
@@ -427,6 +504,26 @@ class PendingCheckpoint:
             else:
                 for chunk in cast(Iterable[BytesLike], data):  # neither a buffer nor a file
                     writer.write(chunk)
+        return writer.close()
+
+    def _write_shared(self, name: str, view: memoryview, sharing: ShardSharing) -> ShardRecord:
+        """Write a whole shard of an incremental save: its bytes are hashed first, then
+        shared with the checkpoint that holds them, or written (not read again)."""
+        self._claim(name)
+        try:
+            crc, digests = shard_checksums(view, self.digest_algorithm)
+            assert digests is not None  # an incremental save has an algorithm
+            record = shard_record(name, {}, crc, digests)
+            locator = sharing.share(name, record.digest, record.size)
+        except BaseException:
+            self._shard_failed(name)
+            raise
+        if locator is not None:
+            record = dataclasses.replace(record, locator=dict(locator))
+            self._shard_closed(record)
+            return record
+        with self._open_claimed(name, view.nbytes) as writer:
+            writer.write_summed(view, crc, digests)  # finished already: finish is idempotent
         return writer.close()
 
     def seal(self) -> list[ShardRecord]:
@@ -531,6 +628,8 @@ class PendingCheckpoint:
         self.checkpoint = checkpoint
         self._move(PendingState.PUBLISHED)
         self._owner.published(checkpoint)
+        if self._sharing is not None:  # durable now: later saves may share its shards
+            self._sharing.index(checkpoint.manifest)
         return checkpoint
 
     def _manifest(self, shards: tuple[ShardRecord, ...]) -> Manifest:

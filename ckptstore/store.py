@@ -61,6 +61,7 @@ from ckptstore.pending import PendingCheckpoint
 from ckptstore.publisher import JoinedAttempt, Publisher, StoreAttempt
 from ckptstore.registry import resolve
 from ckptstore.retention import CheckpointAge, RetentionPolicy
+from ckptstore.sharing import StrategySharing, check_incremental
 from ckptstore.signing import (
     SigningKey,
     SigningKeyLike,
@@ -69,7 +70,7 @@ from ckptstore.signing import (
     signing_key_from,
     trust_from,
 )
-from ckptstore.urls import parse_url, split_epoch
+from ckptstore.urls import parse_url, split_epoch, split_incremental
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -145,11 +146,15 @@ class Store(CheckpointStore):
         signing_key: SigningKey | None = None,
         trust: Trust | None = None,
         digest_algorithm: str | None = None,
+        incremental: bool = False,
     ) -> None:
         """``signing_key``: sign every manifest published and epoch taken here; ``trust``:
         read only checkpoints and epochs a trusted key signed; ``digest_algorithm``: record
-        every shard's cryptographic digests (default: the fastest available when signing,
-        else none). ``ckptstore.open`` reads the first two from the environment too."""
+        every shard's cryptographic digests (default: the fastest available when signing or
+        saving incrementally, else none). ``ckptstore.open`` reads the first two from the
+        environment too. ``incremental``: a shard written whole whose bytes an earlier
+        checkpoint holds is shared with it, not written again (docs/protocol.md §12;
+        InvalidOptionError on storage that cannot share)."""
         if retention is not None and not isinstance(retention, RetentionPolicy):
             raise InvalidOptionError(f"retention must be a RetentionPolicy, got {retention!r}")
         strategy.check_capabilities()
@@ -158,7 +163,10 @@ class Store(CheckpointStore):
         self.clock = clock
         self.signing_key = signing_key
         self.trust = trust
-        if digest_algorithm is None and signing_key is not None:
+        if incremental:
+            check_incremental(strategy)
+        self.incremental = incremental
+        if digest_algorithm is None and (signing_key is not None or incremental):
             digest_algorithm = default_algorithm()
         self.digest_algorithm = (
             None if digest_algorithm is None else check_algorithm(digest_algorithm)
@@ -399,6 +407,7 @@ class Store(CheckpointStore):
                 writer=WriterInfo.current(world_size=world_size),
                 owner=StoreAttempt(self._publisher, step, attempt_id),
                 digest_algorithm=self.digest_algorithm,
+                sharing=self._sharing(step, attempt_id),
             )
         )
 
@@ -420,8 +429,12 @@ class Store(CheckpointStore):
                 writer=WriterInfo.current(),
                 owner=JoinedAttempt(self.strategy, step, attempt_id),
                 digest_algorithm=self.digest_algorithm,
+                sharing=self._sharing(step, attempt_id),
             )
         )
+
+    def _sharing(self, step: int, attempt: str) -> StrategySharing | None:
+        return StrategySharing(self.strategy, step, attempt) if self.incremental else None
 
     def _released_when_dropped(self, pending: PendingCheckpoint) -> PendingCheckpoint:
         """A pending checkpoint dropped without publish or abort lets go of the files it holds
@@ -991,6 +1004,7 @@ def open_store(
     signing_key: SigningKeyLike | Literal[False] | None = None,
     trust: TrustLike | Literal[False] | None = None,
     digests: bool | str | None = None,
+    incremental: bool | None = None,
     **options: object,
 ) -> Store:
     """Open the store at ``url`` (``file:///path``, a bare path, ``memory://bucket/prefix``).
@@ -1001,7 +1015,9 @@ def open_store(
     ``$CKPTSTORE_SIGNING_KEY``): sign what this store publishes. ``trust`` (public key files;
     default ``$CKPTSTORE_TRUST``): read only what a trusted key signed (``ckptstore.signing``).
     ``digests``: record shards' cryptographic digests (True, ``"blake3"``, ``"sha256"``;
-    on by default when signing). Other keyword arguments are backend options and override
+    on by default when signing). ``incremental`` (or ``?incremental=1``): share unchanged
+    shards with earlier checkpoints instead of writing them again (file systems with hard
+    links; docs/protocol.md §12). Other keyword arguments are backend options and override
     the URL's query parameters.
     """
     key = signing_key_from(signing_key)
@@ -1022,6 +1038,9 @@ def open_store(
             f"{parsed.scheme}:// URL says epoch {url_epoch}, the epoch option {epoch}: give one"
         )
     epoch = url_epoch if epoch is None else epoch
+    parsed, url_incremental = split_incremental(parsed)
+    if incremental is None:
+        incremental = bool(url_incremental)
     factory = resolve(parsed.scheme)
     strategy = factory(parsed, {**parsed.query, **options})
     strategy.open_root(create=create)
@@ -1032,6 +1051,7 @@ def open_store(
         signing_key=key,
         trust=trusted,
         digest_algorithm=algorithm,
+        incremental=incremental,
     )
     if epoch is not None:
         store.join_epoch(epoch)

@@ -27,6 +27,7 @@ __all__ = [
     "parse_url",
     "redact",
     "split_epoch",
+    "split_incremental",
 ]
 
 _SCHEME_RE = re.compile(r"^[a-z][a-z0-9+.-]*$")
@@ -149,6 +150,17 @@ def option_bool(options: Mapping[str, object], name: str, default: bool) -> bool
     if text in ("0", "false", "no", "off"):
         return False
     raise InvalidOptionError(f"option {name} must be a boolean, got {value!r}")
+
+
+def split_incremental(url: StoreURL) -> tuple[StoreURL, bool | None]:
+    """``url`` without its ``incremental`` option (the store's, not a backend's), and its
+    value (None if not given)."""
+    if "incremental" not in url.query:
+        return url, None
+    query = dict(url.query)
+    incremental = option_bool(query, "incremental", False)
+    del query["incremental"]
+    return dataclasses.replace(url, query=query), incremental
 
 
 def split_epoch(url: StoreURL) -> tuple[StoreURL, int | None]:

@@ -20,6 +20,7 @@ from ckptstore.driver import (
     CloningDriver,
     DriverFamily,
     FileSystemDriver,
+    LinkingDriver,
     ObjectStoreDriver,
     RangedReadDriver,
     driver_family,
@@ -27,8 +28,12 @@ from ckptstore.driver import (
 )
 
 DRIVERS = [
-    (PosixDriver, DriverFamily.FILE_SYSTEM, (CloningDriver,)),
-    (LustreDriver, DriverFamily.FILE_SYSTEM, (LayoutFileSystemDriver, CloningDriver)),
+    (PosixDriver, DriverFamily.FILE_SYSTEM, (CloningDriver, LinkingDriver)),
+    (
+        LustreDriver,
+        DriverFamily.FILE_SYSTEM,
+        (LayoutFileSystemDriver, CloningDriver, LinkingDriver),
+    ),
     (SimulatedFileSystem, DriverFamily.FILE_SYSTEM, (FileSystemDriver,)),
     (MemoryDriver, DriverFamily.OBJECT_STORE, (ObjectStoreDriver,)),
     (S3Driver, DriverFamily.OBJECT_STORE, (RangedReadDriver,)),

@@ -27,7 +27,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     BACKENDS: ("backends",),
     CORE: (
         "checkpoint", "pending", "publisher", "store", "history", "fencing", "registry",
-        "interval", "tiers", "replication", "tiered", "epoch_repair", "interface", "",
+        "interval", "tiers", "replication", "tiered", "epoch_repair", "interface", "sharing",
+        "",
     ),
     TORCH: ("torch",),
     TRAINERS: ("adapters", "directory", "huggingface", "lightning"),

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from typing import BinaryIO, ClassVar
 
 from ckptstore.commit.rename import RenameCommit
-from ckptstore.driver import Buffer, Capability, CloningDriver, FileStat
+from ckptstore.driver import Buffer, Capability, CloningDriver, FileStat, LinkingDriver
 from ckptstore.errors import (
     InvalidURLError,
     ObjectNotFoundError,
@@ -82,7 +82,7 @@ def _load_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     )  # fmt: skip
 
 
-class PosixDriver(CloningDriver):
+class PosixDriver(CloningDriver, LinkingDriver):
     """File-system primitives under one root directory, each one system call deep."""
 
     capabilities = frozenset(
@@ -169,6 +169,29 @@ class PosixDriver(CloningDriver):
                     return False
                 raise
         return True
+
+    def link(self, source: str, target: str) -> int:
+        """A hard link (``linkat`` without ``AT_SYMLINK_FOLLOW``: a symbolic link is linked
+        as itself, then refused); the file's size."""
+        with self._translate("link", f"{source} -> {target}"):
+            os.link(self._abs(source), self._abs(target), follow_symlinks=False)
+        try:
+            with self._translate("stat", target):
+                result = os.lstat(self._abs(target))
+            if not stat_module.S_ISREG(result.st_mode):
+                raise _not_regular(self._abs(source), file_kind(result.st_mode, "not a file"))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(self._abs(target))
+            raise
+        return result.st_size
+
+    def links(self, path: str) -> tuple[int, float]:
+        with self._translate("stat", path):
+            result = os.lstat(self._abs(path))
+        if not stat_module.S_ISREG(result.st_mode):
+            raise _not_regular(self._abs(path), file_kind(result.st_mode, "not a file"))
+        return result.st_nlink, result.st_ctime
 
     def write(self, handle: int, data: Buffer) -> None:
         view = memoryview(data).cast("B")

@@ -199,6 +199,25 @@ class Publishing(_Located):
     def release(self, step: int, attempt: str) -> None:
         """Let go of what this process holds open for the attempt; its staged data stays."""
 
+    @property
+    def shares_shards(self) -> bool:
+        """True where an incremental save can share a shard with earlier checkpoints
+        (``share_shard``); others write every shard (docs/protocol.md §12)."""
+        return False
+
+    def share_shard(
+        self, step: int, attempt: str, name: str, digest: str, size: int
+    ) -> Mapping[str, str] | None:
+        """Make shard ``name`` of the attempt the bytes an earlier checkpoint published with
+        ``digest`` and ``size``, without writing them; its locator, or None (nothing made)
+        where no checkpoint holds them: the shard is then written. ShardExistsError if the
+        attempt already has the shard."""
+        return None
+
+    def index_shards(self, manifest: Manifest) -> None:
+        """After ``manifest`` published: make its shards found by later incremental saves
+        (best effort: never raises for what it could not index)."""
+
     @abc.abstractmethod
     def publish(self, manifest: Manifest) -> None:
         """Seal the attempt and commit it: one atomic, exclusive operation (the commit point).

@@ -38,8 +38,9 @@ from ckptstore.commit.base import (
     ShardSink,
     clock_lead,
 )
+from ckptstore.commit.blob_area import BLOB_AREA, FileBlobArea
 from ckptstore.commit.unsynced import UnsyncedFiles
-from ckptstore.driver import Capability, FileSystemDriver
+from ckptstore.driver import Capability, FileSystemDriver, LinkingDriver
 from ckptstore.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -147,6 +148,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         super().__init__(driver)
         self._unsynced: dict[tuple[int, str], UnsyncedFiles] = {}
         self._unsynced_lock = threading.Lock()
+        self._blobs = FileBlobArea(driver) if isinstance(driver, LinkingDriver) else None
 
     def open_root(self, *, create: bool) -> None:
         self.driver.ensure_root(create)
@@ -179,9 +181,49 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         errors = lambda: self._attempt_errors(step, attempt)  # noqa: E731
         return FileShardSink(self.driver, unsynced, path, f"{DATA_DIR}/{name}", handle, errors)
 
+    @property
+    def shares_shards(self) -> bool:
+        return self._blobs is not None
+
+    def share_shard(
+        self, step: int, attempt: str, name: str, digest: str, size: int
+    ) -> Mapping[str, str] | None:
+        """A hard link, in the staging directory, to the file an earlier checkpoint
+        published with these bytes (§12.2): durable with the staging directory's fsyncs."""
+        if self._blobs is None:
+            return None
+        with self._attempt_errors(step, attempt):
+            path = self._shard_path(step, attempt, name)
+            try:
+                shared = self._blobs.share(digest, size, path)
+            except TargetExistsError as exc:
+                raise ShardExistsError(
+                    f"shard {name!r} already exists in this attempt", key=name
+                ) from exc
+        return {"path": f"{DATA_DIR}/{name}"} if shared else None
+
+    def index_shards(self, manifest: Manifest) -> None:
+        if self._blobs is None:
+            return
+        final = names.checkpoint_token(manifest.step, manifest.epoch)
+        for record in manifest.shards:
+            if record.digest:
+                self._blobs.index(record.digest, record.size, f"{final}/{DATA_DIR}/{record.name}")
+
     def _create_shard(
         self, step: int, attempt: str, name: str, size_hint: int | None
     ) -> tuple[str, int]:
+        path = self._shard_path(step, attempt, name)
+        try:
+            return path, self.create_shard_file(path, size_hint)
+        except TargetExistsError as exc:
+            raise ShardExistsError(
+                f"shard {name!r} already exists in this attempt", key=name
+            ) from exc
+
+    def _shard_path(self, step: int, attempt: str, name: str) -> str:
+        """The path of shard ``name`` in the attempt's staging directory, its parent
+        directories made."""
         base = f"{self.staging_dir(step, attempt)}/{DATA_DIR}"
         segments = name.split("/")
         for depth in range(1, len(segments)):
@@ -195,13 +237,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
                         f"which is already a shard",
                         key=name,
                     ) from None
-        path = f"{base}/{name}"
-        try:
-            return path, self.create_shard_file(path, size_hint)
-        except TargetExistsError as exc:
-            raise ShardExistsError(
-                f"shard {name!r} already exists in this attempt", key=name
-            ) from exc
+        return f"{base}/{name}"
 
     def create_shard_file(self, path: str, size_hint: int | None) -> int:
         """Create a shard's file exclusively; subclasses may choose its layout by size."""
@@ -576,7 +612,8 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         self.remove_tree(trash)
 
     def collect_garbage(self, *, grace_s: float, now: float, dry_run: bool) -> GcReport:
-        """Remove trash, and staging and temporary files idle for longer than ``grace_s``.
+        """Remove trash, and staging and temporary files idle for longer than ``grace_s``,
+        and the entries of the blob area no checkpoint links any more (§12.2).
 
         Idle time is measured on the file system's clock, not this host's: GC first creates a
         file ``.gc-clock-<id>`` in the store's root (removed at the end) and compares each
@@ -600,6 +637,8 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
                     self._collect(name, fs_now + lead, report)
             if EPOCHS_DIR in entries:
                 self._collect_epoch_staging(fs_now + lead, report)
+            if BLOB_AREA in entries and self._blobs is not None:
+                self._blobs.sweep(fs_now + lead, report)
         except ObjectNotFoundError:
             return report
         finally:

@@ -1,0 +1,285 @@
+"""Incremental saves on file://: unchanged shards are shared by hard links, never lost to
+retention or GC (I10, docs/protocol.md §12.2)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ckptstore
+from ckptstore.commit.blob_area import BLOB_AREA, blob_path
+from ckptstore.errors import InvalidOptionError
+
+MiB = 2**20
+
+
+def _open(tmp_path: Path, **options: Any) -> ckptstore.Store:
+    return ckptstore.open(f"file://{tmp_path}/store", incremental=True, **options)
+
+
+def _shard_file(tmp_path: Path, step: int, name: str) -> Path:
+    return tmp_path / "store" / f"step-{step:020d}" / "data" / name
+
+
+def _area_entries(tmp_path: Path) -> list[Path]:
+    area = tmp_path / "store" / BLOB_AREA
+    return sorted(p for p in area.rglob("*") if p.is_file()) if area.exists() else []
+
+
+def test_an_unchanged_shard_is_shared_and_a_changed_one_written(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    base = os.urandom(5 * MiB + 17)  # more than one block, a short last one
+    adapters = [os.urandom(MiB) for _ in range(3)]
+    for step, adapter in enumerate(adapters, start=1):
+        store.save(step, {"model/base.bin": base, "model/lora.bin": adapter})
+    inodes = {os.stat(_shard_file(tmp_path, s, "model/base.bin")).st_ino for s in (1, 2, 3)}
+    assert len(inodes) == 1  # one file, three checkpoints' links (and the area's)
+    assert os.stat(_shard_file(tmp_path, 3, "model/base.bin")).st_nlink == 4
+    lora = {os.stat(_shard_file(tmp_path, s, "model/lora.bin")).st_ino for s in (1, 2, 3)}
+    assert len(lora) == 3
+    for step, adapter in enumerate(adapters, start=1):
+        checkpoint = store.get(step)
+        assert checkpoint.read("model/base.bin") == base
+        assert checkpoint.read("model/lora.bin") == adapter
+        assert checkpoint.verify().ok
+        record = {r.name: r for r in checkpoint.manifest.shards}["model/base.bin"]
+        assert record.digest.startswith(("blake3:", "sha256:"))  # its blob's name
+        assert record.locator == {"path": "data/model/base.bin"}  # read as any other shard
+    reopened = ckptstore.open(f"file://{tmp_path}/store")  # a reader not incremental
+    assert reopened.latest() is not None and reopened.get(1).read("model/base.bin") == base
+
+
+def test_deleting_checkpoints_and_gc_never_free_a_shared_shard(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    base = os.urandom(2 * MiB)
+    for step in (1, 2, 3):
+        store.save(step, {"base": base, "step": str(step).encode()})
+    store.delete(1)
+    store.delete(2)
+    report = store.gc(grace=0)
+    removed = {item.name for item in report.removed if item.kind == "blob"}
+    digest = {r.name: r for r in store.get(3).manifest.shards}
+    # The first two "step" shards' entries had no checkpoint left: removed; the rest kept.
+    assert len(removed) == 2
+    assert blob_path(digest["base"].digest, digest["base"].size) not in removed
+    assert store.get(3).read("base") == base and store.get(3).verify().ok
+    assert all(os.stat(p).st_nlink == 2 for p in _area_entries(tmp_path))
+    store.delete(3, force=True)
+    store.gc(grace=0)
+    assert _area_entries(tmp_path) == []  # nothing links the bytes any more: all gone
+
+
+def test_gc_keeps_young_entries_and_a_dry_run_removes_nothing(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    store.save(1, {"a": b"x" * 1000})
+    store.save(2, {"a": b"y" * 1000})
+    store.delete(1)
+    assert [i.kind for i in store.gc().kept_young if i.kind == "blob"] == ["blob"]
+    dry = store.gc(grace=0, dry_run=True)
+    assert [i.kind for i in dry.removed if i.kind == "blob"] == ["blob"]
+    assert len(_area_entries(tmp_path)) == 2
+    store.gc(grace=0)
+    assert len(_area_entries(tmp_path)) == 1
+
+
+def test_gc_unlinking_an_entry_a_writer_just_shared_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race of §12.2: GC counts one link, a save links the entry, GC unlinks it."""
+    store = _open(tmp_path)
+    base = os.urandom(MiB)
+    store.save(1, {"base": base})
+    store.delete(1, force=True)  # the area's entry is the only link left
+    driver = store.strategy.driver
+    real_links = driver.links
+    writer = _open(tmp_path)
+
+    def counted_then_shared(path: str) -> tuple[int, float]:
+        answer = real_links(path)  # GC's count: 1
+        writer.save(2, {"base": base})  # the writer shares the entry before GC unlinks it
+        return answer
+
+    monkeypatch.setattr(driver, "links", counted_then_shared)
+    report = store.gc(grace=0)
+    assert [i.kind for i in report.removed] == ["blob"]  # only the index went
+    assert _area_entries(tmp_path) == []
+    monkeypatch.undo()
+    checkpoint = ckptstore.open(f"file://{tmp_path}/store").get(2)
+    assert checkpoint.read("base") == base and checkpoint.verify().ok
+    writer.save(3, {"base": base})  # written again (the index was lost), then indexed
+    assert len(_area_entries(tmp_path)) == 1
+
+
+def test_an_entry_whose_size_differs_from_its_name_is_not_shared(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = _open(tmp_path)
+    data = os.urandom(100_000)
+    store.save(1, {"a": data})
+    (entry,) = _area_entries(tmp_path)
+    store.delete(1, force=True)
+    os.truncate(entry, 10)  # a damaged entry: its name promises 100,000 bytes
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        store.save(2, {"a": data})
+    assert "holds 10 bytes" in caplog.text
+    assert os.stat(_shard_file(tmp_path, 2, "a")).st_ino != os.stat(entry).st_ino
+    assert store.get(2).read("a") == data and store.get(2).verify().ok
+
+
+def test_links_planted_in_the_area_are_never_followed(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    data = os.urandom(10_000)
+    store.save(1, {"a": data})
+    (entry,) = _area_entries(tmp_path)
+    store.delete(1, force=True)
+    store.gc(grace=0)
+    outside = tmp_path / "users-file"
+    outside.write_bytes(data)
+    entry.symlink_to(outside)  # the entry's name, pointing out of the store
+    store.save(2, {"a": data})  # not shared through the symbolic link: written
+    assert not os.path.samefile(_shard_file(tmp_path, 2, "a"), outside)
+    assert store.get(2).read("a") == data
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    victim = elsewhere / entry.name
+    victim.write_bytes(data)  # a user's file, named like an entry, one link
+    fan = entry.parent
+    os.unlink(entry)
+    for child in fan.iterdir():
+        os.unlink(child)
+    fan.rmdir()
+    fan.symlink_to(elsewhere)  # a planted directory link
+    (entry.parent.parent / "stray.txt").write_text("an operator's note")
+    store.gc(grace=0)
+    assert victim.read_bytes() == data  # never deleted through the link
+    assert (entry.parent.parent / "stray.txt").exists()  # not the area's: left alone
+
+
+def test_streams_are_written_then_shared_by_later_saves(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    data = os.urandom(3 * MiB)
+    with store.begin(1) as pending, pending.open_shard("s") as shard:
+        shard.write(data)  # streamed: written, then indexed when published
+    store.save(2, {"s": data})
+    assert os.path.samefile(_shard_file(tmp_path, 1, "s"), _shard_file(tmp_path, 2, "s"))
+
+
+def test_incremental_with_signing_shares_and_verifies(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = tmp_path / "key.pem"
+    key.write_bytes(
+        ed25519.Ed25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    store = _open(tmp_path, signing_key=str(key))
+    base = os.urandom(MiB)
+    store.save(1, {"base": base})
+    store.save(2, {"base": base})
+    assert os.path.samefile(_shard_file(tmp_path, 1, "base"), _shard_file(tmp_path, 2, "base"))
+    assert store.get(2).verify().ok
+
+
+@pytest.mark.parametrize(
+    "url", ["memory://incremental-refused/run", "file://{tmp}/x?incremental=1"]
+)
+def test_incremental_options(tmp_path: Path, url: str) -> None:
+    if url.startswith("memory"):
+        with pytest.raises(InvalidOptionError, match="file systems with hard links"):
+            ckptstore.open(url, incremental=True)
+        with pytest.raises(InvalidOptionError, match="file systems with hard links"):
+            ckptstore.open(url + "?incremental=1")
+        ckptstore.open(url + "?incremental=0").save(1, {"a": b"1"})  # off: as any store
+        return
+    store = ckptstore.open(url.format(tmp=tmp_path))
+    assert store.incremental and store.digest_algorithm
+    with pytest.raises(InvalidOptionError):
+        ckptstore.open(f"file://{tmp_path}/y?incremental=perhaps")
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    import ckptstore
+    url, first = sys.argv[1], int(sys.argv[2])
+    store = ckptstore.open(url, retention=ckptstore.KeepLast(2))
+    base = bytes(range(256)) * 8192  # 2 MiB, never changes
+    step = first
+    while True:
+        store.save(step, {"base": base, "adapter": bytes([step % 251]) * 300_000})
+        print(f"published {step}", flush=True)
+        step += 1
+    """
+)
+
+
+GC = textwrap.dedent(
+    """
+    import sys
+    import ckptstore
+    store = ckptstore.open(sys.argv[1])
+    driver = store.strategy.driver
+    unlink = driver.unlink
+
+    def unlinked(path):
+        unlink(path)
+        print("unlinked", path, flush=True)
+
+    driver.unlink = unlinked
+    store.gc(grace=0)
+    print("done", flush=True)
+    """
+)
+
+
+def test_sigkill_of_incremental_writers_and_of_gc_loses_no_shared_shard(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store?incremental=1"
+    base = bytes(range(256)) * 8192
+    rng = random.Random(28)
+    step = 0
+    for trial in range(6):
+        with subprocess.Popen(
+            [sys.executable, "-c", WRITER, url, str(step + 1)], stdout=subprocess.PIPE, text=True
+        ) as writer:
+            assert writer.stdout is not None
+            wanted = rng.randint(1, 3)  # saves to wait for, then kill at once: mid-save
+            for _ in range(wanted):
+                line = writer.stdout.readline()
+                assert line.startswith("published"), line
+                step = int(line.split()[1])
+            os.kill(writer.pid, signal.SIGKILL)
+            writer.wait()
+        if trial % 2:  # a GC killed while it sweeps the area, after its first unlink
+            with subprocess.Popen(
+                [sys.executable, "-c", GC, url], stdout=subprocess.PIPE, text=True
+            ) as gc:
+                assert gc.stdout is not None
+                if gc.stdout.readline().startswith("unlinked"):
+                    os.kill(gc.pid, signal.SIGKILL)
+                gc.wait()
+        store = ckptstore.open(url)
+        latest = store.latest()
+        assert latest is not None and latest.step >= step
+        for checkpoint in store.checkpoints():
+            assert checkpoint.read("base") == base
+            assert checkpoint.read("adapter") == bytes([checkpoint.step % 251]) * 300_000
+            assert checkpoint.verify().ok
+        step = latest.step
+    store = ckptstore.open(url)
+    store.gc(grace=0)
+    for entry in _area_entries(tmp_path):
+        assert os.stat(entry).st_nlink >= 2  # every entry left is linked by a checkpoint
+    assert all(c.verify().ok for c in store.checkpoints())
