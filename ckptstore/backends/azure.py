@@ -11,34 +11,50 @@ number, and when the block was staged on the storage's clock), so that GC can li
 uploads, age them by their newest block, and free them. Idempotent calls are retried on
 transient errors with bounded exponential backoff and jitter (tenacity; the SDK's own retries
 are off); conditional writes are never retried blindly: a create whose outcome is unknown is
-resolved by reading the key back. Reads of large blobs fetch ranges in parallel, each pinned to
-the first answer's ETag.
+resolved by reading the key back. Streams of large blobs fetch ranges ahead in parallel, each
+pinned to the first answer's ETag; ``read_range`` (``RangedReadDriver``) reads a range straight
+into the caller's buffer, pinned by ``If-Match``, resuming from the byte reached when its body
+breaks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import http.client
+import logging
 import re
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
+import urllib3
 from azure.core import MatchConditions
-from azure.core.exceptions import HttpResponseError
+from azure.core.exceptions import AzureError, HttpResponseError
 from azure.storage.blob import BlobBlock, ContainerClient
 
 from ckptstore.backends.azure_errors import AZURE_RULES
+from ckptstore.backends.error_table import first_line, naming
 from ckptstore.backends.moved import served_from
 from ckptstore.backends.object_store import S3_LIKE, Holder, ObjectStoreBase, PutRequest
 from ckptstore.backends.range_reader import RangeReader, ReadAhead
 from ckptstore.backends.wire_format import timestamp
-from ckptstore.driver import Capability, ObjectInfo, PartInfo, UploadInfo, UploadProgress
+from ckptstore.driver import (
+    Capability,
+    ObjectInfo,
+    PartInfo,
+    RangedReadDriver,
+    UploadInfo,
+    UploadProgress,
+)
 from ckptstore.errors import (
+    CkptStoreError,
+    InvalidInputError,
     ObjectNotFoundError,
     PreconditionFailedError,
     StorageError,
@@ -54,17 +70,21 @@ if TYPE_CHECKING:
     from ckptstore.backends.azure_open import open_azure as open_azure
     from ckptstore.backends.azure_open import parse_location as parse_location
     from ckptstore.backends.object_store import DriverSettings
-    from ckptstore.driver import Buffer, PutMode
+    from ckptstore.driver import Buffer, BytesLike, PutMode
 
 __all__ = [
     "READ_PIECE",
     "AzureBlobDriver",
+    "RangeAnswer",
     "ServerClock",
     "decode_metadata",
+    "direct_body_reads",
     "encode_metadata",
     "open_azure",
     "parse_location",
 ]
+
+log = logging.getLogger(__name__)
 
 
 AZURE_MAX_BLOCKS = 50_000
@@ -73,7 +93,15 @@ READ_PIECE = 8 * 1024 * 1024
 FIRST_PIECE = 1024 * 1024
 """Bytes of the GET that opens a stream: a manifest in one request, and little read in vain
 by a stream that seeks away at once (the second half of a shard)."""
+INTO_PIECE = 1024 * 1024
+"""Largest single read of a ``read_range`` body into the caller's buffer: what a read that
+breaks mid-way had received is lost (the socket's read returns no count), so a resume reads at
+most this much again."""
 _BLOCK_RE = re.compile(r"^(?P<upload>[0-9a-f]{16})\.(?P<part>\d{5})\.(?P<stamp>\d{13})$")
+_CONTENT_RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_BODY_BREAKS = (AzureError, http.client.HTTPException, OSError, urllib3.exceptions.HTTPError)
+"""What a body read raises when its connection breaks: the socket's and http.client's errors
+(read straight from them), urllib3's, and azure-core's (the chunks of other transports)."""
 T = TypeVar("T")
 
 
@@ -193,7 +221,95 @@ def _parse_block(block: Any) -> _Block | None:
     )
 
 
-class AzureBlobDriver(ObjectStoreBase):
+@dataclass(frozen=True)
+class RangeAnswer:
+    """One ranged GetBlob's answer, its body not yet read (``AzureBlobDriver.open_range``)."""
+
+    content_range: str
+    """The answer's ``Content-Range`` (empty if it has none: the server ignored the Range)."""
+    info: ObjectInfo
+    """The blob's ETag, Last-Modified and version as the answer gives them (``size``: 0)."""
+    readinto: Callable[[memoryview], int]
+    """Reads the body's next bytes into a buffer; 0 at its end (or where it ended early)."""
+    done: Callable[[], None]
+    """Called once the body was read to its end: its connection goes back to the pool."""
+    close: Callable[[], None]
+    """Lets go of the answer, read or not (always called, after ``done`` if at all)."""
+
+
+class _Chunks:
+    """A body given as a series of ``bytes`` (azure-core's ``stream_download``), read into
+    buffers: each byte copied once more than a read straight from the socket."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._left = memoryview(b"")
+
+    def readinto(self, view: memoryview) -> int:
+        if not self._left.nbytes:
+            chunk = next(self._chunks, b"")
+            if not chunk:
+                return 0
+            self._left = memoryview(chunk).cast("B")
+        count = min(view.nbytes, self._left.nbytes)
+        view[:count] = self._left[:count]
+        self._left = self._left[count:]
+        return count
+
+    def done(self) -> None:
+        """Reach the end of the chunks, where azure-core lets go of the connection."""
+        next(self._chunks, None)
+
+
+def direct_body_reads(raw: object) -> bool:
+    """Whether a fresh answer's body (``requests.Response.raw``) has the layers
+    ``_body_reader`` reads straight from: an unread urllib3 response over an http.client one
+    (for the canary test)."""
+    return (
+        isinstance(raw, urllib3.response.HTTPResponse)
+        and isinstance(getattr(raw, "_fp", None), http.client.HTTPResponse)
+        and getattr(raw, "_fp_bytes_read", None) == 0
+    )
+
+
+def _body_reader(
+    response: Any, chunks: Iterator[bytes]
+) -> tuple[Callable[[memoryview], int], Callable[[], None]]:
+    """How to read a GetBlob answer's body into a buffer: a ``readinto``, and what to call
+    once it was read to its end.
+
+    Straight from the http.client response under requests' and urllib3's when the layers are
+    the known ones and unread: one copy, from the socket into the caller's buffer (urllib3's
+    own ``readinto`` reads into a new bytes object and copies it; azure-core's chunks are
+    bytes objects too). Else from ``chunks`` (azure-core's ``stream_download`` of the body,
+    undecoded), copied. Known layers: azure-core's requests transport (what ``open_azure``
+    configures) over urllib3 2.x (tested with azure-core 1.41, urllib3 2.8); a canary test
+    (tests/test_azure_read_range.py) fails loudly on versions that changed them, and the
+    fallback keeps reads correct meanwhile. Either way the bytes are the stored ones: no
+    ``Content-Encoding`` is decoded.
+    """
+    raw: Any = getattr(getattr(response, "internal_response", None), "raw", None)
+    if direct_body_reads(raw) and not raw._fp.isclosed():  # noqa: SLF001
+        return raw._fp.readinto, raw.release_conn  # noqa: SLF001
+    fallback = _Chunks(chunks)
+    return fallback.readinto, fallback.done
+
+
+def _range_total(content_range: str, first: int, last: int, what: str) -> int:
+    """The blob's size from a ranged answer's Content-Range; StorageError unless the answer
+    holds exactly bytes ``first``..``last`` (a server that ignored the Range, or a blob that
+    ends before ``last``)."""
+    match = _CONTENT_RANGE_RE.fullmatch(content_range)
+    if not match or (int(match[1]), int(match[2])) != (first, last):
+        raise StorageError(
+            errno.EIO,
+            f"{what}: the server answered {content_range or 'the whole blob'} (is the range "
+            f"past the blob's end?)",
+        )
+    return int(match[3])
+
+
+class AzureBlobDriver(ObjectStoreBase, RangedReadDriver):
     """Object-store primitives on one Azure Blob container under a name prefix."""
 
     scheme = "az"
@@ -325,6 +441,146 @@ class AzureBlobDriver(ObjectStoreBase):
             return downloader.readall(), downloader.properties  # an empty blob has no range 0-
 
         return self.retried(f"GetBlob {key} [{offset}+{length}]", call, key=key)
+
+    def read_range(
+        self,
+        key: str,
+        offset: int,
+        into: BytesLike,
+        *,
+        version_id: str | None = None,
+        if_match: str | None = None,
+    ) -> ObjectInfo:
+        """Bytes ``offset`` to ``offset + len(into)`` of one blob (version), every one from it,
+        straight into ``into``: a ranged GetBlob ``If-Match: if_match`` (without it, every
+        resume is pinned to the first answer's ETag); a body that breaks is asked for again
+        from the byte reached, under the same condition, up to ``max_attempts`` answers."""
+        view = memoryview(into).cast("B")
+        if view.readonly:
+            raise InvalidInputError("read_range needs a writable buffer")
+        if offset < 0:
+            raise InvalidInputError(f"read_range of {key}: offset {offset} is negative")
+        pin = _quoted(if_match) or None
+        if not view.nbytes:
+            info = self.head(key, version_id=version_id)
+            if pin and info.etag != pin:
+                raise PreconditionFailedError(
+                    f"GetBlobProperties {key}: the ETag is {info.etag}, not {pin}",
+                    http_status=412,
+                )
+            return info
+        with naming(self.url, key):
+            return self._read_range(key, offset, view, version_id, pin)
+
+    def _read_range(
+        self, key: str, offset: int, view: memoryview, version_id: str | None, pin: str | None
+    ) -> ObjectInfo:
+        end = offset + view.nbytes - 1
+        got, tries = 0, 0
+        while True:
+            tries += 1
+            start = offset + got
+            what = f"GetBlob {key} bytes {start}-{end}"
+            try:
+                answer = self.retried(
+                    what,
+                    functools.partial(
+                        self.open_range, key, start, end, version_id=version_id, etag=pin
+                    ),
+                    key=key,
+                )
+            except PreconditionFailedError as refused:
+                # Azurite refuses a conditional GetBlob of a deleted blob with 412, as if it
+                # were replaced: a HEAD tells them apart (ObjectNotFoundError if deleted).
+                try:
+                    self.head(key, version_id=version_id)
+                except ObjectNotFoundError:
+                    raise
+                except StorageError:
+                    pass  # nothing more to learn: the refusal stands
+                raise refused
+            try:
+                total = _range_total(answer.content_range, start, end, what)
+                etag = answer.info.etag
+                if pin and etag and etag != pin:  # a server that ignored the If-Match
+                    raise PreconditionFailedError(
+                        f"{what}: the answer is of ETag {etag}, not {pin}", http_status=412
+                    )
+                pin = pin or etag or None
+                while got < view.nbytes:
+                    try:
+                        count = answer.readinto(view[got : got + INTO_PIECE])
+                    except CkptStoreError:
+                        raise
+                    except _BODY_BREAKS as exc:
+                        raise TransientStorageError(
+                            errno.ECONNRESET,
+                            f"{what}: the connection broke at byte {offset + got} "
+                            f"({first_line(exc)})",
+                        ) from exc
+                    if not count:
+                        raise TransientStorageError(
+                            errno.ECONNRESET, f"{what}: the body ended at byte {offset + got}"
+                        )
+                    got += count
+                answer.done()
+            except TransientStorageError as exc:
+                if tries >= self.max_attempts or not (pin or version_id):
+                    raise  # out of answers, or nothing pins a resume to the same blob
+                log.info("%s: %s; resuming at byte %d", what, exc, offset + got)
+                continue
+            finally:
+                answer.close()
+            return replace(answer.info, size=total)
+
+    def open_range(
+        self,
+        key: str,
+        first: int,
+        last: int,
+        *,
+        version_id: str | None = None,
+        etag: str | None = None,
+    ) -> RangeAnswer:
+        """One GetBlob of bytes ``first``..``last`` (``If-Match: etag``, of ``version_id``),
+        sent once, its body left unread for the caller (who closes the answer).
+
+        The one place that reaches below azure-storage-blob's public API, for speed: its
+        ``download_blob`` reads an answer's body whole and joins its pieces into one bytes
+        object before any ``readinto`` copies it out (and retries a broken body from its start,
+        with sleeps of its own). This calls the generated GetBlob operation that the SDK's own
+        downloader calls (``BlobClient._client.blob.download``), whose answer comes back with
+        its body unread; ``_body_reader`` reads it.
+        """
+        blob = self._blob(key)
+        try:
+            response, chunks, fields = blob._client.blob.download(  # noqa: SLF001
+                range=f"bytes={first}-{last}",
+                version_id=version_id,
+                decompress=False,
+                headers={"If-Match": etag} if etag else {},
+                cls=lambda answer, body, headers: (answer.http_response, body, headers),
+            )
+        except HttpResponseError as exc:
+            # The generated layer leaves the service's error code in its header; the error
+            # table reads it from the exception, as the SDK's public calls leave it.
+            if not getattr(exc, "error_code", None) and exc.response is not None:
+                exc.error_code = exc.response.headers.get("x-ms-error-code")  # type: ignore[attr-defined]
+            raise
+        try:
+            readinto, done = _body_reader(response, chunks)
+            info = ObjectInfo(
+                key=key,
+                size=0,
+                etag=_quoted(fields.get("ETag")),
+                last_modified=timestamp(fields.get("Last-Modified")),
+                version_id=fields.get("x-ms-version-id") or None,
+            )
+        except BaseException:
+            response.close()
+            raise
+        content_range = str(fields.get("Content-Range") or "")
+        return RangeAnswer(content_range, info, readinto, done, response.close)
 
     def head(self, key: str, *, version_id: str | None = None) -> ObjectInfo:
         blob = self._blob(key)

@@ -23,9 +23,9 @@ from ckptstore.backends.transfer_options import (
     pooled,
     refuse_credentials_in_url,
 )
-from ckptstore.commit.conditional_put import ConditionalPutCommit
+from ckptstore.commit.conditional_put import DEFAULT_READ_RANGE_SIZE, ConditionalPutCommit
 from ckptstore.errors import BackendUnavailableError, InvalidOptionError, InvalidURLError
-from ckptstore.urls import StoreURL, endpoint_option, redact
+from ckptstore.urls import StoreURL, endpoint_option, option_int, redact
 
 __all__ = [
     "BODY_PIECE",
@@ -45,7 +45,7 @@ _CONTAINER_RE = re.compile(r"^(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 _ACCOUNT_RE = re.compile(r"^[a-z0-9]{3,24}$")
 _HOST_RE = re.compile(r"^(?P<account>[^.]+)\.(?:blob|dfs)\.(?P<suffix>.+)$")
 
-URL_OPTIONS = (*TRANSFER_OPTIONS, "account_name")
+URL_OPTIONS = (*TRANSFER_OPTIONS, "account_name", "read_concurrency", "read_range_size")
 CREDENTIAL_OPTIONS = ("connection_string", "account_key", "sas_token", "credential")
 _CLIENT_OPTIONS = frozenset(
     {"endpoint_url", "account_name", "concurrency", "connect_timeout", "read_timeout",
@@ -206,7 +206,9 @@ def parse_location(url: StoreURL) -> tuple[str, str, str | None, str | None]:
 
 def open_azure(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCommit:
     """Open an ``az://container/prefix`` store (also ``abfs[s]://container@account...``):
-    AzureBlobDriver + ConditionalPutCommit."""
+    AzureBlobDriver + ConditionalPutCommit, reading a large shard as ``read_concurrency``
+    ranged GetBlobs at once (default: the upload ``concurrency``; also the ranges a stream
+    fetches ahead) of ``read_range_size`` bytes each (default 16 MiB)."""
     refuse_credentials_in_url(url, CREDENTIAL_OPTIONS, "the environment")
     url.reject_unknown(options, allowed=URL_OPTIONS + CREDENTIAL_OPTIONS)
     container, prefix, account, endpoint = parse_location(url)
@@ -221,6 +223,8 @@ def open_azure(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCo
         if endpoint and not options.get("endpoint_url"):
             merged["endpoint_url"] = endpoint
     transfer = TransferOptions.read(options, min_part_size=1)
+    read_concurrency = option_int(options, "read_concurrency", transfer.concurrency, minimum=1)
+    read_range_size = option_int(options, "read_range_size", DEFAULT_READ_RANGE_SIZE, minimum=1)
     lease = _clients.lease(merged, lambda: _new_client(merged))
     client, clock = lease.client.service, lease.client.clock
     driver = AzureBlobDriver(
@@ -233,9 +237,13 @@ def open_azure(url: StoreURL, options: Mapping[str, object]) -> ConditionalPutCo
         min_part_size=transfer.min_part_size,
         checksums=transfer.checksums,
         max_attempts=transfer.max_attempts,
-        read_concurrency=transfer.concurrency,
+        read_concurrency=read_concurrency,
     )
     driver.on_close(lease.release)  # the store's close lets go of the session's connections
     return ConditionalPutCommit(
-        driver, part_size=transfer.part_size, concurrency=transfer.concurrency
+        driver,
+        part_size=transfer.part_size,
+        concurrency=transfer.concurrency,
+        read_concurrency=read_concurrency,
+        read_range_size=read_range_size,
     )
