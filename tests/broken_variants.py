@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckptstore.backends.memory import MemoryDriver, _Version
 from ckptstore.backends.posix import PosixDriver
@@ -26,6 +26,7 @@ from ckptstore.commit.rename import (
     DATA_DIR,
     LATEST_NAME,
     MANIFEST_NAME,
+    FileShardSink,
     RenameCommit,
     directories_of,
 )
@@ -113,6 +114,37 @@ class UnsyncedManifestCommit(RenameCommit):
             self.driver.fsync_dir(f"{staging}/{DATA_DIR}/{directory}")
         self.driver.fsync_dir(f"{staging}/{DATA_DIR}")
         self.driver.fsync_dir(staging)
+
+
+class UnsyncedCloneCommit(RenameCommit):
+    """A reflinked file committed without its fsync: ``cp --reflink`` (coreutils never fsyncs)
+    or a save hook's own ``FICLONE`` (``ioctl_ficlone``), then the commit. The written shards
+    are fsynced at the seal; a shard that is a clone is closed at once, its shared extents and
+    its size still in the file system's journal, not on disk, when the manifest is."""
+
+    def open_shard(self, step: int, attempt: str, name: str, size_hint: Any = None) -> Any:
+        sink = super().open_shard(step, attempt, name, size_hint)
+        sink.__class__ = _CloneClosingSink
+        return sink
+
+
+class _CloneClosingSink(FileShardSink):
+    """A shard file closed without an fsync once it is a clone (``UnsyncedCloneCommit``)."""
+
+    cloned = False
+
+    def clone_from(self, source: int) -> BinaryIO | None:
+        stream = super().clone_from(source)
+        self.cloned = stream is not None
+        return stream
+
+    def close(self) -> Mapping[str, str]:
+        if not self.cloned:
+            return super().close()
+        handle, self._handle = self._handle, None
+        assert handle is not None
+        self._driver.close(handle)
+        return {"path": self._locator}
 
 
 class CopyingRenameCommit(RenameCommit):

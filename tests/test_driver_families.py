@@ -34,7 +34,7 @@ DRIVERS = [
         DriverFamily.FILE_SYSTEM,
         (LayoutFileSystemDriver, CloningDriver, LinkingDriver),
     ),
-    (SimulatedFileSystem, DriverFamily.FILE_SYSTEM, (FileSystemDriver,)),
+    (SimulatedFileSystem, DriverFamily.FILE_SYSTEM, (CloningDriver,)),
     (MemoryDriver, DriverFamily.OBJECT_STORE, (ObjectStoreDriver,)),
     (S3Driver, DriverFamily.OBJECT_STORE, (RangedReadDriver,)),
 ]

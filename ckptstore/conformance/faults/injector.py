@@ -5,6 +5,11 @@ It can simulate the death of the process *before* call k (the call never reaches
 *after* call k (storage did it; the caller died before it learned so), and it can make chosen
 calls fail with a transient error, before or after they took effect. After a crash every later
 call fails too: a dead process touches nothing, not even in its ``finally`` blocks.
+
+Every call the driver's protocols declare is numbered, an optional one included: a
+``CloningDriver``'s ``clone`` is crashed before (the new shard file stays empty) and after (it
+holds the source's bytes, in the page cache: a dead process does not lose them, a power loss
+may, until the file's fsync; the power-loss layer's ``models.simfs`` models that).
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ _LAZY_RESULTS = frozenset({"list", "list_versions", "list_multipart_uploads"})
 _UPLOAD_CALLS = frozenset({"create_multipart", "complete_multipart", "abort_multipart"})
 _KEYED_BY_UPLOAD = frozenset({"upload_part", "complete_multipart", "abort_multipart"})
 """Calls whose second argument is an upload's id, not a name."""
+_FROM_OUTSIDE = frozenset({"clone"})
+"""Calls whose second argument is a descriptor of a file outside the storage (a clone's
+source, the trainer's file), not a name: its number may be one a closed handle had."""
 READ_ONLY_CALLS = frozenset(
     {
         "stat",
@@ -277,7 +285,7 @@ class FaultInjector:
         (a key, a path, a rename's two paths; an upload's key, not its id), or a handle's path;
         None if not known."""
         names = []
-        for arg in args[: 1 if call in _KEYED_BY_UPLOAD else 2]:
+        for arg in args[: 1 if call in _KEYED_BY_UPLOAD | _FROM_OUTSIDE else 2]:
             if isinstance(arg, str):
                 names.append(arg)
             elif isinstance(arg, int) and arg in self._paths:

@@ -1,9 +1,12 @@
 """Power loss: the standard workload on a simulated file system, cut at every change.
 
-After every storage call that changes the simulated file system, every state a power loss
-could leave (see ``models.simfs``) is materialised, opened by a fresh store, and checked against the
-model as it stood at that instant: committed checkpoints must have survived (I2), anything
-visible must be complete and exactly as saved (I1), and so on.
+The standard workload runs, then a directory is pushed with ``clone=True`` (``ckptstore push``,
+the Hugging Face callback, the background publisher): the simulated file system makes clones,
+so each non-empty file becomes its shard by ``clone``, its bytes durable only once the shard is
+fsynced. After every storage call that changes the simulated file system, every state a power
+loss could leave (see ``models.simfs``) is materialised, opened by a fresh store, and checked
+against the model as it stood at that instant: committed checkpoints must have survived (I2),
+anything visible must be complete and exactly as saved (I1), and so on.
 """
 
 from __future__ import annotations
@@ -13,21 +16,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
-from ckptstore.conformance.faults import FaultPlan
+from ckptstore.conformance.faults import FaultInjector, FaultPlan
 from ckptstore.conformance.layers.cases import CaseFailure
 from ckptstore.conformance.layers.layer import Findings, SuiteRun
-from ckptstore.conformance.layers.workload import standard_workload
+from ckptstore.conformance.layers.workload import pattern, push, standard_workload
 from ckptstore.conformance.location import Clock, StrategyLocation
-from ckptstore.conformance.model import InvariantViolation, Model, check_invariants
+from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
 from ckptstore.conformance.models.simfs import SimulatedFileSystem
 from ckptstore.errors import CkptStoreError
 from ckptstore.store import Store
 
-__all__ = ["INVARIANTS", "PowerLossResult", "run_layer", "run_power_loss"]
+__all__ = ["INVARIANTS", "PUSHED_STEP", "PowerLossResult", "pushed", "run_layer", "run_power_loss"]
 
 INVARIANTS = ("I1", "I2", "I3", "I4")
 
 MAX_FAILURES = 20
+
+PUSHED_STEP = 4
+"""The step of the push after the standard workload (which saves 1 and 2 and leaves 3 dead)."""
+
+
+def pushed(step: int) -> Saved:
+    """What the push of ``step`` publishes: two files cloned (one a directory down) and an
+    empty one, which is copied (a clone of nothing is no clone)."""
+    shards = {
+        "model/rank00000.bin": pattern(3000, step),
+        "optimizer.pt": pattern(700, step + 1),
+        "__0_0.distcp": b"",
+    }
+    return Saved(step, shards, {"step": step, "pushed": "cloned"})
 
 
 @dataclass
@@ -37,10 +54,13 @@ class PowerLossResult:
     points: int = 0
     states: int = 0
     failures: list[CaseFailure] = field(default_factory=list)
+    clones: int = 0
+    """Shards the push made by ``clone`` (0 where the strategy copies instead)."""
 
 
 def run_power_loss(template: CommitStrategy[Any], *, depth: int = 1) -> PowerLossResult:
-    """Cut power at every change of the standard workload on a simulated file system.
+    """Cut power at every change of the standard workload, then of a push with ``clone=True``
+    (``pushed``), on a simulated file system.
 
     ``template`` is the file-system strategy under test (its settings are kept, its driver is
     replaced). ``depth``: how many choices may differ from the extreme states (1 or 2).
@@ -68,8 +88,12 @@ def run_power_loss(template: CommitStrategy[Any], *, depth: int = 1) -> PowerLos
                 result.failures.append(CaseFailure(case, "I1", f"store unreadable: {exc!r}"))
 
     simulated.on_change = cut
-    standard_workload(StrategyLocation(strategy, clock), FaultPlan(), model, 0)  # type: ignore[arg-type]
+    store = standard_workload(StrategyLocation(strategy, clock), FaultPlan(), model, 0)  # type: ignore[arg-type]
+    injector = store.strategy.driver
+    assert isinstance(injector, FaultInjector)  # StrategyLocation.open puts one under the store
+    push(store, model, pushed(PUSHED_STEP), clone=True, parallel=1)  # one change at a time
     simulated.on_change = None
+    result.clones = sum(call.name == "clone" for call in injector.calls)
     return result
 
 
@@ -85,7 +109,8 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
     for failure in result.failures:
         found.violated(failure.invariant, f"{failure.case}: {failure.message}")
     found.coverage["power loss"] = (
-        f"{result.states} file-system states checked at {result.points} instants"
+        f"{result.states} file-system states checked at {result.points} instants "
+        f"({result.clones} shards cloned by a push)"
     )
     if result.states == 0:
         found.vacuous = "no file-system state was checked"

@@ -5,15 +5,20 @@ multipart uploads), leaves a dead attempt behind, lets it age past the grace per
 retention pass that deletes, a GC that removes the dead attempt, and reads the latest
 checkpoint back. The crash-point layer crashes it at every storage call (``crash_points``), the
 power-loss layer cuts power at every change it makes (``power_loss``), the syscall trace records
-what its driver asks of the kernel (``syscall_trace``); ``save`` and ``pattern`` serve every layer
-that saves.
+what its driver asks of the kernel (``syscall_trace``); ``save``, ``push`` and ``pattern`` serve
+every layer that saves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
+from typing import Any
 
+from ckptstore.adapters.directory import publish_directory
 from ckptstore.conformance.faults import FaultPlan
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.model import InvariantViolation, Model, Saved
@@ -29,11 +34,14 @@ __all__ = [
     "MULTIPART_COMPLETION",
     "LocationMaker",
     "big_shard_size",
+    "committing",
     "many_parts",
     "pattern",
+    "push",
     "save",
     "standard_shards",
     "standard_workload",
+    "write_directory",
 ]
 
 GRACE = timedelta(hours=1)
@@ -100,8 +108,10 @@ def standard_shards(step: int, big: int) -> dict[str, bytes]:
     return shards
 
 
-def save(store: Store, model: Model, saved: Saved) -> None:
-    """Save ``saved`` through the store, telling the model when it is in doubt and committed.
+@contextlib.contextmanager
+def committing(store: Store, model: Model, saved: Saved) -> Iterator[None]:
+    """While entered, the store saves ``saved`` (by any route that ends in its strategy's
+    publish): the model is told it is in doubt, then committed.
 
     The checkpoint counts as committed the moment the strategy's publish returns (before the
     LATEST hint and retention run), the strictest reading of "when commit() returns".
@@ -116,10 +126,40 @@ def save(store: Store, model: Model, saved: Saved) -> None:
 
     strategy.publish = publish_and_tell  # type: ignore[method-assign]
     try:
-        store.save(saved.step, saved.shards, saved.metadata)
+        yield
     finally:
         del strategy.publish
     model.save_committed(saved)
+
+
+def save(store: Store, model: Model, saved: Saved) -> None:
+    """Save ``saved`` through the store, telling the model when it is in doubt and committed
+    (``committing``)."""
+    with committing(store, model, saved):
+        store.save(saved.step, saved.shards, saved.metadata)
+
+
+def write_directory(directory: str, shards: Mapping[str, bytes]) -> None:
+    """Write ``shards`` as the files of ``directory`` (a trainer's checkpoint directory), each
+    at its shard's name."""
+    for name, blob in shards.items():
+        path = os.path.join(directory, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as file:
+            file.write(blob)
+
+
+def push(store: Store, model: Model, saved: Saved, *, clone: bool, **options: Any) -> None:
+    """``ckptstore push`` of ``saved``: its shards written as the files of a fresh directory,
+    published by ``publish_directory`` (each file a clone where ``clone`` and the storage makes
+    clones, else copied), the model told as ``save`` tells it. ``options``: the rest of
+    ``publish_directory``'s."""
+    with tempfile.TemporaryDirectory(prefix="ckptstore-push-") as directory:
+        write_directory(directory, saved.shards)
+        with committing(store, model, saved):
+            publish_directory(
+                store, saved.step, directory, metadata=saved.metadata, clone=clone, **options
+            )
 
 
 def standard_workload(location: Location, plan: FaultPlan, model: Model, big: int) -> Store:

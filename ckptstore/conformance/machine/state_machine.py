@@ -20,7 +20,6 @@ itself fails a step (after its driver's retries), the example stops at once with
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import tempfile
@@ -40,10 +39,17 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from ckptstore.adapters.directory import publish_directory
+from ckptstore.adapters.directory import DEFAULT_PARALLEL, publish_directory
 from ckptstore.conformance.audit import audit_of
 from ckptstore.conformance.faults import CrashMode, FaultPlan, SimulatedCrash
-from ckptstore.conformance.layers.workload import GRACE, MULTIPART_COMPLETION, pattern, save
+from ckptstore.conformance.layers.workload import (
+    GRACE,
+    MULTIPART_COMPLETION,
+    pattern,
+    push,
+    save,
+    write_directory,
+)
 from ckptstore.conformance.location import Location
 from ckptstore.conformance.machine.foreign import ForeignEntryRules
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
@@ -54,6 +60,7 @@ from ckptstore.conformance.outcomes import (
     retry_storage_failures,
     storage_failure,
 )
+from ckptstore.conformance.reflinks import REFUSED, STAND_IN, THE_FILE_SYSTEMS, reflinks
 from ckptstore.conformance.tiered_model import tell_model
 from ckptstore.errors import (
     CheckpointExistsError,
@@ -129,6 +136,18 @@ HEALS = ("its replicator resumes", "the job restarts on the node")
 """How a partitioned node comes back (``fast_tier_partitioned``)."""
 PUSHES = ("its epoch", "no epoch", "a superseded epoch")
 """How a push after a takeover names its epoch (``push_a_directory``)."""
+CLONES = {
+    "copied": (False, THE_FILE_SYSTEMS),
+    "cloned by the file system": (True, THE_FILE_SYSTEMS),
+    "cloned by a stand-in FICLONE": (True, STAND_IN),
+    "cloned, FICLONE refused": (True, REFUSED),
+}
+"""How a push's files become its shards (``push_a_directory``): ``publish_directory``'s
+``clone``, and the ``FICLONE`` that ``PosixDriver.clone`` meets (``reflinks``): copied; cloned
+by the file system's own (a clone on XFS or btrfs; refused on ext4 or tmpfs, then copied); by a
+stand-in (a clone on every machine); refused (the fallback to copying on every machine)."""
+_PUSH_CRASHES = st.none() | st.tuples(st.integers(0, 44) | st.just("clone"), _modes)
+"""Where a push dies: before or after its call number k, or its first ``clone``."""
 
 
 class CheckpointStoreMachine(ForeignEntryRules):
@@ -565,39 +584,45 @@ class CheckpointStoreMachine(ForeignEntryRules):
         )
 
     @precondition(lambda self: self.model.newest_epoch > 0)
-    @rule(how=st.sampled_from(PUSHES))
+    @rule(how=st.sampled_from(PUSHES), cloning=st.sampled_from(list(CLONES)), crash=_PUSH_CRASHES)
     @abort_on_storage_failure
-    def push_a_directory(self, how: str) -> None:
+    def push_a_directory(
+        self, how: str, cloning: str, crash: tuple[int | str, CrashMode] | None
+    ) -> None:
         """``ckptstore push`` after a takeover: a directory published from a fresh store
-        (``publish_directory``, as every push opens one). Told the run's epoch, it publishes
-        in it; naming none, it is refused (EpochRequiredError: it may be the zombie); naming
-        a superseded epoch, SupersededError. Refused, nothing of it is ever returned (I9)."""
+        (``publish_directory``, as every push opens one), its files copied or cloned
+        (``CLONES``), the process dying at call ``crash[0]`` (a number, or ``clone``: the
+        first) unless ``crash`` is None. Told the run's epoch, it publishes in it; naming none,
+        it is refused (EpochRequiredError: it may be the zombie); naming a superseded epoch,
+        SupersededError. Refused, nothing of it is ever returned (I9)."""
         newest = self.model.newest_epoch
         epoch = {"its epoch": newest, "no epoch": None}.get(how, newest - 1)
         saved = self._new_save([100, 37])
         saved.metadata = {"step": saved.step, "pushed": how}
-        store, _ = self.location.open()
-        with tempfile.TemporaryDirectory(prefix="ckptstore-push-") as directory:
-            for name, blob in saved.shards.items():
-                path = os.path.join(directory, name)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as file:
-                    file.write(blob)
-            if how == "its epoch":
-                self.model.save_started(saved)
-                publish_directory(store, saved.step, directory, metadata=saved.metadata,
-                                  epoch=epoch)  # fmt: skip
-                self.model.save_committed(saved)
-                return
-            try:
-                publish_directory(store, saved.step, directory, metadata=saved.metadata,
-                                  epoch=epoch)  # fmt: skip
-            except EpochRequiredError:
-                return
-            except SupersededError:
-                if epoch is None:
-                    raise
-                return
+        clone, ficlone = CLONES[cloning]
+        plan = None if crash is None else _crash_plan(*crash)
+        # One file at a time where the push may die: the same call dies on every replay.
+        parallel = DEFAULT_PARALLEL if plan is None else 1
+        store, _ = self.location.open(plan)
+        try:
+            with reflinks(ficlone):
+                if how == "its epoch":
+                    push(store, self.model, saved, clone=clone, epoch=epoch, parallel=parallel)
+                    return
+                try:
+                    with tempfile.TemporaryDirectory(prefix="ckptstore-push-") as directory:
+                        write_directory(directory, saved.shards)
+                        publish_directory(store, saved.step, directory, metadata=saved.metadata,
+                                          epoch=epoch, clone=clone, parallel=parallel)  # fmt: skip
+                except EpochRequiredError:
+                    return
+                except SupersededError:
+                    if epoch is None:
+                        raise
+                    return
+        except SimulatedCrash:
+            self.restart()  # a push that was to publish stays in doubt
+            return
         raise InvariantViolation(
             "I9", f"a push naming {how} (epoch {epoch}) published step {saved.step} after "
             f"the store was taken over in epoch {newest}"
@@ -746,6 +771,13 @@ def _names_its_supersessor(error: SupersededError, epoch: int) -> None:
         raise InvariantViolation(
             "I9", f"SupersededError does not name the epoch that superseded it: {error}"
         )
+
+
+def _crash_plan(at: int | str, mode: CrashMode) -> FaultPlan:
+    """Death ``mode`` call number ``at``, or the first call named ``at``."""
+    if isinstance(at, str):
+        return FaultPlan(crash_on=at, crash_mode=mode)
+    return FaultPlan(crash_at=at, crash_mode=mode)
 
 
 def _around_completion(crash: SimulatedCrash) -> list[str]:

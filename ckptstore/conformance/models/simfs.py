@@ -1,26 +1,27 @@
 """A simulated POSIX file system that knows what a power loss may leave behind.
 
 ``SimulatedFileSystem`` is a file-system driver held in memory. It tracks, for every file, the
-bytes written and the bytes made durable by ``fsync``; and for every directory, the entries
-made durable by ``fsync_dir`` and the metadata operations (create, mkdir, rename, unlink,
-rmdir) done since. ``crash_states`` enumerates file systems a power loss at this instant may
-legally leave: each un-fsynced operation on directory entries lost or kept (a rename as one
-unit, as journaling file systems make it), each file's un-fsynced data kept, lost, torn (only
-a prefix written) or zeroed (the size grew, the data did not arrive). As in ALICE and
-CrashMonkey, nearly every crash-consistency bug needs at most a few of these choices to differ
-from "all kept" or "all lost", so those neighbourhoods are enumerated completely, together
-with every in-order prefix of the metadata operations.
+bytes written (or cloned from a file outside it: ``clone``) and the bytes made durable by
+``fsync``; and for every directory, the entries made durable by ``fsync_dir`` and the metadata
+operations (create, mkdir, rename, unlink, rmdir) done since. ``crash_states`` enumerates file
+systems a power loss at this instant may legally leave: each un-fsynced operation on directory
+entries lost or kept (a rename as one unit, as journaling file systems make it), each file's
+un-fsynced data kept, lost, torn (only a prefix written) or zeroed (the size grew, the data did
+not arrive). As in ALICE and CrashMonkey, nearly every crash-consistency bug needs at most a few
+of these choices to differ from "all kept" or "all lost", so those neighbourhoods are
+enumerated completely, together with every in-order prefix of the metadata operations.
 """
 
 from __future__ import annotations
 
 import io
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from ckptstore.driver import Buffer, Capability, FileStat, FileSystemDriver
+from ckptstore.driver import Buffer, Capability, CloningDriver, FileStat
 from ckptstore.errors import ObjectNotFoundError, StorageError, TargetExistsError
 
 __all__ = ["CrashState", "SimulatedFileSystem"]
@@ -62,8 +63,13 @@ class CrashState:
         return "; ".join(parts) or "nothing lost"
 
 
-class SimulatedFileSystem(FileSystemDriver):
-    """An in-memory FileSystemDriver with a volatile cache and exact durability bookkeeping."""
+class SimulatedFileSystem(CloningDriver):
+    """An in-memory FileSystemDriver with a volatile cache and exact durability bookkeeping.
+
+    It makes clones (``CloningDriver``) as XFS and btrfs do: a clone is the source's bytes as
+    they are at that instant, written to the new file and, like written bytes, durable only
+    once the file is fsynced.
+    """
 
     capabilities = frozenset(
         {Capability.RENAME_NOREPLACE, Capability.DURABLE_FSYNC, Capability.STRONG_LIST_AFTER_WRITE}
@@ -159,6 +165,19 @@ class SimulatedFileSystem(FileSystemDriver):
         node.data += bytes(data)
         node.mtime = self.clock()
         self._changed()
+
+    def clone(self, handle: int, source: int) -> bool:
+        """``FICLONE``: the new file ``handle`` takes the whole of ``source``, a descriptor of a
+        real file outside this file system (the trainer's), as it is now. The bytes are the
+        file's written, not its durable, bytes: until an fsync of the file a power loss may
+        lose, tear or zero them, as a copy's (XFS and btrfs log a clone's shared extents and
+        the file's new size in transactions that the file's fsync forces to disk, and no
+        earlier)."""
+        node = self.inodes[self.handles[handle]]
+        node.data = bytearray(_whole_file(source))
+        node.mtime = self.clock()
+        self._changed()
+        return True
 
     def start_writeback(self, handle: int) -> None:
         self.inodes[self.handles[handle]]  # only a hint: nothing becomes durable
@@ -344,6 +363,15 @@ class SimulatedFileSystem(FileSystemDriver):
                 result.pending[inode] = []
         result._next_inode = itertools.count(max(self.inodes) + 1)
         return result
+
+
+def _whole_file(descriptor: int) -> bytes:
+    """Every byte of the open file ``descriptor``, read from offset 0 (its position unmoved)."""
+    chunks, offset = [], 0
+    while chunk := os.pread(descriptor, 1 << 20, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
 
 
 def _apply(op: _Op, directory: int, entries: dict[str, int]) -> None:
