@@ -7,7 +7,6 @@ Used as a context manager it publishes on a clean exit and aborts on an exceptio
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import threading
 import time
@@ -140,11 +139,14 @@ _OVERLAP_FROM = 16 * 1024 * 1024
 class ShardSharing(Protocol):
     """Where an incremental save shares shards with earlier checkpoints (docs/protocol.md
     §12): ``share`` makes a shard the bytes a checkpoint already holds, or returns None
-    (then the shard is written); ``index`` makes a published checkpoint's shards found."""
+    (then the shard is written); ``index`` makes a published checkpoint's shards found by
+    their digests (``algorithm``'s: a shard's blob name)."""
+
+    algorithm: str
 
     def share(self, name: str, digest: str, size: int) -> Mapping[str, str] | None: ...
 
-    def index(self, manifest: Manifest) -> None: ...
+    def index(self, manifest: Manifest, digests: Mapping[str, str]) -> None: ...
 
 
 class ShardWriter:
@@ -158,16 +160,24 @@ class ShardWriter:
         closed: Callable[[ShardRecord], None],
         failed: Callable[[str], None],
         digest_algorithm: str | None = None,
+        named: tuple[str, Callable[[str, str], None]] | None = None,
     ) -> None:
         """``closed`` counts the shard's record once it is finished, ``failed`` its name if
         it is given up (the pending checkpoint's own bookkeeping). ``digest_algorithm``: also
-        record the shard's cryptographic digests (``ckptstore.digest``), in the same pass."""
+        record the shard's cryptographic digests (``ckptstore.digest``), in the same pass.
+        ``named`` (an incremental save's ``(algorithm, callback)``): the shard's digest by
+        that algorithm, its blob's name, is computed in the same pass and given to the
+        callback at close, recorded or not."""
         self.name = name
         self._sink = sink
         self._closed_to = closed
         self._failed_to = failed
         self._crc = BlockCrc32c()
         self._digests = None if digest_algorithm is None else BlockDigests(digest_algorithm)
+        self._named = named
+        self._naming: BlockDigests | None = None
+        if named is not None and named[0] != digest_algorithm:
+            self._naming = BlockDigests(named[0])
         self._record: ShardRecord | None = None
         self._closed = False
 
@@ -211,6 +221,7 @@ class ShardWriter:
             raise ValueError(f"shard {self.name!r}: checksums of other bytes")
         self._sink.write(view)
         self._crc, self._digests = crc, digests
+        self._named = self._naming = None  # the caller named the bytes it hashed
         return view.nbytes
 
     def clone_from(self, source: int) -> bool:
@@ -234,6 +245,8 @@ class ShardWriter:
         self._crc.update(view)
         if self._digests is not None:
             self._digests.update(view)
+        if self._naming is not None:
+            self._naming.update(view)
 
     @property
     def size(self) -> int:
@@ -256,6 +269,11 @@ class ShardWriter:
             self._failed_to(self.name)
             raise
         record = shard_record(self.name, locator, self._crc, self._digests)
+        if self._named is not None:
+            naming = self._naming or self._digests
+            if naming is not None:
+                naming.finish()
+                self._named[1](self.name, f"{naming.algorithm}:{naming.hexdigest()}")
         self._closed_to(record)
         self._record = record
         return record
@@ -364,11 +382,13 @@ class PendingCheckpoint:
         digests (a store that signs, or that was opened with ``digests``). ``sharing`` (an
         incremental save, which needs digests): a shard written whole from a buffer whose
         bytes an earlier checkpoint holds is shared with it, not written again."""
-        if sharing is not None and digest_algorithm is None:
-            raise ValueError("a save that shares shards names them by their digests")
+        if sharing is not None and digest_algorithm not in (None, sharing.algorithm):
+            raise ValueError("a save's blobs are named by the digests its manifest records")
         self.step = step
         self.digest_algorithm = digest_algorithm
         self._sharing = sharing
+        self._blob_digests: dict[str, str] = {}
+        """Each hashed shard's digest, by name: its blob's name once published."""
         self.attempt = attempt
         self.metadata = metadata
         self.expected = expected
@@ -471,13 +491,22 @@ class PendingCheckpoint:
         except BaseException:
             self._shard_failed(name)
             raise
+        named = None
+        if self._sharing is not None:
+            named = (self._sharing.algorithm, self._shard_named)
         return ShardWriter(
             name,
             sink,
             closed=self._shard_closed,
             failed=self._shard_failed,
             digest_algorithm=self.digest_algorithm,
+            named=named,
         )
+
+    def _shard_named(self, name: str, digest: str) -> None:
+        """Note a shard's blob name, to index it once published (an incremental save)."""
+        with self._lock:
+            self._blob_digests[name] = digest
 
     def write(self, name: str, data: ShardData) -> ShardRecord:
         """Write a whole shard from bytes, a buffer (numpy, memoryview), a file or chunks."""
@@ -511,19 +540,23 @@ class PendingCheckpoint:
         shared with the checkpoint that holds them, or written (not read again)."""
         self._claim(name)
         try:
-            crc, digests = shard_checksums(view, self.digest_algorithm)
-            assert digests is not None  # an incremental save has an algorithm
-            record = shard_record(name, {}, crc, digests)
-            locator = sharing.share(name, record.digest, record.size)
+            crc, digests = shard_checksums(view, sharing.algorithm)
+            assert digests is not None
+            digests.finish()
+            blob = f"{digests.algorithm}:{digests.hexdigest()}"
+            with self._lock:
+                self._blob_digests[name] = blob
+            recorded = digests if self.digest_algorithm is not None else None
+            locator = sharing.share(name, blob, view.nbytes)
         except BaseException:
             self._shard_failed(name)
             raise
         if locator is not None:
-            record = dataclasses.replace(record, locator=dict(locator))
+            record = shard_record(name, locator, crc, recorded)
             self._shard_closed(record)
             return record
         with self._open_claimed(name, view.nbytes) as writer:
-            writer.write_summed(view, crc, digests)  # finished already: finish is idempotent
+            writer.write_summed(view, crc, recorded)  # finished already: finish is idempotent
         return writer.close()
 
     def seal(self) -> list[ShardRecord]:
@@ -629,7 +662,9 @@ class PendingCheckpoint:
         self._move(PendingState.PUBLISHED)
         self._owner.published(checkpoint)
         if self._sharing is not None:  # durable now: later saves may share its shards
-            self._sharing.index(checkpoint.manifest)
+            with self._lock:
+                digests = dict(self._blob_digests)
+            self._sharing.index(checkpoint.manifest, digests)
         return checkpoint
 
     def _manifest(self, shards: tuple[ShardRecord, ...]) -> Manifest:

@@ -35,20 +35,26 @@ def check_incremental(strategy: CommitStrategy[Any]) -> None:
 class StrategySharing:
     """An attempt's sharing through its commit strategy (``PendingCheckpoint(sharing=)``)."""
 
-    def __init__(self, strategy: CommitStrategy[Any], step: int, attempt: str) -> None:
+    def __init__(
+        self, strategy: CommitStrategy[Any], step: int, attempt: str, algorithm: str
+    ) -> None:
         self.strategy = strategy
         self.step = step
         self.attempt = attempt
+        self.algorithm = algorithm
+        """The digest that names a blob (the store's recorded digests' where it records any:
+        no shard is hashed twice)."""
 
     def share(self, name: str, digest: str, size: int) -> Mapping[str, str] | None:
         """The shard made of bytes a published checkpoint holds (its locator), or None."""
         return self.strategy.share_shard(self.step, self.attempt, name, digest, size)
 
-    def index(self, manifest: Manifest) -> None:
-        """Make a published checkpoint's shards found by later saves; never raises (the
-        checkpoint is published: an index not made only costs a later save a write)."""
+    def index(self, manifest: Manifest, digests: Mapping[str, str]) -> None:
+        """Make a published checkpoint's shards found by later saves, by ``digests`` (or
+        the digests the manifest records); never raises (the checkpoint is published: an
+        index not made only costs a later save a write)."""
         try:
-            self.strategy.index_shards(manifest)
+            self.strategy.index_shards(manifest, digests)
         except Exception:
             log.warning(
                 "%s: step %d's shards were not indexed for sharing", self.strategy.url,

@@ -150,11 +150,12 @@ class Store(CheckpointStore):
     ) -> None:
         """``signing_key``: sign every manifest published and epoch taken here; ``trust``:
         read only checkpoints and epochs a trusted key signed; ``digest_algorithm``: record
-        every shard's cryptographic digests (default: the fastest available when signing or
-        saving incrementally, else none). ``ckptstore.open`` reads the first two from the
-        environment too. ``incremental``: a shard written whole whose bytes an earlier
-        checkpoint holds is shared with it, not written again (docs/protocol.md §12;
-        InvalidOptionError on storage that cannot share)."""
+        every shard's cryptographic digests (default: the fastest available when signing,
+        else none; an incremental store hashes shards to name their bytes either way).
+        ``ckptstore.open`` reads the first two from the environment too. ``incremental``: a
+        shard written whole whose bytes an earlier checkpoint holds is shared with it, not
+        written again (docs/protocol.md §12; InvalidOptionError on storage that cannot
+        share)."""
         if retention is not None and not isinstance(retention, RetentionPolicy):
             raise InvalidOptionError(f"retention must be a RetentionPolicy, got {retention!r}")
         strategy.check_capabilities()
@@ -166,7 +167,7 @@ class Store(CheckpointStore):
         if incremental:
             check_incremental(strategy)
         self.incremental = incremental
-        if digest_algorithm is None and (signing_key is not None or incremental):
+        if digest_algorithm is None and signing_key is not None:
             digest_algorithm = default_algorithm()
         self.digest_algorithm = (
             None if digest_algorithm is None else check_algorithm(digest_algorithm)
@@ -434,7 +435,10 @@ class Store(CheckpointStore):
         )
 
     def _sharing(self, step: int, attempt: str) -> StrategySharing | None:
-        return StrategySharing(self.strategy, step, attempt) if self.incremental else None
+        if not self.incremental:
+            return None
+        algorithm = self.digest_algorithm or default_algorithm()
+        return StrategySharing(self.strategy, step, attempt, algorithm)
 
     def _released_when_dropped(self, pending: PendingCheckpoint) -> PendingCheckpoint:
         """A pending checkpoint dropped without publish or abort lets go of the files it holds

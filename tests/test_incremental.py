@@ -17,6 +17,7 @@ import pytest
 
 import ckptstore
 from ckptstore.commit.blob_area import BLOB_AREA, blob_path
+from ckptstore.digest import BlockDigests, default_algorithm
 from ckptstore.errors import InvalidOptionError
 
 MiB = 2**20
@@ -52,8 +53,9 @@ def test_an_unchanged_shard_is_shared_and_a_changed_one_written(tmp_path: Path) 
         assert checkpoint.read("model/lora.bin") == adapter
         assert checkpoint.verify().ok
         record = {r.name: r for r in checkpoint.manifest.shards}["model/base.bin"]
-        assert record.digest.startswith(("blake3:", "sha256:"))  # its blob's name
+        assert not record.digest  # hashed to name its bytes, checked by its CRC32Cs (fast)
         assert record.locator == {"path": "data/model/base.bin"}  # read as any other shard
+    assert len(_area_entries(tmp_path)) == 4  # the base and three adapters, each once
     reopened = ckptstore.open(f"file://{tmp_path}/store")  # a reader not incremental
     assert reopened.latest() is not None and reopened.get(1).read("model/base.bin") == base
 
@@ -67,10 +69,13 @@ def test_deleting_checkpoints_and_gc_never_free_a_shared_shard(tmp_path: Path) -
     store.delete(2)
     report = store.gc(grace=0)
     removed = {item.name for item in report.removed if item.kind == "blob"}
-    digest = {r.name: r for r in store.get(3).manifest.shards}
     # The first two "step" shards' entries had no checkpoint left: removed; the rest kept.
     assert len(removed) == 2
-    assert blob_path(digest["base"].digest, digest["base"].size) not in removed
+    digests = BlockDigests(default_algorithm())
+    digests.update(memoryview(base))
+    digests.finish()
+    name = blob_path(f"{digests.algorithm}:{digests.hexdigest()}", len(base))
+    assert name not in removed and (tmp_path / "store" / name).exists()
     assert store.get(3).read("base") == base and store.get(3).verify().ok
     assert all(os.stat(p).st_nlink == 2 for p in _area_entries(tmp_path))
     store.delete(3, force=True)
@@ -205,7 +210,7 @@ def test_incremental_options(tmp_path: Path, url: str) -> None:
         ckptstore.open(url + "?incremental=0").save(1, {"a": b"1"})  # off: as any store
         return
     store = ckptstore.open(url.format(tmp=tmp_path))
-    assert store.incremental and store.digest_algorithm
+    assert store.incremental and store.digest_algorithm is None  # hashed, not recorded
     with pytest.raises(InvalidOptionError):
         ckptstore.open(f"file://{tmp_path}/y?incremental=perhaps")
 

@@ -214,9 +214,10 @@ class Publishing(_Located):
         attempt already has the shard."""
         return None
 
-    def index_shards(self, manifest: Manifest) -> None:
+    def index_shards(self, manifest: Manifest, digests: Mapping[str, str]) -> None:
         """After ``manifest`` published: make its shards found by later incremental saves
-        (best effort: never raises for what it could not index)."""
+        by their ``digests`` (by shard name; else the digest the manifest records), best
+        effort: never raises for what it could not index."""
 
     @abc.abstractmethod
     def publish(self, manifest: Manifest) -> None:

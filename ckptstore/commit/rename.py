@@ -202,13 +202,14 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
                 ) from exc
         return {"path": f"{DATA_DIR}/{name}"} if shared else None
 
-    def index_shards(self, manifest: Manifest) -> None:
+    def index_shards(self, manifest: Manifest, digests: Mapping[str, str]) -> None:
         if self._blobs is None:
             return
         final = names.checkpoint_token(manifest.step, manifest.epoch)
         for record in manifest.shards:
-            if record.digest:
-                self._blobs.index(record.digest, record.size, f"{final}/{DATA_DIR}/{record.name}")
+            digest = digests.get(record.name) or record.digest
+            if digest:
+                self._blobs.index(digest, record.size, f"{final}/{DATA_DIR}/{record.name}")
 
     def _create_shard(
         self, step: int, attempt: str, name: str, size_hint: int | None
