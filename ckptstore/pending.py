@@ -134,6 +134,9 @@ _CLONE_READ = 8 * 1024 * 1024
 """A cloned shard is read back and checksummed this much at a time."""
 _OVERLAP_FROM = 16 * 1024 * 1024
 """A write at least this large is checksummed on another thread while the sink writes it."""
+_SPECULATION_PIECE = 8 * 1024 * 1024
+"""A large shard of an incremental save is written this much at a time while it is hashed,
+so that writing stops soon after the hash says its bytes are already held."""
 
 
 class ShardSharing(Protocol):
@@ -144,7 +147,11 @@ class ShardSharing(Protocol):
 
     algorithm: str
 
-    def share(self, name: str, digest: str, size: int) -> Mapping[str, str] | None: ...
+    def available(self, digest: str, size: int) -> bool: ...
+
+    def share(
+        self, name: str, digest: str, size: int, *, replacing: bool = False
+    ) -> Mapping[str, str] | None: ...
 
     def index(self, manifest: Manifest, digests: Mapping[str, str]) -> None: ...
 
@@ -175,6 +182,7 @@ class ShardWriter:
         self._crc = BlockCrc32c()
         self._digests = None if digest_algorithm is None else BlockDigests(digest_algorithm)
         self._named = named
+        self._ahead = 0
         self._naming: BlockDigests | None = None
         if named is not None and named[0] != digest_algorithm:
             self._naming = BlockDigests(named[0])
@@ -208,21 +216,33 @@ class ShardWriter:
             raise failure[0]
         return view.nbytes
 
-    def write_summed(self, data: BytesLike, crc: BlockCrc32c, digests: BlockDigests | None) -> int:
-        """Write the whole shard at once, its checksums already computed over exactly these
-        bytes (``shard_checksums``): the bytes are not read again."""
+    def write_ahead(self, data: BytesLike) -> int:
+        """Append bytes whose checksums the caller computes elsewhere and hands over with
+        ``adopt`` before ``close`` (an incremental save hashes a shard while it is written)."""
         if self._closed or self.size:
             raise CheckpointStateError(
-                f"shard {self.name!r}: only an empty, open shard takes summed bytes",
+                f"shard {self.name!r}: bytes ahead of their checksums go into an empty shard",
                 key=self.name,
             )
         view = _as_view(data)
-        if crc.size != view.nbytes or (digests is not None) != (self._digests is not None):
-            raise ValueError(f"shard {self.name!r}: checksums of other bytes")
         self._sink.write(view)
-        self._crc, self._digests = crc, digests
-        self._named = self._naming = None  # the caller named the bytes it hashed
+        self._ahead += view.nbytes
         return view.nbytes
+
+    def adopt(self, crc: BlockCrc32c, digests: BlockDigests | None) -> None:
+        """The checksums of exactly the bytes ``write_ahead`` wrote (``digests``: recorded
+        in the manifest, so only where the store records digests)."""
+        if crc.size != self._ahead or (digests is not None) != (self._digests is not None):
+            raise ValueError(f"shard {self.name!r}: checksums of other bytes")
+        self._crc, self._digests, self._ahead = crc, digests, 0
+        self._named = self._naming = None  # the caller named the bytes it hashed
+
+    def discard(self) -> None:
+        """Drop what was written, without failing the shard: its bytes are shared instead
+        (``PendingCheckpoint``'s incremental path makes the shard anew)."""
+        if not self._closed:
+            self._closed = True
+            self._sink.abort()
 
     def clone_from(self, source: int) -> bool:
         """Make this (still empty) shard a copy-on-write clone of the whole open file
@@ -262,6 +282,11 @@ class ShardWriter:
             return self._record
         if self._closed:
             raise CheckpointStateError(f"shard {self.name!r} was aborted", key=self.name)
+        if self._ahead:
+            raise CheckpointStateError(
+                f"shard {self.name!r}: {self._ahead} bytes written without their checksums",
+                key=self.name,
+            )
         self._closed = True
         try:
             locator = self._sink.close()
@@ -536,27 +561,95 @@ class PendingCheckpoint:
         return writer.close()
 
     def _write_shared(self, name: str, view: memoryview, sharing: ShardSharing) -> ShardRecord:
-        """Write a whole shard of an incremental save: its bytes are hashed first, then
-        shared with the checkpoint that holds them, or written (not read again)."""
+        """Write a whole shard of an incremental save, shared where its bytes are held.
+
+        A small shard is hashed, then shared or written. A large one is written while it is
+        hashed on other threads (a shard that changed costs no more than a plain write); once
+        its digest is known, if a published checkpoint holds the bytes, what was written is
+        dropped (never fsynced) and the shard is shared instead.
+        """
         self._claim(name)
+        if view.nbytes < _OVERLAP_FROM:
+            try:
+                crc, digests = self._named_checksums(name, view, sharing)
+                locator = sharing.share(name, self._blob_digests[name], view.nbytes)
+            except BaseException:
+                self._shard_failed(name)
+                raise
+            return self._shared_or_written(name, view, sharing, locator, crc, digests, None)
+        hashed: list[tuple[BlockCrc32c, BlockDigests] | BaseException] = []
+
+        def hash_all() -> None:
+            try:
+                hashed.append(self._named_checksums(name, view, sharing))
+            except BaseException as exc:  # raised below, in the writer's thread
+                hashed.append(exc)
+
+        hasher = threading.Thread(target=hash_all, name="ckptstore-hash-share")
+        hasher.start()
+        written = 0
+        writer: ShardWriter | None = None
         try:
-            crc, digests = shard_checksums(view, sharing.algorithm)
-            assert digests is not None
-            digests.finish()
-            blob = f"{digests.algorithm}:{digests.hexdigest()}"
-            with self._lock:
-                self._blob_digests[name] = blob
-            recorded = digests if self.digest_algorithm is not None else None
-            locator = sharing.share(name, blob, view.nbytes)
+            writer = self._open_claimed(name, view.nbytes)
+            while written < view.nbytes and hasher.is_alive():
+                written += writer.write_ahead(view[written : written + _SPECULATION_PIECE])
         except BaseException:
-            self._shard_failed(name)
+            hasher.join()
+            if writer is not None:
+                writer.abort()
             raise
+        hasher.join()
+        outcome = hashed[0]
+        try:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            crc, digests = outcome
+            blob = self._blob_digests[name]
+            locator = None
+            if sharing.available(blob, view.nbytes):  # drop the bytes written: share them
+                writer.discard()
+                locator = sharing.share(name, blob, view.nbytes, replacing=True)
+                if locator is None:  # gone since (GC): write them after all
+                    writer = self._open_claimed(name, view.nbytes)
+                    written = 0
+        except BaseException:
+            writer.abort()
+            raise
+        return self._shared_or_written(name, view[written:], sharing, locator, crc, digests, writer)
+
+    def _named_checksums(
+        self, name: str, view: memoryview, sharing: ShardSharing
+    ) -> tuple[BlockCrc32c, BlockDigests]:
+        """A shard's checksums, and its blob's name noted for the index."""
+        crc, digests = shard_checksums(view, sharing.algorithm)
+        assert digests is not None
+        digests.finish()
+        with self._lock:
+            self._blob_digests[name] = f"{digests.algorithm}:{digests.hexdigest()}"
+        return crc, digests
+
+    def _shared_or_written(
+        self,
+        name: str,
+        rest: memoryview,
+        sharing: ShardSharing,
+        locator: Mapping[str, str] | None,
+        crc: BlockCrc32c,
+        digests: BlockDigests,
+        writer: ShardWriter | None,
+    ) -> ShardRecord:
+        """The shard's record: shared (``locator``), or the ``rest`` of its bytes written
+        into ``writer`` (a new one if None), its checksums adopted."""
+        recorded = digests if self.digest_algorithm is not None else None
         if locator is not None:
             record = shard_record(name, locator, crc, recorded)
             self._shard_closed(record)
             return record
-        with self._open_claimed(name, view.nbytes) as writer:
-            writer.write_summed(view, crc, recorded)  # finished already: finish is idempotent
+        if writer is None:
+            writer = self._open_claimed(name, rest.nbytes)
+        with writer:
+            writer.write_ahead(rest)
+            writer.adopt(crc, recorded)  # digests finished already: finish is idempotent
         return writer.close()
 
     def seal(self) -> list[ShardRecord]:

@@ -45,9 +45,19 @@ class StrategySharing:
         """The digest that names a blob (the store's recorded digests' where it records any:
         no shard is hashed twice)."""
 
-    def share(self, name: str, digest: str, size: int) -> Mapping[str, str] | None:
-        """The shard made of bytes a published checkpoint holds (its locator), or None."""
-        return self.strategy.share_shard(self.step, self.attempt, name, digest, size)
+    def available(self, digest: str, size: int) -> bool:
+        """True if a published checkpoint's bytes are indexed under ``digest`` and ``size``
+        (a hint: ``share`` may still find them gone)."""
+        return self.strategy.shard_available(digest, size)
+
+    def share(
+        self, name: str, digest: str, size: int, *, replacing: bool = False
+    ) -> Mapping[str, str] | None:
+        """The shard made of bytes a published checkpoint holds (its locator), or None;
+        ``replacing``: what this attempt began writing as the shard is dropped first."""
+        return self.strategy.share_shard(
+            self.step, self.attempt, name, digest, size, replacing=replacing
+        )
 
     def index(self, manifest: Manifest, digests: Mapping[str, str]) -> None:
         """Make a published checkpoint's shards found by later saves, by ``digests`` (or

@@ -288,3 +288,29 @@ def test_sigkill_of_incremental_writers_and_of_gc_loses_no_shared_shard(tmp_path
     for entry in _area_entries(tmp_path):
         assert os.stat(entry).st_nlink >= 2  # every entry left is linked by a checkpoint
     assert all(c.verify().ok for c in store.checkpoints())
+
+
+def test_a_large_shard_is_written_while_hashed_then_shared_or_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards of 16 MiB and more are written while they are hashed: a changed one costs a
+    plain write; an unchanged one's bytes written so far are dropped and it is shared."""
+    store = _open(tmp_path)
+    big = bytearray(os.urandom(40 * MiB))
+    store.save(1, {"big": big})
+    store.save(2, {"big": big})  # unchanged: shared, the partial file dropped
+    assert os.path.samefile(_shard_file(tmp_path, 1, "big"), _shard_file(tmp_path, 2, "big"))
+    big[-1] ^= 1
+    store.save(3, {"big": big})  # changed in its last byte: written whole
+    assert not os.path.samefile(_shard_file(tmp_path, 2, "big"), _shard_file(tmp_path, 3, "big"))
+    assert store.get(3).read("big") == big and store.get(2).read("big") != big
+    staged = list((tmp_path / "store").glob("*pending*"))
+    assert staged == []  # nothing left of the dropped partial writes
+    area = store.strategy._blobs
+    assert area is not None
+    monkeypatch.setattr(area, "share", lambda *args: False)  # GC removed it meanwhile
+    store.save(4, {"big": big})  # available, then gone: written after all, whole
+    assert store.get(4).read("big") == big and store.get(4).verify().ok
+    assert not os.path.samefile(_shard_file(tmp_path, 3, "big"), _shard_file(tmp_path, 4, "big"))
+    for step in (1, 2, 3, 4):
+        assert store.get(step).verify().ok

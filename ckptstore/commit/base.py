@@ -205,13 +205,20 @@ class Publishing(_Located):
         (``share_shard``); others write every shard (docs/protocol.md §12)."""
         return False
 
+    def shard_available(self, digest: str, size: int) -> bool:
+        """True if bytes a checkpoint published are indexed under ``digest`` and ``size``
+        (a hint for an incremental save; ``share_shard`` decides)."""
+        return False
+
     def share_shard(
-        self, step: int, attempt: str, name: str, digest: str, size: int
-    ) -> Mapping[str, str] | None:
+        self, step: int, attempt: str, name: str, digest: str, size: int, *,
+        replacing: bool = False,
+    ) -> Mapping[str, str] | None:  # fmt: skip
         """Make shard ``name`` of the attempt the bytes an earlier checkpoint published with
         ``digest`` and ``size``, without writing them; its locator, or None (nothing made)
         where no checkpoint holds them: the shard is then written. ShardExistsError if the
-        attempt already has the shard."""
+        attempt already has the shard, unless ``replacing``: what the attempt began writing
+        as the shard (its sink aborted) is removed first."""
         return None
 
     def index_shards(self, manifest: Manifest, digests: Mapping[str, str]) -> None:

@@ -44,6 +44,15 @@ class FileBlobArea:
     def __init__(self, driver: LinkingDriver) -> None:
         self.driver = driver
 
+    def available(self, digest: str, size: int) -> bool:
+        """True if the area has a regular file for ``digest`` with ``size`` bytes."""
+        path = blob_path(digest, size)
+        try:
+            self.driver.links(path)  # a regular file (a symbolic link is not)
+            return self.driver.stat(path).size == size
+        except StorageError:
+            return False
+
     def share(self, digest: str, size: int, target: str) -> bool:
         """Make ``target`` (a new name in a staging directory) a link to the bytes an earlier
         checkpoint published with ``digest`` and ``size``; False, nothing left at

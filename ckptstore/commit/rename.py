@@ -185,15 +185,22 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
     def shares_shards(self) -> bool:
         return self._blobs is not None
 
+    def shard_available(self, digest: str, size: int) -> bool:
+        return self._blobs is not None and self._blobs.available(digest, size)
+
     def share_shard(
-        self, step: int, attempt: str, name: str, digest: str, size: int
-    ) -> Mapping[str, str] | None:
+        self, step: int, attempt: str, name: str, digest: str, size: int, *,
+        replacing: bool = False,
+    ) -> Mapping[str, str] | None:  # fmt: skip
         """A hard link, in the staging directory, to the file an earlier checkpoint
         published with these bytes (§12.2): durable with the staging directory's fsyncs."""
         if self._blobs is None:
             return None
         with self._attempt_errors(step, attempt):
             path = self._shard_path(step, attempt, name)
+            if replacing:  # this attempt's own partial file (created exclusively, never synced)
+                with contextlib.suppress(ObjectNotFoundError):
+                    self.driver.unlink(path)
             try:
                 shared = self._blobs.share(digest, size, path)
             except TargetExistsError as exc:
