@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -305,6 +305,9 @@ class VerifyReport:
     step: int
     problems: dict[str, str] = field(default_factory=dict)
     bytes_checked: int = 0
+    not_read_again: list[str] = field(default_factory=list)
+    """Shards whose stored file was checked already (``verify(checked=...)``): shared with a
+    checkpoint verified before, in the same pass."""
 
     @property
     def ok(self) -> bool:
@@ -732,11 +735,23 @@ class Checkpoint:
             if pending is not None:
                 yield pending
 
-    def verify(self, progress: Callable[[int], None] | None = None) -> VerifyReport:
-        """Read every shard and report those whose size or CRC32C differ, or that are missing."""
+    def verify(
+        self,
+        progress: Callable[[int], None] | None = None,
+        *,
+        checked: Collection[str] = (),
+    ) -> VerifyReport:
+        """Read every shard and report those whose size or CRC32C differ, or that are missing.
+
+        ``checked``: shards not read again, their stored file already verified against the
+        same size and CRC32C in this pass (shared with another checkpoint, incremental saves).
+        """
         report = VerifyReport(step=self.step)
         buffer = bytearray(_CHUNK)
         for name in self.names:
+            if name in checked:
+                report.not_read_again.append(name)
+                continue
             try:
                 with self.open(name) as reader:
                     while count := reader.readinto(buffer):

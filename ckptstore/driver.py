@@ -42,6 +42,7 @@ __all__ = [  # the errors a driver raises are part of its interface
     "FileSystemDriver",
     "IdentifiedStorage",
     "IndeterminateOutcomeError",
+    "LinkInfo",
     "LinkingDriver",
     "ObjectInfo",
     "ObjectNotFoundError",
@@ -149,6 +150,18 @@ class FileStat:
     size: int
     mtime: float
     is_dir: bool
+
+
+@dataclass(frozen=True)
+class LinkInfo:
+    """What a file system says of one regular file's names (``LinkingDriver.links``)."""
+
+    count: int
+    """Its link count: how many names it has."""
+    changed: float
+    """When its inode last changed (a link or unlink changes it), on the file system's clock."""
+    file_id: tuple[int, int]
+    """Which file it is (device and inode): the same for every name of one file."""
 
 
 @dataclass(frozen=True)
@@ -289,10 +302,10 @@ class LinkingDriver(FileSystemDriver, Protocol):
         ``target``) if ``source`` is not a regular file. Durable once ``target``'s directory
         is fsynced."""
 
-    def links(self, path: str) -> tuple[int, float]:
-        """How many names the regular file ``path`` has (its link count), and when its inode
-        last changed (ctime, on the file system's clock). StorageError if it is not a
-        regular file."""
+    def links(self, path: str) -> LinkInfo:
+        """What the regular file ``path`` is: its link count, when its inode last changed
+        and which file it is (two names of one file answer the same). StorageError if it is
+        not a regular file."""
 
 
 @runtime_checkable

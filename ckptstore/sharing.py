@@ -10,14 +10,15 @@ when the store is opened, with an error that says why.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
 from ckptstore.errors import InvalidOptionError
 from ckptstore.manifest import Manifest
 
-__all__ = ["StrategySharing", "check_incremental"]
+__all__ = ["StorageUse", "StrategySharing", "check_incremental", "storage_use"]
 
 log = logging.getLogger(__name__)
 
@@ -70,3 +71,42 @@ class StrategySharing:
                 "%s: step %d's shards were not indexed for sharing", self.strategy.url,
                 manifest.step, exc_info=True,
             )  # fmt: skip
+
+
+@dataclass
+class StorageUse:
+    """What checkpoints hold on storage, counting bytes they share once."""
+
+    shared: dict[tuple[int, int], int] = field(default_factory=dict)
+    """By (step, epoch): the bytes of its shards that another listed checkpoint shares."""
+    stored: int = 0
+    """The bytes the listed checkpoints hold together, each stored file counted once."""
+    listed: int = 0
+    """The sum of the listed checkpoints' sizes (what they would hold without sharing)."""
+
+
+def storage_use(strategy: CommitStrategy[Any], manifests: Iterable[Manifest]) -> StorageUse:
+    """How the ``manifests``' checkpoints share their shards' stored files (one stat per
+    shard where the storage says which file a shard is; elsewhere nothing is shared)."""
+    use = StorageUse()
+    files: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    sizes: dict[tuple[int, int], int] = {}
+    shards: list[tuple[tuple[int, int], int, tuple[int, int] | None]] = []
+    for manifest in manifests:
+        key = (manifest.step, manifest.epoch)
+        ids = strategy.shard_files(manifest)
+        use.shared[key] = 0
+        for record in manifest.shards:
+            use.listed += record.size
+            file_id = ids.get(record.name)
+            shards.append((key, record.size, file_id))
+            if file_id is None:
+                use.stored += record.size
+                continue
+            files.setdefault(file_id, set()).add(key)
+            sizes[file_id] = record.size
+    use.stored += sum(sizes.values())
+    for key, size, file_id in shards:
+        if file_id is not None and len(files[file_id]) > 1:
+            use.shared[key] += size
+    return use

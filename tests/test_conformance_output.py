@@ -213,14 +213,15 @@ def test_a_racer_processs_warnings_are_counted_by_the_leader_and_not_printed(
     from ckptstore.conformance.layers import races
     from ckptstore.store import Store
 
+    url = f"file://{tmp_path}/store"
+    # The URL is in the module's text, not in the environment: a racer forks from the
+    # forkserver, whose environment is the one it started with (an earlier test's race).
     (tmp_path / "racer_warns.py").write_text(
-        "import logging, os\n"
+        "import logging\n"
         "logging.getLogger('ckptstore.backends.test').warning("
-        "'%s: the racer saw something odd', os.environ['RACER_URL'])\n"
+        f"'%s: the racer saw something odd', {url!r})\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    url = f"file://{tmp_path}/store"
-    monkeypatch.setenv("RACER_URL", url)
     location = LocationFactory(url)()
     Store(location.base).save(races.SEED_STEP, {"seed.bin": b"seed"})
     context = races._process_context()

@@ -64,6 +64,8 @@ UNRELATED_RULES = (
     "gc_during_a_long_multipart_upload",
     "push_a_directory",
     "fast_tier_partitioned",
+    "save_incrementally",
+    "gc_without_grace",
 )
 
 

@@ -182,8 +182,9 @@ def machine(
     test = make_state_machine(LocationFactory(url), multipart_size=multipart)
     # Rules that would find another of the variant's failures first, and the tiered rule: its
     # takeover finds the epoch variants' failures as take_over does, and it has its own variant
-    # (HistoryBlindReplicator, test_conformance_tiered).
-    leave_out = (*leave_out, "fast_tier_partitioned")
+    # (HistoryBlindReplicator, test_conformance_tiered); and the incremental rules, tested on
+    # their own (test_conformance_incremental), which move the derandomised examples.
+    leave_out = (*leave_out, "fast_tier_partitioned", "save_incrementally", "gc_without_grace")
     test = type("CheckpointStoreMachine", (test,), dict.fromkeys(leave_out, _not_a_rule))
     profile = settings(
         PROFILES["ci"],

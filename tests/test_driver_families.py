@@ -34,7 +34,7 @@ DRIVERS = [
         DriverFamily.FILE_SYSTEM,
         (LayoutFileSystemDriver, CloningDriver, LinkingDriver),
     ),
-    (SimulatedFileSystem, DriverFamily.FILE_SYSTEM, (CloningDriver,)),
+    (SimulatedFileSystem, DriverFamily.FILE_SYSTEM, (CloningDriver, LinkingDriver)),
     (MemoryDriver, DriverFamily.OBJECT_STORE, (ObjectStoreDriver,)),
     (S3Driver, DriverFamily.OBJECT_STORE, (RangedReadDriver,)),
 ]

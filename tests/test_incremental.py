@@ -108,7 +108,7 @@ def test_gc_unlinking_an_entry_a_writer_just_shared_loses_nothing(
     real_links = driver.links
     writer = _open(tmp_path)
 
-    def counted_then_shared(path: str) -> tuple[int, float]:
+    def counted_then_shared(path: str) -> Any:
         answer = real_links(path)  # GC's count: 1
         writer.save(2, {"base": base})  # the writer shares the entry before GC unlinks it
         return answer
@@ -314,3 +314,40 @@ def test_a_large_shard_is_written_while_hashed_then_shared_or_kept(
     assert not os.path.samefile(_shard_file(tmp_path, 3, "big"), _shard_file(tmp_path, 4, "big"))
     for step in (1, 2, 3, 4):
         assert store.get(step).verify().ok
+
+
+def test_the_operator_sees_what_is_shared(tmp_path: Path) -> None:
+    """``ls`` and ``show`` say what checkpoints share and what the store holds; ``verify
+    --all`` reads each shared file once; ``gc --dry-run`` says why a blob entry goes."""
+    import io
+    import json
+
+    from ckptstore.cli import main
+
+    url = f"file://{tmp_path}/store"
+    store = _open(tmp_path)
+    base = os.urandom(2 * MiB)
+    for step in (1, 2, 3):
+        store.save(step, {"base": base, "adapter": os.urandom(1000)})
+
+    def run(*argv: str) -> str:
+        out = io.StringIO()
+        assert main([*argv], out) == 0, out.getvalue()
+        return out.getvalue()
+
+    listing = run("ls", url)
+    assert "SHARED" in listing and listing.count("2.0 MiB  ok") == 3
+    assert "stored: 2.0 MiB for checkpoints of 6.0 MiB in all" in listing
+    document = json.loads(run("ls", url, "--json"))
+    assert document["stored_bytes"] == 2 * MiB + 3000
+    assert [c["shared_bytes"] for c in document["checkpoints"]] == [2 * MiB] * 3
+    assert "2.0 MiB of it shared with other checkpoints" in run("show", url, "2")
+    verified = run("verify", url, "--all")
+    assert "step 1: ok (2.0 MiB checked)" in verified
+    assert "1 shard(s) shared with one checked above" in verified
+    store.delete(1)
+    assert "(no checkpoint links it; idle" in run("gc", url, "--grace", "0", "--dry-run")
+    plain = ckptstore.open(f"file://{tmp_path}/plain")
+    plain.save(1, {"a": b"x"})
+    assert "SHARED" not in run("ls", f"file://{tmp_path}/plain")  # as it always was
+    assert "stored:" not in run("ls", f"file://{tmp_path}/plain")

@@ -19,7 +19,14 @@ from collections.abc import Iterator, Mapping
 from typing import BinaryIO, ClassVar
 
 from ckptstore.commit.rename import RenameCommit
-from ckptstore.driver import Buffer, Capability, CloningDriver, FileStat, LinkingDriver
+from ckptstore.driver import (
+    Buffer,
+    Capability,
+    CloningDriver,
+    FileStat,
+    LinkInfo,
+    LinkingDriver,
+)
 from ckptstore.errors import (
     InvalidURLError,
     ObjectNotFoundError,
@@ -186,12 +193,12 @@ class PosixDriver(CloningDriver, LinkingDriver):
             raise
         return result.st_size
 
-    def links(self, path: str) -> tuple[int, float]:
+    def links(self, path: str) -> LinkInfo:
         with self._translate("stat", path):
             result = os.lstat(self._abs(path))
         if not stat_module.S_ISREG(result.st_mode):
             raise _not_regular(self._abs(path), file_kind(result.st_mode, "not a file"))
-        return result.st_nlink, result.st_ctime
+        return LinkInfo(result.st_nlink, result.st_ctime, (result.st_dev, result.st_ino))
 
     def write(self, handle: int, data: Buffer) -> None:
         view = memoryview(data).cast("B")

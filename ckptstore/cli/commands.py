@@ -61,6 +61,7 @@ from ckptstore.interface import CheckpointStore
 from ckptstore.interval import DEFAULT_RECENT, MIN_SAVES, advise
 from ckptstore.manifest import Manifest
 from ckptstore.names import MAX_STEP
+from ckptstore.sharing import StorageUse, storage_use
 from ckptstore.signing import generate_key, write_key_pair
 from ckptstore.store import DEFAULT_GRACE, DEFAULT_SUPERSEDED_GRACE, Store, open_store
 from ckptstore.tiers.replication import shown_url
@@ -317,19 +318,29 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
     if args.replicate_to:
         return _ls_pair(args, out)
     store = _open(args.url, args)
-    entries = [_entry(store, step)[0] for step in _listed_steps(store)]
+    found = [_entry(store, step) for step in _listed_steps(store)]
+    entries = [entry for entry, _ in found]
+    use = _storage_use(store, [c for _, c in found if c is not None])
+    if use is not None:
+        for entry, checkpoint in found:
+            if checkpoint is not None:
+                key = (checkpoint.step, checkpoint.manifest.epoch)
+                entry["shared_bytes"] = use.shared.get(key, 0)
     lineage = store.lineage()
     superseded = store.superseded() if lineage.newest else []
     since = store.superseded_since() if superseded else {}
     for entry in entries:
         entry.setdefault("epoch", lineage.owner(entry["step"]))
     if args.json:
-        document = {
+        document: dict[str, Any] = {
             "url": store.url,
             "checkpoints": entries,
             "epochs": [epoch_document(epoch) for epoch in lineage.epochs],
             "superseded": superseded_document(superseded, since, DEFAULT_SUPERSEDED_GRACE),
         }
+        if use is not None:
+            document["stored_bytes"] = use.stored
+            document["listed_bytes"] = use.listed
         json.dump(document, out, indent=2)
         out.write("\n")
         return EXIT_OK
@@ -337,6 +348,11 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"no checkpoints in {printable(store.url)}\n")
     else:
         _print_table(_ls_rows(entries, with_epoch=lineage.newest > 0), out)
+    if use is not None:
+        out.write(
+            f"\nstored: {human_size(use.stored)} for checkpoints of {human_size(use.listed)} "
+            f"in all (shards shared between checkpoints are stored once)\n"
+        )
     if lineage.newest:  # a store never taken over shows what it always showed
         out.write("\n")
         _print_table(epoch_rows(lineage), out)
@@ -377,17 +393,29 @@ def _ls_pair(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _ls_rows(entries: list[dict[str, Any]], *, with_epoch: bool) -> list[list[str]]:
+    sharing = any(entry.get("shared_bytes") for entry in entries)
     rows = [["STEP", *(["EPOCH"] if with_epoch else []), "COMMITTED (UTC)", "SIZE", "SHARDS"]]
-    rows[0].append("STATUS")
+    rows[0] += [*(["SHARED"] if sharing else []), "STATUS"]
     for entry in entries:
         epoch = [str(entry["epoch"])] if with_epoch else []
         if entry["status"] == "ok":
             committed = entry["committed_at"][:19].replace("T", " ")
             size, shards = human_size(entry["size"]), str(entry["shards"])
-            rows.append([str(entry["step"]), *epoch, committed, size, shards, "ok"])
+            shared = [human_size(entry.get("shared_bytes", 0))] if sharing else []
+            rows.append([str(entry["step"]), *epoch, committed, size, shards, *shared, "ok"])
         else:
-            rows.append([str(entry["step"]), *epoch, "-", "-", "-", _status_text(entry)])
+            dashes = ["-"] * (4 if sharing else 3)
+            rows.append([str(entry["step"]), *epoch, *dashes, _status_text(entry)])
     return rows
+
+
+def _storage_use(store: Store, checkpoints: list[Checkpoint]) -> StorageUse | None:
+    """How the checkpoints share stored files, where the store's storage can say (None:
+    it cannot, or nothing is shared: the listing shows what it always showed)."""
+    if not checkpoints or not store.strategy.saved_incrementally():
+        return None
+    use = storage_use(store.strategy, [c.manifest for c in checkpoints])
+    return use if use.stored < use.listed else None
 
 
 def _pick(store: CheckpointStore, step: int | None) -> Checkpoint:
@@ -439,7 +467,8 @@ def _show(
         f"writer      {writer.host} pid {writer.pid}, world size {writer.world_size}",
         f"created     {manifest.created_at.isoformat()}",
         f"committed   {manifest.committed_at.isoformat()}",
-        f"size        {human_size(manifest.total_size)} in {len(manifest.shards)} shard(s)",
+        f"size        {human_size(manifest.total_size)} in {len(manifest.shards)} shard(s)"
+        f"{_shared_text(store, checkpoint)}",
         f"signed      {_signer_text(store, manifest)}",
     ]
     if lineage.newest:  # a store never taken over shows what it always showed
@@ -460,6 +489,16 @@ def _show(
     if len(shown) < len(manifest.shards):
         out.write(f"... and {len(manifest.shards) - len(shown)} more (--all-shards)\n")
     return EXIT_OK
+
+
+def _shared_text(store: Store, checkpoint: Checkpoint) -> str:
+    """How much of ``checkpoint`` other checkpoints of ``store`` share (incremental saves)."""
+    if not store.strategy.saved_incrementally():
+        return ""
+    others = [store.get(step) for step in store.steps() if step != checkpoint.step]
+    use = storage_use(store.strategy, [checkpoint.manifest, *(c.manifest for c in others)])
+    shared = use.shared.get((checkpoint.step, checkpoint.manifest.epoch), 0)
+    return f"; {human_size(shared)} of it shared with other checkpoints" if shared else ""
 
 
 def _signer_text(store: Store, manifest: Manifest) -> str:
@@ -513,7 +552,12 @@ def _verify_store(store: Store, args: argparse.Namespace) -> list[dict[str, Any]
     if args.step is not None:
         return [_verify_one(store, args.step, quiet=args.json, named=True)]
     if args.all:
-        return [_verify_one(store, step, quiet=args.json) for step in _listed_steps(store)]
+        seen: set[tuple[tuple[int, int], int, str]] | None = None
+        if store.strategy.saved_incrementally():
+            seen = set()  # each stored file shared by checkpoints is read once
+        return [
+            _verify_one(store, step, quiet=args.json, seen=seen) for step in _listed_steps(store)
+        ]
     return _verify_latest(store, quiet=args.json)
 
 
@@ -563,7 +607,9 @@ def _print_verify(results: list[dict[str, Any]], out: TextIO) -> None:
     for result in results:
         step, status = result["step"], result["status"]
         if status == "ok":
-            out.write(f"step {step}: ok ({human_size(result['bytes'])} checked)\n")
+            again = result.get("not_read_again", 0)
+            shared = f"; {again} shard(s) shared with one checked above" if again else ""
+            out.write(f"step {step}: ok ({human_size(result['bytes'])} checked{shared})\n")
         elif status == "broken":
             out.write(f"step {step}: BROKEN\n")
             for problem in result["problems"]:
@@ -587,9 +633,18 @@ def _verify_latest(store: Store, *, quiet: bool) -> list[dict[str, Any]]:
     return results
 
 
-def _verify_one(store: Store, step: int, *, quiet: bool, named: bool = False) -> dict[str, Any]:
+def _verify_one(
+    store: Store,
+    step: int,
+    *,
+    quiet: bool,
+    named: bool = False,
+    seen: set[tuple[tuple[int, int], int, str]] | None = None,
+) -> dict[str, Any]:
     """Read every shard of ``step`` and check it; ``named``: a STEP the user asked for, whose
-    absence is an error rather than a row."""
+    absence is an error rather than a row; ``seen``: the stored files (with the size and
+    CRC32C they were checked against) verified whole already in this pass, not read again,
+    to which this checkpoint's good ones are added."""
     if named:
         try:
             checkpoint: Checkpoint | None = store.get(step)
@@ -602,9 +657,16 @@ def _verify_one(store: Store, step: int, *, quiet: bool, named: bool = False) ->
         if checkpoint is None:
             return _verify_result(step, entry["status"], [entry["problem"]])
     assert checkpoint is not None
+    keys: dict[str, tuple[tuple[int, int], int, str]] = {}
+    checked: set[str] = set()
+    if seen is not None:
+        files = store.strategy.shard_files(checkpoint.manifest)
+        records = {record.name: record for record in checkpoint.manifest.shards}
+        keys = {n: (f, records[n].size, records[n].crc32c) for n, f in files.items()}
+        checked = {name for name, key in keys.items() if key in seen}
     bar = ProgressBar(f"step {step}", checkpoint.size, enabled=not quiet)
     try:
-        report = checkpoint.verify(progress=bar.advance)
+        report = checkpoint.verify(progress=bar.advance, checked=checked)
     except CheckpointNotFoundError as exc:  # unpublished by a delete or retention meanwhile
         if named:
             raise
@@ -618,6 +680,9 @@ def _verify_one(store: Store, step: int, *, quiet: bool, named: bool = False) ->
     problems = [f"{name}: {problem}" for name, problem in sorted(report.problems.items())]
     result = _verify_result(step, "ok" if report.ok else "broken", problems)
     result["bytes"] = report.bytes_checked
+    if seen is not None:
+        seen.update(keys[name] for name in keys if name not in report.problems)
+        result["not_read_again"] = len(report.not_read_again)
     return result
 
 
@@ -648,9 +713,10 @@ def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
         return EXIT_OK
     verb = "would remove" if report.dry_run else "removed"
     for item in report.removed:  # names are listed from storage: printed escaped
+        why = "no checkpoint links it; " if item.kind == "blob" else ""
         out.write(
             f"{verb} {item.kind} {printable(item.name)} "
-            f"(idle {_age(item.age_s)}, {human_size(item.size)})\n"
+            f"({why}idle {_age(item.age_s)}, {human_size(item.size)})\n"
         )
     for item in report.kept_young:
         out.write(

@@ -221,6 +221,17 @@ class Publishing(_Located):
         as the shard (its sink aborted) is removed first."""
         return None
 
+    def saved_incrementally(self) -> bool:
+        """True if an incremental save ever indexed shards here (a cheap check, so that
+        listings of other stores cost nothing more)."""
+        return False
+
+    def shard_files(self, manifest: Manifest) -> dict[str, tuple[int, int]]:
+        """Which stored file each shard of a published checkpoint is (shards of several
+        checkpoints that share bytes answer the same); empty where the storage cannot say
+        (then no shard counts as shared)."""
+        return {}
+
     def index_shards(self, manifest: Manifest, digests: Mapping[str, str]) -> None:
         """After ``manifest`` published: make its shards found by later incremental saves
         by their ``digests`` (by shard name; else the digest the manifest records), best

@@ -114,13 +114,13 @@ class FileBlobArea:
 
     def _sweep_entry(self, path: str, size: int, now: float, report: GcReport) -> None:
         try:
-            count, changed = self.driver.links(path)
+            info = self.driver.links(path)
         except StorageError:
             return  # gone meanwhile, or not a regular file: not the area's
-        if count > 1:
+        if info.count > 1:
             return  # a checkpoint (or a save under way) holds the bytes
-        item = GcItem(kind="blob", name=path, age_s=max(0.0, now - changed), size=size)
-        if now - changed < report.grace_s:
+        item = GcItem(kind="blob", name=path, age_s=max(0.0, now - info.changed), size=size)
+        if now - info.changed < report.grace_s:
             report.kept_young.append(item)
             return
         report.removed.append(item)

@@ -209,6 +209,26 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
                 ) from exc
         return {"path": f"{DATA_DIR}/{name}"} if shared else None
 
+    def saved_incrementally(self) -> bool:
+        if self._blobs is None:
+            return False
+        try:
+            return self.driver.stat(BLOB_AREA).is_dir
+        except StorageError:
+            return False
+
+    def shard_files(self, manifest: Manifest) -> dict[str, tuple[int, int]]:
+        if not isinstance(self.driver, LinkingDriver):
+            return {}
+        final = names.checkpoint_token(manifest.step, manifest.epoch)
+        found = {}
+        for record in manifest.shards:
+            try:
+                found[record.name] = self.driver.links(f"{final}/{DATA_DIR}/{record.name}").file_id
+            except StorageError:
+                continue  # gone or not a file: verify says so, not this
+        return found
+
     def index_shards(self, manifest: Manifest, digests: Mapping[str, str]) -> None:
         if self._blobs is None:
             return

@@ -200,9 +200,11 @@ class Location:
         *,
         signing_key: SigningKey | None = None,
         trust: Trust | None = None,
+        incremental: bool = False,
     ) -> tuple[Store, FaultInjector]:
         """A fresh Store over this location, its driver wrapped in a fault injector (that
-        signs with ``signing_key``, and reads only what ``trust`` trusts, if given)."""
+        signs with ``signing_key``, reads only what ``trust`` trusts, and saves incrementally
+        (``incremental``), if given)."""
         injector = FaultInjector(
             self.base.driver, plan, on_change=self.changed, on_upload=self._upload_call
         )
@@ -213,6 +215,7 @@ class Location:
             clock=self.store_clock,
             signing_key=signing_key,
             trust=trust,
+            incremental=incremental,
         )
         return store, injector
 

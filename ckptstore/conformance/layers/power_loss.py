@@ -15,11 +15,13 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptstore import names
 from ckptstore.commit.base import CommitStrategy
+from ckptstore.commit.rename import DATA_DIR
 from ckptstore.conformance.faults import FaultInjector, FaultPlan
 from ckptstore.conformance.layers.cases import CaseFailure
 from ckptstore.conformance.layers.layer import Findings, SuiteRun
-from ckptstore.conformance.layers.workload import pattern, push, standard_workload
+from ckptstore.conformance.layers.workload import pattern, push, save, standard_workload
 from ckptstore.conformance.location import Clock, StrategyLocation
 from ckptstore.conformance.model import InvariantViolation, Model, Saved, check_invariants
 from ckptstore.conformance.models.simfs import SimulatedFileSystem
@@ -56,6 +58,8 @@ class PowerLossResult:
     failures: list[CaseFailure] = field(default_factory=list)
     clones: int = 0
     """Shards the push made by ``clone`` (0 where the strategy copies instead)."""
+    shared: int = 0
+    """Shards the incremental saves shared by a hard link (0 where the strategy cannot)."""
 
 
 def run_power_loss(template: CommitStrategy[Any], *, depth: int = 1) -> PowerLossResult:
@@ -92,9 +96,46 @@ def run_power_loss(template: CommitStrategy[Any], *, depth: int = 1) -> PowerLos
     injector = store.strategy.driver
     assert isinstance(injector, FaultInjector)  # StrategyLocation.open puts one under the store
     push(store, model, pushed(PUSHED_STEP), clone=True, parallel=1)  # one change at a time
+    result.shared = incremental_saves(
+        Store(store.strategy, clock=clock, incremental=True), model, simulated
+    )
     simulated.on_change = None
     result.clones = sum(call.name == "clone" for call in injector.calls)
     return result
+
+
+def shared_shards(simulated: SimulatedFileSystem, step: int) -> int:
+    """How many of ``step``'s shard files have names beyond its own and the blob area's
+    index entry: bytes it shares with another checkpoint."""
+    data = f"{names.checkpoint_token(step)}/{DATA_DIR}"
+    found = 0
+    for folder in ("base", "lora"):
+        for name in simulated.listdir(f"{data}/{folder}"):
+            found += simulated.links(f"{data}/{folder}/{name}").count > 2
+    return found
+
+
+SHARED_STEPS = (PUSHED_STEP + 1, PUSHED_STEP + 2)
+"""The steps of the incremental saves after the push (``incremental_saves``)."""
+
+
+def incremental_saves(store: Store, model: Model, simulated: SimulatedFileSystem) -> int:
+    """Two incremental saves whose frozen shard the second shares with the first (a hard
+    link into its staging directory, durable with the directory's fsync, docs/protocol.md
+    §12.2); then the first is deleted and a GC without grace sweeps the blob area: the second
+    must keep its shared shard through every power loss (I10, checked as I1 and I2).
+    Returns how many shards the second save shared."""
+    frozen = pattern(2500, 4242)
+    first, second = SHARED_STEPS
+    for step in SHARED_STEPS:
+        shards = {"base/frozen.bin": frozen, "lora/adapter.bin": pattern(300, step)}
+        save(store, model, Saved(step, shards, {"step": step, "incremental": True}))
+    shared = shared_shards(simulated, second)
+    model.removal_started({first}, explicit=True)
+    store.delete(first)
+    model.gc_started()
+    store.gc(grace=0)
+    return shared
 
 
 def run_layer(run: SuiteRun, found: Findings) -> None:
@@ -110,7 +151,8 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
         found.violated(failure.invariant, f"{failure.case}: {failure.message}")
     found.coverage["power loss"] = (
         f"{result.states} file-system states checked at {result.points} instants "
-        f"({result.clones} shards cloned by a push)"
+        f"({result.clones} shards cloned by a push, {result.shared} shared by an incremental "
+        f"save)"
     )
     if result.states == 0:
         found.vacuous = "no file-system state was checked"

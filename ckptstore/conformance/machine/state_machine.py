@@ -193,10 +193,10 @@ class CheckpointStoreMachine(ForeignEntryRules):
         epoch = self.model.newest_epoch
         return Saved(step, shards, {"step": step, "tokens": step * 1000}, epoch)
 
-    def _writer(self, plan: FaultPlan | None = None) -> Store:
+    def _writer(self, plan: FaultPlan | None = None, *, incremental: bool = False) -> Store:
         """A store opened afresh by the run: told the run's epoch once the store was taken
         over, as every writer then must be (a writer that names none is refused, §8.3)."""
-        store, _ = self.location.open(plan)
+        store, _ = self.location.open(plan, incremental=incremental)
         if self.model.newest_epoch > 0:
             store.join_epoch(self.model.newest_epoch)
         return store
@@ -227,6 +227,45 @@ class CheckpointStoreMachine(ForeignEntryRules):
             self.restart()
 
     save = _save_rule(SHARD_SIZES)
+
+    @precondition(lambda self: self.location.base.shares_shards)
+    @rule(
+        reuse=st.lists(st.booleans(), min_size=1, max_size=3),
+        crash=st.none() | st.tuples(st.integers(0, 40), _modes),
+    )
+    @abort_on_storage_failure
+    def save_incrementally(self, reuse: list[bool], crash: tuple[int, CrashMode] | None) -> None:
+        """An incremental save (docs/protocol.md §12) whose shards repeat, where ``reuse``
+        says, the bytes of a shard an earlier save committed (a frozen base): shared with
+        that checkpoint by a hard link where a checkpoint published them after an
+        incremental save indexed them, else written; crashing at call ``crash[0]`` (the
+        sharing links among the calls) unless None. I10 is checked with every other
+        invariant: each published checkpoint reads back whole, its shared shards included."""
+        earlier = [
+            blob for saved in self.model.committed.values() for blob in saved.shards.values()
+        ]
+        saved = self._new_save([100] * len(reuse))
+        shards = dict(saved.shards)
+        for index, (name, reused) in enumerate(zip(list(shards), reuse, strict=True)):
+            if reused and earlier:
+                shards[name] = earlier[-1 - index % len(earlier)]
+        saved = Saved(saved.step, shards, saved.metadata, saved.epoch)
+        plan = None if crash is None else FaultPlan(crash_at=crash[0], crash_mode=crash[1])
+        try:
+            save(self._writer(plan, incremental=True), self.model, saved)
+        except SimulatedCrash as died:
+            self.completion_crashes.update(_around_completion(died))
+            self.restart()
+
+    @precondition(lambda self: self.location.base.shares_shards)
+    @rule()
+    @abort_on_storage_failure
+    def gc_without_grace(self) -> None:
+        """GC with no grace period, between saves (none is live): every leftover of a dead
+        attempt goes, and every blob-area entry no checkpoint links (a file system's GC ages
+        leftovers on its own clock, which the suite cannot move)."""
+        self.model.gc_started()
+        self.store.gc(grace=timedelta(0), superseded_grace=timedelta(0))
 
     @precondition(lambda self: self.multipart_size > 0)
     @rule(mode=_modes)

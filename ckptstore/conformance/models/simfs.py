@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from ckptstore.driver import Buffer, Capability, CloningDriver, FileStat
+from ckptstore.driver import Buffer, Capability, CloningDriver, FileStat, LinkInfo, LinkingDriver
 from ckptstore.errors import ObjectNotFoundError, StorageError, TargetExistsError
 
 __all__ = ["CrashState", "SimulatedFileSystem"]
@@ -63,7 +63,7 @@ class CrashState:
         return "; ".join(parts) or "nothing lost"
 
 
-class SimulatedFileSystem(CloningDriver):
+class SimulatedFileSystem(CloningDriver, LinkingDriver):
     """An in-memory FileSystemDriver with a volatile cache and exact durability bookkeeping.
 
     It makes clones (``CloningDriver``) as XFS and btrfs do: a clone is the source's bytes as
@@ -178,6 +178,36 @@ class SimulatedFileSystem(CloningDriver):
         node.mtime = self.clock()
         self._changed()
         return True
+
+    def link(self, source: str, target: str) -> int:
+        """A hard link: a new entry for ``source``'s inode, recorded as a directory operation
+        (durable once ``target``'s directory is fsynced, lost or kept before, as a create);
+        the file's data is the inode's, durable or not, whichever name reads it."""
+        _, _, node = self._existing(source, "file")
+        if node.is_dir:
+            raise StorageError(1, f"{self.url}{source}: a directory is not hard-linked")
+        inode = self._lookup(source)
+        parent, name = self._parent(target)
+        if name in self.inodes[parent].entries:
+            raise TargetExistsError(17, f"{self.url}{target}: exists")
+        self.inodes[parent].entries[name] = inode
+        self.inodes[parent].mtime = node.mtime = self.clock()
+        self._record("link", adds=((parent, name, inode),))
+        return len(node.data)
+
+    def links(self, path: str) -> LinkInfo:
+        inode = self._lookup(path)
+        node = self.inodes[inode]
+        if node.is_dir:
+            raise StorageError(21, f"{self.url}{path}: is a directory")
+        count = sum(
+            1
+            for directory in self.inodes.values()
+            if directory.is_dir
+            for entry in directory.entries.values()
+            if entry == inode
+        )
+        return LinkInfo(count, node.mtime, (0, inode))
 
     def start_writeback(self, handle: int) -> None:
         self.inodes[self.handles[handle]]  # only a hint: nothing becomes durable
