@@ -614,6 +614,7 @@ class PendingCheckpoint:
                     written = 0
         except BaseException:
             writer.abort()
+            self._shard_failed(name)  # also where the writer was discarded for the share
             raise
         return self._shared_or_written(name, view[written:], sharing, locator, crc, digests, writer)
 

@@ -351,3 +351,33 @@ def test_the_operator_sees_what_is_shared(tmp_path: Path) -> None:
     plain.save(1, {"a": b"x"})
     assert "SHARED" not in run("ls", f"file://{tmp_path}/plain")  # as it always was
     assert "stored:" not in run("ls", f"file://{tmp_path}/plain")
+
+
+def test_a_share_that_fails_after_the_partial_write_was_dropped_fails_the_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shard's bytes written so far are dropped to share them; the share then fails:
+    the shard is failed, so the checkpoint cannot publish without it."""
+    from ckptstore.errors import CkptStoreError, StorageError
+
+    store = _open(tmp_path)
+    big = os.urandom(20 * MiB)
+    store.save(1, {"big": big})
+    area = store.strategy._blobs
+    assert area is not None
+
+    real = area.share
+
+    def broken(digest: str, size: int, target: str) -> bool:
+        if size == len(big):
+            raise StorageError(5, "link: input/output error")
+        return real(digest, size, target)
+
+    monkeypatch.setattr(area, "share", broken)
+    pending = store.begin(2)
+    with pytest.raises(StorageError):
+        pending.write("big", big)
+    pending.write("other", b"x")
+    with pytest.raises(CkptStoreError):
+        pending.publish()  # never a checkpoint without the shard the caller wrote
+    assert store.steps() == [1]
