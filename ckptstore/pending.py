@@ -142,18 +142,18 @@ so that writing stops soon after the hash says its bytes are already held."""
 class ShardSharing(Protocol):
     """Where an incremental save shares shards with earlier checkpoints (docs/protocol.md
     §12): ``share`` makes a shard the bytes a checkpoint already holds, or returns None
-    (then the shard is written); ``index`` makes a published checkpoint's shards found by
-    their digests (``algorithm``'s: a shard's blob name)."""
+    (then the shard is written); ``index`` makes an attempt's sealed shards (their bytes
+    durable) found by their digests (``algorithm``'s: a shard's blob name)."""
 
     algorithm: str
 
     def available(self, digest: str, size: int) -> bool: ...
 
     def share(
-        self, name: str, digest: str, size: int, *, replacing: bool = False
+        self, name: str, digest: str, size: int, crc32c: str, *, replacing: bool = False
     ) -> Mapping[str, str] | None: ...
 
-    def index(self, manifest: Manifest, digests: Mapping[str, str]) -> None: ...
+    def index(self, step: int, attempt: str, digests: Mapping[str, str]) -> None: ...
 
 
 class ShardWriter:
@@ -413,7 +413,9 @@ class PendingCheckpoint:
         self.digest_algorithm = digest_algorithm
         self._sharing = sharing
         self._blob_digests: dict[str, str] = {}
-        """Each hashed shard's digest, by name: its blob's name once published."""
+        """Each hashed shard's digest, by name: its blob's name once sealed."""
+        self._shared_names: set[str] = set()
+        """Shards made of bytes an earlier checkpoint holds (indexed already)."""
         self.attempt = attempt
         self.metadata = metadata
         self.expected = expected
@@ -572,7 +574,8 @@ class PendingCheckpoint:
         if view.nbytes < _OVERLAP_FROM:
             try:
                 crc, digests = self._named_checksums(name, view, sharing)
-                locator = sharing.share(name, self._blob_digests[name], view.nbytes)
+                blob = self._blob_digests[name]
+                locator = sharing.share(name, blob, view.nbytes, crc.hexdigest())
             except BaseException:
                 self._shard_failed(name)
                 raise
@@ -608,7 +611,7 @@ class PendingCheckpoint:
             locator = None
             if sharing.available(blob, view.nbytes):  # drop the bytes written: share them
                 writer.discard()
-                locator = sharing.share(name, blob, view.nbytes, replacing=True)
+                locator = sharing.share(name, blob, view.nbytes, crc.hexdigest(), replacing=True)
                 if locator is None:  # gone since (GC): write them after all
                     writer = self._open_claimed(name, view.nbytes)
                     written = 0
@@ -643,6 +646,8 @@ class PendingCheckpoint:
         into ``writer`` (a new one if None), its checksums adopted."""
         recorded = digests if self.digest_algorithm is not None else None
         if locator is not None:
+            with self._lock:
+                self._shared_names.add(name)
             record = shard_record(name, locator, crc, recorded)
             self._shard_closed(record)
             return record
@@ -678,6 +683,14 @@ class PendingCheckpoint:
         except BaseException:
             self._move(PendingState.FAILED)
             raise
+        if self._sharing is not None:  # durable now: later saves may share these shards
+            with self._lock:
+                digests = {
+                    r.name: self._blob_digests[r.name]
+                    for r in records
+                    if r.name in self._blob_digests and r.name not in self._shared_names
+                }
+            self._sharing.index(self.step, self.attempt, digests)
         return records
 
     def _coverage_problem(self) -> str | None:
@@ -755,10 +768,6 @@ class PendingCheckpoint:
         self.checkpoint = checkpoint
         self._move(PendingState.PUBLISHED)
         self._owner.published(checkpoint)
-        if self._sharing is not None:  # durable now: later saves may share its shards
-            with self._lock:
-                digests = dict(self._blob_digests)
-            self._sharing.index(checkpoint.manifest, digests)
         return checkpoint
 
     def _manifest(self, shards: tuple[ShardRecord, ...]) -> Manifest:

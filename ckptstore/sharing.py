@@ -52,24 +52,26 @@ class StrategySharing:
         return self.strategy.shard_available(digest, size)
 
     def share(
-        self, name: str, digest: str, size: int, *, replacing: bool = False
+        self, name: str, digest: str, size: int, crc32c: str, *, replacing: bool = False
     ) -> Mapping[str, str] | None:
-        """The shard made of bytes a published checkpoint holds (its locator), or None;
-        ``replacing``: what this attempt began writing as the shard is dropped first."""
+        """The shard made of bytes a published checkpoint holds, checked to have the CRC32C
+        ``crc32c`` (its locator), or None; ``replacing``: what this attempt began writing as
+        the shard is dropped first."""
         return self.strategy.share_shard(
-            self.step, self.attempt, name, digest, size, replacing=replacing
+            self.step, self.attempt, name, digest, size, crc32c, replacing=replacing
         )
 
-    def index(self, manifest: Manifest, digests: Mapping[str, str]) -> None:
-        """Make a published checkpoint's shards found by later saves, by ``digests`` (or
-        the digests the manifest records); never raises (the checkpoint is published: an
-        index not made only costs a later save a write)."""
+    def index(self, step: int, attempt: str, digests: Mapping[str, str]) -> None:
+        """Make an attempt's sealed shards (their bytes durable) found by later saves, by
+        their ``digests``; never raises (an index not made only costs a later save a write).
+        Indexed at the seal, from the attempt's own staging files, so that what is indexed
+        is what this save wrote, and ranks that joined the attempt index their own."""
         try:
-            self.strategy.index_shards(manifest, digests)
+            self.strategy.index_shards(step, attempt, digests)
         except Exception:
             log.warning(
-                "%s: step %d's shards were not indexed for sharing", self.strategy.url,
-                manifest.step, exc_info=True,
+                "%s: step %d's shards were not indexed for sharing", self.strategy.url, step,
+                exc_info=True,
             )  # fmt: skip
 
 

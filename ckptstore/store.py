@@ -1043,8 +1043,14 @@ def open_store(
         )
     epoch = url_epoch if epoch is None else epoch
     parsed, url_incremental = split_incremental(parsed)
-    if incremental is None:
-        incremental = bool(url_incremental)
+    if incremental is not None and not isinstance(incremental, bool):
+        raise InvalidOptionError(f"incremental must be True or False, not {incremental!r}")
+    if url_incremental is not None and incremental is not None and url_incremental != incremental:
+        raise InvalidOptionError(
+            f"{parsed.scheme}:// URL says incremental={int(url_incremental)}, the incremental "
+            f"option {incremental}: give one"
+        )
+    incremental = bool(url_incremental if incremental is None else incremental)
     factory = resolve(parsed.scheme)
     strategy = factory(parsed, {**parsed.query, **options})
     strategy.open_root(create=create)

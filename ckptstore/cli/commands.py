@@ -662,7 +662,9 @@ def _verify_one(
     if seen is not None:
         files = store.strategy.shard_files(checkpoint.manifest)
         records = {record.name: record for record in checkpoint.manifest.shards}
-        keys = {n: (f, records[n].size, records[n].crc32c) for n, f in files.items()}
+        keys = {  # a file checked against a CRC32C only does not stand for a digest's check
+            n: (f, records[n].size, records[n].crc32c + records[n].digest) for n, f in files.items()
+        }
         checked = {name for name, key in keys.items() if key in seen}
     bar = ProgressBar(f"step {step}", checkpoint.size, enabled=not quiet)
     try:

@@ -211,14 +211,15 @@ class Publishing(_Located):
         return False
 
     def share_shard(
-        self, step: int, attempt: str, name: str, digest: str, size: int, *,
+        self, step: int, attempt: str, name: str, digest: str, size: int, crc32c: str, *,
         replacing: bool = False,
     ) -> Mapping[str, str] | None:  # fmt: skip
         """Make shard ``name`` of the attempt the bytes an earlier checkpoint published with
-        ``digest`` and ``size``, without writing them; its locator, or None (nothing made)
-        where no checkpoint holds them: the shard is then written. ShardExistsError if the
-        attempt already has the shard, unless ``replacing``: what the attempt began writing
-        as the shard (its sink aborted) is removed first."""
+        ``digest`` and ``size``, without writing them, once they are read back and found to
+        have the CRC32C ``crc32c``; its locator, or None (nothing made) where no checkpoint
+        holds them: the shard is then written. ShardExistsError if the attempt already has
+        the shard, unless ``replacing``: what the attempt began writing as the shard (its
+        sink aborted) is removed first."""
         return None
 
     def saved_incrementally(self) -> bool:
@@ -232,10 +233,10 @@ class Publishing(_Located):
         (then no shard counts as shared)."""
         return {}
 
-    def index_shards(self, manifest: Manifest, digests: Mapping[str, str]) -> None:
-        """After ``manifest`` published: make its shards found by later incremental saves
-        by their ``digests`` (by shard name; else the digest the manifest records), best
-        effort: never raises for what it could not index."""
+    def index_shards(self, step: int, attempt: str, digests: Mapping[str, str]) -> None:
+        """Once an attempt's shards are sealed (durable): make those named in ``digests``
+        found by later incremental saves under their digests; best effort: never raises for
+        what it could not index."""
 
     @abc.abstractmethod
     def publish(self, manifest: Manifest) -> None:

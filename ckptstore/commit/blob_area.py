@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import re
 
+from ckptstore.checksum import Crc32c
 from ckptstore.commit.base import GcItem, GcReport
 from ckptstore.digest import ALGORITHMS
 from ckptstore.driver import LinkingDriver
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 BLOB_AREA = "blobs"
 """The root entry that holds the blob area."""
+_READ_PIECE = 8 * 1024 * 1024
+"""A shared entry is read back this much at a time to check its CRC32C."""
 _ENTRY = re.compile(r"([0-9a-f]{64})-(0|[1-9][0-9]{0,18})", re.ASCII)
 
 
@@ -53,11 +56,15 @@ class FileBlobArea:
         except StorageError:
             return False
 
-    def share(self, digest: str, size: int, target: str) -> bool:
+    def share(self, digest: str, size: int, target: str, crc32c: str) -> bool:
         """Make ``target`` (a new name in a staging directory) a link to the bytes an earlier
-        checkpoint published with ``digest`` and ``size``; False, nothing left at
-        ``target``, where the area has no such entry (or it cannot be linked): write them."""
+        checkpoint published with ``digest`` and ``size``, read back and found to have the
+        CRC32C ``crc32c`` of the bytes the save holds; False, nothing left at ``target``,
+        where the area has no such entry, or one that cannot be linked or holds other bytes
+        (a file changed in place, an operator's replacement): then write them."""
         source = blob_path(digest, size)
+        if not self._real_directories(source):
+            return False
         try:
             linked = self.driver.link(source, target)
         except ObjectNotFoundError:
@@ -67,35 +74,74 @@ class FileBlobArea:
         except StorageError as exc:  # EPERM (protected hard links), EMLINK, a stray entry
             log.info("%s: not sharing %s (%s); writing the shard", self.driver.url, source, exc)
             return False
+        problem = None
         if linked != size:  # a digest is trusted only with its size (a truncated entry)
-            self.driver.unlink(target)
-            log.warning(
-                "%s: blob entry %s holds %d bytes, its name says %d: writing the shard",
-                self.driver.url, source, linked, size,
-            )  # fmt: skip
+            problem = f"holds {linked} bytes, its name says {size}"
+        else:
+            found = self._crc32c(target)
+            if found != crc32c:
+                problem = f"holds bytes of CRC32C {found}, the shard's are {crc32c}"
+        if problem is None:
+            return True
+        self.driver.unlink(target)
+        log.warning(
+            "%s: blob entry %s %s (changed after it was saved?): writing the shard, and "
+            "indexing it in the entry's place",
+            self.driver.url, source, problem,
+        )  # fmt: skip
+        try:  # only the index's name: a checkpoint that links the file keeps it (and says so)
+            self.driver.unlink(source)
+        except StorageError as exc:
+            log.info("%s: %s not removed (%s)", self.driver.url, source, exc)
+        return False
+
+    def _crc32c(self, path: str) -> str:
+        """The CRC32C of the file at ``path``, read whole (a save shares only bytes it
+        checked: a shared file changed in place would otherwise spread to every save)."""
+        crc = Crc32c()
+        with self.driver.open_read(path) as stream:
+            while chunk := stream.read(_READ_PIECE):
+                crc.update(chunk)
+        return crc.hexdigest()
+
+    def _real_directories(self, path: str) -> bool:
+        """True if every directory on ``path`` under the store's root is a directory, not a
+        symbolic link (never followed out of the store)."""
+        parts = path.split("/")[:-1]
+        try:
+            return all(
+                self.driver.stat("/".join(parts[: depth + 1])).is_dir for depth in range(len(parts))
+            )
+        except StorageError:
             return False
-        return True
 
     def index(self, digest: str, size: int, source: str) -> None:
-        """Link ``source`` (a published checkpoint's durable shard file) into the area under
-        its digest, for later saves to share; an existing entry is kept. Best effort: a
-        failure is logged, and only costs a later save the write it would have saved."""
+        """Link ``source`` (a sealed shard file: its bytes durable) into the area under its
+        digest, for later saves to share; an existing entry is kept. Best effort: a failure
+        is logged, and only costs a later save the write it would have saved."""
         target = blob_path(digest, size)
         try:
-            self._make_parents(target)
+            if not self._make_parents(target):
+                log.info("%s: the blob area is not a directory: nothing indexed", self.driver.url)
+                return
             self.driver.link(source, target)
         except TargetExistsError:
             return
         except StorageError as exc:
             log.info("%s: %s not indexed for sharing (%s)", self.driver.url, source, exc)
 
-    def _make_parents(self, path: str) -> None:
+    def _make_parents(self, path: str) -> bool:
+        """Make the directories ``path`` needs; False (nothing made below it) where one of
+        them is anything but a directory (a symbolic link is never followed)."""
         parts = path.split("/")
         for depth in range(1, len(parts)):
+            directory = "/".join(parts[:depth])
             try:
-                self.driver.mkdir("/".join(parts[:depth]))
+                self.driver.mkdir(directory)
             except TargetExistsError:
-                continue
+                if not self.driver.stat(directory).is_dir:
+                    return False
+        return True
 
     def sweep(self, now: float, report: GcReport) -> None:
         """Remove (or, on a dry run, report) every area entry no checkpoint links any more

@@ -189,7 +189,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         return self._blobs is not None and self._blobs.available(digest, size)
 
     def share_shard(
-        self, step: int, attempt: str, name: str, digest: str, size: int, *,
+        self, step: int, attempt: str, name: str, digest: str, size: int, crc32c: str, *,
         replacing: bool = False,
     ) -> Mapping[str, str] | None:  # fmt: skip
         """A hard link, in the staging directory, to the file an earlier checkpoint
@@ -202,7 +202,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
                 with contextlib.suppress(ObjectNotFoundError):
                     self.driver.unlink(path)
             try:
-                shared = self._blobs.share(digest, size, path)
+                shared = self._blobs.share(digest, size, path, crc32c)
             except TargetExistsError as exc:
                 raise ShardExistsError(
                     f"shard {name!r} already exists in this attempt", key=name
@@ -229,14 +229,20 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
                 continue  # gone or not a file: verify says so, not this
         return found
 
-    def index_shards(self, manifest: Manifest, digests: Mapping[str, str]) -> None:
+    def index_shards(self, step: int, attempt: str, digests: Mapping[str, str]) -> None:
+        """Link each sealed shard file of the attempt's staging directory into the blob
+        area: the file this save wrote and fsynced, whatever happens to the step's name
+        later (a published step deleted and saved again by another writer)."""
         if self._blobs is None:
             return
-        final = names.checkpoint_token(manifest.step, manifest.epoch)
-        for record in manifest.shards:
-            digest = digests.get(record.name) or record.digest
-            if digest:
-                self._blobs.index(digest, record.size, f"{final}/{DATA_DIR}/{record.name}")
+        staging = f"{self.staging_dir(step, attempt)}/{DATA_DIR}"
+        for name, digest in digests.items():
+            path = f"{staging}/{name}"
+            try:
+                size = self.driver.stat(path).size
+            except StorageError:
+                continue
+            self._blobs.index(digest, size, path)
 
     def _create_shard(
         self, step: int, attempt: str, name: str, size_hint: int | None
