@@ -134,26 +134,19 @@ _CLONE_READ = 8 * 1024 * 1024
 """A cloned shard is read back and checksummed this much at a time."""
 _OVERLAP_FROM = 16 * 1024 * 1024
 """A write at least this large is checksummed on another thread while the sink writes it."""
-_SPECULATION_PIECE = 8 * 1024 * 1024
-"""A large shard of an incremental save is written this much at a time while it is hashed,
-so that writing stops soon after the hash says its bytes are already held."""
 
 
 class ShardSharing(Protocol):
     """Where an incremental save shares shards with earlier checkpoints (docs/protocol.md
-    §12): ``share`` makes a shard the bytes a checkpoint already holds, or returns None
-    (then the shard is written); ``index`` makes an attempt's sealed shards (their bytes
-    durable) found by their digests (``algorithm``'s: a shard's blob name)."""
-
-    algorithm: str
-
-    def available(self, digest: str, size: int) -> bool: ...
+    §12): ``share`` makes a shard a link to a sealed file holding exactly its bytes, or
+    returns None (then the shard is written); ``index`` makes an attempt's sealed shards
+    found by their CRC32C and size."""
 
     def share(
-        self, name: str, digest: str, size: int, crc32c: str, *, replacing: bool = False
+        self, name: str, crc32c: str, size: int, data: memoryview
     ) -> Mapping[str, str] | None: ...
 
-    def index(self, step: int, attempt: str, digests: Mapping[str, str]) -> None: ...
+    def index(self, step: int, attempt: str, shards: Mapping[str, tuple[str, int]]) -> None: ...
 
 
 class ShardWriter:
@@ -167,25 +160,17 @@ class ShardWriter:
         closed: Callable[[ShardRecord], None],
         failed: Callable[[str], None],
         digest_algorithm: str | None = None,
-        named: tuple[str, Callable[[str, str], None]] | None = None,
     ) -> None:
         """``closed`` counts the shard's record once it is finished, ``failed`` its name if
         it is given up (the pending checkpoint's own bookkeeping). ``digest_algorithm``: also
-        record the shard's cryptographic digests (``ckptstore.digest``), in the same pass.
-        ``named`` (an incremental save's ``(algorithm, callback)``): the shard's digest by
-        that algorithm, its blob's name, is computed in the same pass and given to the
-        callback at close, recorded or not."""
+        record the shard's cryptographic digests (``ckptstore.digest``), in the same pass."""
         self.name = name
         self._sink = sink
         self._closed_to = closed
         self._failed_to = failed
         self._crc = BlockCrc32c()
         self._digests = None if digest_algorithm is None else BlockDigests(digest_algorithm)
-        self._named = named
         self._ahead = 0
-        self._naming: BlockDigests | None = None
-        if named is not None and named[0] != digest_algorithm:
-            self._naming = BlockDigests(named[0])
         self._record: ShardRecord | None = None
         self._closed = False
 
@@ -235,14 +220,6 @@ class ShardWriter:
         if crc.size != self._ahead or (digests is not None) != (self._digests is not None):
             raise ValueError(f"shard {self.name!r}: checksums of other bytes")
         self._crc, self._digests, self._ahead = crc, digests, 0
-        self._named = self._naming = None  # the caller named the bytes it hashed
-
-    def discard(self) -> None:
-        """Drop what was written, without failing the shard: its bytes are shared instead
-        (``PendingCheckpoint``'s incremental path makes the shard anew)."""
-        if not self._closed:
-            self._closed = True
-            self._sink.abort()
 
     def clone_from(self, source: int) -> bool:
         """Make this (still empty) shard a copy-on-write clone of the whole open file
@@ -265,8 +242,6 @@ class ShardWriter:
         self._crc.update(view)
         if self._digests is not None:
             self._digests.update(view)
-        if self._naming is not None:
-            self._naming.update(view)
 
     @property
     def size(self) -> int:
@@ -294,11 +269,6 @@ class ShardWriter:
             self._failed_to(self.name)
             raise
         record = shard_record(self.name, locator, self._crc, self._digests)
-        if self._named is not None:
-            naming = self._naming or self._digests
-            if naming is not None:
-                naming.finish()
-                self._named[1](self.name, f"{naming.algorithm}:{naming.hexdigest()}")
         self._closed_to(record)
         self._record = record
         return record
@@ -407,13 +377,11 @@ class PendingCheckpoint:
         digests (a store that signs, or that was opened with ``digests``). ``sharing`` (an
         incremental save, which needs digests): a shard written whole from a buffer whose
         bytes an earlier checkpoint holds is shared with it, not written again."""
-        if sharing is not None and digest_algorithm not in (None, sharing.algorithm):
-            raise ValueError("a save's blobs are named by the digests its manifest records")
         self.step = step
         self.digest_algorithm = digest_algorithm
         self._sharing = sharing
-        self._blob_digests: dict[str, str] = {}
-        """Each hashed shard's digest, by name: its blob's name once sealed."""
+        self._written_here: set[str] = set()
+        """Shards this process wrote (not receipts of other ranks): the ones it indexes."""
         self._shared_names: set[str] = set()
         """Shards made of bytes an earlier checkpoint holds (indexed already)."""
         self.attempt = attempt
@@ -492,6 +460,7 @@ class PendingCheckpoint:
                     f"shard {name!r} clashes with shard {min(clash)!r}", key=name
                 )
             self._claimed.add(name)
+            self._written_here.add(name)
             self._directories |= parents
 
     def _shard_closed(self, record: ShardRecord) -> None:
@@ -518,22 +487,13 @@ class PendingCheckpoint:
         except BaseException:
             self._shard_failed(name)
             raise
-        named = None
-        if self._sharing is not None:
-            named = (self._sharing.algorithm, self._shard_named)
         return ShardWriter(
             name,
             sink,
             closed=self._shard_closed,
             failed=self._shard_failed,
             digest_algorithm=self.digest_algorithm,
-            named=named,
         )
-
-    def _shard_named(self, name: str, digest: str) -> None:
-        """Note a shard's blob name, to index it once published (an incremental save)."""
-        with self._lock:
-            self._blob_digests[name] = digest
 
     def write(self, name: str, data: ShardData) -> ShardRecord:
         """Write a whole shard from bytes, a buffer (numpy, memoryview), a file or chunks."""
@@ -563,99 +523,26 @@ class PendingCheckpoint:
         return writer.close()
 
     def _write_shared(self, name: str, view: memoryview, sharing: ShardSharing) -> ShardRecord:
-        """Write a whole shard of an incremental save, shared where its bytes are held.
-
-        A small shard is hashed, then shared or written. A large one is written while it is
-        hashed on other threads (a shard that changed costs no more than a plain write); once
-        its digest is known, if a published checkpoint holds the bytes, what was written is
-        dropped (never fsynced) and the shard is shared instead.
-        """
+        """Write a whole shard of an incremental save, or share it where a sealed file of
+        an earlier save holds exactly its bytes: its CRC32Cs (and digests, where the store
+        records them) are computed first, the candidates of its CRC32C and size compared
+        byte for byte, and only then is it written, from the same buffer, not read again."""
         self._claim(name)
-        if view.nbytes < _OVERLAP_FROM:
-            try:
-                crc, digests = self._named_checksums(name, view, sharing)
-                blob = self._blob_digests[name]
-                locator = sharing.share(name, blob, view.nbytes, crc.hexdigest())
-            except BaseException:
-                self._shard_failed(name)
-                raise
-            return self._shared_or_written(name, view, sharing, locator, crc, digests, None)
-        hashed: list[tuple[BlockCrc32c, BlockDigests] | BaseException] = []
-
-        def hash_all() -> None:
-            try:
-                hashed.append(self._named_checksums(name, view, sharing))
-            except BaseException as exc:  # raised below, in the writer's thread
-                hashed.append(exc)
-
-        hasher = threading.Thread(target=hash_all, name="ckptstore-hash-share")
-        hasher.start()
-        written = 0
-        writer: ShardWriter | None = None
         try:
-            writer = self._open_claimed(name, view.nbytes)
-            while written < view.nbytes and hasher.is_alive():
-                written += writer.write_ahead(view[written : written + _SPECULATION_PIECE])
+            crc, digests = shard_checksums(view, self.digest_algorithm)
+            locator = sharing.share(name, crc.hexdigest(), view.nbytes, view)
         except BaseException:
-            hasher.join()
-            if writer is not None:
-                writer.abort()
+            self._shard_failed(name)
             raise
-        hasher.join()
-        outcome = hashed[0]
-        try:
-            if isinstance(outcome, BaseException):
-                raise outcome
-            crc, digests = outcome
-            blob = self._blob_digests[name]
-            locator = None
-            if sharing.available(blob, view.nbytes):  # drop the bytes written: share them
-                writer.discard()
-                locator = sharing.share(name, blob, view.nbytes, crc.hexdigest(), replacing=True)
-                if locator is None:  # gone since (GC): write them after all
-                    writer = self._open_claimed(name, view.nbytes)
-                    written = 0
-        except BaseException:
-            writer.abort()
-            self._shard_failed(name)  # also where the writer was discarded for the share
-            raise
-        return self._shared_or_written(name, view[written:], sharing, locator, crc, digests, writer)
-
-    def _named_checksums(
-        self, name: str, view: memoryview, sharing: ShardSharing
-    ) -> tuple[BlockCrc32c, BlockDigests]:
-        """A shard's checksums, and its blob's name noted for the index."""
-        crc, digests = shard_checksums(view, sharing.algorithm)
-        assert digests is not None
-        digests.finish()
-        with self._lock:
-            self._blob_digests[name] = f"{digests.algorithm}:{digests.hexdigest()}"
-        return crc, digests
-
-    def _shared_or_written(
-        self,
-        name: str,
-        rest: memoryview,
-        sharing: ShardSharing,
-        locator: Mapping[str, str] | None,
-        crc: BlockCrc32c,
-        digests: BlockDigests,
-        writer: ShardWriter | None,
-    ) -> ShardRecord:
-        """The shard's record: shared (``locator``), or the ``rest`` of its bytes written
-        into ``writer`` (a new one if None), its checksums adopted."""
-        recorded = digests if self.digest_algorithm is not None else None
         if locator is not None:
             with self._lock:
                 self._shared_names.add(name)
-            record = shard_record(name, locator, crc, recorded)
+            record = shard_record(name, locator, crc, digests)
             self._shard_closed(record)
             return record
-        if writer is None:
-            writer = self._open_claimed(name, rest.nbytes)
-        with writer:
-            writer.write_ahead(rest)
-            writer.adopt(crc, recorded)  # digests finished already: finish is idempotent
+        with self._open_claimed(name, view.nbytes) as writer:
+            writer.write_ahead(view)
+            writer.adopt(crc, digests)
         return writer.close()
 
     def seal(self) -> list[ShardRecord]:
@@ -685,12 +572,12 @@ class PendingCheckpoint:
             raise
         if self._sharing is not None:  # durable now: later saves may share these shards
             with self._lock:
-                digests = {
-                    r.name: self._blob_digests[r.name]
+                written = {
+                    r.name: (r.crc32c, r.size)
                     for r in records
-                    if r.name in self._blob_digests and r.name not in self._shared_names
+                    if r.name not in self._shared_names and r.name in self._written_here
                 }
-            self._sharing.index(self.step, self.attempt, digests)
+            self._sharing.index(self.step, self.attempt, written)
         return records
 
     def _coverage_problem(self) -> str | None:

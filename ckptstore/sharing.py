@@ -36,38 +36,25 @@ def check_incremental(strategy: CommitStrategy[Any]) -> None:
 class StrategySharing:
     """An attempt's sharing through its commit strategy (``PendingCheckpoint(sharing=)``)."""
 
-    def __init__(
-        self, strategy: CommitStrategy[Any], step: int, attempt: str, algorithm: str
-    ) -> None:
+    def __init__(self, strategy: CommitStrategy[Any], step: int, attempt: str) -> None:
         self.strategy = strategy
         self.step = step
         self.attempt = attempt
-        self.algorithm = algorithm
-        """The digest that names a blob (the store's recorded digests' where it records any:
-        no shard is hashed twice)."""
-
-    def available(self, digest: str, size: int) -> bool:
-        """True if a published checkpoint's bytes are indexed under ``digest`` and ``size``
-        (a hint: ``share`` may still find them gone)."""
-        return self.strategy.shard_available(digest, size)
 
     def share(
-        self, name: str, digest: str, size: int, crc32c: str, *, replacing: bool = False
+        self, name: str, crc32c: str, size: int, data: memoryview
     ) -> Mapping[str, str] | None:
-        """The shard made of bytes a published checkpoint holds, checked to have the CRC32C
-        ``crc32c`` (its locator), or None; ``replacing``: what this attempt began writing as
-        the shard is dropped first."""
-        return self.strategy.share_shard(
-            self.step, self.attempt, name, digest, size, crc32c, replacing=replacing
-        )
+        """The shard made a link to a sealed file that holds exactly ``data`` (its locator),
+        or None."""
+        return self.strategy.share_shard(self.step, self.attempt, name, crc32c, size, data)
 
-    def index(self, step: int, attempt: str, digests: Mapping[str, str]) -> None:
-        """Make an attempt's sealed shards (their bytes durable) found by later saves, by
-        their ``digests``; never raises (an index not made only costs a later save a write).
-        Indexed at the seal, from the attempt's own staging files, so that what is indexed
-        is what this save wrote, and ranks that joined the attempt index their own."""
+    def index(self, step: int, attempt: str, shards: Mapping[str, tuple[str, int]]) -> None:
+        """Make an attempt's sealed shards (their bytes durable; by name, their CRC32C and
+        size) found by later saves; never raises (an index not made only costs a later save
+        a write). Indexed at the seal, from the attempt's own staging files, so that what is
+        indexed is what this save wrote, and ranks that joined the attempt index their own."""
         try:
-            self.strategy.index_shards(step, attempt, digests)
+            self.strategy.index_shards(step, attempt, shards)
         except Exception:
             log.warning(
                 "%s: step %d's shards were not indexed for sharing", self.strategy.url, step,

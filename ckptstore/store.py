@@ -151,7 +151,7 @@ class Store(CheckpointStore):
         """``signing_key``: sign every manifest published and epoch taken here; ``trust``:
         read only checkpoints and epochs a trusted key signed; ``digest_algorithm``: record
         every shard's cryptographic digests (default: the fastest available when signing,
-        else none; an incremental store hashes shards to name their bytes either way).
+        else none).
         ``ckptstore.open`` reads the first two from the environment too. ``incremental``: a
         shard written whole whose bytes an earlier checkpoint holds is shared with it, not
         written again (docs/protocol.md §12; InvalidOptionError on storage that cannot
@@ -435,10 +435,7 @@ class Store(CheckpointStore):
         )
 
     def _sharing(self, step: int, attempt: str) -> StrategySharing | None:
-        if not self.incremental:
-            return None
-        algorithm = self.digest_algorithm or default_algorithm()
-        return StrategySharing(self.strategy, step, attempt, algorithm)
+        return StrategySharing(self.strategy, step, attempt) if self.incremental else None
 
     def _released_when_dropped(self, pending: PendingCheckpoint) -> PendingCheckpoint:
         """A pending checkpoint dropped without publish or abort lets go of the files it holds

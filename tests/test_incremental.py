@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 import ckptstore
-from ckptstore.commit.blob_area import BLOB_AREA, blob_path
-from ckptstore.digest import BlockDigests, default_algorithm
+from ckptstore.checksum import crc32c_hex
+from ckptstore.commit.blob_area import BLOB_AREA, bucket_path
 from ckptstore.errors import InvalidOptionError
 
 MiB = 2**20
@@ -53,7 +53,7 @@ def test_an_unchanged_shard_is_shared_and_a_changed_one_written(tmp_path: Path) 
         assert checkpoint.read("model/lora.bin") == adapter
         assert checkpoint.verify().ok
         record = {r.name: r for r in checkpoint.manifest.shards}["model/base.bin"]
-        assert not record.digest  # hashed to name its bytes, checked by its CRC32Cs (fast)
+        assert not record.digest  # found by its CRC32C, compared byte for byte
         assert record.locator == {"path": "data/model/base.bin"}  # read as any other shard
     assert len(_area_entries(tmp_path)) == 4  # the base and three adapters, each once
     reopened = ckptstore.open(f"file://{tmp_path}/store")  # a reader not incremental
@@ -71,11 +71,10 @@ def test_deleting_checkpoints_and_gc_never_free_a_shared_shard(tmp_path: Path) -
     removed = {item.name for item in report.removed if item.kind == "blob"}
     # The first two "step" shards' entries had no checkpoint left: removed; the rest kept.
     assert len(removed) == 2
-    digests = BlockDigests(default_algorithm())
-    digests.update(memoryview(base))
-    digests.finish()
-    name = blob_path(f"{digests.algorithm}:{digests.hexdigest()}", len(base))
-    assert name not in removed and (tmp_path / "store" / name).exists()
+    bucket = tmp_path / "store" / bucket_path(crc32c_hex(base), len(base))
+    assert [p.name for p in bucket.iterdir()] and not removed & {
+        str(p.relative_to(tmp_path / "store")) for p in bucket.iterdir()
+    }
     assert store.get(3).read("base") == base and store.get(3).verify().ok
     assert all(os.stat(p).st_nlink == 2 for p in _area_entries(tmp_path))
     store.delete(3, force=True)
@@ -136,7 +135,8 @@ def test_an_entry_whose_size_differs_from_its_name_is_not_shared(
     with caplog.at_level(logging.WARNING, logger="ckptstore"):
         store.save(2, {"a": data})
     assert "holds 10 bytes" in caplog.text
-    assert entry.read_bytes() == data  # the damaged entry replaced by the bytes written
+    (indexed,) = _area_entries(tmp_path)  # the damaged entry replaced by the bytes written
+    assert indexed != entry and indexed.read_bytes() == data
     assert store.get(2).read("a") == data and store.get(2).verify().ok
 
 
@@ -149,7 +149,8 @@ def test_links_planted_in_the_area_are_never_followed(tmp_path: Path) -> None:
     store.gc(grace=0)
     outside = tmp_path / "users-file"
     outside.write_bytes(data)
-    entry.symlink_to(outside)  # the entry's name, pointing out of the store
+    entry.parent.mkdir(parents=True, exist_ok=True)  # GC removed the emptied bucket
+    entry.symlink_to(outside)  # an entry's name, pointing out of the store
     store.save(2, {"a": data})  # not shared through the symbolic link: written
     assert not os.path.samefile(_shard_file(tmp_path, 2, "a"), outside)
     assert store.get(2).read("a") == data
@@ -157,16 +158,19 @@ def test_links_planted_in_the_area_are_never_followed(tmp_path: Path) -> None:
     elsewhere.mkdir()
     victim = elsewhere / entry.name
     victim.write_bytes(data)  # a user's file, named like an entry, one link
-    fan = entry.parent
-    os.unlink(entry)
-    for child in fan.iterdir():
+    bucket = entry.parent
+    store.delete(2, force=True)
+    store.gc(grace=0)  # the bucket emptied of its entries (the planted link is left)
+    for child in bucket.iterdir():
         os.unlink(child)
-    fan.rmdir()
-    fan.symlink_to(elsewhere)  # a planted directory link
-    (entry.parent.parent / "stray.txt").write_text("an operator's note")
+    bucket.rmdir()
+    bucket.symlink_to(elsewhere)  # a planted directory link
+    (bucket.parent / "stray.txt").write_text("an operator's note")
     store.gc(grace=0)
     assert victim.read_bytes() == data  # never deleted through the link
-    assert (entry.parent.parent / "stray.txt").exists()  # not the area's: left alone
+    assert (bucket.parent / "stray.txt").exists()  # not the area's: left alone
+    store.save(3, {"a": data})  # nothing shared from or indexed into the planted link
+    assert sorted(p.name for p in elsewhere.iterdir()) == [entry.name]
 
 
 def test_streams_are_written_then_shared_by_later_saves(tmp_path: Path) -> None:
@@ -210,7 +214,7 @@ def test_incremental_options(tmp_path: Path, url: str) -> None:
         ckptstore.open(url + "?incremental=0").save(1, {"a": b"1"})  # off: as any store
         return
     store = ckptstore.open(url.format(tmp=tmp_path))
-    assert store.incremental and store.digest_algorithm is None  # hashed, not recorded
+    assert store.incremental and store.digest_algorithm is None  # no digest is needed
     with pytest.raises(InvalidOptionError):
         ckptstore.open(f"file://{tmp_path}/y?incremental=perhaps")
 
@@ -290,30 +294,87 @@ def test_sigkill_of_incremental_writers_and_of_gc_loses_no_shared_shard(tmp_path
     assert all(c.verify().ok for c in store.checkpoints())
 
 
-def test_a_large_shard_is_written_while_hashed_then_shared_or_kept(
+def test_a_large_shard_is_shared_when_equal_and_written_when_changed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Shards of 16 MiB and more are written while they are hashed: a changed one costs a
-    plain write; an unchanged one's bytes written so far are dropped and it is shared."""
+    """A candidate of the same CRC32C and size is compared byte for byte: a change in the
+    last byte is seen; an entry GC removed between the listing and the link is written."""
     store = _open(tmp_path)
     big = bytearray(os.urandom(40 * MiB))
     store.save(1, {"big": big})
-    store.save(2, {"big": big})  # unchanged: shared, the partial file dropped
+    store.save(2, {"big": big})  # unchanged: shared
     assert os.path.samefile(_shard_file(tmp_path, 1, "big"), _shard_file(tmp_path, 2, "big"))
     big[-1] ^= 1
     store.save(3, {"big": big})  # changed in its last byte: written whole
     assert not os.path.samefile(_shard_file(tmp_path, 2, "big"), _shard_file(tmp_path, 3, "big"))
     assert store.get(3).read("big") == big and store.get(2).read("big") != big
-    staged = list((tmp_path / "store").glob("*pending*"))
-    assert staged == []  # nothing left of the dropped partial writes
+    assert list((tmp_path / "store").glob("*pending*")) == []
     area = store.strategy._blobs
     assert area is not None
-    monkeypatch.setattr(area, "share", lambda *args: False)  # GC removed it meanwhile
-    store.save(4, {"big": big})  # available, then gone: written after all, whole
+    driver = area.driver
+    real_link = driver.link
+
+    def gone(source: str, target: str) -> int:
+        if source.startswith(BLOB_AREA):
+            from ckptstore.errors import ObjectNotFoundError
+
+            raise ObjectNotFoundError(2, f"{source}: removed by GC")
+        return real_link(source, target)
+
+    monkeypatch.setattr(driver, "link", gone)
+    store.save(4, {"big": big})  # listed, then gone: written after all, whole
     assert store.get(4).read("big") == big and store.get(4).verify().ok
     assert not os.path.samefile(_shard_file(tmp_path, 3, "big"), _shard_file(tmp_path, 4, "big"))
     for step in (1, 2, 3, 4):
         assert store.get(step).verify().ok
+
+
+def test_a_collision_of_crc32c_and_size_is_not_shared(tmp_path: Path) -> None:
+    """Two byte strings of one CRC32C and size: the second is compared, found different,
+    written, and the first's entry kept (it is good, for the first's bytes)."""
+    first = os.urandom(64)
+    second = _same_crc32c(first)
+    assert crc32c_hex(first) == crc32c_hex(second) and first != second
+    store = _open(tmp_path)
+    store.save(1, {"a": first})
+    store.save(2, {"a": second})
+    assert not os.path.samefile(_shard_file(tmp_path, 1, "a"), _shard_file(tmp_path, 2, "a"))
+    assert store.get(2).read("a") == second and store.get(1).read("a") == first
+    store.save(3, {"a": second})  # the bucket holds both now: the second's is found
+    assert os.path.samefile(_shard_file(tmp_path, 2, "a"), _shard_file(tmp_path, 3, "a"))
+
+
+def _same_crc32c(data: bytes) -> bytes:
+    """Other bytes of ``data``'s length and CRC32C: the last 4 bytes solved for (CRC32C is
+    linear: flip bits of the first byte, then pick the 4 bytes that restore the checksum)."""
+    from ckptstore.checksum import crc32c_of
+
+    changed = bytearray(data)
+    changed[0] ^= 0xFF
+    target = crc32c_of(data)
+    columns = []
+    for bit in range(32):
+        probe = bytearray(changed)
+        probe[-4:] = (1 << bit).to_bytes(4, "little")
+        zero = bytearray(changed)
+        zero[-4:] = b"\0\0\0\0"
+        columns.append(crc32c_of(bytes(probe)) ^ crc32c_of(bytes(zero)))
+    zero = bytearray(changed)
+    zero[-4:] = b"\0\0\0\0"
+    want = target ^ crc32c_of(bytes(zero))
+    # Solve columns . x = want over GF(2) by elimination.
+    rows = [(columns[bit], 1 << bit) for bit in range(32)]
+    solution = 0
+    for position in range(32):
+        pivot = next((r for r in rows if r[0] >> position & 1), None)
+        assert pivot is not None
+        rows.remove(pivot)
+        rows = [(a ^ pivot[0], b ^ pivot[1]) if a >> position & 1 else (a, b) for a, b in rows]
+        if want >> position & 1:
+            want ^= pivot[0]
+            solution ^= pivot[1]
+    changed[-4:] = solution.to_bytes(4, "little")
+    return bytes(changed)
 
 
 def test_the_operator_sees_what_is_shared(tmp_path: Path) -> None:
@@ -353,11 +414,11 @@ def test_the_operator_sees_what_is_shared(tmp_path: Path) -> None:
     assert "stored:" not in run("ls", f"file://{tmp_path}/plain")
 
 
-def test_a_share_that_fails_after_the_partial_write_was_dropped_fails_the_shard(
+def test_a_share_that_fails_fails_the_shard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The shard's bytes written so far are dropped to share them; the share then fails:
-    the shard is failed, so the checkpoint cannot publish without it."""
+    """A share that fails with a storage error fails the shard, so the checkpoint cannot
+    publish without it."""
     from ckptstore.errors import CkptStoreError, StorageError
 
     store = _open(tmp_path)
@@ -365,13 +426,12 @@ def test_a_share_that_fails_after_the_partial_write_was_dropped_fails_the_shard(
     store.save(1, {"big": big})
     area = store.strategy._blobs
     assert area is not None
-
     real = area.share
 
-    def broken(digest: str, size: int, target: str, crc32c: str) -> bool:
+    def broken(crc32c: str, size: int, target: str, data: memoryview) -> bool:
         if size == len(big):
             raise StorageError(5, "link: input/output error")
-        return real(digest, size, target, crc32c)
+        return real(crc32c, size, target, data)
 
     monkeypatch.setattr(area, "share", broken)
     pending = store.begin(2)
@@ -383,13 +443,13 @@ def test_a_share_that_fails_after_the_partial_write_was_dropped_fails_the_shard(
     assert store.steps() == [1]
 
 
-@pytest.mark.parametrize("size", [100_000, 20 * MiB])  # hashed first; written while hashed
+@pytest.mark.parametrize("size", [100_000, 20 * MiB])
 def test_a_shared_file_changed_in_place_is_not_spread_to_later_saves(
     tmp_path: Path, size: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Found by a hostile review: a careless ``open(path, "wb")`` of a published shard keeps
     its inode, so every link to it changes; a later save of the right bytes must not link
-    it: the entry is read back and its CRC32C compared with the bytes the save holds."""
+    it: the entry is read back and compared with the bytes the save holds, and unindexed."""
     store = _open(tmp_path, retention=ckptstore.KeepLast(2))
     data = os.urandom(size)
     store.save(1, {"frozen": data})
@@ -400,7 +460,7 @@ def test_a_shared_file_changed_in_place_is_not_spread_to_later_saves(
     with caplog.at_level(logging.WARNING, logger="ckptstore"):
         for step in (2, 3, 4):
             store.save(step, {"frozen": data})
-    assert "holds bytes of CRC32C" in caplog.text
+    assert "holds bytes of CRC32C" in caplog.text and "removed from the index" in caplog.text
     for checkpoint in store.checkpoints():
         assert checkpoint.read("frozen") == data and checkpoint.verify().ok
     # the later saves share the good bytes among themselves

@@ -205,21 +205,14 @@ class Publishing(_Located):
         (``share_shard``); others write every shard (docs/protocol.md §12)."""
         return False
 
-    def shard_available(self, digest: str, size: int) -> bool:
-        """True if bytes a checkpoint published are indexed under ``digest`` and ``size``
-        (a hint for an incremental save; ``share_shard`` decides)."""
-        return False
-
     def share_shard(
-        self, step: int, attempt: str, name: str, digest: str, size: int, crc32c: str, *,
-        replacing: bool = False,
-    ) -> Mapping[str, str] | None:  # fmt: skip
-        """Make shard ``name`` of the attempt the bytes an earlier checkpoint published with
-        ``digest`` and ``size``, without writing them, once they are read back and found to
-        have the CRC32C ``crc32c``; its locator, or None (nothing made) where no checkpoint
-        holds them: the shard is then written. ShardExistsError if the attempt already has
-        the shard, unless ``replacing``: what the attempt began writing as the shard (its
-        sink aborted) is removed first."""
+        self, step: int, attempt: str, name: str, crc32c: str, size: int, data: memoryview
+    ) -> Mapping[str, str] | None:
+        """Make shard ``name`` of the attempt, without writing it, a file an earlier save
+        wrote and sealed that holds exactly ``data`` (of CRC32C ``crc32c`` and ``size``
+        bytes), compared byte for byte; its locator, or None (nothing made) where no such
+        file is known: the shard is then written. ShardExistsError if the attempt already
+        has the shard."""
         return None
 
     def saved_incrementally(self) -> bool:
@@ -233,9 +226,9 @@ class Publishing(_Located):
         (then no shard counts as shared)."""
         return {}
 
-    def index_shards(self, step: int, attempt: str, digests: Mapping[str, str]) -> None:
-        """Once an attempt's shards are sealed (durable): make those named in ``digests``
-        found by later incremental saves under their digests; best effort: never raises for
+    def index_shards(self, step: int, attempt: str, shards: Mapping[str, tuple[str, int]]) -> None:
+        """Once an attempt's shards are sealed (durable): make ``shards`` (by name, their
+        CRC32C and size) found by later incremental saves; best effort: never raises for
         what it could not index."""
 
     @abc.abstractmethod

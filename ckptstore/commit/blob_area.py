@@ -1,14 +1,17 @@
-"""Shared blobs on a file system: a published checkpoint holds its own hard link to every
+"""Shared shards on a file system: a published checkpoint holds its own hard link to every
 shard's bytes, so no deletion elsewhere (retention, GC of the area) can free them.
 
-The blob area (``blobs/<algorithm>/<first 2 hex>/<hex>-<size>``) is only an index: each
-entry is one more link to a file some checkpoint published, found by the shard's digest.
-An incremental save links an entry into its staging directory instead of writing the bytes
-(``share``); after a save publishes, its shards are linked into the area (``index``). GC
-removes an entry whose link count is 1 (no checkpoint, no staging directory holds it) once it
-is older than the grace period (``sweep``). Safety rests on the kernel's link count, not on a
-clock or a listing (docs/protocol.md §12.2): a GC that unlinks an entry a writer has just
-linked removes only the index, and the writer's link keeps the bytes.
+The blob area (``blobs/crc32c/<first 2 hex>/<crc32c>-<size>/<entry id>``) is only an index:
+each entry is one more link to a shard file some save wrote and sealed, found by the shard's
+CRC32C and size (which every save computes anyway). An incremental save links a candidate
+entry into its staging directory and compares it, byte for byte, with the bytes it holds
+(``share``): equality is exact, so no digest is needed and no collision can pass; a shard
+whose CRC32C and size no entry has is written without any further hashing. Once sealed, the
+shards a save wrote are linked into the area (``index``). GC removes an entry whose link
+count is 1 (no checkpoint, no staging directory holds it) once it is older than the grace
+period (``sweep``). Safety rests on the kernel's link count, not on a clock or a listing
+(docs/protocol.md §12.2): a GC that unlinks an entry a writer has just linked removes only
+the index, and the writer's link keeps the bytes.
 """
 
 from __future__ import annotations
@@ -16,29 +19,44 @@ from __future__ import annotations
 import logging
 import re
 
+from ckptstore import names
 from ckptstore.checksum import Crc32c
 from ckptstore.commit.base import GcItem, GcReport
-from ckptstore.digest import ALGORITHMS
 from ckptstore.driver import LinkingDriver
-from ckptstore.errors import ObjectNotFoundError, StorageError, TargetExistsError
+from ckptstore.errors import (
+    InvalidShardNameError,
+    ObjectNotFoundError,
+    StorageError,
+    TargetExistsError,
+)
 
-__all__ = ["BLOB_AREA", "FileBlobArea", "blob_path"]
+__all__ = ["BLOB_AREA", "FileBlobArea", "bucket_path"]
 
 log = logging.getLogger(__name__)
 
 BLOB_AREA = "blobs"
 """The root entry that holds the blob area."""
+_BUCKETS = f"{BLOB_AREA}/crc32c"
+_BUCKET = re.compile(r"([0-9a-f]{8})-(0|[1-9][0-9]{0,18})", re.ASCII)
 _READ_PIECE = 8 * 1024 * 1024
-"""A shared entry is read back this much at a time to check its CRC32C."""
-_ENTRY = re.compile(r"([0-9a-f]{64})-(0|[1-9][0-9]{0,18})", re.ASCII)
+"""A candidate entry is read back this much at a time, compared with the save's bytes."""
+_ENTRIES_PER_BUCKET = 2
+"""A save indexes its shard where a bucket holds fewer entries (several: the same bytes
+indexed by saves that ran at once, or, rarely, other bytes of the same CRC32C and size)."""
 
 
-def blob_path(digest: str, size: int) -> str:
-    """The area entry of a shard's bytes: its digest (``<algorithm>:<hex>``) and size."""
-    algorithm, _, value = digest.partition(":")
-    if algorithm not in ALGORITHMS or not _ENTRY.fullmatch(f"{value}-{size}"):
-        raise ValueError(f"not a blob: {digest!r} of {size} bytes")
-    return f"{BLOB_AREA}/{algorithm}/{value[:2]}/{value}-{size}"
+def bucket_path(crc32c: str, size: int) -> str:
+    """The area's directory of the entries of ``size`` bytes whose CRC32C is ``crc32c``."""
+    if not _BUCKET.fullmatch(f"{crc32c}-{size}"):
+        raise ValueError(f"not a shard's CRC32C and size: {crc32c!r}, {size}")
+    return f"{_BUCKETS}/{crc32c[:2]}/{crc32c}-{size}"
+
+
+def _is_entry_id(name: str) -> bool:
+    try:
+        return names.check_attempt_id(name) == name
+    except InvalidShardNameError:
+        return False
 
 
 class FileBlobArea:
@@ -47,94 +65,82 @@ class FileBlobArea:
     def __init__(self, driver: LinkingDriver) -> None:
         self.driver = driver
 
-    def available(self, digest: str, size: int) -> bool:
-        """True if the area has a regular file for ``digest`` with ``size`` bytes."""
-        path = blob_path(digest, size)
-        try:
-            self.driver.links(path)  # a regular file (a symbolic link is not)
-            return self.driver.stat(path).size == size
-        except StorageError:
-            return False
-
-    def share(self, digest: str, size: int, target: str, crc32c: str) -> bool:
-        """Make ``target`` (a new name in a staging directory) a link to the bytes an earlier
-        checkpoint published with ``digest`` and ``size``, read back and found to have the
-        CRC32C ``crc32c`` of the bytes the save holds; False, nothing left at ``target``,
-        where the area has no such entry, or one that cannot be linked or holds other bytes
-        (a file changed in place, an operator's replacement): then write them."""
-        source = blob_path(digest, size)
-        if not self._real_directories(source):
-            return False
-        try:
-            linked = self.driver.link(source, target)
-        except ObjectNotFoundError:
-            return False
-        except TargetExistsError:
-            raise
-        except StorageError as exc:  # EPERM (protected hard links), EMLINK, a stray entry
-            log.info("%s: not sharing %s (%s); writing the shard", self.driver.url, source, exc)
-            return False
-        problem = None
-        if linked != size:  # a digest is trusted only with its size (a truncated entry)
-            problem = f"holds {linked} bytes, its name says {size}"
-        else:
-            found = self._crc32c(target)
-            if found != crc32c:
-                problem = f"holds bytes of CRC32C {found}, the shard's are {crc32c}"
-        if problem is None:
-            return True
-        self.driver.unlink(target)
-        log.warning(
-            "%s: blob entry %s %s (changed after it was saved?): writing the shard, and "
-            "indexing it in the entry's place",
-            self.driver.url, source, problem,
-        )  # fmt: skip
-        try:  # only the index's name: a checkpoint that links the file keeps it (and says so)
-            self.driver.unlink(source)
-        except StorageError as exc:
-            log.info("%s: %s not removed (%s)", self.driver.url, source, exc)
+    def share(self, crc32c: str, size: int, target: str, data: memoryview) -> bool:
+        """Make ``target`` (a new name in a staging directory) a link to a sealed shard file
+        holding exactly ``data`` (its CRC32C ``crc32c``), read back through the new link and
+        compared byte for byte; False, nothing left at ``target``, where no entry holds those
+        bytes: then write them. An entry whose bytes no longer have its bucket's CRC32C (a
+        file changed in place, an operator's replacement) is unlinked from the index (only
+        the index's name: a checkpoint that links the file keeps it, and ``verify`` says it
+        is damaged)."""
+        bucket = bucket_path(crc32c, size)
+        for entry in self._entries(bucket):
+            source = f"{bucket}/{entry}"
+            try:
+                self.driver.link(source, target)
+            except ObjectNotFoundError:
+                continue  # removed by GC since the listing
+            except TargetExistsError:
+                raise
+            except StorageError as exc:  # EPERM (protected hard links), EMLINK, a stray entry
+                log.info("%s: not sharing %s (%s)", self.driver.url, source, exc)
+                continue
+            verdict = self._compare(target, data, crc32c)
+            if verdict is None:
+                return True
+            self.driver.unlink(target)
+            if verdict:  # damaged: not the bytes its bucket says
+                log.warning(
+                    "%s: blob entry %s %s (changed after it was saved?): not shared, and "
+                    "removed from the index",
+                    self.driver.url, source, verdict,
+                )  # fmt: skip
+                try:
+                    self.driver.unlink(source)
+                except StorageError as exc:
+                    log.info("%s: %s not removed (%s)", self.driver.url, source, exc)
         return False
 
-    def _crc32c(self, path: str) -> str:
-        """The CRC32C of the file at ``path``, read whole (a save shares only bytes it
-        checked: a shared file changed in place would otherwise spread to every save)."""
+    def _compare(self, path: str, data: memoryview, crc32c: str) -> str | None:
+        """None if the file at ``path`` holds exactly ``data``; else "" where it holds other
+        bytes of the same CRC32C and size (a collision: a good entry for other bytes), or
+        what is wrong with it (not its bucket's bytes: damaged)."""
         crc = Crc32c()
+        same = True
         with self.driver.open_read(path) as stream:
             while chunk := stream.read(_READ_PIECE):
+                start = crc.size
                 crc.update(chunk)
-        return crc.hexdigest()
+                # bytes == bytes is a memcmp; a memoryview compares item by item (16x slower)
+                same = same and data[start : start + len(chunk)].tobytes() == chunk
+        if same and crc.size == data.nbytes:
+            return None
+        if crc.size != data.nbytes:
+            return f"holds {crc.size} bytes, its bucket says {data.nbytes}"
+        found = crc.hexdigest()
+        return "" if found == crc32c else f"holds bytes of CRC32C {found}, its bucket says {crc32c}"
 
-    def _real_directories(self, path: str) -> bool:
-        """True if every directory on ``path`` under the store's root is a directory, not a
-        symbolic link (never followed out of the store)."""
-        parts = path.split("/")[:-1]
-        try:
-            return all(
-                self.driver.stat("/".join(parts[: depth + 1])).is_dir for depth in range(len(parts))
-            )
-        except StorageError:
-            return False
-
-    def index(self, digest: str, size: int, source: str) -> None:
+    def index(self, crc32c: str, size: int, source: str) -> None:
         """Link ``source`` (a sealed shard file: its bytes durable) into the area under its
-        digest, for later saves to share; an existing entry is kept. Best effort: a failure
-        is logged, and only costs a later save the write it would have saved."""
-        target = blob_path(digest, size)
+        CRC32C and size, for later saves to share, unless its bucket holds enough entries
+        already. Best effort: a failure is logged, and only costs a later save the write it
+        would have saved."""
+        bucket = bucket_path(crc32c, size)
         try:
-            if not self._make_parents(target):
+            if not self._make_directories(bucket):
                 log.info("%s: the blob area is not a directory: nothing indexed", self.driver.url)
                 return
-            self.driver.link(source, target)
-        except TargetExistsError:
-            return
+            if len(self._entries(bucket)) >= _ENTRIES_PER_BUCKET:
+                return
+            self.driver.link(source, f"{bucket}/{names.new_attempt_id()}")
         except StorageError as exc:
             log.info("%s: %s not indexed for sharing (%s)", self.driver.url, source, exc)
 
-    def _make_parents(self, path: str) -> bool:
-        """Make the directories ``path`` needs; False (nothing made below it) where one of
-        them is anything but a directory (a symbolic link is never followed)."""
+    def _make_directories(self, path: str) -> bool:
+        """Make ``path`` and the directories above it; False (nothing made below it) where
+        one of them is anything but a directory (a symbolic link is never followed)."""
         parts = path.split("/")
-        for depth in range(1, len(parts)):
+        for depth in range(1, len(parts) + 1):
             directory = "/".join(parts[:depth])
             try:
                 self.driver.mkdir(directory)
@@ -143,20 +149,42 @@ class FileBlobArea:
                     return False
         return True
 
+    def _entries(self, bucket: str) -> list[str]:
+        """The entries of ``bucket`` named as the area names them; none where the bucket or
+        a directory above it is not a directory."""
+        parts = bucket.split("/")
+        for depth in range(1, len(parts)):
+            if not self._is_directory("/".join(parts[:depth])):
+                return []
+        return [name for name in self._listed(bucket) if _is_entry_id(name)]
+
+    def _is_directory(self, path: str) -> bool:
+        try:
+            return self.driver.stat(path).is_dir
+        except StorageError:
+            return False
+
     def sweep(self, now: float, report: GcReport) -> None:
         """Remove (or, on a dry run, report) every area entry no checkpoint links any more
         and that is older than the grace period (by its inode's change time, on the file
-        system's clock ``now``). Only entries named as the area names them are touched."""
-        for algorithm in self._listed(BLOB_AREA):
-            if algorithm not in ALGORITHMS:
-                continue
-            for fan in self._listed(f"{BLOB_AREA}/{algorithm}"):
-                folder = f"{BLOB_AREA}/{algorithm}/{fan}"
-                for name in self._listed(folder):
-                    found = _ENTRY.fullmatch(name)
-                    if found is None or not found.group(1).startswith(fan):
-                        continue  # not the area's: left alone
-                    self._sweep_entry(f"{folder}/{name}", int(found.group(2)), now, report)
+        system's clock ``now``), and the buckets left empty. Only entries named as the area
+        names them are touched."""
+        if not self._is_directory(BLOB_AREA):
+            return
+        for fan in self._listed(_BUCKETS):
+            for name in self._listed(f"{_BUCKETS}/{fan}"):
+                found = _BUCKET.fullmatch(name)
+                if found is None or not found.group(1).startswith(fan):
+                    continue  # not the area's: left alone
+                bucket = f"{_BUCKETS}/{fan}/{name}"
+                entries = [e for e in self._listed(bucket) if _is_entry_id(e)]
+                for entry in entries:
+                    self._sweep_entry(f"{bucket}/{entry}", int(found.group(2)), now, report)
+                if not report.dry_run:
+                    try:
+                        self.driver.rmdir(bucket)  # only if empty: a save may index into it
+                    except StorageError:
+                        pass
 
     def _sweep_entry(self, path: str, size: int, now: float, report: GcReport) -> None:
         try:

@@ -185,24 +185,17 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
     def shares_shards(self) -> bool:
         return self._blobs is not None
 
-    def shard_available(self, digest: str, size: int) -> bool:
-        return self._blobs is not None and self._blobs.available(digest, size)
-
     def share_shard(
-        self, step: int, attempt: str, name: str, digest: str, size: int, crc32c: str, *,
-        replacing: bool = False,
-    ) -> Mapping[str, str] | None:  # fmt: skip
-        """A hard link, in the staging directory, to the file an earlier checkpoint
-        published with these bytes (§12.2): durable with the staging directory's fsyncs."""
+        self, step: int, attempt: str, name: str, crc32c: str, size: int, data: memoryview
+    ) -> Mapping[str, str] | None:
+        """A hard link, in the staging directory, to a sealed shard file holding exactly
+        ``data`` (§12.2): durable with the staging directory's fsyncs."""
         if self._blobs is None:
             return None
         with self._attempt_errors(step, attempt):
             path = self._shard_path(step, attempt, name)
-            if replacing:  # this attempt's own partial file (created exclusively, never synced)
-                with contextlib.suppress(ObjectNotFoundError):
-                    self.driver.unlink(path)
             try:
-                shared = self._blobs.share(digest, size, path, crc32c)
+                shared = self._blobs.share(crc32c, size, path, data)
             except TargetExistsError as exc:
                 raise ShardExistsError(
                     f"shard {name!r} already exists in this attempt", key=name
@@ -229,20 +222,15 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
                 continue  # gone or not a file: verify says so, not this
         return found
 
-    def index_shards(self, step: int, attempt: str, digests: Mapping[str, str]) -> None:
+    def index_shards(self, step: int, attempt: str, shards: Mapping[str, tuple[str, int]]) -> None:
         """Link each sealed shard file of the attempt's staging directory into the blob
         area: the file this save wrote and fsynced, whatever happens to the step's name
         later (a published step deleted and saved again by another writer)."""
         if self._blobs is None:
             return
         staging = f"{self.staging_dir(step, attempt)}/{DATA_DIR}"
-        for name, digest in digests.items():
-            path = f"{staging}/{name}"
-            try:
-                size = self.driver.stat(path).size
-            except StorageError:
-                continue
-            self._blobs.index(digest, size, path)
+        for name, (crc32c, size) in shards.items():
+            self._blobs.index(crc32c, size, f"{staging}/{name}")
 
     def _create_shard(
         self, step: int, attempt: str, name: str, size_hint: int | None
