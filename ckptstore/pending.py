@@ -355,6 +355,8 @@ def _as_view(data: Any) -> memoryview:
         raise InvalidInputError(
             "shard data must be C-contiguous (use numpy.ascontiguousarray or .contiguous())"
         )
+    if not view.nbytes:
+        return memoryview(b"")  # an array with a 0 in its shape cannot be cast: no bytes
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
@@ -383,6 +385,7 @@ class PendingCheckpoint:
         self._written_here: set[str] = set()
         """Shards this process wrote (not receipts of other ranks): the ones it indexes."""
         self._shared_names: set[str] = set()
+        self._indexed: set[str] = set()
         """Shards made of bytes an earlier checkpoint holds (indexed already)."""
         self.attempt = attempt
         self.metadata = metadata
@@ -575,8 +578,11 @@ class PendingCheckpoint:
                 written = {
                     r.name: (r.crc32c, r.size)
                     for r in records
-                    if r.name not in self._shared_names and r.name in self._written_here
+                    if r.name in self._written_here
+                    and r.name not in self._shared_names
+                    and r.name not in self._indexed
                 }
+                self._indexed |= written.keys()  # a seal, then the publish's: once
             self._sharing.index(self.step, self.attempt, written)
         return records
 

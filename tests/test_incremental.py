@@ -505,3 +505,46 @@ def test_the_incremental_option_is_a_boolean(tmp_path: Path) -> None:
     with pytest.raises(InvalidOptionError, match="give one"):
         ckptstore.open(f"file://{tmp_path}/a?incremental=0", incremental=True)
     assert ckptstore.open(f"file://{tmp_path}/a?incremental=1", incremental=True).incremental
+
+
+def test_a_candidate_that_cannot_be_read_back_is_skipped_and_unindexed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by a second hostile review: an old file that fails its read-back (EIO, ESTALE)
+    failed every later save of its bytes, forever; it is now skipped, unindexed, and the
+    shard written."""
+    from ckptstore.commit.blob_area import FileBlobArea
+
+    store = _open(tmp_path)
+    data = os.urandom(200_000)
+    store.save(1, {"a": data})
+
+    def unreadable(*args: object) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(FileBlobArea, "_compare", unreadable)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        store.save(2, {"a": data})
+    assert "cannot be read back" in caplog.text and "removed from the index" in caplog.text
+    monkeypatch.undo()
+    assert store.get(2).read("a") == data and store.get(2).verify().ok
+    store.save(3, {"a": data})  # shares the file step 2 wrote, indexed in the entry's place
+    assert os.path.samefile(_shard_file(tmp_path, 2, "a"), _shard_file(tmp_path, 3, "a"))
+
+
+def test_a_shard_is_indexed_once_and_gc_removes_an_emptied_area(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    with store.begin(1) as pending:
+        pending.write("a", b"x" * 5000)
+        pending.seal()  # a seal, then the publish's: one entry, not two of one file
+    assert len(_area_entries(tmp_path)) == 1
+    store.delete(1, force=True)
+    store.gc(grace=0)
+    assert not (tmp_path / "store" / BLOB_AREA).exists()  # nothing of the area is left
+
+
+def test_an_empty_multidimensional_array_is_an_empty_shard(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    for store in (_open(tmp_path), ckptstore.open(f"file://{tmp_path}/plain")):
+        store.save(1, {"z": np.zeros((0, 5), dtype=np.float32)})
+        assert store.get(1).read("z") == b""

@@ -495,7 +495,13 @@ def _shared_text(store: Store, checkpoint: Checkpoint) -> str:
     """How much of ``checkpoint`` other checkpoints of ``store`` share (incremental saves)."""
     if not store.strategy.saved_incrementally():
         return ""
-    others = [store.get(step) for step in store.steps() if step != checkpoint.step]
+    others = []
+    for step in store.steps():
+        if step != checkpoint.step:
+            try:
+                others.append(store.get(step))
+            except (CheckpointNotFoundError, IntegrityError, StorageError):
+                continue  # deleted since the listing, or unreadable: shares nothing here
     use = storage_use(store.strategy, [checkpoint.manifest, *(c.manifest for c in others)])
     shared = use.shared.get((checkpoint.step, checkpoint.manifest.epoch), 0)
     return f"; {human_size(shared)} of it shared with other checkpoints" if shared else ""

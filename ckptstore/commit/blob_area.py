@@ -85,11 +85,14 @@ class FileBlobArea:
             except StorageError as exc:  # EPERM (protected hard links), EMLINK, a stray entry
                 log.info("%s: not sharing %s (%s)", self.driver.url, source, exc)
                 continue
-            verdict = self._compare(target, data, crc32c)
+            try:
+                verdict = self._compare(target, data, crc32c)
+            except (StorageError, OSError) as exc:  # EIO, ESTALE: an entry that cannot serve
+                verdict = f"cannot be read back ({exc})"
             if verdict is None:
                 return True
             self.driver.unlink(target)
-            if verdict:  # damaged: not the bytes its bucket says
+            if verdict:  # damaged or unreadable: not the bytes its bucket says
                 log.warning(
                     "%s: blob entry %s %s (changed after it was saved?): not shared, and "
                     "removed from the index",
@@ -130,7 +133,7 @@ class FileBlobArea:
             if not self._make_directories(bucket):
                 log.info("%s: the blob area is not a directory: nothing indexed", self.driver.url)
                 return
-            if len(self._entries(bucket)) >= _ENTRIES_PER_BUCKET:
+            if self._regular_entries(bucket) >= _ENTRIES_PER_BUCKET:
                 return
             self.driver.link(source, f"{bucket}/{names.new_attempt_id()}")
         except StorageError as exc:
@@ -158,6 +161,18 @@ class FileBlobArea:
                 return []
         return [name for name in self._listed(bucket) if _is_entry_id(name)]
 
+    def _regular_entries(self, bucket: str) -> int:
+        """How many entries of ``bucket`` are files (planted directories or FIFOs named like
+        entries do not fill a bucket)."""
+        found = 0
+        for entry in self._entries(bucket):
+            try:
+                self.driver.links(f"{bucket}/{entry}")
+            except StorageError:
+                continue
+            found += 1
+        return found
+
     def _is_directory(self, path: str) -> bool:
         try:
             return self.driver.stat(path).is_dir
@@ -180,11 +195,21 @@ class FileBlobArea:
                 entries = [e for e in self._listed(bucket) if _is_entry_id(e)]
                 for entry in entries:
                     self._sweep_entry(f"{bucket}/{entry}", int(found.group(2)), now, report)
-                if not report.dry_run:
-                    try:
-                        self.driver.rmdir(bucket)  # only if empty: a save may index into it
-                    except StorageError:
-                        pass
+                self._remove_if_empty(bucket, report)
+            if re.fullmatch(r"[0-9a-f]{2}", fan):
+                self._remove_if_empty(f"{_BUCKETS}/{fan}", report)
+        self._remove_if_empty(_BUCKETS, report)
+        self._remove_if_empty(BLOB_AREA, report)
+
+    def _remove_if_empty(self, directory: str, report: GcReport) -> None:
+        """``rmdir``: only an empty directory goes (a save indexing into it meanwhile keeps
+        it, or finds it gone and indexes nothing), never a symbolic link's target."""
+        if report.dry_run or not self._is_directory(directory):
+            return
+        try:
+            self.driver.rmdir(directory)
+        except StorageError:
+            pass
 
     def _sweep_entry(self, path: str, size: int, now: float, report: GcReport) -> None:
         try:
