@@ -386,6 +386,21 @@ def test_connection_string_from_the_environment(
     assert store.latest().read("w") == b"x"
 
 
+def test_a_client_made_from_the_environment_is_not_reused_once_it_changed(
+    azurite: EmbeddedAzure, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in CI, by test order: a store opened from the environment's connection string
+    left its client cached under the URL's (empty) options, and a later store opened with
+    no account anywhere got it instead of the "no storage account" error."""
+    for name in ("AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string)
+    ckptstore.open(f"az://{azurite.container}/env-cache-{os.getpid()}").close()
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING")
+    with pytest.raises(InvalidOptionError, match="no storage account"):
+        ckptstore.open(f"az://{azurite.container}/env-cache-{os.getpid()}")
+
+
 def test_missing_container_is_a_clear_error(azurite: EmbeddedAzure) -> None:
     url = azurite.url("x").replace(f"az://{azurite.container}/", "az://no-such-container/")
     with pytest.raises(StoreNotFoundError, match=r"no-such-container.*does not exist"):

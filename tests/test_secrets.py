@@ -373,3 +373,24 @@ def test_the_ckptstore_process_shows_no_secret(form: str, moto_s3: EmbeddedS3, t
         assert "Traceback" not in done.stderr
         for leaked in _shown(secret) + _shown(SECOND_SECRETS.get(form, secret)):
             assert leaked not in done.stdout + done.stderr, done
+
+
+def test_a_client_cache_keys_on_the_environment_and_hashes_its_secrets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ckptstore.backends.client_cache import ClientCache
+
+    cache: ClientCache[object] = ClientCache(
+        ("endpoint",), ("SECRET_KEY",), disconnect=lambda client: None,
+        environment=("ACCOUNT", "SECRET_KEY"),
+    )  # fmt: skip
+    monkeypatch.delenv("ACCOUNT", raising=False)
+    monkeypatch.delenv("SECRET_KEY", raising=False)
+    bare = cache.key({})
+    monkeypatch.setenv("ACCOUNT", "one")
+    one = cache.key({})
+    monkeypatch.setenv("ACCOUNT", "two")
+    assert len({bare, one, cache.key({})}) == 3  # each environment its own client
+    monkeypatch.setenv("SECRET_KEY", "hunter2")
+    keyed = cache.key({})
+    assert "hunter2" not in repr(keyed) and keyed != cache.key({"endpoint": "x"})

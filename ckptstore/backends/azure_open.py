@@ -62,8 +62,16 @@ class _Client:
     session: Any
 
 
+_SECRET_ENVIRONMENT = (
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+)
 _clients: ClientCache[_Client] = ClientCache(
-    _CLIENT_OPTIONS, CREDENTIAL_OPTIONS, disconnect=lambda client: client.session.close()
+    _CLIENT_OPTIONS,
+    (*CREDENTIAL_OPTIONS, *_SECRET_ENVIRONMENT),
+    disconnect=lambda client: client.session.close(),
+    environment=("AZURE_STORAGE_ACCOUNT", *_SECRET_ENVIRONMENT),
 )
 """Clients by their options (``ckptstore.backends.client_cache``)."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -56,8 +57,15 @@ class ClientCache(Generic[C]):
         options: Collection[str],
         secret: Collection[str],
         disconnect: Callable[[C], None],
+        *,
+        environment: Collection[str] = (),
     ) -> None:
+        """``environment``: the variables the client is made from when no option says
+        otherwise (a credential, an account, an emulator's address): part of the key, so a
+        process whose environment changes (another account, a rotated key) never gets a
+        client made from the old one; those named in ``secret`` are hashed."""
         self._options = frozenset(options)
+        self._environment = tuple(sorted(environment))
         self._secret = frozenset(secret)
         self._disconnect = disconnect
         self._lock = threading.Lock()
@@ -69,12 +77,17 @@ class ClientCache(Generic[C]):
             return iter(list(self._entries))
 
     def key(self, options: Mapping[str, object]) -> CacheKey:
-        """The cache key of ``options``: the client's options, each secret one hashed."""
-        return tuple(
-            sorted(
-                (k, self._fingerprint(k, v)) for k, v in options.items() if k in self._options and v
-            )
-        )
+        """The cache key of ``options`` and the environment: the client's options and
+        environment variables, each secret one hashed."""
+        given = [
+            (k, self._fingerprint(k, v)) for k, v in options.items() if k in self._options and v
+        ]
+        found = [
+            (f"${name}", self._fingerprint(name, os.environ[name]))
+            for name in self._environment
+            if os.environ.get(name)
+        ]
+        return tuple(sorted(given + found))
 
     def _fingerprint(self, option: str, value: object) -> str:
         if option not in self._secret:

@@ -36,7 +36,10 @@ URL_OPTIONS = (*TRANSFER_OPTIONS, "project", "credentials_file", "token", "read_
 
 _CLIENT_OPTIONS = ("endpoint_url", "project", "credentials_file", "token", "concurrency")
 _clients: ClientCache[tuple[Any, Any]] = ClientCache(
-    _CLIENT_OPTIONS, ("token",), disconnect=lambda transport: transport[1].close()
+    _CLIENT_OPTIONS,
+    ("token",),
+    disconnect=lambda transport: transport[1].close(),
+    environment=("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT"),
 )
 """Clients and their sessions by their options (``ckptstore.backends.client_cache``)."""
 

@@ -59,8 +59,22 @@ _CLIENT_OPTIONS = frozenset(
 )  # fmt: skip
 
 
+_SECRET_ENVIRONMENT = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 _clients: ClientCache[Any] = ClientCache(
-    _CLIENT_OPTIONS, CREDENTIAL_OPTIONS, disconnect=lambda client: client.close()
+    _CLIENT_OPTIONS,
+    (*CREDENTIAL_OPTIONS, *_SECRET_ENVIRONMENT),
+    disconnect=lambda client: client.close(),
+    environment=(
+        "AWS_ACCESS_KEY_ID",
+        "AWS_PROFILE",
+        "AWS_DEFAULT_REGION",
+        "AWS_REGION",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_CONFIG_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+        *_SECRET_ENVIRONMENT,
+    ),
 )
 """boto3 clients by their options (``ckptstore.backends.client_cache``)."""
 
