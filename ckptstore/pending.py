@@ -142,8 +142,11 @@ class ShardSharing(Protocol):
     returns None (then the shard is written); ``index`` makes an attempt's sealed shards
     found by their CRC32C and size."""
 
+    digest_algorithm: str | None
+    """The strong digest ``share`` needs of a shard (object stores), or None."""
+
     def share(
-        self, name: str, crc32c: str, size: int, data: memoryview
+        self, name: str, crc32c: str, size: int, data: memoryview, digest: str | None = None
     ) -> Mapping[str, str] | None: ...
 
     def index(self, step: int, attempt: str, shards: Mapping[str, tuple[str, int]]) -> None: ...
@@ -532,8 +535,15 @@ class PendingCheckpoint:
         byte for byte, and only then is it written, from the same buffer, not read again."""
         self._claim(name)
         try:
-            crc, digests = shard_checksums(view, self.digest_algorithm)
-            locator = sharing.share(name, crc.hexdigest(), view.nbytes, view)
+            algorithm = self.digest_algorithm or sharing.digest_algorithm
+            crc, digests = shard_checksums(view, algorithm)
+            digest = None
+            if digests is not None and sharing.digest_algorithm is not None:
+                digests.finish()
+                digest = f"{digests.algorithm}:{digests.hexdigest()}"
+            if self.digest_algorithm is None:
+                digests = None  # computed to name the blob; this store records none
+            locator = sharing.share(name, crc.hexdigest(), view.nbytes, view, digest)
         except BaseException:
             self._shard_failed(name)
             raise

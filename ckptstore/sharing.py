@@ -3,7 +3,9 @@ with it, not written again, and stays readable as long as any checkpoint that li
 published (I10, docs/protocol.md §12).
 
 Built for file systems whose driver makes hard links (``LinkingDriver``: ``file://``): the
-new checkpoint gets a link of its own to the bytes. Elsewhere an incremental save is refused
+new checkpoint gets a link of its own to the bytes; and for object stores that do
+compare-and-swap (``s3://``, ``gs://``, ``az://``): blobs named by a strong digest, used
+under leases (``ckptstore.commit.blob_leases``). Elsewhere an incremental save is refused
 when the store is opened, with an error that says why.
 """
 
@@ -14,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.commit.base import CommitStrategy
+from ckptstore.commit.base import CommitStrategy, FileId
 from ckptstore.errors import InvalidOptionError
 from ckptstore.manifest import Manifest
 
@@ -28,8 +30,8 @@ def check_incremental(strategy: CommitStrategy[Any]) -> None:
     if not strategy.shares_shards:
         raise InvalidOptionError(
             f"{strategy.url}: incremental saves are built for file systems with hard links "
-            f"(file://) so far; this store ({strategy.name}) writes every shard: open it "
-            f"without incremental"
+            f"(file://) and object stores with compare-and-swap (s3://, gs://, az://); this "
+            f"store ({strategy.name}) writes every shard: open it without incremental"
         )
 
 
@@ -40,13 +42,14 @@ class StrategySharing:
         self.strategy = strategy
         self.step = step
         self.attempt = attempt
+        self.digest_algorithm = strategy.sharing_digest
+        """The strong digest that names shared bytes (object stores), or None."""
 
     def share(
-        self, name: str, crc32c: str, size: int, data: memoryview
+        self, name: str, crc32c: str, size: int, data: memoryview, digest: str | None = None
     ) -> Mapping[str, str] | None:
-        """The shard made a link to a sealed file that holds exactly ``data`` (its locator),
-        or None."""
-        return self.strategy.share_shard(self.step, self.attempt, name, crc32c, size, data)
+        """The shard made stored bytes that are exactly ``data`` (its locator), or None."""
+        return self.strategy.share_shard(self.step, self.attempt, name, crc32c, size, data, digest)
 
     def index(self, step: int, attempt: str, shards: Mapping[str, tuple[str, int]]) -> None:
         """Make an attempt's sealed shards (their bytes durable; by name, their CRC32C and
@@ -78,9 +81,9 @@ def storage_use(strategy: CommitStrategy[Any], manifests: Iterable[Manifest]) ->
     """How the ``manifests``' checkpoints share their shards' stored files (one stat per
     shard where the storage says which file a shard is; elsewhere nothing is shared)."""
     use = StorageUse()
-    files: dict[tuple[int, int], set[tuple[int, int]]] = {}
-    sizes: dict[tuple[int, int], int] = {}
-    shards: list[tuple[tuple[int, int], int, tuple[int, int] | None]] = []
+    files: dict[FileId, set[tuple[int, int]]] = {}
+    sizes: dict[FileId, int] = {}
+    shards: list[tuple[tuple[int, int], int, FileId | None]] = []
     for manifest in manifests:
         key = (manifest.step, manifest.epoch)
         ids = strategy.shard_files(manifest)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import ckptstore
+from ckptstore.backends.fsspec import UNSAFE_OPTION
 from ckptstore.checksum import crc32c_hex
 from ckptstore.commit.blob_area import BLOB_AREA, bucket_path
 from ckptstore.errors import InvalidOptionError
@@ -203,15 +204,16 @@ def test_incremental_with_signing_shares_and_verifies(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["memory://incremental-refused/run", "file://{tmp}/x?incremental=1"]
+    "url", ["fsspec+file://{tmp}/fs?{unsafe}=true", "file://{tmp}/x?incremental=1"]
 )
 def test_incremental_options(tmp_path: Path, url: str) -> None:
-    if url.startswith("memory"):
+    if url.startswith("fsspec"):
+        url = url.format(tmp=tmp_path, unsafe=UNSAFE_OPTION)
         with pytest.raises(InvalidOptionError, match="file systems with hard links"):
             ckptstore.open(url, incremental=True)
         with pytest.raises(InvalidOptionError, match="file systems with hard links"):
-            ckptstore.open(url + "?incremental=1")
-        ckptstore.open(url + "?incremental=0").save(1, {"a": b"1"})  # off: as any store
+            ckptstore.open(url + "&incremental=1")
+        ckptstore.open(url + "&incremental=0").save(1, {"a": b"1"})  # off: as any store
         return
     store = ckptstore.open(url.format(tmp=tmp_path))
     assert store.incremental and store.digest_algorithm is None  # no digest is needed

@@ -46,6 +46,7 @@ from ckptstore.cli.tiers import (
     pair_document,
     refuse_a_fast_tier_alone,
 )
+from ckptstore.commit.base import FileId
 from ckptstore.errors import (
     BackendUnavailableError,
     CheckpointNotFoundError,
@@ -558,7 +559,7 @@ def _verify_store(store: Store, args: argparse.Namespace) -> list[dict[str, Any]
     if args.step is not None:
         return [_verify_one(store, args.step, quiet=args.json, named=True)]
     if args.all:
-        seen: set[tuple[tuple[int, int], int, str]] | None = None
+        seen: set[tuple[FileId, int, str]] | None = None
         if store.strategy.saved_incrementally():
             seen = set()  # each stored file shared by checkpoints is read once
         return [
@@ -645,7 +646,7 @@ def _verify_one(
     *,
     quiet: bool,
     named: bool = False,
-    seen: set[tuple[tuple[int, int], int, str]] | None = None,
+    seen: set[tuple[FileId, int, str]] | None = None,
 ) -> dict[str, Any]:
     """Read every shard of ``step`` and check it; ``named``: a STEP the user asked for, whose
     absence is an error rather than a row; ``seen``: the stored files (with the size and
@@ -663,7 +664,7 @@ def _verify_one(
         if checkpoint is None:
             return _verify_result(step, entry["status"], [entry["problem"]])
     assert checkpoint is not None
-    keys: dict[str, tuple[tuple[int, int], int, str]] = {}
+    keys: dict[str, tuple[FileId, int, str]] = {}
     checked: set[str] = set()
     if seen is not None:
         files = store.strategy.shard_files(checkpoint.manifest)

@@ -35,6 +35,7 @@ __all__ = [
     "Collecting",
     "CommitStrategy",
     "EpochRecords",
+    "FileId",
     "GcItem",
     "GcReport",
     "Publishing",
@@ -46,6 +47,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+FileId = tuple[int | str, ...]
+"""Which stored file (or object) a shard is: equal for shards that share their bytes."""
 
 
 class ShardSink(abc.ABC):
@@ -205,14 +210,27 @@ class Publishing(_Located):
         (``share_shard``); others write every shard (docs/protocol.md §12)."""
         return False
 
+    @property
+    def sharing_digest(self) -> str | None:
+        """The strong digest (``ckptstore.digest``) that names a shared shard's bytes here,
+        or None where sharing decides equality otherwise (file systems compare bytes)."""
+        return None
+
     def share_shard(
-        self, step: int, attempt: str, name: str, crc32c: str, size: int, data: memoryview
+        self,
+        step: int,
+        attempt: str,
+        name: str,
+        crc32c: str,
+        size: int,
+        data: memoryview,
+        digest: str | None = None,
     ) -> Mapping[str, str] | None:
-        """Make shard ``name`` of the attempt, without writing it, a file an earlier save
-        wrote and sealed that holds exactly ``data`` (of CRC32C ``crc32c`` and ``size``
-        bytes), compared byte for byte; its locator, or None (nothing made) where no such
-        file is known: the shard is then written. ShardExistsError if the attempt already
-        has the shard."""
+        """Make shard ``name`` of the attempt, without writing it again, bytes an earlier
+        save stored that are exactly ``data`` (of CRC32C ``crc32c``, ``size`` bytes and, where
+        ``sharing_digest`` names an algorithm, shard digest ``digest``, ``<alg>:<hex>``); its
+        locator, or None (nothing made) where no such bytes are known: the shard is then
+        written. ShardExistsError if the attempt already has the shard."""
         return None
 
     def saved_incrementally(self) -> bool:
@@ -220,7 +238,7 @@ class Publishing(_Located):
         listings of other stores cost nothing more)."""
         return False
 
-    def shard_files(self, manifest: Manifest) -> dict[str, tuple[int, int]]:
+    def shard_files(self, manifest: Manifest) -> dict[str, FileId]:
         """Which stored file each shard of a published checkpoint is (shards of several
         checkpoints that share bytes answer the same); empty where the storage cannot say
         (then no shard counts as shared)."""

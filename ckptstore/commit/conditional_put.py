@@ -24,13 +24,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from datetime import timezone
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, ClassVar, TypeVar
 
 from ckptstore import names
 from ckptstore.checksum import crc32c_hex
 from ckptstore.commit.base import (
     CommitStrategy,
+    FileId,
     GcItem,
     GcReport,
     ShardProblem,
@@ -38,6 +40,8 @@ from ckptstore.commit.base import (
     ShardSink,
     clock_lead,
 )
+from ckptstore.commit.blob_leases import BLOBS, LIVE, BlobLeases, BlobName, User
+from ckptstore.digest import default_algorithm
 from ckptstore.driver import (
     Buffer,
     Capability,
@@ -208,6 +212,24 @@ def _intact_epoch(epoch: int) -> Callable[[bytes], bool]:
         return True
 
     return intact
+
+
+def _blob_locator_problem(record: ShardRecord) -> str | None:
+    """What is wrong with a shared shard's locator (None: the key of its blob's generation,
+    of the shard's size)."""
+    locator = record.locator
+    try:
+        blob = BlobName.parse(locator["blob"])
+        generation = int(locator.get("generation", ""))
+    except ValueError:
+        return "a malformed blob locator"
+    if generation < 1 or str(generation) != locator["generation"]:
+        return "a malformed blob locator"
+    if blob.size != record.size:
+        return f"a blob of {blob.size} bytes for a shard of {record.size}, in the locator"
+    if locator.get("key") != blob.generation_key(generation):
+        return "a foreign locator"
+    return None
 
 
 def _manifest_entry(key: str) -> list[tuple[int, int]]:
@@ -401,6 +423,8 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
     required_capabilities = frozenset({Capability.CONDITIONAL_CREATE})
     keeps_lineages = True
     fixed_names = frozenset({LATEST_KEY})
+    leases_blobs: ClassVar[bool] = True
+    """Incremental saves share blobs under leases where the storage does compare-and-swap."""
 
     def __init__(
         self,
@@ -436,6 +460,16 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         turns this off, to measure and report storage that ckptstore would refuse)."""
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
+        self._blobs = (
+            BlobLeases(driver, self._open_blob_sink)
+            if self.leases_blobs and Capability.COMPARE_AND_SWAP in driver.capabilities
+            else None
+        )
+
+    def _open_blob_sink(self, key: str, size: int) -> ShardSink:
+        return ObjectShardSink(
+            self.driver, key, self.part_size, size, self.parts_executor(), self.concurrency
+        )
 
     def parts_executor(self) -> ThreadPoolExecutor | None:
         """The threads that upload parts concurrently (None: one at a time), for shard sinks;
@@ -626,9 +660,48 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
             self.driver, key, self.part_size, size_hint, self.parts_executor(), self.concurrency
         )
 
+    # -- incremental saves: blobs shared under leases (docs/protocol.md §12.3) ------------
+
+    @property
+    def shares_shards(self) -> bool:
+        return self._blobs is not None
+
+    @property
+    def sharing_digest(self) -> str | None:
+        return default_algorithm() if self._blobs is not None else None
+
+    def share_shard(
+        self,
+        step: int,
+        attempt: str,
+        name: str,
+        crc32c: str,
+        size: int,
+        data: memoryview,
+        digest: str | None = None,
+    ) -> Mapping[str, str] | None:
+        """The blob of ``data``'s digest, shared by appending the attempt to its lease (its
+        bytes uploaded first if no generation holds them, §12.3): its locator, or None."""
+        if self._blobs is None or digest is None:
+            return None
+        algorithm, _, hexdigest = digest.partition(":")
+        return self._blobs.share(step, attempt, BlobName(algorithm, hexdigest, size), data)
+
+    def saved_incrementally(self) -> bool:
+        if self._blobs is None:
+            return False
+        try:
+            return next(iter(self.driver.list(BLOBS)), None) is not None
+        except StorageError:
+            return False
+
+    def shard_files(self, manifest: Manifest) -> dict[str, FileId]:
+        return {record.name: ("object", record.locator["key"]) for record in manifest.shards}
+
     def publish(self, manifest: Manifest) -> None:
         self.ensure_conditional_create()
         self._check_sealed(manifest)
+        self._check_blobs_held(manifest)
         key = self.manifest_key(manifest.step, manifest.epoch)
         body = manifest.encode()
         for _ in range(PUBLISH_TRIES):
@@ -653,6 +726,8 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                     _intact_manifest(manifest.step, manifest.epoch),
                     self._exists(manifest, None),
                 )
+                if self._blobs is not None:
+                    self._blobs.forget(manifest.step, manifest.attempt)
                 return
         raise TransientStorageError(
             f"{self.url}: could not publish step {manifest.step} after {PUBLISH_TRIES} tries; "
@@ -689,6 +764,26 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
             url=self.url,
             step=manifest.step,
         )
+
+    def _check_blobs_held(self, manifest: Manifest) -> None:
+        """Every blob the manifest shares still lists this attempt in its lease, at the
+        generation named (§12.3 writer step 5): else GC judged the attempt dead, and
+        nothing is published."""
+        shared = [record.locator for record in manifest.shards if "blob" in record.locator]
+        if not shared or self._blobs is None:
+            return
+        problems = self._blobs.held_problems(manifest.step, manifest.attempt, shared)
+        if problems:
+            listed = "; ".join(problems[:5]) + (
+                f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+            )
+            raise ShardMissingError(
+                f"{self.url}: step {manifest.step} cannot be published: {listed}; nothing was "
+                f"published. {GC_WAS_HERE}. Save again, with a GC grace period longer than a "
+                f"save's longest pause",
+                url=self.url,
+                step=manifest.step,
+            )
 
     def _written_problems(self, manifest: Manifest) -> list[ShardProblem]:
         """What is wrong with the shards of ``manifest``, asked of each object (concurrently)."""
@@ -900,6 +995,8 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         """What is wrong with where ``record`` points (None: where this layout writes it): a
         manifest that points elsewhere, at another step's data or any key of the bucket, is
         refused as corrupt."""
+        if "blob" in record.locator:
+            return _blob_locator_problem(record)
         prefix = self.attempt_prefix(manifest.step, manifest.attempt)
         if record.locator.get("key") != f"{prefix}{record.name}":
             return "a foreign locator"
@@ -1121,19 +1218,31 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
             uploads.setdefault(upload.key.split("/", 1)[0] + "/", []).append(upload)
         self._check_listing(hint, manifests, report)
         owners: dict[int, set[str | None]] = {}
-        epochs: list[int] | None = None
+        epochs: list[int] = []
+
+        def published(step: int, attempt: str) -> bool:
+            """Read directly, in every epoch: a listing of manifests may miss it."""
+            if step not in owners:
+                if not epochs:
+                    epochs.extend(self.epoch_numbers())
+                owners[step] = {self._published_attempt(step, epoch) for epoch in epochs}
+            return bool(owners[step] & {attempt, _UNREADABLE})
+
+        items: dict[str, GcItem] = {}
+        markers = {  # liveness markers of attempts that share blobs (§12.3)
+            info.key: info.last_modified
+            for info in groups.get(BLOBS, [])
+            if info.key.startswith(LIVE)
+        }
         for prefix in sorted(set(groups) | set(uploads)):
             parsed = names.parse_attempt_name(prefix.removesuffix("/"), ".")  # what an attempt made
-            if parsed is None:
-                continue
-            step, attempt = parsed
-            if step not in owners:  # read directly: a listing of manifests may miss it
-                epochs = self.epoch_numbers() if epochs is None else epochs
-                owners[step] = {self._published_attempt(step, epoch) for epoch in epochs}
-            if owners[step] & {attempt, _UNREADABLE}:
+            if parsed is None or published(*parsed):
                 continue
             objects, pending = groups.get(prefix, []), uploads.get(prefix, [])
-            item = self._attempt_item(prefix, objects, pending, storage_now)
+            item = items[prefix] = self._attempt_item(prefix, objects, pending, storage_now)
+            marker = markers.get(f"{LIVE}{prefix.removesuffix('/')}")
+            if marker is not None and storage_now - marker < item.age_s:  # sharing blobs
+                item = items[prefix] = replace(item, age_s=max(0.0, storage_now - marker))
             if item.age_s <= grace_s:
                 report.kept_young.append(item)
                 continue
@@ -1143,7 +1252,28 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                     self._abort_quietly(upload.key, upload.upload_id)
                 for info in objects:
                     self.driver.delete(info.key)
+        if self._blobs is not None and BLOBS in groups:
+            self._blobs.collect(
+                report,
+                now=storage_now,
+                published=lambda user: published(user.step, user.attempt),
+                last_activity=lambda user: self._last_activity(user, items, storage_now),
+            )
         return report
+
+    def _last_activity(self, user: User, items: Mapping[str, GcItem], now: float) -> float | None:
+        """When a user of a blob last wrote, on the storage's clock: its liveness marker, read
+        directly, or the newest object of its attempt this pass listed (None: neither)."""
+        newest = None
+        item = items.get(self.attempt_prefix(user.step, user.attempt))
+        if item is not None:
+            newest = now - item.age_s
+        assert self._blobs is not None
+        try:
+            marker = self.driver.head(self._blobs.live_key(user.step, user.attempt))
+        except ObjectNotFoundError:
+            return newest
+        return max(marker.last_modified, newest or marker.last_modified)
 
     def _hint_before_listing(self) -> int | None:
         """The LATEST hint, read before a listing it is to cross-check (None if unreadable)."""

@@ -32,6 +32,7 @@ from typing import BinaryIO, TypeVar
 from ckptstore import names
 from ckptstore.commit.base import (
     CommitStrategy,
+    FileId,
     GcItem,
     GcReport,
     ShardProblem,
@@ -186,7 +187,14 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         return self._blobs is not None
 
     def share_shard(
-        self, step: int, attempt: str, name: str, crc32c: str, size: int, data: memoryview
+        self,
+        step: int,
+        attempt: str,
+        name: str,
+        crc32c: str,
+        size: int,
+        data: memoryview,
+        digest: str | None = None,
     ) -> Mapping[str, str] | None:
         """A hard link, in the staging directory, to a sealed shard file holding exactly
         ``data`` (§12.2): durable with the staging directory's fsyncs."""
@@ -210,11 +218,11 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         except StorageError:
             return False
 
-    def shard_files(self, manifest: Manifest) -> dict[str, tuple[int, int]]:
+    def shard_files(self, manifest: Manifest) -> dict[str, FileId]:
         if not isinstance(self.driver, LinkingDriver):
             return {}
         final = names.checkpoint_token(manifest.step, manifest.epoch)
-        found = {}
+        found: dict[str, FileId] = {}
         for record in manifest.shards:
             try:
                 found[record.name] = self.driver.links(f"{final}/{DATA_DIR}/{record.name}").file_id

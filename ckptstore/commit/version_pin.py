@@ -75,6 +75,10 @@ class VersionPinCommit(ConditionalPutCommit):
     name = "version-pin"
     required_capabilities = frozenset({Capability.CONDITIONAL_CREATE, Capability.VERSIONING})
 
+    leases_blobs = False
+    """Incremental saves are not built here: a lease would have to pin its blob's version
+    (docs/protocol.md §12.3, versioned stores)."""
+
     def open_root(self, *, create: bool) -> None:
         self.driver.check_bucket()
         status = self.driver.bucket_versioning()

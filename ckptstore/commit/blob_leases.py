@@ -1,0 +1,535 @@
+"""Shared shards on an object store: a blob is deleted only after its lease was doomed by a
+compare-and-swap from a state in which no user was published or alive (I10).
+
+An object has no link count, and a listing may lag, so who uses a blob is written where GC
+reads it directly: in the blob's *lease* (``blobs/<alg>/<digest>-<size>.lease``), a small
+JSON object changed only by compare-and-swap (``If-Match`` on its ETag; ``If-None-Match: *``
+to create it). The bytes live in ``blobs/<alg>/<digest>-<size>.g<generation>``; a generation
+is handed out once, by the CAS that reserves it, and only after the one before was doomed,
+so a generation that is not a lease's current one is never used again. A writer appends
+itself (its step and attempt) to the lease before it names the blob in its manifest, and
+checks at the seal that it is still there; GC dooms a lease only by a CAS from the state it
+judged, each user by direct reads (its manifest; its attempt's liveness marker), never by a
+listing. docs/protocol.md §12.3 has the proof.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from ckptstore import names
+from ckptstore.commit.base import GcItem, GcReport, ShardSink
+from ckptstore.driver import ObjectInfo, ObjectStoreDriver, PutMode, UploadInfo
+from ckptstore.errors import (
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StorageError,
+    TransientStorageError,
+)
+
+__all__ = [
+    "BLOBS",
+    "BlobLeases",
+    "BlobName",
+    "Lease",
+    "LeaseCorruptError",
+    "User",
+]
+
+log = logging.getLogger(__name__)
+
+BLOBS = "blobs/"
+"""The key prefix of the blob area (leases, generations, liveness markers)."""
+LIVE = f"{BLOBS}live/"
+"""``LIVE + step-<N>.<attempt>``: written by an attempt that shares, again every
+``ALIVE_EVERY_S`` while it shares; GC judges an unpublished user alive by its age."""
+ALIVE_EVERY_S = 60.0
+MAX_LEASE_BYTES = 1024 * 1024
+CAS_TRIES = 16
+SHARE_WAIT_S = 600.0
+"""How long, at most, a writer that appended itself to a lease waits for the reserver's
+upload of the blob's bytes before it writes its shard unshared."""
+RESERVER_GONE_S = 3 * ALIVE_EVERY_S
+"""A reserver whose liveness marker is this much older than the waiter's (both stamped by
+the storage's clock) is taken as gone: its waiters write their shards unshared at once."""
+_LEASE_FORMAT = "ckptstore-blob-lease"
+_BLOB = re.compile(r"(blake3|sha256):([0-9a-f]{64})-(0|[1-9][0-9]{0,18})", re.ASCII)
+_KEY = re.compile(
+    r"blobs/(blake3|sha256)/([0-9a-f]{64})-(0|[1-9][0-9]{0,18})(?:\.g([1-9][0-9]{0,18})|(\.lease))",
+    re.ASCII,
+)
+
+
+class LeaseCorruptError(StorageError):
+    """A lease object that is not a lease ckptstore wrote: its blob is neither shared nor
+    collected (left for an operator)."""
+
+
+@dataclass(frozen=True, order=True)
+class User:
+    """An attempt that names (or is about to name) a blob in its manifest."""
+
+    step: int
+    attempt: str
+
+    def encode(self) -> dict[str, object]:
+        return {"step": self.step, "attempt": self.attempt}
+
+
+@dataclass(frozen=True)
+class BlobName:
+    """A blob: its bytes' strong digest (``<alg>:<hex>``) and their size."""
+
+    algorithm: str
+    hexdigest: str
+    size: int
+
+    @classmethod
+    def parse(cls, text: str) -> BlobName:
+        """The blob ``<alg>:<hex>-<size>`` (ValueError if it is not one)."""
+        found = _BLOB.fullmatch(text)
+        if found is None:
+            raise ValueError(f"not a blob name: {text!r}")
+        return cls(found.group(1), found.group(2), int(found.group(3)))
+
+    def __str__(self) -> str:
+        return f"{self.algorithm}:{self.hexdigest}-{self.size}"
+
+    @property
+    def base(self) -> str:
+        return f"{BLOBS}{self.algorithm}/{self.hexdigest}-{self.size}"
+
+    @property
+    def lease_key(self) -> str:
+        return f"{self.base}.lease"
+
+    def generation_key(self, generation: int) -> str:
+        return f"{self.base}.g{generation}"
+
+
+def parse_blob_key(key: str) -> tuple[BlobName, int | None] | None:
+    """(blob, generation) of a generation's key, (blob, None) of a lease's, else None."""
+    found = _KEY.fullmatch(key)
+    if found is None:
+        return None
+    blob = BlobName(found.group(1), found.group(2), int(found.group(3)))
+    return blob, (None if found.group(5) else int(found.group(4)))
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Who uses a blob's current generation; ``doomed``: GC judged it unused and will delete
+    it (a writer then reserves ``next``)."""
+
+    generation: int
+    next: int
+    doomed: bool
+    users: tuple[User, ...]
+    reserver: User | None = None
+    """The user that reserved ``generation`` and uploads its bytes."""
+
+    def encode(self) -> bytes:
+        body = {
+            "format": _LEASE_FORMAT,
+            "version": 1,
+            "generation": self.generation,
+            "next": self.next,
+            "doomed": self.doomed,
+            "users": [user.encode() for user in self.users],
+        }
+        if self.reserver is not None:
+            body["reserver"] = self.reserver.encode()
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, where: str) -> Lease:
+        """The lease ``data`` holds (LeaseCorruptError, naming ``where``, if it is not one)."""
+        try:
+            body = json.loads(data)
+            if body.get("format") != _LEASE_FORMAT or body.get("version") != 1:
+                raise ValueError("not a ckptstore blob lease of version 1")
+            generation, following = body["generation"], body["next"]
+            if not all(type(n) is int and n >= 1 for n in (generation, following)):
+                raise ValueError("generation numbers must be positive integers")
+            if following <= generation or type(body["doomed"]) is not bool:
+                raise ValueError("next must exceed generation; doomed must be a boolean")
+            users = tuple(_user(entry) for entry in body["users"])
+            reserver = _user(body["reserver"]) if "reserver" in body else None
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise LeaseCorruptError(f"{where}: not a blob lease: {exc}") from None
+        return cls(generation, following, body["doomed"], users, reserver)
+
+
+def _user(entry: Mapping[str, object]) -> User:
+    step, attempt = entry["step"], entry["attempt"]
+    if type(step) is not int or step < 0:
+        raise ValueError(f"a user's step must be a non-negative integer: {step!r}")
+    return User(step, names.check_attempt_id(attempt))
+
+
+def _holds(user: User, generation: int) -> Callable[[Lease], bool]:
+    """Whether a lease read back shows ``user`` holding ``generation`` (its CAS took)."""
+    return lambda lease: lease.generation == generation and not lease.doomed and user in lease.users
+
+
+def _dooms(generation: int) -> Callable[[Lease], bool]:
+    """Whether a lease read back shows ``generation`` doomed (GC's CAS took)."""
+    return lambda lease: lease.doomed and lease.generation == generation
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(1.0, 0.02 * 2**attempt) * (0.5 + random.random()))
+
+
+class BlobLeases:
+    """The blob area of one object store that does compare-and-swap (docs/protocol.md §12.3)."""
+
+    def __init__(
+        self,
+        driver: ObjectStoreDriver,
+        open_sink: Callable[[str, int], ShardSink],
+        *,
+        share_wait_s: float = SHARE_WAIT_S,
+    ) -> None:
+        """``open_sink(key, size)``: a sink that uploads a generation's bytes (whole or in
+        parts) to ``key``."""
+        self.driver = driver
+        self.open_sink = open_sink
+        self.share_wait_s = share_wait_s
+        self._alive: dict[tuple[int, str], float] = {}
+        self._alive_lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.driver.url
+
+    # -- writers -------------------------------------------------------------------------
+
+    @staticmethod
+    def live_key(step: int, attempt: str) -> str:
+        return f"{LIVE}{names.step_token(step)}.{attempt}"
+
+    def touch(self, step: int, attempt: str) -> None:
+        """Write the attempt's liveness marker if this process has not in ``ALIVE_EVERY_S``:
+        before any lease names the attempt, so that GC, reading the lease, finds it alive."""
+        now = time.monotonic()
+        with self._alive_lock:
+            last = self._alive.get((step, attempt))
+            if last is not None and now - last < ALIVE_EVERY_S:
+                return
+            self._alive[(step, attempt)] = now
+        try:
+            self.driver.put(self.live_key(step, attempt), b"")
+        except BaseException:
+            with self._alive_lock:
+                self._alive.pop((step, attempt), None)
+            raise
+
+    def forget(self, step: int, attempt: str) -> None:
+        """Stop keeping the attempt's marker fresh (published or abandoned)."""
+        with self._alive_lock:
+            self._alive.pop((step, attempt), None)
+
+    def read(self, blob: BlobName) -> tuple[Lease | None, str | None]:
+        """The blob's lease and its ETag; (None, None) if it has none."""
+        try:
+            data, info = self.driver.get(blob.lease_key)
+        except ObjectNotFoundError:
+            return None, None
+        if len(data) > MAX_LEASE_BYTES:
+            raise LeaseCorruptError(f"{self.url}/{blob.lease_key}: larger than a lease can be")
+        return Lease.decode(data, f"{self.url}/{blob.lease_key}"), info.etag
+
+    def _swap(
+        self, blob: BlobName, new: Lease, etag: str | None, took: Callable[[Lease], bool]
+    ) -> bool:
+        """CAS the lease from ``etag`` (None: create it) to ``new``: whether it took effect.
+        An unknown outcome (a timeout, a reset) is decided by reading the lease back: ``took``
+        says whether what is stored is this change (I8)."""
+        mode = PutMode.CREATE if etag is None else PutMode.update(etag)
+        try:
+            self.driver.put(blob.lease_key, new.encode(), mode=mode)
+        except (PreconditionFailedError, ObjectNotFoundError):
+            return False
+        except TransientStorageError as exc:
+            log.info("%s: lease %s: %s; reading it back", self.url, blob.lease_key, exc)
+            try:
+                stored, _ = self.read(blob)
+            except StorageError:
+                return False
+            return stored is not None and took(stored)
+        return True
+
+    def share(
+        self, step: int, attempt: str, blob: BlobName, data: memoryview
+    ) -> Mapping[str, str] | None:
+        """Name ``blob`` (whose bytes are ``data``) in attempt ``attempt`` of ``step``: the
+        locator of its current generation, appended to by this attempt, uploading the bytes
+        first if no generation holds them; None where it could not be shared (a contended or
+        corrupt lease, a reserver that never finished its upload): then write the shard."""
+        self.touch(step, attempt)
+        me = User(step, attempt)
+        for attempt_number in range(CAS_TRIES):
+            try:
+                lease, etag = self.read(blob)
+            except LeaseCorruptError as exc:
+                log.warning("%s; the shard is written unshared", exc)
+                return None
+            if lease is None or lease.doomed:
+                generation = 1 if lease is None else lease.next
+                reserved = Lease(generation, generation + 1, False, (me,), me)
+                if not self._swap(blob, reserved, etag, _holds(me, generation)):
+                    _backoff(attempt_number)
+                    continue
+                return self._upload(blob, generation, data)
+            if me not in lease.users:
+                appended = replace(lease, users=(*lease.users, me))
+                if not self._swap(blob, appended, etag, _holds(me, lease.generation)):
+                    _backoff(attempt_number)
+                    continue
+            info = self._wait_for_bytes(step, attempt, blob, lease)
+            if info is None:
+                return None
+            return self.locator(blob, lease.generation, info)
+        log.warning(
+            "%s: lease %s changed %d times while this save tried to share it (contended); "
+            "the shard is written unshared", self.url, blob.lease_key, CAS_TRIES,
+        )  # fmt: skip
+        return None
+
+    def _upload(self, blob: BlobName, generation: int, data: memoryview) -> Mapping[str, str]:
+        key = blob.generation_key(generation)
+        sink = self.open_sink(key, blob.size)
+        try:
+            sink.write(data)
+            sink.close()
+        except BaseException:
+            sink.abort()
+            raise
+        info = self.driver.head(key)
+        return self.locator(blob, generation, info)
+
+    def _wait_for_bytes(
+        self, step: int, attempt: str, blob: BlobName, lease: Lease
+    ) -> ObjectInfo | None:
+        """The current generation's object once it holds the blob's size (its reserver may
+        still be uploading it), or None: the reserver gone (its liveness marker stale beside
+        this attempt's, on the storage's clock), ``share_wait_s`` passed, the generation
+        doomed meanwhile, or an object of another size (then not the blob, whatever its
+        name)."""
+        generation = lease.generation
+        key = blob.generation_key(generation)
+        deadline = time.monotonic() + self.share_wait_s
+        for attempt_number in range(1_000_000):
+            try:
+                info = self.driver.head(key)
+            except ObjectNotFoundError:
+                info = None
+            if info is not None:
+                if info.size == blob.size:
+                    return info
+                log.warning(
+                    "%s/%s holds %d bytes, not the blob's %d: not shared", self.url, key,
+                    info.size, blob.size,
+                )  # fmt: skip
+                return None
+            if time.monotonic() >= deadline or self._reserver_gone(step, attempt, lease):
+                break
+            self.touch(step, attempt)
+            _backoff(min(attempt_number, 5))
+            try:
+                lease = self.read(blob)[0] or lease
+            except LeaseCorruptError:
+                return None
+            if lease.doomed or lease.generation != generation:
+                return None
+        log.info("%s: %s was not uploaded by its reserver: not shared", self.url, key)
+        return None
+
+    def _reserver_gone(self, step: int, attempt: str, lease: Lease) -> bool:
+        reserver = lease.reserver
+        if reserver is None:
+            return True
+        if reserver == User(step, attempt):
+            return False  # another rank, or another shard, of this very attempt
+        try:
+            theirs = self.driver.head(self.live_key(reserver.step, reserver.attempt))
+            mine = self.driver.head(self.live_key(step, attempt))
+        except ObjectNotFoundError:
+            return True
+        return mine.last_modified - theirs.last_modified > RESERVER_GONE_S
+
+    @staticmethod
+    def locator(blob: BlobName, generation: int, info: ObjectInfo) -> Mapping[str, str]:
+        return {
+            "key": blob.generation_key(generation),
+            "etag": info.etag,
+            "blob": str(blob),
+            "generation": str(generation),
+        }
+
+    def held_problems(
+        self, step: int, attempt: str, locators: Sequence[Mapping[str, str]]
+    ) -> list[str]:
+        """At the seal: what says the attempt no longer holds a blob it names (GC judged it
+        dead: dropped it from a lease, or doomed the generation). Empty: it holds them all."""
+        me = User(step, attempt)
+        problems = []
+        seen: set[tuple[str, str]] = set()
+        for locator in locators:
+            blob_text, generation = locator["blob"], locator["generation"]
+            if (blob_text, generation) in seen:
+                continue
+            seen.add((blob_text, generation))
+            blob = BlobName.parse(blob_text)
+            try:
+                lease, _ = self.read(blob)
+            except LeaseCorruptError as exc:
+                problems.append(str(exc))
+                continue
+            if lease is None:
+                problems.append(f"the lease of blob {blob} is gone")
+            elif lease.doomed or str(lease.generation) != generation:
+                problems.append(f"generation {generation} of blob {blob} was doomed by GC")
+            elif me not in lease.users:
+                problems.append(f"GC dropped this attempt from the lease of blob {blob}")
+        return problems
+
+    # -- GC ------------------------------------------------------------------------------
+
+    def collect(
+        self,
+        report: GcReport,
+        *,
+        now: float,
+        published: Callable[[User], bool],
+        last_activity: Callable[[User], float | None],
+    ) -> None:
+        """Doom and delete the blobs no user is published for or alive in (§12.3); delete
+        generations no lease names as current, and liveness markers no one needs.
+
+        ``now``: the storage's clock; ``published(user)``: its attempt's manifest, read
+        directly; ``last_activity(user)``: the newest write of its attempt's own objects
+        (None: none), whose age against ``report.grace_s`` says alive."""
+        area: dict[BlobName, dict[int, ObjectInfo]] = {}
+        leases: set[BlobName] = set()
+        markers: list[ObjectInfo] = []
+        for info in self.driver.list(BLOBS):
+            if info.key.startswith(LIVE):
+                markers.append(info)
+                continue
+            parsed = parse_blob_key(info.key)
+            if parsed is None:
+                continue  # not a name this area gives: left alone
+            blob, generation = parsed
+            if generation is None:
+                leases.add(blob)
+            else:
+                area.setdefault(blob, {})[generation] = info
+        uploads: dict[BlobName, list[tuple[int, UploadInfo]]] = {}
+        for upload in self._uploads(report):
+            parsed = parse_blob_key(upload.key)
+            if parsed is not None and parsed[1] is not None:
+                uploads.setdefault(parsed[0], []).append((parsed[1], upload))
+
+        def alive(user: User) -> bool:
+            newest = last_activity(user)
+            return newest is not None and now - newest <= report.grace_s
+
+        for blob in sorted(leases | area.keys() | uploads.keys(), key=str):
+            # Read after the listing: a generation listed before the read is garbage if the
+            # lease names a later one (generations only grow) or dooms it.
+            self._collect_blob(
+                report, blob, area.get(blob, {}), uploads.get(blob, []), now, published, alive
+            )
+        for info in markers:
+            self._collect_marker(report, info, now, published)
+
+    def _collect_blob(
+        self,
+        report: GcReport,
+        blob: BlobName,
+        generations: Mapping[int, ObjectInfo],
+        uploads: Sequence[tuple[int, UploadInfo]],
+        now: float,
+        published: Callable[[User], bool],
+        alive: Callable[[User], bool],
+    ) -> None:
+        for attempt_number in range(CAS_TRIES):
+            try:
+                lease, etag = self.read(blob)
+            except LeaseCorruptError as exc:
+                report.warnings.append(f"{exc}: its blob was left alone")
+                return
+            if lease is None or etag is None:
+                return  # bytes without a lease are no area's: left alone
+            if not lease.doomed:
+                keep = tuple(user for user in lease.users if published(user) or alive(user))
+                if keep:
+                    if len(keep) < len(lease.users) and not report.dry_run:
+                        self._swap(blob, replace(lease, users=keep), etag, lambda s: False)
+                    break
+                if not report.dry_run:
+                    doomed = replace(lease, doomed=True, users=())
+                    if not self._swap(blob, doomed, etag, _dooms(lease.generation)):
+                        _backoff(attempt_number)
+                        continue  # a writer (or another GC) changed it: judge again
+                lease = replace(lease, doomed=True)
+            break
+        else:
+            report.warnings.append(f"the lease of blob {blob} was contended: judged next time")
+            return
+        for generation, info in sorted(generations.items()):
+            if generation == lease.generation and not lease.doomed:
+                continue
+            if generation > lease.generation:
+                continue  # read before its reservation could be: not judged
+            item = GcItem("blob", info.key, max(0.0, now - info.last_modified), info.size)
+            report.removed.append(item)
+            if not report.dry_run:
+                self._delete(info.key)
+        for generation, upload in uploads:
+            if generation > lease.generation or (
+                generation == lease.generation and not lease.doomed
+            ):
+                continue
+            report.removed.append(
+                GcItem("blob upload", upload.key, max(0.0, now - upload.initiated))
+            )
+            if not report.dry_run:
+                try:
+                    self.driver.abort_multipart(upload.key, upload.upload_id)
+                except ObjectNotFoundError:
+                    pass
+
+    def _collect_marker(
+        self, report: GcReport, info: ObjectInfo, now: float, published: Callable[[User], bool]
+    ) -> None:
+        parsed = names.parse_attempt_name(info.key[len(LIVE) :], ".")
+        if parsed is None:
+            return
+        age = max(0.0, now - info.last_modified)
+        if age <= report.grace_s and not published(User(*parsed)):
+            return
+        report.removed.append(GcItem("liveness marker", info.key, age, info.size))
+        if not report.dry_run:
+            self._delete(info.key)
+
+    def _delete(self, key: str) -> None:
+        try:
+            self.driver.delete(key)
+        except ObjectNotFoundError:
+            pass
+
+    def _uploads(self, report: GcReport) -> Iterator[UploadInfo]:
+        try:
+            yield from self.driver.list_multipart_uploads(BLOBS)
+        except StorageError as exc:  # not implemented: said once by the attempts' pass
+            log.debug("%s: blob uploads not listed: %s", self.url, exc)

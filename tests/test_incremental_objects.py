@@ -1,0 +1,371 @@
+"""Incremental saves on object stores: blobs named by a strong digest, used under leases that
+only compare-and-swap changes; GC dooms a lease only from a state in which no user was
+published or alive (I10, docs/protocol.md §12.3). Against real servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import EmbeddedS3
+
+import ckptstore
+from ckptstore.backends.fsspec import UNSAFE_OPTION
+from ckptstore.commit.blob_leases import BLOBS, LIVE, BlobName, Lease, parse_blob_key
+from ckptstore.driver import PutMode
+from ckptstore.errors import (
+    InvalidOptionError,
+    ManifestCorruptError,
+    ShardMissingError,
+    TransientStorageError,
+)
+
+MiB = 2**20
+LATER = 7200.0
+
+
+@pytest.fixture(params=["s3", "gcs", "azure"])
+def object_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    """A fresh prefix on each object store that does compare-and-swap."""
+    fixture = {"s3": "moto_s3", "gcs": "fake_gcs", "azure": "azurite"}[request.param]
+    server = request.getfixturevalue(fixture)
+    return server.url(f"incremental/{os.getpid()}-{tmp_path.name}"), dict(server.options)
+
+
+@pytest.fixture
+def s3_url(moto_s3: EmbeddedS3, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    return moto_s3.url(f"incremental/{os.getpid()}-{tmp_path.name}"), dict(moto_s3.options)
+
+
+def _open(where: tuple[str, dict[str, Any]], **extra: Any) -> ckptstore.Store:
+    url, options = where
+    return ckptstore.open(url, incremental=True, **options, **extra)
+
+
+def _later(where: tuple[str, dict[str, Any]], seconds: float = LATER) -> ckptstore.Store:
+    """The store as GC sees it ``seconds`` from now (its clock moved: leftovers aged)."""
+    url, options = where
+    return ckptstore.open(url, clock=lambda: time.time() + seconds, **options)
+
+
+def _keys(store: ckptstore.Store, prefix: str = BLOBS) -> list[str]:
+    return sorted(info.key for info in store.strategy.driver.list(prefix))
+
+
+def _generations(store: ckptstore.Store) -> list[str]:
+    return [k for k in _keys(store) if (p := parse_blob_key(k)) is not None and p[1] is not None]
+
+
+def _lease(store: ckptstore.Store, key: str) -> Lease:
+    lease_key = key.rsplit(".g", 1)[0] + ".lease"
+    return Lease.decode(store.strategy.driver.get(lease_key)[0], lease_key)
+
+
+def test_an_unchanged_shard_is_one_blob_that_every_reader_reads(
+    object_url: tuple[str, dict[str, Any]],
+) -> None:
+    store = _open(object_url)
+    base = os.urandom(5 * MiB + 17)
+    adapters = [os.urandom(4096 + step) for step in range(3)]
+    for step, adapter in enumerate(adapters, start=1):
+        store.save(step, {"model/base.bin": base, "model/lora.bin": adapter})
+    locators = [dict(store.get(s).manifest.shard("model/base.bin").locator) for s in (1, 2, 3)]
+    assert locators[0] == locators[1] == locators[2]
+    assert locators[0]["blob"].startswith(("blake3:", "sha256:"))
+    assert locators[0]["blob"].endswith(f"-{len(base)}") and locators[0]["generation"] == "1"
+    assert len(_generations(store)) == 4  # the base once, three adapters
+    lease = _lease(store, locators[0]["key"])
+    assert [user.step for user in lease.users] == [1, 2, 3] and not lease.doomed
+    url, options = object_url
+    reader = ckptstore.open(url, create=False, **options)  # a reader not incremental
+    for step, adapter in enumerate(adapters, start=1):
+        checkpoint = reader.get(step)
+        assert checkpoint.read("model/base.bin") == base
+        assert checkpoint.read("model/lora.bin") == adapter
+        assert checkpoint.verify().ok
+        assert not checkpoint.manifest.shard("model/base.bin").digest  # recorded by none
+
+
+def test_gc_frees_a_blob_only_when_no_checkpoint_uses_it(
+    s3_url: tuple[str, dict[str, Any]],
+) -> None:
+    store = _open(s3_url)
+    base = os.urandom(3 * MiB)
+    for step in (1, 2, 3):
+        store.save(step, {"base": base, "lora": bytes([step]) * 1000})
+    base_key = store.get(1).manifest.shard("base").locator["key"]
+    loras = [store.get(s).manifest.shard("lora").locator["key"] for s in (1, 2)]
+    store.delete(1)
+    store.delete(2)
+    before = _keys(store)
+    dry = _later(s3_url).gc(grace=60, dry_run=True)
+    assert {item.name for item in dry.removed if item.kind == "blob"} == set(loras)
+    assert _keys(store) == before  # a dry run changes nothing
+    report = _later(s3_url).gc(grace=60)
+    removed = {item.name for item in report.removed}
+    assert base_key not in removed
+    assert len([i for i in report.removed if i.kind == "blob"]) == 2  # steps 1 and 2's lora
+    assert store.get(3).read("base") == base and store.get(3).verify().ok
+    assert [u.step for u in _lease(store, base_key).users] == [3]  # the dead users dropped
+    store.delete(3, force=True)
+    report = _later(s3_url).gc(grace=60)
+    assert base_key in {item.name for item in report.removed}
+    assert _generations(store) == []
+    assert _lease(store, base_key).doomed
+    assert _keys(store, LIVE) == []  # no marker outlives its attempt
+    store.save(4, {"base": base})  # a doomed blob's next writer reserves a new generation
+    locator = store.get(4).manifest.shard("base").locator
+    assert locator["generation"] == "2" and store.get(4).read("base") == base
+    assert _lease(store, locator["key"]).generation == 2
+
+
+def test_a_writer_gc_judged_dead_publishes_nothing(s3_url: tuple[str, dict[str, Any]]) -> None:
+    """GC that dooms a blob while a stalled writer holds it: the writer's seal reads the
+    lease and refuses; the published checkpoint that also used it is never touched."""
+    store = _open(s3_url)
+    base = os.urandom(MiB)
+    store.save(1, {"base": base})
+    stalled = _open(s3_url)
+    pending = stalled.begin(2)
+    pending.write("base", base)  # appended to the lease
+    store.delete(1, force=True)
+    report = _later(s3_url).gc(grace=60)  # the stalled writer is idle "two hours"
+    assert any(item.kind == "blob" for item in report.removed)
+    with pytest.raises(ShardMissingError, match=r"doomed|dropped|missing"):
+        pending.publish()
+    assert stalled.latest() is None
+    store.save(3, {"base": base})  # and a fresh save writes the blob again
+    assert store.get(3).read("base") == base
+
+
+def test_gc_does_not_doom_a_blob_a_live_writer_appended_to(
+    s3_url: tuple[str, dict[str, Any]],
+) -> None:
+    store = _open(s3_url)
+    base = os.urandom(MiB)
+    store.save(1, {"base": base})
+    pending = _open(s3_url).begin(2)
+    pending.write("base", base)
+    store.delete(1, force=True)
+    report = store.gc(grace=3600)  # the writer is alive: its marker is fresh
+    assert not [item for item in report.removed if item.kind == "blob"]
+    pending.publish()
+    assert store.get(2).read("base") == base and store.get(2).verify().ok
+
+
+def test_gc_racing_the_append_either_keeps_the_blob_or_the_writer_reserves_anew(
+    s3_url: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GC reads the lease (no live user), a writer appends itself before GC's doom: the doom
+    CAS fails on the changed ETag, GC judges again and keeps the blob."""
+    store = _open(s3_url)
+    base = os.urandom(MiB)
+    store.save(1, {"base": base})
+    store.delete(1, force=True)
+    writer = _open(s3_url)
+    gc_store = _later(s3_url, 600)
+    driver = gc_store.strategy.driver
+    real_put = driver.put
+    raced: list[int] = []
+
+    def put(key: str, data: Any, **kwargs: Any) -> Any:
+        if key.endswith(".lease") and not raced:  # GC's doom, about to be sent
+            raced.append(1)
+            pending = writer.begin(2)
+            pending.write("base", base)
+            pending.publish()
+        return real_put(key, data, **kwargs)
+
+    monkeypatch.setattr(driver, "put", put)
+    gc_store.gc(grace=60)
+    assert raced
+    assert store.get(2).read("base") == base and store.get(2).verify().ok
+    assert not _lease(store, store.get(2).manifest.shard("base").locator["key"]).doomed
+
+
+def test_an_unknown_outcome_of_the_append_is_read_back(
+    s3_url: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _open(s3_url)
+    base = os.urandom(MiB)
+    store.save(1, {"base": base})
+    driver = store.strategy.driver
+    real_put = driver.put
+    lost: list[str] = []
+
+    def put(key: str, data: Any, **kwargs: Any) -> Any:
+        answer = real_put(key, data, **kwargs)
+        if key.endswith(".lease") and not lost:  # it took effect; the answer is lost
+            lost.append(key)
+            raise TransientStorageError("connection reset after the request was sent")
+        return answer
+
+    monkeypatch.setattr(driver, "put", put)
+    store.save(2, {"base": base})
+    assert lost
+    lease = _lease(store, store.get(2).manifest.shard("base").locator["key"])
+    assert [user.step for user in lease.users] == [1, 2]  # appended once, not twice
+
+
+def test_a_corrupt_lease_is_neither_shared_nor_collected(
+    s3_url: tuple[str, dict[str, Any]],
+) -> None:
+    store = _open(s3_url)
+    base = os.urandom(MiB)
+    store.save(1, {"base": base})
+    key = store.get(1).manifest.shard("base").locator["key"]
+    lease_key = key.rsplit(".g", 1)[0] + ".lease"
+    store.strategy.driver.put(lease_key, b'{"format": "something else"}')
+    store.save(2, {"base": base})  # written unshared, under its attempt
+    locator = store.get(2).manifest.shard("base").locator
+    assert "blob" not in locator and store.get(2).read("base") == base
+    store.delete(1)
+    report = _later(s3_url).gc(grace=60)
+    assert any("not a blob lease" in warning for warning in report.warnings)
+    assert key in _keys(store)  # left for an operator
+
+
+def test_a_reserver_that_died_before_its_upload_costs_no_wait(
+    s3_url: tuple[str, dict[str, Any]],
+) -> None:
+    """A lease whose reserver's marker is long stale and whose bytes never came: the next
+    writer appends itself, sees the reserver gone, and writes its shard unshared at once."""
+    store = _open(s3_url)
+    base = os.urandom(MiB)
+    from ckptstore.digest import default_algorithm
+    from ckptstore.pending import shard_checksums
+
+    _, digests = shard_checksums(memoryview(base), default_algorithm())
+    assert digests is not None
+    digests.finish()
+    blob = BlobName(digests.algorithm, digests.hexdigest(), len(base))
+    from ckptstore.commit.blob_leases import User
+
+    ghost = User(7, "ghost0000000000000000")
+    driver = store.strategy.driver
+    driver.put(blob.lease_key, Lease(1, 2, False, (ghost,), ghost).encode(), mode=PutMode.CREATE)
+    started = time.monotonic()
+    store.save(1, {"base": base})
+    assert time.monotonic() - started < 30
+    assert "blob" not in store.get(1).manifest.shard("base").locator
+    assert store.get(1).read("base") == base
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda loc, size: {**loc, "key": "step-00000000000000000009.other/base"},
+        lambda loc, size: {**loc, "blob": loc["blob"].replace(f"-{size}", f"-{size + 1}")},
+        lambda loc, size: {**loc, "generation": "07"},
+        lambda loc, size: {**loc, "blob": "md5:abc-1"},
+    ],
+)
+def test_a_tampered_blob_locator_is_refused(
+    s3_url: tuple[str, dict[str, Any]], change: Callable[[dict[str, str], int], dict[str, str]]
+) -> None:
+    store = _open(s3_url)
+    store.save(1, {"base": b"x" * 5000})
+    manifest = store.get(1).manifest
+    record = manifest.shards[0]
+    forged = dataclasses.replace(
+        manifest,
+        shards=(dataclasses.replace(record, locator=change(dict(record.locator), 5000)),),
+    )
+    store.strategy.driver.put(store.strategy.manifest_key(1), forged.encode())
+    with pytest.raises(ManifestCorruptError):
+        store.get(1)
+
+
+def test_stores_that_cannot_lease_refuse_incremental(moto_s3: EmbeddedS3, tmp_path: Path) -> None:
+    server = moto_s3.versioned_bucket("incremental-versioned")
+    versioned = server.url(f"v/{tmp_path.name}", scheme="s3+versioned")
+    with pytest.raises(InvalidOptionError, match="incremental"):
+        ckptstore.open(versioned, incremental=True, **server.options)
+    with pytest.raises(InvalidOptionError, match="compare-and-swap"):
+        ckptstore.open(f"fsspec+file://{tmp_path}/fs?{UNSAFE_OPTION}=true", incremental=True)
+
+
+WRITER = textwrap.dedent(
+    """
+    import json, sys
+    import ckptstore
+    url, options, first = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    store = ckptstore.open(url, incremental=True, retention=ckptstore.KeepLast(2), **options)
+    base = bytes(range(256)) * 8192  # 2 MiB, never changes
+    step = first
+    while True:
+        store.save(step, {"base": base, "adapter": bytes([step % 251]) * 300_000})
+        print(f"published {step}", flush=True)
+        step += 1
+    """
+)
+
+GC = textwrap.dedent(
+    """
+    import json, sys, time
+    import ckptstore
+    url, options = sys.argv[1], json.loads(sys.argv[2])
+    store = ckptstore.open(url, clock=lambda: time.time() + 7200, **options)
+    driver = store.strategy.driver
+    delete = driver.delete
+
+    def deleted(key, **kwargs):
+        delete(key, **kwargs)
+        print("deleted", key, flush=True)
+
+    driver.delete = deleted
+    store.gc(grace=60)
+    print("done", flush=True)
+    """
+)
+
+
+def test_sigkill_of_incremental_writers_and_of_gc_loses_no_shared_blob(
+    s3_url: tuple[str, dict[str, Any]],
+) -> None:
+    url, options = s3_url
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    base = bytes(range(256)) * 8192
+    rng = random.Random(28)
+    step = 0
+    for trial in range(6):
+        command = [sys.executable, "-c", WRITER, url, json.dumps(options), str(step + 1)]
+        with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) as writer:
+            assert writer.stdout is not None
+            for _ in range(rng.randint(1, 3)):  # saves to wait for, then a kill: mid-save
+                line = writer.stdout.readline()
+                assert line.startswith("published"), line
+                step = int(line.split()[1])
+            os.kill(writer.pid, signal.SIGKILL)
+            writer.wait()
+        if trial % 2:  # a GC, its clock two hours on, killed after its first delete
+            command = [sys.executable, "-c", GC, url, json.dumps(options)]
+            with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) as gc:
+                assert gc.stdout is not None
+                if gc.stdout.readline().startswith("deleted"):
+                    os.kill(gc.pid, signal.SIGKILL)
+                gc.wait()
+        store = ckptstore.open(url, **options)
+        latest = store.latest()
+        assert latest is not None and latest.step >= step
+        for checkpoint in store.checkpoints():
+            assert checkpoint.read("base") == base
+            assert checkpoint.read("adapter") == bytes([checkpoint.step % 251]) * 300_000
+            assert checkpoint.verify().ok
+        step = latest.step
+    _later(s3_url).gc(grace=60)
+    store = ckptstore.open(url, **options)
+    assert all(c.verify().ok for c in store.checkpoints())
+    used = {r.locator["key"] for c in store.checkpoints() for r in c.manifest.shards}
+    assert set(_generations(store)) == {k for k in used if k.startswith(BLOBS)}
