@@ -21,6 +21,7 @@ from ckptstore.backends.memory import MemoryDriver, _Version
 from ckptstore.backends.posix import PosixDriver
 from ckptstore.checkpoint import Checkpoint, VerifyReport
 from ckptstore.commit.base import CommitStrategy, GcItem, GcReport
+from ckptstore.commit.blob_leases import BlobLeases, BlobName, User
 from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import (
     DATA_DIR,
@@ -787,3 +788,67 @@ class HistoryBlindReplicator(Replicator):
 
     def holds(self, manifest: Manifest, lineage: Lineage) -> bool:
         return True
+
+
+# -- incremental saves on object stores (docs/protocol.md §12.3) ------------------------------
+
+
+class _NoDoomLeases(BlobLeases):
+    """GC that deletes a blob once it judged every user dead, without first dooming its
+    lease by a CAS from the state it judged: a writer that appended itself meanwhile is not
+    seen (the mark-and-sweep of a GC that does not stop the world)."""
+
+    def _collect_blob(  # type: ignore[override]
+        self, report: GcReport, blob: BlobName, generations: Any, uploads: Any, now: float,
+        published: Any, alive: Any,
+    ) -> None:  # fmt: skip
+        lease, _ = self.read(blob)
+        if lease is None or any(published(u) or alive(u) for u in lease.users):
+            return
+        for generation, info in generations.items():
+            if generation <= lease.generation:
+                report.removed.append(GcItem("blob", info.key, 0.0, info.size))
+                self.driver.delete(info.key)
+
+
+class GcWithoutDoomCommit(ConditionalPutCommit):
+    """Shares blobs as ckptstore does; its GC deletes without the doom CAS."""
+
+    def __init__(self, driver: Any, **settings: Any) -> None:
+        super().__init__(driver, **settings)
+        # A writer that shares a blob this GC deleted waits for bytes that never come: briefly
+        self._blobs = _NoDoomLeases(driver, self._open_blob_sink, share_wait_s=0.5)
+
+
+class _CheckThenAppendLeases(BlobLeases):
+    """A writer that checks the blob's bytes are there, then records its use: appended to
+    whatever lease it reads next, a doomed one revived (its doom ignored), and the bytes it
+    checked before trusted (the check-then-act of a reference count kept beside the data)."""
+
+    def share(
+        self, step: int, attempt: str, blob: BlobName, data: memoryview
+    ) -> Mapping[str, str] | None:
+        self.touch(step, attempt)
+        lease, _ = self.read(blob)
+        if lease is None or lease.doomed:
+            return super().share(step, attempt, blob, data)
+        info = self.driver.head(blob.generation_key(lease.generation))  # checked first
+        me = User(step, attempt)
+        while True:
+            current, etag = self.read(blob)
+            assert current is not None and etag is not None
+            users = current.users if me in current.users else (*current.users, me)
+            revived = dataclasses.replace(current, doomed=False, users=users)
+            try:
+                self.driver.put(blob.lease_key, revived.encode(), mode=PutMode.update(etag))
+            except PreconditionFailedError:
+                continue
+            return self.locator(blob, lease.generation, info)
+
+
+class CheckThenAppendCommit(ConditionalPutCommit):
+    """Shares blobs by checking them before it appends itself to their lease."""
+
+    def __init__(self, driver: Any, **settings: Any) -> None:
+        super().__init__(driver, **settings)
+        self._blobs = _CheckThenAppendLeases(driver, self._open_blob_sink)

@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 
 import ckptstore
+from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import RenameCommit
 from ckptstore.conformance.faults import CrashMode
 from ckptstore.conformance.layers.power_loss import run_power_loss
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import make_state_machine
+from ckptstore.conformance.machine.state_machine import RACE_POINTS
 
 
 def test_the_machine_shares_shards_and_keeps_them_through_crashes_and_gc(
@@ -54,3 +56,50 @@ def test_power_loss_checks_a_shared_shard(tmp_path: Path) -> None:
     store = ckptstore.open(f"file://{tmp_path}/power")
     result = run_power_loss(store.strategy)
     assert result.shared == 1 and not result.failures, result.failures[:3]
+
+
+@pytest.mark.parametrize("where", ["memory", "s3"])
+def test_the_machine_shares_blobs_under_leases_through_crashes_and_gc(
+    where: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same on object stores (§12.3): sharing saves crashed before and after each call
+    (the lease's reads and CASes, the blob's upload, the liveness marker), retention, GC."""
+    if where == "memory":
+        url, options = f"memory://machine-{tmp_path.name}/run", {}
+    else:
+        server = request.getfixturevalue("moto_s3")
+        url, options = server.url(f"machine/{tmp_path.name}"), dict(server.options)
+    shares: list[str] = []
+    real = ConditionalPutCommit.share_shard
+
+    def counted(self: ConditionalPutCommit, *args: object, **kwargs: object) -> object:
+        locator = real(self, *args, **kwargs)  # type: ignore[arg-type]
+        if locator is not None:
+            shares.append(str(args[2]))
+        return locator
+
+    monkeypatch.setattr(ConditionalPutCommit, "share_shard", counted)
+    state = make_state_machine(LocationFactory(url, options))()
+    try:
+        state.save_incrementally(reuse=[False, False], crash=None)
+        state.save_incrementally(reuse=[True, True], crash=None)
+        state.invariants_hold()
+        assert len(shares) == 4  # every shard of an incremental save is a blob here
+        rounds = 24 if where == "memory" else 12
+        for index in range(rounds):
+            for mode in (CrashMode.BEFORE, CrashMode.AFTER):
+                state.save_incrementally(reuse=[True, False, True], crash=(index, mode))
+                state.invariants_hold()
+            if index % 5 == 0:
+                state.retention(keep=2)
+                state.gc(age=True)
+                state.gc_without_grace()
+                state.invariants_hold()
+        for at in RACE_POINTS:  # a sharing save and GC, each at the other's decision
+            state.share_racing_gc(at=at)
+            state.invariants_hold()
+        state.gc(age=True)
+        state.invariants_hold()
+        assert len(shares) > 10
+    finally:
+        state.teardown()

@@ -45,6 +45,7 @@ from ckptstore.conformance.layers.unknown_outcomes import run_indeterminate_outc
 from ckptstore.conformance.layers.workload import big_shard_size, standard_workload
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import PROFILES, make_state_machine
+from ckptstore.conformance.machine.state_machine import INTERLEAVED
 from ckptstore.conformance.model import InvariantViolation, Model
 from ckptstore.conformance.report import BackendReport, render_text
 from ckptstore.conformance.reproducible import same_examples
@@ -114,7 +115,7 @@ def report_of(url: str, failures: Any, checked: tuple[str, ...]) -> str:
 
 def verdicts(text: str) -> dict[str, str]:
     """Each invariant's status as the report prints it (from the 39th column)."""
-    return {line.split()[0]: line[39:] for line in text.splitlines() if re.match(r"  I\d ", line)}
+    return {line.split()[0]: line[39:] for line in text.splitlines() if re.match(r"  I\d+ ", line)}
 
 
 def evidence(text: str, invariant: str) -> str:
@@ -170,7 +171,12 @@ def power_loss(strategy: Any) -> str:
 
 
 def machine(
-    url: str, examples: int, *, multipart: int = 0, leave_out: tuple[str, ...] = ()
+    url: str,
+    examples: int,
+    *,
+    multipart: int = 0,
+    leave_out: tuple[str, ...] = (),
+    keep: tuple[str, ...] = (),
 ) -> tuple[str, str]:
     """The property-based layer's violation: (its report, the steps hypothesis printed).
 
@@ -184,7 +190,10 @@ def machine(
     # takeover finds the epoch variants' failures as take_over does, and it has its own variant
     # (HistoryBlindReplicator, test_conformance_tiered); and the incremental rules, tested on
     # their own (test_conformance_incremental), which move the derandomised examples.
-    leave_out = (*leave_out, "fast_tier_partitioned", "save_incrementally", "gc_without_grace")
+    # ``keep``: those of them a variant needs.
+    incremental = ("save_incrementally", "gc_without_grace", "share_racing_gc")
+    left = ("fast_tier_partitioned", *incremental)
+    leave_out = (*leave_out, *(name for name in left if name not in keep))
     test = type("CheckpointStoreMachine", (test,), dict.fromkeys(leave_out, _not_a_rule))
     profile = settings(
         PROFILES["ci"],
@@ -552,6 +561,29 @@ def test_a_retry_taking_its_own_publish_for_another_is_caught_as_i8(
         r"own publish taken for another's",
         evidence(text, "I8"),
     ), text
+
+
+# -- incremental saves on object stores (docs/protocol.md §12.3) -----------------------------
+
+
+def test_gc_deleting_a_blob_without_its_doom_cas_is_caught_as_i10(bucket: str, scheme: Any) -> None:
+    scheme("no-doom", memory(MemoryDriver, bv.GcWithoutDoomCommit))
+    text, steps = machine(f"no-doom://{bucket}/run", 100, keep=("share_racing_gc",))
+    assert re.search(
+        r"step \d+ is damaged: shard 'rank00/frozen.bin' is missing", evidence(text, "I10")
+    ), text
+    assert 'state.share_racing_gc(at="gc\'s first change")' in steps, steps
+
+
+def test_a_writer_that_checks_a_blob_before_it_appends_itself_is_caught_as_i10(
+    bucket: str, scheme: Any
+) -> None:
+    scheme("check-then-append", memory(MemoryDriver, bv.CheckThenAppendCommit))
+    text, steps = machine(f"check-then-append://{bucket}/run", 100, keep=("share_racing_gc",))
+    assert re.search(
+        r"step \d+ is damaged: shard 'rank00/frozen.bin' is missing", evidence(text, "I10")
+    ), text
+    assert f'state.share_racing_gc(at="{INTERLEAVED}")' in steps, steps
 
 
 # -- variants that need a suite feature from another branch ---------------------------------

@@ -53,7 +53,7 @@ LIVE = f"{BLOBS}live/"
 ALIVE_EVERY_S = 60.0
 MAX_LEASE_BYTES = 1024 * 1024
 CAS_TRIES = 16
-SHARE_WAIT_S = 600.0
+SHARE_WAIT_S = 120.0
 """How long, at most, a writer that appended itself to a lease waits for the reserver's
 upload of the blob's bytes before it writes its shard unshared."""
 RESERVER_GONE_S = 3 * ALIVE_EVERY_S
@@ -185,7 +185,8 @@ def _dooms(generation: int) -> Callable[[Lease], bool]:
 
 
 def _backoff(attempt: int) -> None:
-    time.sleep(min(1.0, 0.02 * 2**attempt) * (0.5 + random.random()))
+    """A short, jittered pause before a contended lease is read again."""
+    time.sleep(min(0.25, 0.01 * 2**attempt) * (0.5 + random.random()))
 
 
 class BlobLeases:
@@ -276,16 +277,25 @@ class BlobLeases:
         corrupt lease, a reserver that never finished its upload): then write the shard."""
         self.touch(step, attempt)
         me = User(step, attempt)
+        refused = 0
         for attempt_number in range(CAS_TRIES):
             try:
                 lease, etag = self.read(blob)
             except LeaseCorruptError as exc:
                 log.warning("%s; the shard is written unshared", exc)
                 return None
+            if lease is None and refused >= 2:  # 412s to creating an object that is absent
+                log.warning(
+                    "%s: creating lease %s was refused (412) although no lease exists: the "
+                    "storage does not honour If-None-Match; the shard is written unshared",
+                    self.url, blob.lease_key,
+                )  # fmt: skip
+                return None
             if lease is None or lease.doomed:
                 generation = 1 if lease is None else lease.next
                 reserved = Lease(generation, generation + 1, False, (me,), me)
                 if not self._swap(blob, reserved, etag, _holds(me, generation)):
+                    refused += lease is None
                     _backoff(attempt_number)
                     continue
                 return self._upload(blob, generation, data)
@@ -379,28 +389,47 @@ class BlobLeases:
         self, step: int, attempt: str, locators: Sequence[Mapping[str, str]]
     ) -> list[str]:
         """At the seal: what says the attempt no longer holds a blob it names (GC judged it
-        dead: dropped it from a lease, or doomed the generation). Empty: it holds them all."""
+        dead: dropped it from a lease, or doomed the generation). Empty: it holds them all.
+
+        Each verdict is on a lease read *and confirmed current*: the lease is written back
+        unchanged with If-Match on the ETag read (a read may return an older version for a
+        moment after an overwrite, on some storage; a CAS is decided by the server on the
+        object as it is). A GC that read the lease before the confirmation fails its own
+        CAS, and judges again."""
         me = User(step, attempt)
         problems = []
         seen: set[tuple[str, str]] = set()
         for locator in locators:
             blob_text, generation = locator["blob"], locator["generation"]
-            if (blob_text, generation) in seen:
-                continue
-            seen.add((blob_text, generation))
-            blob = BlobName.parse(blob_text)
-            try:
-                lease, _ = self.read(blob)
-            except LeaseCorruptError as exc:
-                problems.append(str(exc))
-                continue
-            if lease is None:
-                problems.append(f"the lease of blob {blob} is gone")
-            elif lease.doomed or str(lease.generation) != generation:
-                problems.append(f"generation {generation} of blob {blob} was doomed by GC")
-            elif me not in lease.users:
-                problems.append(f"GC dropped this attempt from the lease of blob {blob}")
+            if (blob_text, generation) not in seen:
+                seen.add((blob_text, generation))
+                problem = self._held_problem(me, BlobName.parse(blob_text), generation)
+                if problem is not None:
+                    problems.append(problem)
         return problems
+
+    def _held_problem(self, me: User, blob: BlobName, generation: str) -> str | None:
+        for attempt_number in range(CAS_TRIES):
+            try:
+                lease, etag = self.read(blob)
+            except LeaseCorruptError as exc:
+                return str(exc)
+            if lease is None or etag is None:
+                problem: str | None = f"the lease of blob {blob} is gone"
+                if attempt_number < 3:  # a read that lags behind the lease's creation
+                    _backoff(attempt_number)
+                    continue
+                return problem
+            if lease.doomed or str(lease.generation) != generation:
+                problem = f"generation {generation} of blob {blob} was doomed by GC"
+            elif me not in lease.users:
+                problem = f"GC dropped this attempt from the lease of blob {blob}"
+            else:
+                problem = None
+            if self._swap(blob, lease, etag, lambda stored: False):  # confirmed current
+                return problem
+            _backoff(attempt_number)
+        return f"the lease of blob {blob} changed {CAS_TRIES} times while it was checked"
 
     # -- GC ------------------------------------------------------------------------------
 

@@ -35,11 +35,12 @@ INVARIANTS = {
     "I7": "safe cleanup",
     "I8": "indeterminate outcomes resolved",
     "I9": "one history",
+    "I10": "shared data outlives its users",
 }
 
 
 class InvariantViolation(AssertionError):
-    """A protocol invariant does not hold; ``invariant`` is its id (``I1`` ... ``I9``).
+    """A protocol invariant does not hold; ``invariant`` is its id (``I1`` ... ``I10``).
 
     The invariants: docs/protocol.md §0.
     """
@@ -284,7 +285,13 @@ def _check_visible(store: Store, model: Model, step: int) -> None:
     except IntegrityError as exc:
         if "truncate" in damaged.values() or "missing" in damaged.values():
             return
-        blame = _raced(model, step) or ("I7" if model.gc_since.get(step) else "I1")
+        blame = _raced(model, step) or (
+            "I10"
+            if _lost_a_shared_shard(store, model, step)
+            else "I7"
+            if model.gc_since.get(step)
+            else "I1"
+        )
         raise InvariantViolation(blame, f"published step {step} is incomplete: {exc}") from exc
     _check_history(model, checkpoint, "get()")
     match = next((c for c in candidates if c.matches(checkpoint)), None)
@@ -298,6 +305,17 @@ def _check_visible(store: Store, model: Model, step: int) -> None:
             _check_shard(checkpoint, match, name, damaged.get(name), _raced(model, step))
         model.read_at[step] = model.epoch
     model.save_committed(match)
+
+
+def _lost_a_shared_shard(store: Store, model: Model, step: int) -> bool:
+    """Whether a shard step's checkpoint shares with others (a blob, §12.3) is missing."""
+    try:
+        manifest = store.strategy.read_manifest(step, model.owner(step))
+        problems = store.strategy.shard_problems(manifest)
+    except Exception:  # the step's manifest itself is what is wrong
+        return False
+    shared = {record.name for record in manifest.shards if "blob" in record.locator}
+    return any(problem.name in shared for problem in problems)
 
 
 def _check_history(model: Model, checkpoint: Any, reader: str) -> None:
@@ -325,8 +343,10 @@ def _check_shard(
         try:
             data = checkpoint.read(name)
         except IntegrityError as exc:
+            shared = "blob" in checkpoint.manifest.shard(name).locator  # §12.3
             raise InvariantViolation(
-                raced or "I1", f"step {checkpoint.step} shard {name!r} unreadable: {exc}"
+                raced or ("I10" if shared else "I1"),
+                f"step {checkpoint.step} shard {name!r} unreadable: {exc}",
             ) from exc
         if data != saved.shards[name]:
             raise InvariantViolation(

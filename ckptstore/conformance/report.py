@@ -1,7 +1,7 @@
 """The conformance report: capabilities and invariants per backend, as text, JSON and JUnit.
 
 It is written for a storage engineer: which capabilities the driver declares and what the
-probes measured, each invariant I1 to I9 held / violated / not applicable with the failing
+probes measured, each invariant I1 to I10 held / violated / not applicable with the failing
 cases (for the property-based layer, hypothesis's shrunk sequence of steps), and how much
 was covered (crash points, power-loss states, examples).
 

@@ -43,7 +43,7 @@ __all__ = [
     "run_layer",
 ]
 
-INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I9")
+INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I9", "I10")
 MACHINE_MAX_S: dict[str, float | None] = {"ci": 25.0, "thorough": None}
 """Seconds the property-based layer takes at most per profile (None: what the budget leaves)."""
 MACHINE_MIN_S = 10.0
@@ -107,9 +107,11 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
     note = machine_findings(found, machine, settings, deadline, run.profile, shrink_least_s)
     if not found.not_applicable:  # else the store refused the storage: nothing was checked
         found.check(*INVARIANTS)
+        if not machine.sharing["saves"]:
+            found.not_applicable.setdefault("I10", NO_SHARING)
     found.coverage["property-based"] = (
         f"{settings.max_examples} examples of up to {settings.stateful_step_count} steps"
-        f"{machine_completions(machine, multipart)}{note}"
+        f"{machine_completions(machine, multipart)}{machine_sharing(machine)}{note}"
     )
 
 
@@ -141,6 +143,20 @@ def _fitted(
 
 DID_NOT_FAIL = "; the example passed this time: it did not fail again"
 """The replay's note when the example held (``--reproduce``): nothing is then held."""
+
+
+NO_SHARING = (
+    "property-based: the store cannot share shards (an incremental save is refused on it), "
+    "so no save shared any"
+)
+
+
+def machine_sharing(machine: Any) -> str:
+    """How many incremental saves, and sharing saves raced with GC, the machine ran."""
+    sharing = getattr(machine, "sharing", None)
+    if not sharing:
+        return ""
+    return f"; incremental saves: {sharing['saves']}, raced with GC: {sharing['races']}"
 
 
 def machine_completions(machine: Any, multipart: int) -> str:

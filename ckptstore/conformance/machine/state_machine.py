@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -150,6 +151,108 @@ _PUSH_CRASHES = st.none() | st.tuples(st.integers(0, 44) | st.just("clone"), _mo
 """Where a push dies: before or after its call number k, or its first ``clone``."""
 
 
+def _changes_a_lease(method: str, key: object) -> bool:
+    return method == "put" and isinstance(key, str) and key.endswith(".lease")
+
+
+def _changes_the_area(method: str, key: object) -> bool:
+    return _changes_a_lease(method, key) or _deletes_a_blob(method, key)
+
+
+def _deletes_a_blob(method: str, key: object) -> bool:
+    return method == "delete" and isinstance(key, str) and ".g" in key.rpartition("/")[2]
+
+
+RACE_HOOKS: dict[str, Callable[[str, object], bool]] = {
+    "gc's first change": _changes_the_area,
+    "gc's delete": _deletes_a_blob,
+}
+INTERLEAVED = "the save's decision, gc's doom, the save's end, gc's delete"
+RACE_POINTS = (*RACE_HOOKS, "the save's first change", INTERLEAVED)
+RACE_WAIT_S = 120.0
+"""How long one side of an interleaved race waits for the other, at most (a bound against a
+hang, never reached when both make progress)."""
+
+
+def _interleave(
+    writer: Store, collector: Store, share: Callable[[], None], collect: Callable[[], None]
+) -> None:
+    """Run ``share`` on a thread up to its first lease change, then ``collect`` up to just
+    after its first change of the blob area (its doom CAS), then the rest of ``share``, then
+    the rest of ``collect``: GC's doom lands between a writer's decision and its append."""
+    at_decision, doomed = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    def decide() -> None:
+        at_decision.set()
+        doomed.wait(RACE_WAIT_S)
+
+    def run_share() -> None:
+        try:
+            share()
+        except BaseException as exc:  # raised again on the rule's thread
+            failed.append(exc)
+        finally:
+            at_decision.set()
+
+    _run_first(writer.strategy.driver, _changes_a_lease, decide)
+    thread = threading.Thread(target=run_share, name="ckptstore-racing-save")
+    thread.start()
+    at_decision.wait(RACE_WAIT_S)
+
+    def finish_share() -> None:
+        doomed.set()
+        thread.join(RACE_WAIT_S)
+
+    _run_after_first(collector.strategy.driver, _changes_the_area, finish_share)
+    try:
+        collect()
+    finally:
+        finish_share()
+    if failed:
+        raise failed[0]
+
+
+def _run_after_first(
+    driver: Any, when: Callable[[str, object], bool], action: Callable[[], None]
+) -> None:
+    """Run ``action`` once, just after the first ``put``/``delete`` of ``driver`` that
+    ``when(method, key)`` picks, whether it succeeded or failed."""
+    done: list[bool] = []
+    for method in ("put", "delete"):
+        real = getattr(driver, method)
+
+        def hooked(key: object, *args: Any, _real: Any = real, _method: str = method,
+                   **kwargs: Any) -> Any:  # fmt: skip
+            try:
+                return _real(key, *args, **kwargs)
+            finally:
+                if not done and when(_method, key):
+                    done.append(True)
+                    action()
+
+        setattr(driver, method, hooked)
+
+
+def _run_first(
+    driver: Any, when: Callable[[str, object], bool], action: Callable[[], None]
+) -> None:
+    """Run ``action`` once, just before the first ``put``/``delete`` of ``driver`` that
+    ``when(method, key)`` picks (the driver's own methods are shadowed on the instance)."""
+    done: list[bool] = []
+    for method in ("put", "delete"):
+        real = getattr(driver, method)
+
+        def hooked(key: object, *args: Any, _real: Any = real, _method: str = method,
+                   **kwargs: Any) -> Any:  # fmt: skip
+            if not done and when(_method, key):
+                done.append(True)
+                action()
+            return _real(key, *args, **kwargs)
+
+        setattr(driver, method, hooked)
+
+
 class CheckpointStoreMachine(ForeignEntryRules):
     """One store, one model, and every way a trainer, a crash or a disk can treat it.
 
@@ -167,6 +270,9 @@ class CheckpointStoreMachine(ForeignEntryRules):
     completion_crashes: ClassVar[Counter[str]] = Counter()
     """Crashes just ``before`` and just ``after`` a multipart completion, in all examples (a
     counter of its own per backend's subclass)."""
+    sharing: ClassVar[Counter[str]] = Counter()
+    """Incremental saves (``saves``) and sharing races with GC (``races``) that ran, in all
+    examples (I10 is checked only where some did)."""
 
     @abort_on_storage_failure
     def __init__(self) -> None:
@@ -251,11 +357,54 @@ class CheckpointStoreMachine(ForeignEntryRules):
                 shards[name] = earlier[-1 - index % len(earlier)]
         saved = Saved(saved.step, shards, saved.metadata, saved.epoch)
         plan = None if crash is None else FaultPlan(crash_at=crash[0], crash_mode=crash[1])
+        self.sharing["saves"] += 1
         try:
             save(self._writer(plan, incremental=True), self.model, saved)
         except SimulatedCrash as died:
             self.completion_crashes.update(_around_completion(died))
             self.restart()
+
+    @precondition(lambda self: self.location.base.sharing_digest is not None)
+    @rule(at=st.sampled_from(RACE_POINTS))
+    @abort_on_storage_failure
+    def share_racing_gc(self, at: str) -> None:
+        """An incremental save sharing a blob whose only checkpoint was just deleted, and a
+        GC aged past the grace period, each run at the other's decision (object stores,
+        docs/protocol.md §12.3): ``at`` "gc's first change" (the whole save runs just before
+        GC's first change of the blob area, its doom CAS: the CAS must fail, and GC keep the
+        blob), "gc's delete" (just before GC deletes a generation it doomed: the save must
+        not use it), or "the save's first change" (GC runs just before the save's first
+        lease CAS: the save must not use what GC dooms). Then a GC again: every published
+        checkpoint reads back whole, its shared shards included (I10)."""
+        frozen = pattern(100, 7001 + 13 * self.next_step)  # bytes no other save has
+        first = self._new_save([])
+        first = Saved(first.step, {"rank00/frozen.bin": frozen}, first.metadata, first.epoch)
+        save(self._writer(incremental=True), self.model, first)
+        self.model.removal_started({first.step}, explicit=True)
+        self.store.delete(first.step, force=True)
+        racing = self._new_save([100])
+        shards = {"rank00/frozen.bin": frozen, **racing.shards}
+        racing = Saved(racing.step, shards, racing.metadata, racing.epoch)
+        writer, collector = self._writer(incremental=True), self._writer()
+        self.sharing["races"] += 1
+
+        def collect() -> None:
+            self.location.clock.advance(2 * GRACE.total_seconds())
+            self.model.gc_started()
+            collector.gc(grace=GRACE, superseded_grace=timedelta(0))
+
+        def share() -> None:
+            save(writer, self.model, racing)
+
+        if at == "the save's first change":
+            _run_first(writer.strategy.driver, _changes_a_lease, collect)
+            share()
+        elif at == INTERLEAVED:
+            _interleave(writer, collector, share, collect)
+        else:
+            _run_first(collector.strategy.driver, RACE_HOOKS[at], share)
+            collect()
+        collect()
 
     @precondition(lambda self: self.location.base.shares_shards)
     @rule()
@@ -709,9 +858,27 @@ class CheckpointStoreMachine(ForeignEntryRules):
         if not names or self.model.corrupted.get(step):
             return
         name = data.draw(st.sampled_from(names))
+        hit = [(step, name)]
+        locator = checkpoint.shards[name].locator
+        if "blob" in locator:  # shared (§12.3)
+            if how == "bitflip":
+                return  # a sharing save trusts a blob's digest: bit rot at rest would spread
+            hit = self._sharing_blob(locator["key"])  # every checkpoint that names it is damaged
         done = self.location.corrupt(step, name, how, checkpoint.manifest.epoch)
         if done is not None:
-            self.model.shard_corrupted(step, name, done)
+            for damaged_step, damaged_name in hit:
+                self.model.shard_corrupted(damaged_step, damaged_name, done)
+
+    def _sharing_blob(self, key: str) -> list[tuple[int, str]]:
+        """The (step, shard) of every published checkpoint whose shard is the object ``key``."""
+        found = []
+        for step in self.store.steps():
+            try:
+                manifest = self.store.get(step).manifest
+            except CkptStoreError:
+                continue
+            found += [(step, r.name) for r in manifest.shards if r.locator.get("key") == key]
+        return found
 
     def _unchanged_since(self) -> object:
         """What a check's verdict depends on: the storage (changes made through the
@@ -795,6 +962,7 @@ def make_state_machine(
         "multipart_size": multipart_size,
         "can_corrupt": can_corrupt,
         "completion_crashes": Counter(),
+        "sharing": Counter(),
         **({"save": _save_rule((*SHARD_SIZES, multipart_size))} if multipart_size else {}),
         "__doc__": CheckpointStoreMachine.__doc__,
         "__module__": CheckpointStoreMachine.__module__,
