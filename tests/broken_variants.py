@@ -22,7 +22,7 @@ from ckptstore.backends.posix import PosixDriver
 from ckptstore.checkpoint import Checkpoint, VerifyReport
 from ckptstore.commit.base import CommitStrategy, GcItem, GcReport
 from ckptstore.commit.blob_leases import BlobLeases, BlobName, User
-from ckptstore.commit.conditional_put import ConditionalPutCommit
+from ckptstore.commit.conditional_put import MANIFESTS, ConditionalPutCommit
 from ckptstore.commit.rename import (
     DATA_DIR,
     LATEST_NAME,
@@ -852,3 +852,54 @@ class CheckThenAppendCommit(ConditionalPutCommit):
     def __init__(self, driver: Any, **settings: Any) -> None:
         super().__init__(driver, **settings)
         self._blobs = _CheckThenAppendLeases(driver, self._open_blob_sink)
+
+
+class _SizeBlindLeases(BlobLeases):
+    """A writer that trusts a blob's name (its digest) without its object's size: the
+    object at the name is taken for the blob, whatever it holds."""
+
+    def _wait_for_bytes(
+        self, step: int, attempt: str, blob: BlobName, lease: Any
+    ) -> ObjectInfo | None:
+        try:
+            return self.driver.head(blob.generation_key(lease.generation))
+        except ObjectNotFoundError:
+            return super()._wait_for_bytes(step, attempt, blob, lease)
+
+
+class SizeBlindCommit(ConditionalPutCommit):
+    """Shares a blob by its digest alone: the object at the blob's name is the blob, when it
+    decides and when it seals (content-addressed stores that check a chunk by its name)."""
+
+    def __init__(self, driver: Any, **settings: Any) -> None:
+        super().__init__(driver, **settings)
+        self._blobs = _SizeBlindLeases(driver, self._open_blob_sink)
+
+    def _stored_problem(self, record: Any) -> Any:
+        problem = super()._stored_problem(record)
+        if problem is not None and not problem.missing and "blob" in record.locator:
+            return None  # it exists under the blob's name: taken for the blob
+        return problem
+
+
+class _ListedUsersLeases(BlobLeases):
+    """GC that judges a blob's users published by a listing of manifests (one listing for
+    the whole pass, as a mark phase would), not by reading each user's manifest."""
+
+    def collect(self, report: GcReport, *, now: float, published: Any, last_activity: Any) -> None:
+        listed = {
+            parse_step_token(info.key.removeprefix(MANIFESTS).split(".")[0])
+            for info in self.driver.list(MANIFESTS)
+        }
+        super().collect(
+            report, now=now, published=lambda user: user.step in listed,
+            last_activity=last_activity,
+        )  # fmt: skip
+
+
+class ListedUsersGcCommit(ConditionalPutCommit):
+    """Collects blobs judging users by a listing of manifests."""
+
+    def __init__(self, driver: Any, **settings: Any) -> None:
+        super().__init__(driver, **settings)
+        self._blobs = _ListedUsersLeases(driver, self._open_blob_sink)

@@ -191,7 +191,12 @@ def machine(
     # (HistoryBlindReplicator, test_conformance_tiered); and the incremental rules, tested on
     # their own (test_conformance_incremental), which move the derandomised examples.
     # ``keep``: those of them a variant needs.
-    incremental = ("save_incrementally", "gc_without_grace", "share_racing_gc")
+    incremental = (
+        "save_incrementally",
+        "gc_without_grace",
+        "share_racing_gc",
+        "share_a_truncated_blob",
+    )
     left = ("fast_tier_partitioned", *incremental)
     leave_out = (*leave_out, *(name for name in left if name not in keep))
     test = type("CheckpointStoreMachine", (test,), dict.fromkeys(leave_out, _not_a_rule))
@@ -584,6 +589,26 @@ def test_a_writer_that_checks_a_blob_before_it_appends_itself_is_caught_as_i10(
         r"step \d+ is damaged: shard 'rank00/frozen.bin' is missing", evidence(text, "I10")
     ), text
     assert f'state.share_racing_gc(at="{INTERLEAVED}")' in steps, steps
+
+
+def test_a_writer_that_trusts_a_digest_without_the_blob_size_is_caught_as_i10(
+    bucket: str, scheme: Any
+) -> None:
+    scheme("size-blind", memory(MemoryDriver, bv.SizeBlindCommit))
+    # Two writers racing for a step would have the damage blamed on their race (I5).
+    text, steps = machine(
+        f"size-blind://{bucket}/run", 100, keep=("share_a_truncated_blob",),
+        leave_out=("concurrent_writers",),
+    )  # fmt: skip
+    assert re.search(r"step \d+ shard 'rank00/frozen.bin' unreadable", evidence(text, "I10"))
+    assert "state.share_a_truncated_blob()" in steps, steps
+
+
+def test_gc_judging_blob_users_by_a_listing_is_caught_as_i10(bucket: str, scheme: Any) -> None:
+    scheme("listed-users", memory(bv.ShortPagesDriver, bv.ListedUsersGcCommit))
+    text, steps = machine(f"listed-users://{bucket}/run", 100, keep=("share_racing_gc",))
+    assert re.search(r"step \d+ .*'rank00/frozen.bin'.* missing", evidence(text, "I10")), text
+    assert "state.share_racing_gc(" in steps, steps
 
 
 # -- variants that need a suite feature from another branch ---------------------------------

@@ -406,6 +406,32 @@ class CheckpointStoreMachine(ForeignEntryRules):
             collect()
         collect()
 
+    @precondition(lambda self: self.location.base.sharing_digest is not None)
+    @precondition(lambda self: self.can_corrupt)
+    @rule()
+    @abort_on_storage_failure
+    def share_a_truncated_blob(self) -> None:
+        """An incremental save of bytes whose blob was truncated behind the store's back
+        (object stores, §12.3): every checkpoint that named the blob is damaged, and the new
+        checkpoint must not be (the save finds the blob's object shorter than its name says,
+        and writes the shard unshared)."""
+        frozen = pattern(100, 9001 + 13 * self.next_step)
+        first = self._new_save([])
+        first = Saved(first.step, {"rank00/frozen.bin": frozen}, first.metadata, first.epoch)
+        save(self._writer(incremental=True), self.model, first)
+        key = self.store.get(first.step).shards["rank00/frozen.bin"].locator["key"]
+        hit = self._sharing_blob(key)
+        epoch = self.store.get(first.step).manifest.epoch
+        done = self.location.corrupt(first.step, "rank00/frozen.bin", "truncate", epoch)
+        if done is None:
+            return
+        for damaged_step, damaged_name in hit:
+            self.model.shard_corrupted(damaged_step, damaged_name, done)
+        again = self._new_save([])
+        again = Saved(again.step, {"rank00/frozen.bin": frozen}, again.metadata, again.epoch)
+        self.sharing["saves"] += 1
+        save(self._writer(incremental=True), self.model, again)
+
     @precondition(lambda self: self.location.base.shares_shards)
     @rule()
     @abort_on_storage_failure
