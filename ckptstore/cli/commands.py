@@ -722,7 +722,7 @@ def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
         return EXIT_OK
     verb = "would remove" if report.dry_run else "removed"
     for item in report.removed:  # names are listed from storage: printed escaped
-        why = "no checkpoint links it; " if item.kind == "blob" else ""
+        why = f"{item.why}; " if item.why else ""
         out.write(
             f"{verb} {item.kind} {printable(item.name)} "
             f"({why}idle {_age(item.age_s)}, {human_size(item.size)})\n"

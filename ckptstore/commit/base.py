@@ -121,6 +121,8 @@ class GcItem:
     name: str
     age_s: float
     size: int = 0
+    why: str = ""
+    """Why it goes, where its age alone does not say (a shared blob: who no longer uses it)."""
 
 
 @dataclass

@@ -218,7 +218,9 @@ class FileBlobArea:
             return  # gone meanwhile, or not a regular file: not the area's
         if info.count > 1:
             return  # a checkpoint (or a save under way) holds the bytes
-        item = GcItem(kind="blob", name=path, age_s=max(0.0, now - info.changed), size=size)
+        item = GcItem(
+            "blob", path, max(0.0, now - info.changed), size, why="no checkpoint links it"
+        )
         if now - info.changed < report.grace_s:
             report.kept_young.append(item)
             return

@@ -22,6 +22,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ckptstore import names
@@ -386,7 +387,11 @@ class BlobLeases:
         }
 
     def held_problems(
-        self, step: int, attempt: str, locators: Sequence[Mapping[str, str]]
+        self,
+        step: int,
+        attempt: str,
+        locators: Sequence[Mapping[str, str]],
+        executor: ThreadPoolExecutor | None = None,
     ) -> list[str]:
         """At the seal: what says the attempt no longer holds a blob it names (GC judged it
         dead: dropped it from a lease, or doomed the generation). Empty: it holds them all.
@@ -395,18 +400,15 @@ class BlobLeases:
         unchanged with If-Match on the ETag read (a read may return an older version for a
         moment after an overwrite, on some storage; a CAS is decided by the server on the
         object as it is). A GC that read the lease before the confirmation fails its own
-        CAS, and judges again."""
+        CAS, and judges again. ``executor``: checks blobs concurrently."""
         me = User(step, attempt)
-        problems = []
-        seen: set[tuple[str, str]] = set()
-        for locator in locators:
-            blob_text, generation = locator["blob"], locator["generation"]
-            if (blob_text, generation) not in seen:
-                seen.add((blob_text, generation))
-                problem = self._held_problem(me, BlobName.parse(blob_text), generation)
-                if problem is not None:
-                    problems.append(problem)
-        return problems
+        held = sorted({(locator["blob"], locator["generation"]) for locator in locators})
+
+        def problem(item: tuple[str, str]) -> str | None:
+            return self._held_problem(me, BlobName.parse(item[0]), item[1])
+
+        found = list(map(problem, held) if executor is None else executor.map(problem, held))
+        return [problem for problem in found if problem is not None]
 
     def _held_problem(self, me: User, blob: BlobName, generation: str) -> str | None:
         for attempt_number in range(CAS_TRIES):
@@ -520,7 +522,13 @@ class BlobLeases:
                 continue
             if generation > lease.generation:
                 continue  # read before its reservation could be: not judged
-            item = GcItem("blob", info.key, max(0.0, now - info.last_modified), info.size)
+            why = (
+                "no published checkpoint and no live save uses it (its lease is doomed)"
+                if generation == lease.generation
+                else f"an old generation: its lease names generation {lease.generation}"
+            )
+            age = max(0.0, now - info.last_modified)
+            item = GcItem("blob", info.key, age, info.size, why=why)
             report.removed.append(item)
             if not report.dry_run:
                 self._delete(info.key)
@@ -529,9 +537,9 @@ class BlobLeases:
                 generation == lease.generation and not lease.doomed
             ):
                 continue
-            report.removed.append(
-                GcItem("blob upload", upload.key, max(0.0, now - upload.initiated))
-            )
+            age = max(0.0, now - upload.initiated)
+            why = "an upload of a generation no lease names as current"
+            report.removed.append(GcItem("blob upload", upload.key, age, why=why))
             if not report.dry_run:
                 try:
                     self.driver.abort_multipart(upload.key, upload.upload_id)
@@ -547,7 +555,8 @@ class BlobLeases:
         age = max(0.0, now - info.last_modified)
         if age <= report.grace_s and not published(User(*parsed)):
             return
-        report.removed.append(GcItem("liveness marker", info.key, age, info.size))
+        why = "its attempt published" if age <= report.grace_s else "its attempt is idle"
+        report.removed.append(GcItem("liveness marker", info.key, age, info.size, why=why))
         if not report.dry_run:
             self._delete(info.key)
 

@@ -772,7 +772,9 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         shared = [record.locator for record in manifest.shards if "blob" in record.locator]
         if not shared or self._blobs is None:
             return
-        problems = self._blobs.held_problems(manifest.step, manifest.attempt, shared)
+        problems = self._blobs.held_problems(
+            manifest.step, manifest.attempt, shared, self.parts_executor()
+        )
         if problems:
             listed = "; ".join(problems[:5]) + (
                 f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
