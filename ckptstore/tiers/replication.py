@@ -222,6 +222,11 @@ class _Failure:
     error: CkptStoreError
 
 
+SHARED_COPY_MAX = 2 * 1024**3
+"""A shard up to this size is read whole by a replicator whose durable store saves
+incrementally, so that it can be shared there; a larger one is streamed (and copied)."""
+
+
 class Replicator:
     """Copies what ``policy`` selects from ``fast`` to ``durable``, in passes, each read afresh
     from storage; in a thread of its own (``start``) or called directly (``run_pass``).
@@ -487,7 +492,23 @@ class Replicator:
         self, manifest: Manifest, record: ShardRecord, pending: PendingCheckpoint
     ) -> None:
         """Stream one shard from the fast store into ``pending``; its record must equal the
-        first write's (size, CRC32C, and block CRC32Cs where both use one block size)."""
+        first write's (size, CRC32C, and block CRC32Cs where both use one block size).
+
+        Into an incremental durable store, a shard of up to ``SHARED_COPY_MAX`` bytes is read
+        whole and written as a buffer: where the durable store holds its bytes already (an
+        unchanged frozen tensor), it is shared there, not copied (docs/protocol.md §12.4)."""
+        if self.durable.incremental and record.size <= SHARED_COPY_MAX:
+            whole = bytearray(record.size)
+            with self.fast.strategy.open_shard_reader(manifest, record) as raw:
+                got = _read_some(raw, memoryview(whole))
+            if got != record.size:
+                raise ShardCorruptError(
+                    f"step {manifest.step}: shard {record.name!r}: {got} bytes read from the "
+                    f"fast tier, {record.size} recorded",
+                    step=manifest.step,
+                )
+            _check_same(manifest.step, record, pending.write(record.name, whole))
+            return
         buffer = bytearray(min(self.chunk_size, max(record.size, 1)))
         view = memoryview(buffer)
         with (

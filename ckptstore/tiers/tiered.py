@@ -57,7 +57,7 @@ from ckptstore.tiers.replication import (
     replication_policy,
     shown_url,
 )
-from ckptstore.urls import parse_url
+from ckptstore.urls import parse_url, split_incremental
 
 __all__ = [
     "TIERED_URL_OPTIONS",
@@ -660,7 +660,7 @@ def open_tiered(
                 retention=durable_retention,
                 clock=now,
                 **no_key,
-                **durable_opts,
+                **_sharing_copies(fast, durable, replicate_to, durable_opts),
             )
         except InvalidInputError:
             raise
@@ -684,6 +684,19 @@ def open_tiered(
         fast.close()
         raise
     return TieredStore(fast, durable, replicator, background=background)
+
+
+def _sharing_copies(
+    fast: Store, durable: Store, durable_url: str, durable_options: Mapping[str, object]
+) -> dict[str, Any]:
+    """The replicator's durable options: incremental where the fast tier saves incrementally
+    and the durable store can share (what the durable tier holds is not copied again, §12.4),
+    unless the durable options or URL say otherwise."""
+    options = dict(durable_options)
+    said = "incremental" in options or split_incremental(parse_url(durable_url))[1] is not None
+    if fast.incremental and not said and durable.strategy.shares_shards:
+        options["incremental"] = True
+    return options
 
 
 def _check_apart(
