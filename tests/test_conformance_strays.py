@@ -66,6 +66,8 @@ UNRELATED_RULES = (
     "fast_tier_partitioned",
     "save_incrementally",
     "gc_without_grace",
+    "share_racing_gc",
+    "share_a_truncated_blob",
 )
 
 

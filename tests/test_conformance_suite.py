@@ -128,7 +128,7 @@ def test_cli_report_json_and_junit(tmp_path: Any) -> None:
     assert report["ok"] is True
     invariants = report["backends"][0]["invariants"]
     assert {k: v["status"] for k, v in invariants.items()} == dict.fromkeys(
-        [f"I{i}" for i in range(1, 10)], "held"
+        [f"I{i}" for i in range(1, 11)], "held"
     )
     assert '<testsuite name="memory://' in (tmp_path / "r.xml").read_text()
     out = io.StringIO()  # --json: the same report on stdout, and nothing else there
