@@ -404,3 +404,133 @@ def test_the_operator_sees_what_is_shared_on_an_object_store(tmp_path: Path) -> 
     assert store.get(3).read("base") == base
     run("gc", url, "--grace", "0")
     assert store.get(3).read("base") == base and store.get(3).verify().ok
+
+
+def _memory(tmp_path: Path, **options: Any) -> tuple[str, dict[str, Any]]:
+    return f"memory://inc-{os.getpid()}-{tmp_path.name}/run", options
+
+
+def test_a_reserver_whose_upload_failed_holds_up_no_later_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its save fails; the next save of the same bytes neither waits for bytes that will
+    never come nor names the blob, so GC dooms the lease and a later save shares again."""
+    where = _memory(tmp_path)
+    store = _open(where)
+    base = os.urandom(256 * 1024)
+    driver = store.strategy.driver
+    real_put = driver.put
+
+    def failing(key: str, data: Any, **kwargs: Any) -> Any:
+        if ".g" in key.rpartition("/")[2]:
+            raise OSError("the network went away")
+        return real_put(key, data, **kwargs)
+
+    monkeypatch.setattr(driver, "put", failing)
+    with pytest.raises(Exception, match="network"):
+        store.save(1, {"base": base})
+    monkeypatch.setattr(driver, "put", real_put)
+    started = time.monotonic()
+    store.save(2, {"base": base})
+    assert time.monotonic() - started < 10
+    assert "blob" not in store.get(2).manifest.shard("base").locator  # written unshared
+    lease_key = next(k for k in _keys(store) if k.endswith(".lease"))
+    lease = Lease.decode(driver.get(lease_key)[0], lease_key)
+    assert [user.step for user in lease.users] == [1]  # the unshared save never named it
+    _later(where).gc(grace=60)
+    store.save(3, {"base": base})
+    store.save(4, {"base": base})
+    locators = [store.get(s).manifest.shard("base").locator for s in (3, 4)]
+    assert locators[0]["key"] == locators[1]["key"] and locators[0]["generation"] == "2"
+
+
+def test_gc_keeps_a_blob_whose_reserver_is_still_uploading_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upload longer than the grace period, its parts still coming: GC judges its
+    reserver alive by them, as it judges an attempt's own multipart uploads."""
+    import threading
+
+    where = _memory(tmp_path, part_size=4096, min_part_size=4096)
+    url, _ = where
+    store = ckptstore.open(f"{url}?part_size=4096&min_part_size=4096", incremental=True)
+    driver = store.strategy.driver
+    real_part = driver.upload_part
+
+    def slow_part(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.05)
+        return real_part(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "upload_part", slow_part)
+    base = os.urandom(60 * 4096)  # 60 parts: 3 s
+    failed: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            store.save(1, {"base": base})
+        except BaseException as exc:
+            failed.append(exc)
+
+    saving = threading.Thread(target=save)
+    saving.start()
+    time.sleep(1.5)
+    report = ckptstore.open(f"{url}?part_size=4096&min_part_size=4096").gc(grace=1)
+    saving.join()
+    assert not failed, failed
+    assert not [item for item in report.removed if item.kind.startswith("blob")], report.removed
+    assert store.get(1).read("base") == base
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [b"[" * 200_000 + b"]" * 200_000, b"{}" + b" " * (2 * MiB), b"\xff\xfe"],
+    ids=["deeply-nested", "too-large", "not-json"],
+)
+def test_a_planted_lease_is_refused_for_sharing_and_left_alone_by_gc(
+    tmp_path: Path, planted: bytes
+) -> None:
+    where = _memory(tmp_path)
+    store = _open(where)
+    base = os.urandom(4096)
+    store.save(1, {"base": base})
+    key = store.get(1).manifest.shard("base").locator["key"]
+    lease_key = key.rsplit(".g", 1)[0] + ".lease"
+    store.strategy.driver.put(lease_key, planted)
+    store.save(2, {"base": base})
+    assert "blob" not in store.get(2).manifest.shard("base").locator
+    report = _later(where).gc(grace=60)
+    assert any("not a blob lease" in warning for warning in report.warnings), report.warnings
+    assert key in _keys(store) and store.get(1).read("base") == base
+
+
+def test_a_lease_changed_behind_a_save_fails_it_with_a_clear_error(tmp_path: Path) -> None:
+    where = _memory(tmp_path)
+    store = _open(where)
+    base = os.urandom(4096)
+    store.save(1, {"base": base})
+    pending = store.begin(2)
+    pending.write("base", base)
+    key = store.get(1).manifest.shard("base").locator["key"]
+    store.strategy.driver.put(key.rsplit(".g", 1)[0] + ".lease", b"garbage")
+    with pytest.raises(ShardMissingError, match="leases do not vouch") as caught:
+        pending.publish()
+    assert "garbage collection" not in str(caught.value)
+
+
+def test_the_seal_moves_the_lease_etag_so_an_earlier_gc_read_cannot_doom(
+    tmp_path: Path,
+) -> None:
+    """Every change writes new bytes (the serial grows): the seal's confirmation fails the
+    CAS of a GC that read the lease before it, even where an ETag is the content's MD5."""
+    where = _memory(tmp_path)
+    store = _open(where)
+    base = os.urandom(4096)
+    pending = store.begin(1)
+    pending.write("base", base)
+    driver = store.strategy.driver
+    lease_key = next(k for k in _keys(store) if k.endswith(".lease"))
+    before = driver.head(lease_key).etag
+    serial = Lease.decode(driver.get(lease_key)[0], lease_key).serial
+    pending.publish()
+    assert driver.head(lease_key).etag != before
+    assert Lease.decode(driver.get(lease_key)[0], lease_key).serial == serial + 1

@@ -55,11 +55,16 @@ ALIVE_EVERY_S = 60.0
 MAX_LEASE_BYTES = 1024 * 1024
 CAS_TRIES = 16
 SHARE_WAIT_S = 120.0
-"""How long, at most, a writer that appended itself to a lease waits for the reserver's
-upload of the blob's bytes before it writes its shard unshared."""
-RESERVER_GONE_S = 3 * ALIVE_EVERY_S
-"""A reserver whose liveness marker is this much older than the waiter's (both stamped by
-the storage's clock) is taken as gone: its waiters write their shards unshared at once."""
+"""How long, at most, a writer waits for the reserver's upload of a blob's bytes before it
+writes its shard unshared."""
+UPLOADING_EVERY_S = 10.0
+"""A reserver writes its liveness marker again at least this often while it uploads."""
+RESERVER_GONE_S = 6 * UPLOADING_EVERY_S
+"""A reserver whose liveness marker is this much older than the waiter's own, just written
+(both stamped by the storage's clock), is taken as gone: the waiter writes its shard
+unshared at once, without naming the blob."""
+_UPLOAD_PIECE = 64 * 1024 * 1024
+"""A reserver uploads a blob this much at a time, its marker refreshed in between."""
 _LEASE_FORMAT = "ckptstore-blob-lease"
 _BLOB = re.compile(r"(blake3|sha256):([0-9a-f]{64})-(0|[1-9][0-9]{0,18})", re.ASCII)
 _KEY = re.compile(
@@ -135,6 +140,9 @@ class Lease:
     users: tuple[User, ...]
     reserver: User | None = None
     """The user that reserved ``generation`` and uploads its bytes."""
+    serial: int = 0
+    """Grows by one with every change (``BlobLeases._swap``): no change writes the bytes it
+    replaces, so every change moves the ETag, even where an ETag is the content's MD5."""
 
     def encode(self) -> bytes:
         body = {
@@ -144,6 +152,7 @@ class Lease:
             "next": self.next,
             "doomed": self.doomed,
             "users": [user.encode() for user in self.users],
+            "serial": self.serial,
         }
         if self.reserver is not None:
             body["reserver"] = self.reserver.encode()
@@ -154,6 +163,8 @@ class Lease:
         """The lease ``data`` holds (LeaseCorruptError, naming ``where``, if it is not one)."""
         try:
             body = json.loads(data)
+            if not isinstance(body, dict):
+                raise ValueError("not a JSON object")
             if body.get("format") != _LEASE_FORMAT or body.get("version") != 1:
                 raise ValueError("not a ckptstore blob lease of version 1")
             generation, following = body["generation"], body["next"]
@@ -163,9 +174,12 @@ class Lease:
                 raise ValueError("next must exceed generation; doomed must be a boolean")
             users = tuple(_user(entry) for entry in body["users"])
             reserver = _user(body["reserver"]) if "reserver" in body else None
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            serial = body.get("serial", 0)
+            if type(serial) is not int or serial < 0:
+                raise ValueError(f"serial must be a non-negative integer: {serial!r}")
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise LeaseCorruptError(f"{where}: not a blob lease: {exc}") from None
-        return cls(generation, following, body["doomed"], users, reserver)
+        return cls(generation, following, body["doomed"], users, reserver, serial)
 
 
 def _user(entry: Mapping[str, object]) -> User:
@@ -218,14 +232,15 @@ class BlobLeases:
     def live_key(step: int, attempt: str) -> str:
         return f"{LIVE}{names.step_token(step)}.{attempt}"
 
-    def touch(self, step: int, attempt: str) -> None:
-        """Write the attempt's liveness marker if this process has not in ``ALIVE_EVERY_S``:
-        before any lease names the attempt, so that GC, reading the lease, finds it alive."""
+    def touch(self, step: int, attempt: str, every: float = ALIVE_EVERY_S) -> bool:
+        """Write the attempt's liveness marker if this process has not in ``every`` seconds
+        (whether it did): before any lease names the attempt, so that GC, reading the lease,
+        finds it alive; more often while it uploads a blob it reserved."""
         now = time.monotonic()
         with self._alive_lock:
             last = self._alive.get((step, attempt))
-            if last is not None and now - last < ALIVE_EVERY_S:
-                return
+            if last is not None and now - last < every:
+                return False
             self._alive[(step, attempt)] = now
         try:
             self.driver.put(self.live_key(step, attempt), b"")
@@ -233,6 +248,16 @@ class BlobLeases:
             with self._alive_lock:
                 self._alive.pop((step, attempt), None)
             raise
+        return True
+
+    def _gone(self, step: int, attempt: str) -> None:
+        """After a reserver's upload failed (its save fails): remove its marker, so that
+        writers waiting for the bytes stop at once (best effort)."""
+        self.forget(step, attempt)
+        try:
+            self.driver.delete(self.live_key(step, attempt))
+        except StorageError as exc:
+            log.debug("%s: marker of attempt %s not removed: %s", self.url, attempt, exc)
 
     def forget(self, step: int, attempt: str) -> None:
         """Stop keeping the attempt's marker fresh (published or abandoned)."""
@@ -242,6 +267,12 @@ class BlobLeases:
     def read(self, blob: BlobName) -> tuple[Lease | None, str | None]:
         """The blob's lease and its ETag; (None, None) if it has none."""
         try:
+            size = self.driver.head(blob.lease_key).size  # never download a planted giant
+            if size > MAX_LEASE_BYTES:
+                raise LeaseCorruptError(
+                    f"{self.url}/{blob.lease_key}: not a blob lease: {size} bytes, more than a "
+                    f"lease can hold"
+                )
             data, info = self.driver.get(blob.lease_key)
         except ObjectNotFoundError:
             return None, None
@@ -256,6 +287,7 @@ class BlobLeases:
         An unknown outcome (a timeout, a reset) is decided by reading the lease back: ``took``
         says whether what is stored is this change (I8)."""
         mode = PutMode.CREATE if etag is None else PutMode.update(etag)
+        new = replace(new, serial=new.serial + 1)
         try:
             self.driver.put(blob.lease_key, new.encode(), mode=mode)
         except (PreconditionFailedError, ObjectNotFoundError):
@@ -275,11 +307,16 @@ class BlobLeases:
         """Name ``blob`` (whose bytes are ``data``) in attempt ``attempt`` of ``step``: the
         locator of its current generation, appended to by this attempt, uploading the bytes
         first if no generation holds them; None where it could not be shared (a contended or
-        corrupt lease, a reserver that never finished its upload): then write the shard."""
+        corrupt lease, a reserver gone before its upload ended): then write the shard.
+
+        A writer appends itself only to a generation whose bytes it has seen (a HEAD of the
+        right size, after the lease read whose ETag its CAS names): a doom between the two
+        fails the CAS, and no lease ever lists a user of bytes that never came."""
         self.touch(step, attempt)
         me = User(step, attempt)
-        refused = 0
-        for attempt_number in range(CAS_TRIES):
+        refused = contended = 0
+        waited_since: float | None = None
+        while contended < CAS_TRIES:
             try:
                 lease, etag = self.read(blob)
             except LeaseCorruptError as exc:
@@ -294,20 +331,40 @@ class BlobLeases:
                 return None
             if lease is None or lease.doomed:
                 generation = 1 if lease is None else lease.next
-                reserved = Lease(generation, generation + 1, False, (me,), me)
+                serial = 0 if lease is None else lease.serial
+                reserved = Lease(generation, generation + 1, False, (me,), me, serial)
                 if not self._swap(blob, reserved, etag, _holds(me, generation)):
                     refused += lease is None
-                    _backoff(attempt_number)
+                    contended += 1
+                    _backoff(contended)
                     continue
-                return self._upload(blob, generation, data)
+                return self._upload(step, attempt, blob, generation, data)
+            key = blob.generation_key(lease.generation)
+            try:
+                info: ObjectInfo | None = self.driver.head(key)
+            except ObjectNotFoundError:
+                info = None
+            if info is not None and not self._holds_the_blob(info, blob):
+                log.warning(
+                    "%s/%s holds %d bytes, not the blob's %d: the shard is written unshared",
+                    self.url, key, info.size, blob.size,
+                )  # fmt: skip
+                return None
+            if info is None:  # its reserver may still be uploading it
+                waited_since = time.monotonic() if waited_since is None else waited_since
+                if time.monotonic() - waited_since > self.share_wait_s or self._reserver_gone(
+                    step, attempt, lease
+                ):
+                    log.info("%s: %s not uploaded by its reserver: not shared", self.url, key)
+                    return None
+                time.sleep(0.05 + random.random() * 0.1)
+                continue
             if me not in lease.users:
                 appended = replace(lease, users=(*lease.users, me))
                 if not self._swap(blob, appended, etag, _holds(me, lease.generation)):
-                    _backoff(attempt_number)
+                    contended += 1
+                    _backoff(contended)
                     continue
-            info = self._wait_for_bytes(step, attempt, blob, lease)
-            if info is None:
-                return None
             return self.locator(blob, lease.generation, info)
         log.warning(
             "%s: lease %s changed %d times while this save tried to share it (contended); "
@@ -315,56 +372,35 @@ class BlobLeases:
         )  # fmt: skip
         return None
 
-    def _upload(self, blob: BlobName, generation: int, data: memoryview) -> Mapping[str, str]:
+    @staticmethod
+    def _holds_the_blob(info: ObjectInfo, blob: BlobName) -> bool:
+        """Whether a generation's object can hold the blob: its size, whatever its name says
+        (a truncated or replaced object is not the blob)."""
+        return info.size == blob.size
+
+    def _upload(
+        self, step: int, attempt: str, blob: BlobName, generation: int, data: memoryview
+    ) -> Mapping[str, str]:
+        """Upload a reserved generation's bytes, the reserver's marker written again at least
+        every ``UPLOADING_EVERY_S`` (waiters, and GC, see it uploading)."""
         key = blob.generation_key(generation)
         sink = self.open_sink(key, blob.size)
+        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         try:
-            sink.write(data)
+            for offset in range(0, view.nbytes, _UPLOAD_PIECE):
+                self.touch(step, attempt, every=UPLOADING_EVERY_S)
+                sink.write(view[offset : offset + _UPLOAD_PIECE])
             sink.close()
         except BaseException:
             sink.abort()
+            self._gone(step, attempt)
             raise
         info = self.driver.head(key)
         return self.locator(blob, generation, info)
 
-    def _wait_for_bytes(
-        self, step: int, attempt: str, blob: BlobName, lease: Lease
-    ) -> ObjectInfo | None:
-        """The current generation's object once it holds the blob's size (its reserver may
-        still be uploading it), or None: the reserver gone (its liveness marker stale beside
-        this attempt's, on the storage's clock), ``share_wait_s`` passed, the generation
-        doomed meanwhile, or an object of another size (then not the blob, whatever its
-        name)."""
-        generation = lease.generation
-        key = blob.generation_key(generation)
-        deadline = time.monotonic() + self.share_wait_s
-        for attempt_number in range(1_000_000):
-            try:
-                info = self.driver.head(key)
-            except ObjectNotFoundError:
-                info = None
-            if info is not None:
-                if info.size == blob.size:
-                    return info
-                log.warning(
-                    "%s/%s holds %d bytes, not the blob's %d: not shared", self.url, key,
-                    info.size, blob.size,
-                )  # fmt: skip
-                return None
-            if time.monotonic() >= deadline or self._reserver_gone(step, attempt, lease):
-                break
-            self.touch(step, attempt)
-            _backoff(min(attempt_number, 5))
-            try:
-                lease = self.read(blob)[0] or lease
-            except LeaseCorruptError:
-                return None
-            if lease.doomed or lease.generation != generation:
-                return None
-        log.info("%s: %s was not uploaded by its reserver: not shared", self.url, key)
-        return None
-
     def _reserver_gone(self, step: int, attempt: str, lease: Lease) -> bool:
+        """Whether the reserver of the lease's generation stopped writing its marker: older
+        than ``RESERVER_GONE_S`` beside this attempt's own, written just now."""
         reserver = lease.reserver
         if reserver is None:
             return True
@@ -372,9 +408,13 @@ class BlobLeases:
             return False  # another rank, or another shard, of this very attempt
         try:
             theirs = self.driver.head(self.live_key(reserver.step, reserver.attempt))
-            mine = self.driver.head(self.live_key(step, attempt))
         except ObjectNotFoundError:
             return True
+        self.touch(step, attempt, every=UPLOADING_EVERY_S / 2)
+        try:
+            mine = self.driver.head(self.live_key(step, attempt))
+        except ObjectNotFoundError:
+            return False  # GC removed it this instant: judged again on the next try
         return mine.last_modified - theirs.last_modified > RESERVER_GONE_S
 
     @staticmethod
@@ -502,7 +542,16 @@ class BlobLeases:
             if lease is None or etag is None:
                 return  # bytes without a lease are no area's: left alone
             if not lease.doomed:
-                keep = tuple(user for user in lease.users if published(user) or alive(user))
+                uploading = lease.reserver is not None and any(  # its reserver, still at it
+                    self._upload_moved(upload, now, report.grace_s)
+                    for generation, upload in uploads
+                    if generation == lease.generation
+                )
+                keep = tuple(
+                    user
+                    for user in lease.users
+                    if published(user) or alive(user) or (uploading and user == lease.reserver)
+                )
                 if keep:
                     if len(keep) < len(lease.users) and not report.dry_run:
                         self._swap(blob, replace(lease, users=keep), etag, lambda s: False)
@@ -545,6 +594,16 @@ class BlobLeases:
                     self.driver.abort_multipart(upload.key, upload.upload_id)
                 except ObjectNotFoundError:
                     pass
+
+    def _upload_moved(self, upload: UploadInfo, now: float, grace_s: float) -> bool:
+        """Whether an upload received a part (or began) within the grace period."""
+        try:
+            progress = self.driver.upload_progress(upload)
+        except ObjectNotFoundError:
+            return False  # completed or aborted meanwhile: its object, or nothing, says
+        except StorageError:
+            return True  # cannot tell: taken as moving (garbage may stay, nothing is lost)
+        return now - max(upload.initiated, progress.last_activity) <= grace_s
 
     def _collect_marker(
         self, report: GcReport, info: ObjectInfo, now: float, published: Callable[[User], bool]

@@ -779,10 +779,16 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
             listed = "; ".join(problems[:5]) + (
                 f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
             )
+            why = (
+                f"{GC_WAS_HERE}. Save again, with a GC grace period longer than a save's "
+                f"longest pause"
+                if any("GC" in problem for problem in problems)
+                else "the blobs' leases do not vouch for them (changed or damaged behind the "
+                "store's back?); save again"
+            )
             raise ShardMissingError(
                 f"{self.url}: step {manifest.step} cannot be published: {listed}; nothing was "
-                f"published. {GC_WAS_HERE}. Save again, with a GC grace period longer than a "
-                f"save's longest pause",
+                f"published. {why}",
                 url=self.url,
                 step=manifest.step,
             )
