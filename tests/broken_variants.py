@@ -799,16 +799,15 @@ class _NoDoomLeases(BlobLeases):
     seen (the mark-and-sweep of a GC that does not stop the world)."""
 
     def _collect_blob(  # type: ignore[override]
-        self, report: GcReport, blob: BlobName, generations: Any, uploads: Any, now: float,
-        published: Any, alive: Any,
+        self, report: GcReport, blob: BlobName, listed: Any, generations: Any, uploads: Any,
+        now: float, published: Any, alive: Any,
     ) -> None:  # fmt: skip
         lease, _ = self.read(blob)
         if lease is None or any(published(u) or alive(u) for u in lease.users):
             return
-        for generation, info in generations.items():
-            if generation <= lease.generation:
-                report.removed.append(GcItem("blob", info.key, 0.0, info.size))
-                self.driver.delete(info.key)
+        for info in generations.values():  # every generation listed, the current one too
+            report.removed.append(GcItem("blob", info.key, 0.0, info.size))
+            self.driver.delete(info.key)
 
 
 class GcWithoutDoomCommit(ConditionalPutCommit):

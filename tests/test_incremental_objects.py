@@ -83,7 +83,8 @@ def test_an_unchanged_shard_is_one_blob_that_every_reader_reads(
     locators = [dict(store.get(s).manifest.shard("model/base.bin").locator) for s in (1, 2, 3)]
     assert locators[0] == locators[1] == locators[2]
     assert locators[0]["blob"].startswith(("blake3:", "sha256:"))
-    assert locators[0]["blob"].endswith(f"-{len(base)}") and locators[0]["generation"] == "1"
+    assert locators[0]["blob"].endswith(f"-{len(base)}")
+    assert locators[0]["key"].endswith(f".g{locators[0]['generation']}")
     assert len(_generations(store)) == 4  # the base once, three adapters
     lease = _lease(store, locators[0]["key"])
     assert [user.step for user in lease.users] == [1, 2, 3] and not lease.doomed
@@ -126,8 +127,15 @@ def test_gc_frees_a_blob_only_when_no_checkpoint_uses_it(
     assert _keys(store, LIVE) == []  # no marker outlives its attempt
     store.save(4, {"base": base})  # a doomed blob's next writer reserves a new generation
     locator = store.get(4).manifest.shard("base").locator
-    assert locator["generation"] == "2" and store.get(4).read("base") == base
-    assert _lease(store, locator["key"]).generation == 2
+    assert locator["key"] != base_key and store.get(4).read("base") == base
+    assert _lease(store, locator["key"]).generation == locator["generation"]
+    store.delete(4, force=True)
+    _later(s3_url).gc(grace=60)  # dooms it again
+    report = _later(s3_url, 2 * LATER).gc(grace=60)  # and, doomed for long, removes its lease
+    assert [item.kind for item in report.removed] == ["blob lease"], report.removed
+    assert not [key for key in _keys(store) if key.endswith(".lease")]
+    store.save(5, {"base": base})  # a fresh lease, a fresh generation: never one used before
+    assert store.get(5).read("base") == base and store.get(5).verify().ok
 
 
 def test_a_writer_gc_judged_dead_publishes_nothing(s3_url: tuple[str, dict[str, Any]]) -> None:
@@ -254,7 +262,8 @@ def test_a_reserver_that_died_before_its_upload_costs_no_wait(
 
     ghost = User(7, "ghost0000000000000000")
     driver = store.strategy.driver
-    driver.put(blob.lease_key, Lease(1, 2, False, (ghost,), ghost).encode(), mode=PutMode.CREATE)
+    lease = Lease("generation00000001", False, (ghost,), ghost)
+    driver.put(blob.lease_key, lease.encode(), mode=PutMode.CREATE)
     started = time.monotonic()
     store.save(1, {"base": base})
     assert time.monotonic() - started < 30
@@ -267,7 +276,7 @@ def test_a_reserver_that_died_before_its_upload_costs_no_wait(
     [
         lambda loc, size: {**loc, "key": "step-00000000000000000009.other/base"},
         lambda loc, size: {**loc, "blob": loc["blob"].replace(f"-{size}", f"-{size + 1}")},
-        lambda loc, size: {**loc, "generation": "07"},
+        lambda loc, size: {**loc, "generation": "0"},
         lambda loc, size: {**loc, "blob": "md5:abc-1"},
     ],
 )
@@ -441,7 +450,8 @@ def test_a_reserver_whose_upload_failed_holds_up_no_later_save(
     store.save(3, {"base": base})
     store.save(4, {"base": base})
     locators = [store.get(s).manifest.shard("base").locator for s in (3, 4)]
-    assert locators[0]["key"] == locators[1]["key"] and locators[0]["generation"] == "2"
+    assert locators[0]["key"] == locators[1]["key"]
+    assert locators[0]["generation"] != lease.generation  # the dead reserver's, doomed
 
 
 def test_gc_keeps_a_blob_whose_reserver_is_still_uploading_it(

@@ -5,8 +5,9 @@ An object has no link count, and a listing may lag, so who uses a blob is writte
 reads it directly: in the blob's *lease* (``blobs/<alg>/<digest>-<size>.lease``), a small
 JSON object changed only by compare-and-swap (``If-Match`` on its ETag; ``If-None-Match: *``
 to create it). The bytes live in ``blobs/<alg>/<digest>-<size>.g<generation>``; a generation
-is handed out once, by the CAS that reserves it, and only after the one before was doomed,
-so a generation that is not a lease's current one is never used again. A writer appends
+is a fresh unique id, named by the CAS that reserves it, and only after the one before was
+doomed, so a generation that is not a lease's current one is never used again (not even
+after a doomed lease is deleted: ids are never reused). A writer appends
 itself (its step and attempt) to the lease before it names the blob in its manifest, and
 checks at the seal that it is still there; GC dooms a lease only by a CAS from the state it
 judged, each user by direct reads (its manifest; its attempt's liveness marker), never by a
@@ -68,7 +69,7 @@ _UPLOAD_PIECE = 64 * 1024 * 1024
 _LEASE_FORMAT = "ckptstore-blob-lease"
 _BLOB = re.compile(r"(blake3|sha256):([0-9a-f]{64})-(0|[1-9][0-9]{0,18})", re.ASCII)
 _KEY = re.compile(
-    r"blobs/(blake3|sha256)/([0-9a-f]{64})-(0|[1-9][0-9]{0,18})(?:\.g([1-9][0-9]{0,18})|(\.lease))",
+    r"blobs/(blake3|sha256)/([0-9a-f]{64})-(0|[1-9][0-9]{0,18})(?:\.g([0-9a-z]{8,64})|(\.lease))",
     re.ASCII,
 )
 
@@ -116,17 +117,17 @@ class BlobName:
     def lease_key(self) -> str:
         return f"{self.base}.lease"
 
-    def generation_key(self, generation: int) -> str:
+    def generation_key(self, generation: str) -> str:
         return f"{self.base}.g{generation}"
 
 
-def parse_blob_key(key: str) -> tuple[BlobName, int | None] | None:
+def parse_blob_key(key: str) -> tuple[BlobName, str | None] | None:
     """(blob, generation) of a generation's key, (blob, None) of a lease's, else None."""
     found = _KEY.fullmatch(key)
     if found is None:
         return None
     blob = BlobName(found.group(1), found.group(2), int(found.group(3)))
-    return blob, (None if found.group(5) else int(found.group(4)))
+    return blob, (None if found.group(5) else found.group(4))
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,7 @@ class Lease:
     """Who uses a blob's current generation; ``doomed``: GC judged it unused and will delete
     it (a writer then reserves ``next``)."""
 
-    generation: int
-    next: int
+    generation: str
     doomed: bool
     users: tuple[User, ...]
     reserver: User | None = None
@@ -149,7 +149,6 @@ class Lease:
             "format": _LEASE_FORMAT,
             "version": 1,
             "generation": self.generation,
-            "next": self.next,
             "doomed": self.doomed,
             "users": [user.encode() for user in self.users],
             "serial": self.serial,
@@ -167,11 +166,9 @@ class Lease:
                 raise ValueError("not a JSON object")
             if body.get("format") != _LEASE_FORMAT or body.get("version") != 1:
                 raise ValueError("not a ckptstore blob lease of version 1")
-            generation, following = body["generation"], body["next"]
-            if not all(type(n) is int and n >= 1 for n in (generation, following)):
-                raise ValueError("generation numbers must be positive integers")
-            if following <= generation or type(body["doomed"]) is not bool:
-                raise ValueError("next must exceed generation; doomed must be a boolean")
+            generation = names.check_attempt_id(body["generation"])
+            if type(body["doomed"]) is not bool:
+                raise ValueError("doomed must be a boolean")
             users = tuple(_user(entry) for entry in body["users"])
             reserver = _user(body["reserver"]) if "reserver" in body else None
             serial = body.get("serial", 0)
@@ -179,7 +176,7 @@ class Lease:
                 raise ValueError(f"serial must be a non-negative integer: {serial!r}")
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise LeaseCorruptError(f"{where}: not a blob lease: {exc}") from None
-        return cls(generation, following, body["doomed"], users, reserver, serial)
+        return cls(generation, body["doomed"], users, reserver, serial)
 
 
 def _user(entry: Mapping[str, object]) -> User:
@@ -189,12 +186,12 @@ def _user(entry: Mapping[str, object]) -> User:
     return User(step, names.check_attempt_id(attempt))
 
 
-def _holds(user: User, generation: int) -> Callable[[Lease], bool]:
+def _holds(user: User, generation: str) -> Callable[[Lease], bool]:
     """Whether a lease read back shows ``user`` holding ``generation`` (its CAS took)."""
     return lambda lease: lease.generation == generation and not lease.doomed and user in lease.users
 
 
-def _dooms(generation: int) -> Callable[[Lease], bool]:
+def _dooms(generation: str) -> Callable[[Lease], bool]:
     """Whether a lease read back shows ``generation`` doomed (GC's CAS took)."""
     return lambda lease: lease.doomed and lease.generation == generation
 
@@ -330,9 +327,9 @@ class BlobLeases:
                 )  # fmt: skip
                 return None
             if lease is None or lease.doomed:
-                generation = 1 if lease is None else lease.next
+                generation = names.new_attempt_id()  # unique: never a generation before
                 serial = 0 if lease is None else lease.serial
-                reserved = Lease(generation, generation + 1, False, (me,), me, serial)
+                reserved = Lease(generation, False, (me,), me, serial)
                 if not self._swap(blob, reserved, etag, _holds(me, generation)):
                     refused += lease is None
                     contended += 1
@@ -379,7 +376,7 @@ class BlobLeases:
         return info.size == blob.size
 
     def _upload(
-        self, step: int, attempt: str, blob: BlobName, generation: int, data: memoryview
+        self, step: int, attempt: str, blob: BlobName, generation: str, data: memoryview
     ) -> Mapping[str, str]:
         """Upload a reserved generation's bytes, the reserver's marker written again at least
         every ``UPLOADING_EVERY_S`` (waiters, and GC, see it uploading)."""
@@ -418,12 +415,12 @@ class BlobLeases:
         return mine.last_modified - theirs.last_modified > RESERVER_GONE_S
 
     @staticmethod
-    def locator(blob: BlobName, generation: int, info: ObjectInfo) -> Mapping[str, str]:
+    def locator(blob: BlobName, generation: str, info: ObjectInfo) -> Mapping[str, str]:
         return {
             "key": blob.generation_key(generation),
             "etag": info.etag,
             "blob": str(blob),
-            "generation": str(generation),
+            "generation": generation,
         }
 
     def held_problems(
@@ -462,7 +459,7 @@ class BlobLeases:
                     _backoff(attempt_number)
                     continue
                 return problem
-            if lease.doomed or str(lease.generation) != generation:
+            if lease.doomed or lease.generation != generation:
                 problem = f"generation {generation} of blob {blob} was doomed by GC"
             elif me not in lease.users:
                 problem = f"GC dropped this attempt from the lease of blob {blob}"
@@ -489,8 +486,8 @@ class BlobLeases:
         ``now``: the storage's clock; ``published(user)``: its attempt's manifest, read
         directly; ``last_activity(user)``: the newest write of its attempt's own objects
         (None: none), whose age against ``report.grace_s`` says alive."""
-        area: dict[BlobName, dict[int, ObjectInfo]] = {}
-        leases: set[BlobName] = set()
+        area: dict[BlobName, dict[str, ObjectInfo]] = {}
+        leases: dict[BlobName, ObjectInfo] = {}
         markers: list[ObjectInfo] = []
         for info in self.driver.list(BLOBS):
             if info.key.startswith(LIVE):
@@ -501,10 +498,10 @@ class BlobLeases:
                 continue  # not a name this area gives: left alone
             blob, generation = parsed
             if generation is None:
-                leases.add(blob)
+                leases[blob] = info
             else:
                 area.setdefault(blob, {})[generation] = info
-        uploads: dict[BlobName, list[tuple[int, UploadInfo]]] = {}
+        uploads: dict[BlobName, list[tuple[str, UploadInfo]]] = {}
         for upload in self._uploads(report):
             parsed = parse_blob_key(upload.key)
             if parsed is not None and parsed[1] is not None:
@@ -514,12 +511,13 @@ class BlobLeases:
             newest = last_activity(user)
             return newest is not None and now - newest <= report.grace_s
 
-        for blob in sorted(leases | area.keys() | uploads.keys(), key=str):
-            # Read after the listing: a generation listed before the read is garbage if the
-            # lease names a later one (generations only grow) or dooms it.
+        for blob in sorted(leases.keys() | area.keys() | uploads.keys(), key=str):
+            # Read after the listing: a generation listed before the read was reserved before
+            # it, so it is garbage unless the read shows it current and not doomed.
             self._collect_blob(
-                report, blob, area.get(blob, {}), uploads.get(blob, []), now, published, alive
-            )
+                report, blob, leases.get(blob), area.get(blob, {}), uploads.get(blob, []),
+                now, published, alive,
+            )  # fmt: skip
         for info in markers:
             self._collect_marker(report, info, now, published)
 
@@ -527,8 +525,9 @@ class BlobLeases:
         self,
         report: GcReport,
         blob: BlobName,
-        generations: Mapping[int, ObjectInfo],
-        uploads: Sequence[tuple[int, UploadInfo]],
+        listed: ObjectInfo | None,
+        generations: Mapping[str, ObjectInfo],
+        uploads: Sequence[tuple[str, UploadInfo]],
         now: float,
         published: Callable[[User], bool],
         alive: Callable[[User], bool],
@@ -562,6 +561,7 @@ class BlobLeases:
                         _backoff(attempt_number)
                         continue  # a writer (or another GC) changed it: judge again
                 lease = replace(lease, doomed=True)
+                listed = None  # doomed just now: not yet for longer than the grace period
             break
         else:
             report.warnings.append(f"the lease of blob {blob} was contended: judged next time")
@@ -569,22 +569,17 @@ class BlobLeases:
         for generation, info in sorted(generations.items()):
             if generation == lease.generation and not lease.doomed:
                 continue
-            if generation > lease.generation:
-                continue  # read before its reservation could be: not judged
             why = (
                 "no published checkpoint and no live save uses it (its lease is doomed)"
                 if generation == lease.generation
                 else f"an old generation: its lease names generation {lease.generation}"
             )
             age = max(0.0, now - info.last_modified)
-            item = GcItem("blob", info.key, age, info.size, why=why)
-            report.removed.append(item)
+            report.removed.append(GcItem("blob", info.key, age, info.size, why=why))
             if not report.dry_run:
                 self._delete(info.key)
         for generation, upload in uploads:
-            if generation > lease.generation or (
-                generation == lease.generation and not lease.doomed
-            ):
+            if generation == lease.generation and not lease.doomed:
                 continue
             age = max(0.0, now - upload.initiated)
             why = "an upload of a generation no lease names as current"
@@ -594,6 +589,16 @@ class BlobLeases:
                     self.driver.abort_multipart(upload.key, upload.upload_id)
                 except ObjectNotFoundError:
                     pass
+        if lease.doomed and listed is not None and now - listed.last_modified > report.grace_s:
+            # Doomed longer than the grace period: it protects nothing (no one names a doomed
+            # generation). A writer that reserves in it at this instant finds it gone at its
+            # seal and publishes nothing (or, past its seal, leaves its blob without a lease:
+            # never collected, never lost); generation ids are never reused.
+            age = now - listed.last_modified
+            why = "doomed longer than the grace period"
+            report.removed.append(GcItem("blob lease", blob.lease_key, age, listed.size, why=why))
+            if not report.dry_run:
+                self._delete(blob.lease_key)
 
     def _upload_moved(self, upload: UploadInfo, now: float, grace_s: float) -> bool:
         """Whether an upload received a part (or began) within the grace period."""

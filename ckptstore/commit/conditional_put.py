@@ -63,6 +63,7 @@ from ckptstore.errors import (
     IntegrityError,
     InvalidInputError,
     InvalidOptionError,
+    InvalidShardNameError,
     ManifestCorruptError,
     ObjectNotFoundError,
     PreconditionFailedError,
@@ -220,10 +221,8 @@ def _blob_locator_problem(record: ShardRecord) -> str | None:
     locator = record.locator
     try:
         blob = BlobName.parse(locator["blob"])
-        generation = int(locator.get("generation", ""))
-    except ValueError:
-        return "a malformed blob locator"
-    if generation < 1 or str(generation) != locator["generation"]:
+        generation = names.check_attempt_id(locator.get("generation", ""))
+    except (ValueError, InvalidShardNameError):
         return "a malformed blob locator"
     if blob.size != record.size:
         return f"a blob of {blob.size} bytes for a shard of {record.size}, in the locator"

@@ -394,7 +394,10 @@ class CheckpointStoreMachine(ForeignEntryRules):
             collector.gc(grace=GRACE, superseded_grace=timedelta(0))
 
         def share() -> None:
-            save(writer, self.model, racing)
+            try:
+                save(writer, self.model, racing)
+            except CkptStoreError:
+                pass  # GC, its clock past the grace period, may judge the save dead: it fails
 
         if at == "the save's first change":
             _run_first(writer.strategy.driver, _changes_a_lease, collect)
