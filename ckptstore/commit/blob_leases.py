@@ -56,14 +56,11 @@ ALIVE_EVERY_S = 60.0
 MAX_LEASE_BYTES = 1024 * 1024
 CAS_TRIES = 16
 SHARE_WAIT_S = 120.0
-"""How long, at most, a writer waits for the reserver's upload of a blob's bytes before it
-writes its shard unshared."""
+"""How long, at most, a writer waits for another rank (or shard) of its own attempt to
+finish uploading a blob that attempt reserved, before it writes its shard unshared. A
+reservation of another attempt is never waited for."""
 UPLOADING_EVERY_S = 10.0
 """A reserver writes its liveness marker again at least this often while it uploads."""
-RESERVER_GONE_S = 6 * UPLOADING_EVERY_S
-"""A reserver whose liveness marker is this much older than the waiter's own, just written
-(both stamped by the storage's clock), is taken as gone: the waiter writes its shard
-unshared at once, without naming the blob."""
 _UPLOAD_PIECE = 64 * 1024 * 1024
 """A reserver uploads a blob this much at a time, its marker refreshed in between."""
 _LEASE_FORMAT = "ckptstore-blob-lease"
@@ -349,12 +346,12 @@ class BlobLeases:
                 return None
             if info is None:  # its reserver may still be uploading it
                 waited_since = time.monotonic() if waited_since is None else waited_since
-                if time.monotonic() - waited_since > self.share_wait_s or self._reserver_gone(
-                    step, attempt, lease
-                ):
-                    log.info("%s: %s not uploaded by its reserver: not shared", self.url, key)
+                if lease.reserver != me or time.monotonic() - waited_since > self.share_wait_s:
+                    # Another attempt's upload (under way, or dead) is not waited for: the
+                    # shard is written unshared now, naming nothing (a later save shares it).
+                    log.info("%s: %s not uploaded (yet): not shared", self.url, key)
                     return None
-                time.sleep(0.05 + random.random() * 0.1)
+                time.sleep(0.05 + random.random() * 0.1)  # another rank of this attempt
                 continue
             if me not in lease.users:
                 appended = replace(lease, users=(*lease.users, me))
@@ -394,25 +391,6 @@ class BlobLeases:
             raise
         info = self.driver.head(key)
         return self.locator(blob, generation, info)
-
-    def _reserver_gone(self, step: int, attempt: str, lease: Lease) -> bool:
-        """Whether the reserver of the lease's generation stopped writing its marker: older
-        than ``RESERVER_GONE_S`` beside this attempt's own, written just now."""
-        reserver = lease.reserver
-        if reserver is None:
-            return True
-        if reserver == User(step, attempt):
-            return False  # another rank, or another shard, of this very attempt
-        try:
-            theirs = self.driver.head(self.live_key(reserver.step, reserver.attempt))
-        except ObjectNotFoundError:
-            return True
-        self.touch(step, attempt, every=UPLOADING_EVERY_S / 2)
-        try:
-            mine = self.driver.head(self.live_key(step, attempt))
-        except ObjectNotFoundError:
-            return False  # GC removed it this instant: judged again on the next try
-        return mine.last_modified - theirs.last_modified > RESERVER_GONE_S
 
     @staticmethod
     def locator(blob: BlobName, generation: str, info: ObjectInfo) -> Mapping[str, str]:

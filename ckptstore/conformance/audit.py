@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptstore.commit.base import CommitStrategy
+from ckptstore.commit.blob_leases import BlobName
 from ckptstore.commit.conditional_put import (
     EPOCHS,
     LATEST_KEY,
@@ -140,6 +141,9 @@ class ObjectStoreAudit(_OfStrategy):
     def stored_names(self, manifest: Manifest) -> set[str]:
         names = {self.strategy.manifest_key(manifest.step, manifest.epoch)}
         names.update(record.locator["key"] for record in manifest.shards)
+        for record in manifest.shards:  # a shared blob's lease is the checkpoint's too (§12.3)
+            if "blob" in record.locator:
+                names.add(BlobName.parse(record.locator["blob"]).lease_key)
         return names
 
     def lineage_names(self) -> set[str]:

@@ -114,7 +114,12 @@ class TieredPair:
         The durable tier's model is told of each copy the replicator makes."""
         plans = plans or {}
         fast, fast_faults = self.fast.open(plans.get("fast"), retention=KeepLast(1))
-        durable, durable_faults = self.durable.open(plans.get("durable"), retention=KeepLast(2))
+        # A durable store that shares under leases saves incrementally: the replicator shares
+        # there what it holds already (docs/protocol.md §12.4), crashed at every call too.
+        sharing = self.durable.base.sharing_digest is not None
+        durable, durable_faults = self.durable.open(
+            plans.get("durable"), retention=KeepLast(2), incremental=sharing
+        )
         fast_faults.on_death = durable_faults.kill
         durable_faults.on_death = fast_faults.kill
         replicator = self.replicator(fast, durable, self.policy())
@@ -152,7 +157,11 @@ class TieredPairFactory:
 
 
 def _shards(step: int, big: int) -> dict[str, bytes]:
-    shards = {"model/rank00000.bin": pattern(3000, step), "trainer.json": b'{"step": %d}' % step}
+    shards = {
+        "model/frozen.bin": pattern(3000, 0),  # the same at every step: shared where it can be
+        "model/rank00000.bin": pattern(3000, step),
+        "trainer.json": b'{"step": %d}' % step,
+    }
     if big:
         shards["optimizer/big.bin"] = pattern(big, step + 2)
     return shards
