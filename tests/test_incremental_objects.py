@@ -544,3 +544,99 @@ def test_the_seal_moves_the_lease_etag_so_an_earlier_gc_read_cannot_doom(
     pending.publish()
     assert driver.head(lease_key).etag != before
     assert Lease.decode(driver.get(lease_key)[0], lease_key).serial == serial + 1
+
+
+def test_a_writer_reserving_in_a_lease_gc_is_retiring_keeps_its_blob(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GC reads a long-doomed lease; a writer reserves a new generation in it before GC's
+    retiring CAS: the CAS fails, the lease stays, and the writer's checkpoint keeps its blob
+    through every later save and GC (the lease was once deleted unconditionally here)."""
+    where = _memory(tmp_path)
+    store = _open(where)
+    base = os.urandom(8192)
+    store.save(1, {"base": base})
+    store.delete(1, force=True)
+    _later(where).gc(grace=60)  # dooms it
+    gc_store = _later(where, 2 * LATER)
+    driver = gc_store.strategy.driver
+    real_put = driver.put
+    raced: list[int] = []
+
+    def put(key: str, data: Any, **kwargs: Any) -> Any:
+        if key.endswith(".lease") and not raced:  # GC's retiring CAS, about to be sent
+            raced.append(1)
+            store.save(2, {"base": base})  # reserves a new generation in the doomed lease
+        return real_put(key, data, **kwargs)
+
+    monkeypatch.setattr(driver, "put", put)
+    report = gc_store.gc(grace=60)
+    assert raced and "blob lease" not in [item.kind for item in report.removed]
+    monkeypatch.undo()
+    store.save(3, {"base": base})
+    for days in (3, 4):
+        _later(where, days * LATER).gc(grace=60)
+    for step in (2, 3):
+        assert store.get(step).read("base") == base and store.get(step).verify().ok
+
+
+def test_a_second_shard_of_the_same_bytes_uploads_what_a_failed_first_did_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    where = _memory(tmp_path)
+    store = _open(where)
+    driver = store.strategy.driver
+    real_put = driver.put
+    failed: list[str] = []
+
+    def put(key: str, data: Any, **kwargs: Any) -> Any:
+        if ".g" in key.rpartition("/")[2] and not failed:
+            failed.append(key)
+            raise OSError("the network went away")
+        return real_put(key, data, **kwargs)
+
+    monkeypatch.setattr(driver, "put", put)
+    zeros = bytes(64 * 1024)  # two zero-initialised LoRA matrices: the same bytes
+    pending = store.begin(1)
+    with pytest.raises(Exception, match="network"):
+        pending.write("lora_a.bin", zeros)
+    started = time.monotonic()
+    record = pending.write("lora_b.bin", zeros)
+    assert time.monotonic() - started < 10 and "blob" in record.locator
+    pending.abort()
+
+
+def test_a_full_lease_and_a_replaced_generation_are_not_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.commit import blob_leases
+
+    where = _memory(tmp_path)
+    store = _open(where)
+    base = os.urandom(8192)
+    monkeypatch.setattr(blob_leases, "MAX_USERS", 2)
+    for step in (1, 2, 3):
+        store.save(step, {"base": base})
+    assert "blob" in store.get(2).manifest.shard("base").locator
+    assert "blob" not in store.get(3).manifest.shard("base").locator  # the lease was full
+    monkeypatch.setattr(blob_leases, "MAX_USERS", 4096)
+    key = store.get(1).manifest.shard("base").locator["key"]
+    lease = _lease(store, key)
+    assert lease.etag == store.get(1).manifest.shard("base").locator["etag"]  # at the seal
+    store.strategy.driver.put(key, os.urandom(8192))  # replaced: same size, other bytes
+    store.save(4, {"base": base})
+    assert "blob" not in store.get(4).manifest.shard("base").locator
+    assert store.get(4).read("base") == base and store.get(4).verify().ok
+
+
+def test_a_lease_gc_removed_under_a_save_is_said_to_be_gcs_doing(tmp_path: Path) -> None:
+    where = _memory(tmp_path)
+    store = _open(where)
+    base = os.urandom(4096)
+    pending = store.begin(1)
+    pending.write("base", base)
+    lease_key = next(k for k in _keys(store) if k.endswith(".lease"))
+    store.strategy.driver.delete(lease_key)
+    with pytest.raises(ShardMissingError, match=r"removed by garbage collection|GC") as caught:
+        pending.publish()
+    assert "do not vouch" not in str(caught.value)

@@ -54,6 +54,9 @@ LIVE = f"{BLOBS}live/"
 ``ALIVE_EVERY_S`` while it shares; GC judges an unpublished user alive by its age."""
 ALIVE_EVERY_S = 60.0
 MAX_LEASE_BYTES = 1024 * 1024
+MAX_USERS = 4096
+"""A lease lists at most this many users (about 200 KiB): a writer that would make it longer
+writes its shard unshared (a store that keeps thousands of checkpoints sharing one blob)."""
 CAS_TRIES = 16
 SHARE_WAIT_S = 120.0
 """How long, at most, a writer waits for another rank (or shard) of its own attempt to
@@ -137,6 +140,12 @@ class Lease:
     users: tuple[User, ...]
     reserver: User | None = None
     """The user that reserved ``generation`` and uploads its bytes."""
+    etag: str | None = None
+    """The generation object's ETag as its reserver uploaded it (recorded at the reserver's
+    seal): a writer shares the object only while it still has it (not replaced since)."""
+    retired: bool = False
+    """Doomed, and its generations deleted: nothing is ever reserved in it again; GC deletes
+    it (only a retired lease is deleted, and only GC retires one, by CAS from doomed)."""
     serial: int = 0
     """Grows by one with every change (``BlobLeases._swap``): no change writes the bytes it
     replaces, so every change moves the ETag, even where an ETag is the content's MD5."""
@@ -152,6 +161,10 @@ class Lease:
         }
         if self.reserver is not None:
             body["reserver"] = self.reserver.encode()
+        if self.etag is not None:
+            body["etag"] = self.etag
+        if self.retired:
+            body["retired"] = True
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -171,9 +184,15 @@ class Lease:
             serial = body.get("serial", 0)
             if type(serial) is not int or serial < 0:
                 raise ValueError(f"serial must be a non-negative integer: {serial!r}")
+            etag = body.get("etag")
+            if etag is not None and (type(etag) is not str or not etag):
+                raise ValueError(f"etag must be a non-empty string: {etag!r}")
+            retired = body.get("retired", False)
+            if type(retired) is not bool or (retired and not body["doomed"]):
+                raise ValueError("retired must be a boolean, and only a doomed lease retired")
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise LeaseCorruptError(f"{where}: not a blob lease: {exc}") from None
-        return cls(generation, body["doomed"], users, reserver, serial)
+        return cls(generation, body["doomed"], users, reserver, etag, retired, serial)
 
 
 def _user(entry: Mapping[str, object]) -> User:
@@ -191,6 +210,11 @@ def _holds(user: User, generation: str) -> Callable[[Lease], bool]:
 def _dooms(generation: str) -> Callable[[Lease], bool]:
     """Whether a lease read back shows ``generation`` doomed (GC's CAS took)."""
     return lambda lease: lease.doomed and lease.generation == generation
+
+
+def _retires(lease: Lease) -> bool:
+    """Whether a lease read back is retired (GC's CAS took)."""
+    return lease.retired
 
 
 def _backoff(attempt: int) -> None:
@@ -215,6 +239,9 @@ class BlobLeases:
         self.share_wait_s = share_wait_s
         self._alive: dict[tuple[int, str], float] = {}
         self._alive_lock = threading.Lock()
+        self._uploading: dict[tuple[str, str], threading.Event] = {}
+        """Generations this process is uploading now (by blob and generation), each with an
+        event set when the upload ends, however it ends."""
 
     @property
     def url(self) -> str:
@@ -243,15 +270,6 @@ class BlobLeases:
                 self._alive.pop((step, attempt), None)
             raise
         return True
-
-    def _gone(self, step: int, attempt: str) -> None:
-        """After a reserver's upload failed (its save fails): remove its marker, so that
-        writers waiting for the bytes stop at once (best effort)."""
-        self.forget(step, attempt)
-        try:
-            self.driver.delete(self.live_key(step, attempt))
-        except StorageError as exc:
-            log.debug("%s: marker of attempt %s not removed: %s", self.url, attempt, exc)
 
     def forget(self, step: int, attempt: str) -> None:
         """Stop keeping the attempt's marker fresh (published or abandoned)."""
@@ -300,16 +318,17 @@ class BlobLeases:
     ) -> Mapping[str, str] | None:
         """Name ``blob`` (whose bytes are ``data``) in attempt ``attempt`` of ``step``: the
         locator of its current generation, appended to by this attempt, uploading the bytes
-        first if no generation holds them; None where it could not be shared (a contended or
-        corrupt lease, a reserver gone before its upload ended): then write the shard.
+        first if no generation holds them; None where it could not be shared (a contended,
+        full, retired or corrupt lease, another attempt's upload not finished): then write
+        the shard.
 
         A writer appends itself only to a generation whose bytes it has seen (a HEAD of the
-        right size, after the lease read whose ETag its CAS names): a doom between the two
-        fails the CAS, and no lease ever lists a user of bytes that never came."""
+        blob's size and of the ETag its reserver recorded, after the lease read whose ETag
+        its CAS names): a doom between the two fails the CAS, and no lease lists a user of
+        bytes that never came."""
         self.touch(step, attempt)
         me = User(step, attempt)
         refused = contended = 0
-        waited_since: float | None = None
         while contended < CAS_TRIES:
             try:
                 lease, etag = self.read(blob)
@@ -323,10 +342,13 @@ class BlobLeases:
                     self.url, blob.lease_key,
                 )  # fmt: skip
                 return None
+            if lease is not None and lease.retired:
+                log.info("%s: lease %s is being removed: not shared", self.url, blob.lease_key)
+                return None
             if lease is None or lease.doomed:
                 generation = names.new_attempt_id()  # unique: never a generation before
                 serial = 0 if lease is None else lease.serial
-                reserved = Lease(generation, False, (me,), me, serial)
+                reserved = Lease(generation, False, (me,), me, None, False, serial)
                 if not self._swap(blob, reserved, etag, _holds(me, generation)):
                     refused += lease is None
                     contended += 1
@@ -334,26 +356,33 @@ class BlobLeases:
                     continue
                 return self._upload(step, attempt, blob, generation, data)
             key = blob.generation_key(lease.generation)
-            try:
-                info: ObjectInfo | None = self.driver.head(key)
-            except ObjectNotFoundError:
-                info = None
-            if info is not None and not self._holds_the_blob(info, blob):
+            info = self._generation_object(blob, lease.generation)
+            if info is None and lease.reserver == me and me in lease.users:
+                # This attempt's own reservation, its bytes not there: an upload of this
+                # process under way (wait for its end), or one lost to a failure or to an
+                # unknown outcome of the reserving CAS (upload them now: it is ours).
+                if self._wait_for_own_upload(blob, lease.generation):
+                    continue
+                return self._upload(step, attempt, blob, lease.generation, data)
+            if info is None:
+                log.info("%s: %s not uploaded (yet): not shared", self.url, key)
+                return None  # another attempt's upload, under way or dead: never waited for
+            if not self._holds_the_blob(info, blob) or (
+                lease.etag is not None and info.etag != lease.etag
+            ):
                 log.warning(
-                    "%s/%s holds %d bytes, not the blob's %d: the shard is written unshared",
-                    self.url, key, info.size, blob.size,
+                    "%s/%s is not the blob its name says (%d bytes, ETag %s; the blob has %d "
+                    "bytes, its reserver uploaded ETag %s): the shard is written unshared",
+                    self.url, key, info.size, info.etag, blob.size, lease.etag,
                 )  # fmt: skip
                 return None
-            if info is None:  # its reserver may still be uploading it
-                waited_since = time.monotonic() if waited_since is None else waited_since
-                if lease.reserver != me or time.monotonic() - waited_since > self.share_wait_s:
-                    # Another attempt's upload (under way, or dead) is not waited for: the
-                    # shard is written unshared now, naming nothing (a later save shares it).
-                    log.info("%s: %s not uploaded (yet): not shared", self.url, key)
-                    return None
-                time.sleep(0.05 + random.random() * 0.1)  # another rank of this attempt
-                continue
             if me not in lease.users:
+                if len(lease.users) >= MAX_USERS:
+                    log.warning(
+                        "%s: lease %s lists %d users, as many as a lease holds: the shard is "
+                        "written unshared", self.url, blob.lease_key, len(lease.users),
+                    )  # fmt: skip
+                    return None
                 appended = replace(lease, users=(*lease.users, me))
                 if not self._swap(blob, appended, etag, _holds(me, lease.generation)):
                     contended += 1
@@ -366,6 +395,22 @@ class BlobLeases:
         )  # fmt: skip
         return None
 
+    def _generation_object(self, blob: BlobName, generation: str) -> ObjectInfo | None:
+        try:
+            return self.driver.head(blob.generation_key(generation))
+        except ObjectNotFoundError:
+            return None
+
+    def _wait_for_own_upload(self, blob: BlobName, generation: str) -> bool:
+        """Wait (up to ``share_wait_s``) for this process's upload of the generation to end:
+        True if one was under way (look again), False if none is."""
+        with self._alive_lock:
+            ended = self._uploading.get((str(blob), generation))
+        if ended is None:
+            return False
+        ended.wait(self.share_wait_s)
+        return True
+
     @staticmethod
     def _holds_the_blob(info: ObjectInfo, blob: BlobName) -> bool:
         """Whether a generation's object can hold the blob: its size, whatever its name says
@@ -376,20 +421,27 @@ class BlobLeases:
         self, step: int, attempt: str, blob: BlobName, generation: str, data: memoryview
     ) -> Mapping[str, str]:
         """Upload a reserved generation's bytes, the reserver's marker written again at least
-        every ``UPLOADING_EVERY_S`` (waiters, and GC, see it uploading)."""
+        every ``UPLOADING_EVERY_S`` (GC sees it uploading)."""
         key = blob.generation_key(generation)
-        sink = self.open_sink(key, blob.size)
-        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        ended = threading.Event()
+        with self._alive_lock:
+            self._uploading[str(blob), generation] = ended
         try:
-            for offset in range(0, view.nbytes, _UPLOAD_PIECE):
-                self.touch(step, attempt, every=UPLOADING_EVERY_S)
-                sink.write(view[offset : offset + _UPLOAD_PIECE])
-            sink.close()
-        except BaseException:
-            sink.abort()
-            self._gone(step, attempt)
-            raise
-        info = self.driver.head(key)
+            sink = self.open_sink(key, blob.size)
+            view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+            try:
+                for offset in range(0, view.nbytes, _UPLOAD_PIECE):
+                    self.touch(step, attempt, every=UPLOADING_EVERY_S)
+                    sink.write(view[offset : offset + _UPLOAD_PIECE])
+                sink.close()
+            except BaseException:
+                sink.abort()
+                raise
+            info = self.driver.head(key)
+        finally:
+            with self._alive_lock:
+                self._uploading.pop((str(blob), generation), None)
+            ended.set()
         return self.locator(blob, generation, info)
 
     @staticmethod
@@ -407,46 +459,55 @@ class BlobLeases:
         attempt: str,
         locators: Sequence[Mapping[str, str]],
         executor: ThreadPoolExecutor | None = None,
-    ) -> list[str]:
-        """At the seal: what says the attempt no longer holds a blob it names (GC judged it
-        dead: dropped it from a lease, or doomed the generation). Empty: it holds them all.
+    ) -> list[tuple[str, bool]]:
+        """At the seal: what says the attempt no longer holds a blob it names, each with
+        whether GC's judgement says it (the attempt was judged dead: dropped from a lease,
+        its generation doomed, its lease removed). Empty: it holds them all.
 
         Each verdict is on a lease read *and confirmed current*: the lease is written back
-        unchanged with If-Match on the ETag read (a read may return an older version for a
+        by CAS on the ETag read, its serial grown (a read may return an older version for a
         moment after an overwrite, on some storage; a CAS is decided by the server on the
-        object as it is). A GC that read the lease before the confirmation fails its own
-        CAS, and judges again. ``executor``: checks blobs concurrently."""
+        object as it is), which also fails the doom of any GC that read the lease before
+        it. The write records the generation's ETag where its reserver's upload gave it and
+        the lease has none yet. ``executor``: checks blobs concurrently."""
         me = User(step, attempt)
-        held = sorted({(locator["blob"], locator["generation"]) for locator in locators})
+        held: dict[tuple[str, str], str] = {}
+        for locator in locators:
+            held.setdefault((locator["blob"], locator["generation"]), locator.get("etag", ""))
 
-        def problem(item: tuple[str, str]) -> str | None:
-            return self._held_problem(me, BlobName.parse(item[0]), item[1])
+        def problem(item: tuple[tuple[str, str], str]) -> tuple[str, bool] | None:
+            (blob_text, generation), etag = item
+            return self._held_problem(me, BlobName.parse(blob_text), generation, etag)
 
-        found = list(map(problem, held) if executor is None else executor.map(problem, held))
+        items = sorted(held.items())
+        found = list(map(problem, items) if executor is None else executor.map(problem, items))
         return [problem for problem in found if problem is not None]
 
-    def _held_problem(self, me: User, blob: BlobName, generation: str) -> str | None:
+    def _held_problem(
+        self, me: User, blob: BlobName, generation: str, etag_uploaded: str
+    ) -> tuple[str, bool] | None:
         for attempt_number in range(CAS_TRIES):
             try:
                 lease, etag = self.read(blob)
             except LeaseCorruptError as exc:
-                return str(exc)
+                return str(exc), False
             if lease is None or etag is None:
-                problem: str | None = f"the lease of blob {blob} is gone"
                 if attempt_number < 3:  # a read that lags behind the lease's creation
                     _backoff(attempt_number)
                     continue
-                return problem
+                return f"the lease of blob {blob} was removed (by GC, or by hand)", True
+            problem: tuple[str, bool] | None = None
             if lease.doomed or lease.generation != generation:
-                problem = f"generation {generation} of blob {blob} was doomed by GC"
+                problem = f"generation {generation} of blob {blob} was doomed by GC", True
             elif me not in lease.users:
-                problem = f"GC dropped this attempt from the lease of blob {blob}"
-            else:
-                problem = None
-            if self._swap(blob, lease, etag, lambda stored: False):  # confirmed current
+                problem = f"GC dropped this attempt from the lease of blob {blob}", True
+            confirmed = lease
+            if problem is None and lease.etag is None and lease.reserver == me and etag_uploaded:
+                confirmed = replace(lease, etag=etag_uploaded)
+            if self._swap(blob, confirmed, etag, lambda stored: False):  # confirmed current
                 return problem
             _backoff(attempt_number)
-        return f"the lease of blob {blob} changed {CAS_TRIES} times while it was checked"
+        return f"the lease of blob {blob} changed {CAS_TRIES} times while it was checked", False
 
     # -- GC ------------------------------------------------------------------------------
 
@@ -567,16 +628,30 @@ class BlobLeases:
                     self.driver.abort_multipart(upload.key, upload.upload_id)
                 except ObjectNotFoundError:
                     pass
-        if lease.doomed and listed is not None and now - listed.last_modified > report.grace_s:
-            # Doomed longer than the grace period: it protects nothing (no one names a doomed
-            # generation). A writer that reserves in it at this instant finds it gone at its
-            # seal and publishes nothing (or, past its seal, leaves its blob without a lease:
-            # never collected, never lost); generation ids are never reused.
-            age = now - listed.last_modified
-            why = "doomed longer than the grace period"
-            report.removed.append(GcItem("blob lease", blob.lease_key, age, listed.size, why=why))
-            if not report.dry_run:
-                self._delete(blob.lease_key)
+        if lease.retired:
+            self._remove_lease(report, blob, listed, now)
+            return
+        # Doomed longer than the grace period, its generations gone: it protects nothing.
+        # Retired first, by CAS from the state read (a writer that reserved in it since fails
+        # this, and the lease stays), then removed: a retired lease is never reserved in, so
+        # its removal can race no one.
+        old_enough = listed is not None and now - listed.last_modified > report.grace_s
+        if (
+            lease.doomed
+            and old_enough
+            and (report.dry_run or self._swap(blob, replace(lease, retired=True), etag, _retires))
+        ):
+            self._remove_lease(report, blob, listed, now)
+
+    def _remove_lease(
+        self, report: GcReport, blob: BlobName, listed: ObjectInfo | None, now: float
+    ) -> None:
+        age = 0.0 if listed is None else max(0.0, now - listed.last_modified)
+        size = 0 if listed is None else listed.size
+        why = "doomed longer than the grace period, retired"
+        report.removed.append(GcItem("blob lease", blob.lease_key, age, size, why=why))
+        if not report.dry_run:
+            self._delete(blob.lease_key)
 
     def _upload_moved(self, upload: UploadInfo, now: float, grace_s: float) -> bool:
         """Whether an upload received a part (or began) within the grace period."""

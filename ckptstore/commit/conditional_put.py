@@ -775,13 +775,12 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
             manifest.step, manifest.attempt, shared, self.parts_executor()
         )
         if problems:
-            listed = "; ".join(problems[:5]) + (
-                f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
-            )
+            texts = [text for text, _ in problems]
+            listed = "; ".join(texts[:5]) + (f" (+{len(texts) - 5} more)" if len(texts) > 5 else "")
             why = (
                 f"{GC_WAS_HERE}. Save again, with a GC grace period longer than a save's "
                 f"longest pause"
-                if any("GC" in problem for problem in problems)
+                if any(by_gc for _, by_gc in problems)
                 else "the blobs' leases do not vouch for them (changed or damaged behind the "
                 "store's back?); save again"
             )
