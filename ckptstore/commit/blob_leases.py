@@ -523,7 +523,8 @@ class BlobLeases:
         generations no lease names as current, and liveness markers no one needs.
 
         ``now``: the storage's clock; ``published(user)``: its attempt's manifest, read
-        directly; ``last_activity(user)``: the newest write of its attempt's own objects
+        directly, and afresh at each call (a judgement must read after the lease read that
+        named the user); ``last_activity(user)``: the newest write of its attempt's own objects
         (None: none), whose age against ``report.grace_s`` says alive."""
         area: dict[BlobName, dict[str, ObjectInfo]] = {}
         leases: dict[BlobName, ObjectInfo] = {}

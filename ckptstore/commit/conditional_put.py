@@ -1259,10 +1259,24 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                 for info in objects:
                     self.driver.delete(info.key)
         if self._blobs is not None and BLOBS in groups:
+
+            def user_published(user: User) -> bool:
+                """Read afresh for each judgement, after the lease read that named the user
+                (never from this pass's earlier reads: a user may have published since),
+                in every epoch, one created since the pass began included."""
+                if not epochs:
+                    epochs.extend(self.epoch_numbers())
+                while self.read_epoch(epochs[-1] + 1) is not None:
+                    epochs.append(epochs[-1] + 1)
+                return any(
+                    self._published_attempt(user.step, epoch) in (user.attempt, _UNREADABLE)
+                    for epoch in epochs
+                )
+
             self._blobs.collect(
                 report,
                 now=storage_now,
-                published=lambda user: published(user.step, user.attempt),
+                published=user_published,
                 last_activity=lambda user: self._last_activity(user, items, storage_now),
             )
         return report
