@@ -854,11 +854,11 @@ class CheckThenAppendCommit(ConditionalPutCommit):
 
 
 class _SizeBlindLeases(BlobLeases):
-    """A writer that trusts a blob's name (its digest) without its object's size: the
-    object at the name is taken for the blob, whatever it holds."""
+    """A writer that trusts a blob's name (its digest) without its object's size or ETag:
+    the object at the name is taken for the blob, whatever it holds."""
 
     @staticmethod
-    def _holds_the_blob(info: ObjectInfo, blob: BlobName) -> bool:
+    def _holds_the_blob(info: ObjectInfo, blob: BlobName, lease: Any) -> bool:
         return True
 
 

@@ -367,9 +367,7 @@ class BlobLeases:
             if info is None:
                 log.info("%s: %s not uploaded (yet): not shared", self.url, key)
                 return None  # another attempt's upload, under way or dead: never waited for
-            if not self._holds_the_blob(info, blob) or (
-                lease.etag is not None and info.etag != lease.etag
-            ):
+            if not self._holds_the_blob(info, blob, lease):
                 log.warning(
                     "%s/%s is not the blob its name says (%d bytes, ETag %s; the blob has %d "
                     "bytes, its reserver uploaded ETag %s): the shard is written unshared",
@@ -412,10 +410,11 @@ class BlobLeases:
         return True
 
     @staticmethod
-    def _holds_the_blob(info: ObjectInfo, blob: BlobName) -> bool:
-        """Whether a generation's object can hold the blob: its size, whatever its name says
-        (a truncated or replaced object is not the blob)."""
-        return info.size == blob.size
+    def _holds_the_blob(info: ObjectInfo, blob: BlobName, lease: Lease) -> bool:
+        """Whether a generation's object can hold the blob, whatever its name says: the
+        blob's size, and the ETag its reserver recorded (a truncated or replaced object is
+        not the blob)."""
+        return info.size == blob.size and lease.etag in (None, info.etag)
 
     def _upload(
         self, step: int, attempt: str, blob: BlobName, generation: str, data: memoryview
