@@ -31,6 +31,7 @@ from ckptstore.errors import (
 )
 from ckptstore.manifest import JSONValue, Manifest, ReplicaSource, ShardRecord, WriterInfo
 from ckptstore.names import check_shard_name
+from ckptstore.shardbytes import ShardBytes
 
 if TYPE_CHECKING:
     from ckptstore.checkpoint import Checkpoint
@@ -55,9 +56,11 @@ class _Readable(Protocol):
     def read(self, size: int = -1, /) -> bytes: ...
 
 
-ShardData = BytesLike | _Readable | Iterable[BytesLike]
+ShardData = BytesLike | _Readable | Iterable[BytesLike] | ShardBytes
 """What a shard can be written from: any buffer (bytes, bytearray, memoryview, a NumPy
-array), a binary file (anything with ``read``), or an iterable of buffers (chunks)."""
+array), a binary file (anything with ``read``), an iterable of buffers (chunks), or
+``ShardBytes`` (bytes known whole before they are written: an incremental save shares them
+where it can, as it does a buffer or a list of buffers)."""
 
 
 class PendingState(str, enum.Enum):
@@ -146,7 +149,7 @@ class ShardSharing(Protocol):
     """The strong digest ``share`` needs of a shard (object stores), or None."""
 
     def share(
-        self, name: str, crc32c: str, size: int, data: memoryview, digest: str | None = None
+        self, name: str, crc32c: str, size: int, data: ShardBytes, digest: str | None = None
     ) -> Mapping[str, str] | None: ...
 
     def index(self, step: int, attempt: str, shards: Mapping[str, tuple[str, int]]) -> None: ...
@@ -207,7 +210,7 @@ class ShardWriter:
     def write_ahead(self, data: BytesLike) -> int:
         """Append bytes whose checksums the caller computes elsewhere and hands over with
         ``adopt`` before ``close`` (an incremental save hashes a shard while it is written)."""
-        if self._closed or self.size:
+        if self._closed or self.size:  # several calls may add bytes ahead, in order
             raise CheckpointStateError(
                 f"shard {self.name!r}: bytes ahead of their checksums go into an empty shard",
                 key=self.name,
@@ -294,29 +297,33 @@ class ShardWriter:
 
 
 def shard_checksums(
-    view: memoryview, algorithm: str | None
+    data: memoryview | ShardBytes, algorithm: str | None
 ) -> tuple[BlockCrc32c, BlockDigests | None]:
     """The CRC32Cs (and, with ``algorithm``, the digests) of a whole shard's bytes; a large
     shard's two on two threads (both hash without holding the GIL)."""
+    whole = ShardBytes.of(data)
     crc = BlockCrc32c()
     digests = None if algorithm is None else BlockDigests(algorithm)
-    if digests is None or view.nbytes < _OVERLAP_FROM:
-        crc.update(view)
-        if digests is not None:
-            digests.update(view)
+    if digests is None or whole.nbytes < _OVERLAP_FROM:
+        for piece in whole.pieces():
+            crc.update(piece)
+            if digests is not None:
+                digests.update(piece)
         return crc, digests
     failure: list[BaseException] = []
 
     def crc_all() -> None:
         try:
-            crc.update(view)
+            for piece in whole.pieces():
+                crc.update(piece)
         except BaseException as exc:  # raised below, in the caller's thread
             failure.append(exc)
 
     summing = threading.Thread(target=crc_all, name="ckptstore-crc-share")
     summing.start()
     try:
-        digests.update(view)
+        for piece in whole.pieces():
+            digests.update(piece)
     finally:
         summing.join()
     if failure:
@@ -413,6 +420,12 @@ class PendingCheckpoint:
         return f"<PendingCheckpoint step={self.step} attempt={self.attempt} {self._state.value}>"
 
     @property
+    def shares(self) -> bool:
+        """True in an incremental save: a shard given whole (a buffer, a list of buffers,
+        ``ShardBytes``) is shared where an earlier save stored the same bytes."""
+        return self._sharing is not None
+
+    @property
     def state(self) -> PendingState:
         """Where this checkpoint is in its life (see PendingState)."""
         return self._state
@@ -479,6 +492,11 @@ class PendingCheckpoint:
         with self._lock:
             self._failed.add(name)
 
+    def discard(self, name: str) -> None:
+        """Count shard ``name``, already written, as failed (its source was found to have
+        changed while it was read): this attempt can no longer publish."""
+        self._shard_failed(name)
+
     def open_shard(self, name: str, size_hint: int | None = None) -> ShardWriter:
         """Start streaming a shard; close the writer (or leave its ``with`` block) to finish.
 
@@ -505,14 +523,20 @@ class PendingCheckpoint:
         """Write a whole shard from bytes, a buffer (numpy, memoryview), a file or chunks."""
         if isinstance(data, str):
             raise InvalidInputError("shard data must be bytes-like, not str (encode it first)")
-        if not (hasattr(data, "read") or _is_buffer(data) or isinstance(data, Iterable)):
+        if not (
+            hasattr(data, "read") or _is_buffer(data) or isinstance(data, (Iterable, ShardBytes))
+        ):
             raise InvalidInputError(
                 f"shard data must be bytes-like, a binary file or an iterable of chunks, "
                 f"got {type(data).__name__}"
             )
         view = None if hasattr(data, "read") or not _is_buffer(data) else _as_view(data)
-        if view is not None and self._sharing is not None:
-            return self._write_shared(name, view, self._sharing)
+        if self._sharing is not None:
+            whole = _whole_shard(data, view)
+            if whole is not None:
+                return self._write_shared(name, whole, self._sharing)
+        if isinstance(data, ShardBytes):
+            data = data.pieces()  # each piece written before the next is read
         with self.open_shard(name, None if view is None else view.nbytes) as writer:
             if view is not None:
                 writer.write(view)
@@ -528,11 +552,11 @@ class PendingCheckpoint:
                     writer.write(chunk)
         return writer.close()
 
-    def _write_shared(self, name: str, view: memoryview, sharing: ShardSharing) -> ShardRecord:
+    def _write_shared(self, name: str, view: ShardBytes, sharing: ShardSharing) -> ShardRecord:
         """Write a whole shard of an incremental save, or share it where a sealed file of
         an earlier save holds exactly its bytes: its CRC32Cs (and digests, where the store
         records them) are computed first, the candidates of its CRC32C and size compared
-        byte for byte, and only then is it written, from the same buffer, not read again."""
+        byte for byte, and only then is it written, from the same buffers, not read again."""
         self._claim(name)
         try:
             algorithm = self.digest_algorithm or sharing.digest_algorithm
@@ -554,7 +578,8 @@ class PendingCheckpoint:
             self._shard_closed(record)
             return record
         with self._open_claimed(name, view.nbytes) as writer:
-            writer.write_ahead(view)
+            for piece in view.pieces():
+                writer.write_ahead(piece)
             writer.adopt(crc, digests)
         return writer.close()
 
@@ -718,6 +743,18 @@ def save_shards(pending: PendingCheckpoint, shards: Mapping[str, ShardData]) -> 
             pending.write(name, data)
     assert pending.checkpoint is not None
     return pending.checkpoint
+
+
+def _whole_shard(data: object, view: memoryview | None) -> ShardBytes | None:
+    """The bytes of a shard known whole before it is written (a buffer, a list or tuple of
+    buffers such as a snapshot's chunks, ShardBytes), or None for a file or a stream."""
+    if isinstance(data, ShardBytes):
+        return data
+    if view is not None:
+        return ShardBytes([view])
+    if isinstance(data, (list, tuple)) and all(_is_buffer(item) for item in data):
+        return ShardBytes([_as_view(item) for item in data])
+    return None
 
 
 def _is_buffer(data: object) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 from ckptstore.commit.base import CommitStrategy, FileId
 from ckptstore.errors import InvalidOptionError
 from ckptstore.manifest import Manifest
+from ckptstore.shardbytes import ShardBytes
 
 __all__ = ["StorageUse", "StrategySharing", "check_incremental", "storage_use"]
 
@@ -46,7 +47,7 @@ class StrategySharing:
         """The strong digest that names shared bytes (object stores), or None."""
 
     def share(
-        self, name: str, crc32c: str, size: int, data: memoryview, digest: str | None = None
+        self, name: str, crc32c: str, size: int, data: ShardBytes, digest: str | None = None
     ) -> Mapping[str, str] | None:
         """The shard made stored bytes that are exactly ``data`` (its locator), or None."""
         return self.strategy.share_shard(self.step, self.attempt, name, crc32c, size, data, digest)

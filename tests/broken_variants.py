@@ -45,6 +45,7 @@ from ckptstore.lineage import Lineage
 from ckptstore.manifest import Manifest
 from ckptstore.names import checkpoint_token, parse_step_token, step_token
 from ckptstore.retention import CheckpointAge
+from ckptstore.shardbytes import ShardBytes
 from ckptstore.store import Store
 from ckptstore.tiers.replication import Replicator
 
@@ -825,7 +826,7 @@ class _CheckThenAppendLeases(BlobLeases):
     checked before trusted (the check-then-act of a reference count kept beside the data)."""
 
     def share(
-        self, step: int, attempt: str, blob: BlobName, data: memoryview
+        self, step: int, attempt: str, blob: BlobName, data: ShardBytes
     ) -> Mapping[str, str] | None:
         self.touch(step, attempt)
         lease, _ = self.read(blob)

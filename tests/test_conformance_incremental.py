@@ -17,6 +17,9 @@ from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import make_state_machine
 from ckptstore.conformance.machine.state_machine import RACE_POINTS
 
+GIVEN = ("buffers", "chunks", "push")
+"""How a sharing save is given its shards, in turn: buffers, lists of buffers, files."""
+
 
 def test_the_machine_shares_shards_and_keeps_them_through_crashes_and_gc(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -33,13 +36,16 @@ def test_the_machine_shares_shards_and_keeps_them_through_crashes_and_gc(
     monkeypatch.setattr(RenameCommit, "share_shard", counted)
     state = make_state_machine(LocationFactory(f"file://{tmp_path}/machine"))()
     try:
-        state.save_incrementally(reuse=[False, False], crash=None)
-        state.save_incrementally(reuse=[True, True], crash=None)  # both shared
+        state.save_incrementally(reuse=[False, False], crash=None, given="push")
+        state.save_incrementally(reuse=[True, True], crash=None, given="chunks")  # both shared
         state.invariants_hold()
         assert len(shares) == 2
         for index in range(30):  # a crash before and after each call of a sharing save
             for mode in (CrashMode.BEFORE, CrashMode.AFTER):
-                state.save_incrementally(reuse=[True, False, True], crash=(index, mode))
+                given = GIVEN[index % len(GIVEN)]
+                state.save_incrementally(
+                    reuse=[True, False, True], crash=(index, mode), given=given
+                )
                 state.invariants_hold()
             if index % 7 == 0:
                 state.retention(keep=2)
@@ -81,14 +87,17 @@ def test_the_machine_shares_blobs_under_leases_through_crashes_and_gc(
     monkeypatch.setattr(ConditionalPutCommit, "share_shard", counted)
     state = make_state_machine(LocationFactory(url, options))()
     try:
-        state.save_incrementally(reuse=[False, False], crash=None)
-        state.save_incrementally(reuse=[True, True], crash=None)
+        state.save_incrementally(reuse=[False, False], crash=None, given="chunks")
+        state.save_incrementally(reuse=[True, True], crash=None, given="push")
         state.invariants_hold()
         assert len(shares) == 4  # every shard of an incremental save is a blob here
         rounds = 24 if where == "memory" else 12
         for index in range(rounds):
             for mode in (CrashMode.BEFORE, CrashMode.AFTER):
-                state.save_incrementally(reuse=[True, False, True], crash=(index, mode))
+                given = GIVEN[index % len(GIVEN)]
+                state.save_incrementally(
+                    reuse=[True, False, True], crash=(index, mode), given=given
+                )
                 state.invariants_hold()
             if index % 5 == 0:
                 state.retention(keep=2)

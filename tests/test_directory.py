@@ -15,6 +15,7 @@ from ckptstore import CheckpointExistsError, IntegrityError, InvalidInputError
 from ckptstore.adapters.directory import directory_files, materialize, publish_directory
 from ckptstore.cli import main as cli
 from ckptstore.errors import StorageError
+from ckptstore.sharing import storage_use
 
 
 def _trainer_directory(root: Path, seed: int = 0) -> dict[str, bytes]:
@@ -78,17 +79,52 @@ def test_a_failed_publish_publishes_nothing(
     assert store.gc(grace=0).removed == []  # nothing left behind either
 
 
-def test_a_file_that_changes_under_the_publish_is_refused(tmp_path: Path) -> None:
-    store = ckptstore.open(f"file://{tmp_path}/store")
+@pytest.mark.parametrize("incremental", [False, True])
+@pytest.mark.parametrize("change", ["shorter", "same size"])
+def test_a_file_that_changes_under_the_publish_is_refused(
+    tmp_path: Path, incremental: bool, change: str
+) -> None:
+    store = ckptstore.open(f"file://{tmp_path}/store", incremental=incremental)
     source = tmp_path / "checkpoint-1"
     _trainer_directory(source)
     listed = directory_files(source)
-    (source / "optimizer.pt").write_bytes(b"shorter")
+    optimizer = source / "optimizer.pt"
+    if change == "shorter":
+        optimizer.write_bytes(b"shorter")
+    else:  # rewritten in place, same size: its modification time tells
+        optimizer.write_bytes(os.urandom(70_000))
+        os.utime(optimizer, ns=(0, optimizer.stat().st_mtime_ns + 1_000_000))
     from ckptstore.adapters.directory import _publish_file
 
     with pytest.raises(InvalidInputError, match="changed while"), store.begin(1) as pending:
-        _publish_file(pending, next(f for f in listed if f.name == "optimizer.pt"))
+        try:
+            _publish_file(pending, next(f for f in listed if f.name == "optimizer.pt"))
+        finally:
+            with pytest.raises(Exception, match="optimizer"):
+                pending.publish()  # even a caller that goes on cannot publish it
     assert store.steps() == []
+
+
+def test_an_incremental_push_shares_the_files_that_did_not_change(
+    store_url: tuple[str, dict[str, object]], tmp_path: Path
+) -> None:
+    url, options = store_url
+    store = ckptstore.open(url, incremental=True, **options)
+    pushed = {}
+    for step in (1, 2, 3):
+        source = tmp_path / f"checkpoint-{step}"
+        pushed[step] = _trainer_directory(source, seed=0)  # model.safetensors unchanged
+        (source / "optimizer.pt").write_bytes(os.urandom(2 * 2**20))  # the rest changes
+        pushed[step]["optimizer.pt"] = (source / "optimizer.pt").read_bytes()
+        publish_directory(store, step, source, parallel=2)
+    manifests = [store.get(step).manifest for step in (1, 2, 3)]
+    use = storage_use(store.strategy, manifests)
+    assert use.shared[(3, manifests[2].epoch)] >= 300_000  # the model, stored once
+    assert use.listed - use.stored >= 2 * 300_000
+    for step in (1, 2, 3):
+        assert store.get(step).verify().ok
+        target = materialize(store.get(step), tmp_path / "restored" / f"checkpoint-{step}")
+        assert _read_tree(target) == pushed[step]
 
 
 def test_entries_that_are_not_files(tmp_path: Path) -> None:

@@ -55,6 +55,7 @@ from ckptstore.filekind import file_kind
 from ckptstore.interface import CheckpointStore
 from ckptstore.names import check_shard_name
 from ckptstore.pending import PendingCheckpoint
+from ckptstore.shardbytes import FileBytes
 from ckptstore.store import Store
 from ckptstore.urls import parse_url
 
@@ -288,27 +289,37 @@ def _local(action: str, path: Path) -> Iterator[None]:
 
 
 def _publish_file(pending: PendingCheckpoint, file: DirectoryFile, clone: bool = False) -> None:
-    copied = 0
-    with (
-        _local("read", file.path),
-        _opened(file) as source,
-        pending.open_shard(file.name, file.size) as shard,
-    ):
-        if clone and file.size and shard.clone_from(source.fileno()):
-            copied = shard.size  # a reflink of the file as it was at that instant, checksummed
-        else:
-            view = memoryview(bytearray(min(_COPY_CHUNK, max(file.size, 1))))
-            while count := source.readinto(view):
-                shard.write(view[:count])
-                copied += count
-        after = os.fstat(source.fileno())
-        rewritten = file.modified is not None and after.st_mtime_ns != file.modified
-        if copied == file.size and after.st_size == file.size and rewritten:
-            raise InvalidInputError(
-                f"{file.path} changed while it was published (written again after it was "
-                f"listed: what was read may mix two versions of it); nothing was "
-                f"published: publish a directory only once its writer is done"
-            )
+    with _local("read", file.path), _opened(file) as source:
+        if pending.shares and not clone:  # an incremental save: shared where already stored
+            pending.write(file.name, FileBytes(source.fileno(), file.size, str(file.path)))
+            try:  # FileBytes raised if the file ended early
+                _check_unchanged(file, source, file.size)
+            except BaseException:
+                pending.discard(file.name)
+                raise
+            return
+        with pending.open_shard(file.name, file.size) as shard:
+            copied = 0
+            if clone and file.size and shard.clone_from(source.fileno()):
+                copied = shard.size  # a reflink of the file as it was then, checksummed
+            else:
+                view = memoryview(bytearray(min(_COPY_CHUNK, max(file.size, 1))))
+                while count := source.readinto(view):
+                    shard.write(view[:count])
+                    copied += count
+            _check_unchanged(file, source, copied)
+
+
+def _check_unchanged(file: DirectoryFile, source: io.BufferedReader, copied: int) -> None:
+    """InvalidInputError if ``file`` changed while ``copied`` bytes of it were read."""
+    after = os.fstat(source.fileno())
+    rewritten = file.modified is not None and after.st_mtime_ns != file.modified
+    if copied == file.size and after.st_size == file.size and rewritten:
+        raise InvalidInputError(
+            f"{file.path} changed while it was published (written again after it was "
+            f"listed: what was read may mix two versions of it); nothing was "
+            f"published: publish a directory only once its writer is done"
+        )
     if copied != file.size:
         raise InvalidInputError(
             f"{file.path} changed while it was published ({file.size} bytes when listed, "

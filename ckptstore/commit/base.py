@@ -29,6 +29,7 @@ from ckptstore.errors import (
     StrayEntryError,
 )
 from ckptstore.manifest import Manifest, ShardRecord
+from ckptstore.shardbytes import ShardBytes
 
 __all__ = [
     "Catalogue",
@@ -225,7 +226,7 @@ class Publishing(_Located):
         name: str,
         crc32c: str,
         size: int,
-        data: memoryview,
+        data: ShardBytes,
         digest: str | None = None,
     ) -> Mapping[str, str] | None:
         """Make shard ``name`` of the attempt, without writing it again, bytes an earlier

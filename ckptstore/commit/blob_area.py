@@ -29,6 +29,7 @@ from ckptstore.errors import (
     StorageError,
     TargetExistsError,
 )
+from ckptstore.shardbytes import ShardBytes
 
 __all__ = ["BLOB_AREA", "FileBlobArea", "bucket_path"]
 
@@ -65,7 +66,7 @@ class FileBlobArea:
     def __init__(self, driver: LinkingDriver) -> None:
         self.driver = driver
 
-    def share(self, crc32c: str, size: int, target: str, data: memoryview) -> bool:
+    def share(self, crc32c: str, size: int, target: str, data: ShardBytes) -> bool:
         """Make ``target`` (a new name in a staging directory) a link to a sealed shard file
         holding exactly ``data`` (its CRC32C ``crc32c``), read back through the new link and
         compared byte for byte; False, nothing left at ``target``, where no entry holds those
@@ -104,7 +105,7 @@ class FileBlobArea:
                     log.info("%s: %s not removed (%s)", self.driver.url, source, exc)
         return False
 
-    def _compare(self, path: str, data: memoryview, crc32c: str) -> str | None:
+    def _compare(self, path: str, data: ShardBytes, crc32c: str) -> str | None:
         """None if the file at ``path`` holds exactly ``data``; else "" where it holds other
         bytes of the same CRC32C and size (a collision: a good entry for other bytes), or
         what is wrong with it (not its bucket's bytes: damaged)."""
@@ -115,7 +116,7 @@ class FileBlobArea:
                 start = crc.size
                 crc.update(chunk)
                 # bytes == bytes is a memcmp; a memoryview compares item by item (16x slower)
-                same = same and data[start : start + len(chunk)].tobytes() == chunk
+                same = same and data.range(start, start + len(chunk)) == chunk
         if same and crc.size == data.nbytes:
             return None
         if crc.size != data.nbytes:

@@ -35,6 +35,7 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
+from ckptstore.shardbytes import ShardBytes
 
 __all__ = [
     "BLOBS",
@@ -314,7 +315,7 @@ class BlobLeases:
         return True
 
     def share(
-        self, step: int, attempt: str, blob: BlobName, data: memoryview
+        self, step: int, attempt: str, blob: BlobName, data: ShardBytes
     ) -> Mapping[str, str] | None:
         """Name ``blob`` (whose bytes are ``data``) in attempt ``attempt`` of ``step``: the
         locator of its current generation, appended to by this attempt, uploading the bytes
@@ -417,7 +418,7 @@ class BlobLeases:
         return info.size == blob.size and lease.etag in (None, info.etag)
 
     def _upload(
-        self, step: int, attempt: str, blob: BlobName, generation: str, data: memoryview
+        self, step: int, attempt: str, blob: BlobName, generation: str, data: ShardBytes
     ) -> Mapping[str, str]:
         """Upload a reserved generation's bytes, the reserver's marker written again at least
         every ``UPLOADING_EVERY_S`` (GC sees it uploading)."""
@@ -427,11 +428,10 @@ class BlobLeases:
             self._uploading[str(blob), generation] = ended
         try:
             sink = self.open_sink(key, blob.size)
-            view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
             try:
-                for offset in range(0, view.nbytes, _UPLOAD_PIECE):
+                for piece in data.pieces(_UPLOAD_PIECE):
                     self.touch(step, attempt, every=UPLOADING_EVERY_S)
-                    sink.write(view[offset : offset + _UPLOAD_PIECE])
+                    sink.write(piece)
                 sink.close()
             except BaseException:
                 sink.abort()

@@ -78,6 +78,7 @@ from ckptstore.errors import (
 from ckptstore.hint import MAX_HINT_BYTES, parse_hint, report_lagging_listing
 from ckptstore.lineage import Epoch
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord
+from ckptstore.shardbytes import ShardBytes
 
 __all__ = ["ConditionalPutCommit", "ObjectShardSink"]
 
@@ -676,7 +677,7 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         name: str,
         crc32c: str,
         size: int,
-        data: memoryview,
+        data: ShardBytes,
         digest: str | None = None,
     ) -> Mapping[str, str] | None:
         """The blob of ``data``'s digest, shared by appending the attempt to its lease (its

@@ -61,6 +61,7 @@ from ckptstore.errors import (
 )
 from ckptstore.hint import MAX_HINT_BYTES, encode_hint, ignore_hint, parse_hint
 from ckptstore.manifest import MAX_MANIFEST_BYTES, Manifest, ShardRecord
+from ckptstore.shardbytes import ShardBytes
 
 __all__ = ["FileShardSink", "RenameCommit", "directories_of"]
 
@@ -193,7 +194,7 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         name: str,
         crc32c: str,
         size: int,
-        data: memoryview,
+        data: ShardBytes,
         digest: str | None = None,
     ) -> Mapping[str, str] | None:
         """A hard link, in the staging directory, to a sealed shard file holding exactly

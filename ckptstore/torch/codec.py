@@ -100,13 +100,19 @@ def encode_state_parts(
     copier: HostCopier | None = None,
     subject: str = "state",
     part_size: int | None = None,
+    steady: Callable[[torch.Tensor], bool] | None = None,
 ) -> tuple[list[list[Buffer]], bytes]:
     """Like ``encode_state_chunks``, but the tensors split into several safetensors files
     (parts) of about ``part_size`` bytes each, in the state's order: a part is closed once it
     holds ``part_size`` bytes (a tensor is never split, so a part may be larger). Tensor keys
     are unique across parts; no tensors gives no parts, ``part_size=None`` at most one.
+
+    ``steady`` (with ``part_size``): the tensors it is true of (frozen parameters) come first,
+    in parts of their own, so that those parts hold the same bytes from save to save while
+    the rest changes (an incremental save shares them, docs/protocol.md §12).
     """
     tensors: dict[str, torch.Tensor] = {}
+    steady_keys: set[str] = set()
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
     alive: list[torch.Tensor] = []  # temporaries (a generator's state) held until the end
 
@@ -159,6 +165,8 @@ def encode_state_parts(
             if key is None:
                 key = f"t{len(tensors)}"
                 seen[identity] = key
+                if steady is not None and steady(tensor):
+                    steady_keys.add(key)
                 if copy and copier is not None:
                     tensors[key] = copier(key, tensor)
                 else:
@@ -190,10 +198,17 @@ def encode_state_parts(
     skeleton = walk(state, "")
     groups: list[dict[str, torch.Tensor]] = []
     filled = 0
-    for key, tensor in tensors.items():
-        if not groups or (part_size is not None and filled >= part_size):
+    in_steady = False
+    if part_size is None:
+        steady_keys.clear()  # one part: nothing to set apart
+    ordered = sorted(tensors, key=lambda k: k not in steady_keys)  # stable: the state's order
+    for key in ordered:
+        tensor = tensors[key]
+        moved_on = in_steady and key not in steady_keys  # the first changing tensor after them
+        if not groups or moved_on or (part_size is not None and filled >= part_size):
             groups.append({})
             filled = 0
+        in_steady = key in steady_keys
         groups[-1][key] = tensor
         filled += tensor.numel() * tensor.element_size()
     parts = [_safetensors_chunks(group) for group in groups]

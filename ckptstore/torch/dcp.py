@@ -4,9 +4,11 @@
 ``dcp.load`` use the ckptstore protocol on every backend. The coordinator begins the attempt
 in ``prepare_global_plan`` and hands its id to every rank through the plans; each rank writes
 one shard, ``__<rank>.distcp``, into that attempt (tensors as raw bytes, DCP's own byte items
-as given); the coordinator's ``finish`` gathers every rank's receipts from the write results,
-checks coverage, stores DCP's metadata as JSON (``dcp-metadata.json``) and publishes. Loading
-reads the manifest's shards, checksummed, through their locators.
+as given; in an incremental save, the tensors unchanged since the writer's last save go into
+``__<rank>_steady.distcp``, shared with it); the coordinator's ``finish`` gathers every rank's
+receipts from the write results, checks coverage, stores DCP's metadata as JSON
+(``dcp-metadata.json``) and publishes. Loading reads the manifest's shards, checksummed,
+through their locators.
 
 Tensors and the metadata are stored as bytes and JSON. DCP's planner serialises non-tensor
 values itself (``BYTE_IO`` items, ``torch.save``) and deserialises them on load with
@@ -53,6 +55,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ckptstore.checkpoint import Checkpoint
+from ckptstore.checksum import crc32c_hex
 from ckptstore.driver import BytesLike
 from ckptstore.errors import (
     CheckpointStateError,
@@ -82,8 +85,8 @@ def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]
     return tensor
 
 
-def _shard_name(rank: int) -> str:
-    return f"__{rank}.distcp"
+def _shard_name(rank: int, part: str = "") -> str:
+    return f"__{rank}{part}.distcp"
 
 
 class _SaveState(threading.local):
@@ -128,6 +131,9 @@ class CkptStoreWriter(StorageWriter):
         self._save = _SaveState()
         self._last_step = self.default_step
         self._stager: ReusingStager | None = None
+        self._history: dict[int, dict[tuple[str, tuple[int, ...]], str]] = {}
+        """By rank: the CRC32C of each tensor item of this writer's last incremental save."""
+        self._history_lock = threading.Lock()
 
     @property
     def step(self) -> int | None:
@@ -196,40 +202,89 @@ class CkptStoreWriter(StorageWriter):
             pending = self.store.join(step, attempt)
         results: list[WriteResult] = []
         if plan.items:
-            name = _shard_name(rank)
-            offset = 0
-            entries = []
-            with pending.open_shard(name) as shard:
-                for item in plan.items:
-                    data = planner.resolve_data(item)
-                    info: dict[str, Any] = {"shard": name, "offset": offset}
-                    if item.type == WriteItemType.BYTE_IO:
-                        blob = (  # resolve_data gives BYTE_IO items as BytesIO, or as bytes
-                            memoryview(data.getbuffer())
-                            if isinstance(data, io.BytesIO)
-                            else cast(BytesLike, data)
-                        )
-                        length = shard.write(blob)
-                    else:
-                        assert isinstance(data, torch.Tensor)
-                        if self._stager is not None and self._save.snapshot_s is None:
-                            self._save.snapshot_s = self._stager.seconds_for(data)
-                        tensor = data.detach().to("cpu").contiguous()
-                        info["dtype"] = str(tensor.dtype).removeprefix("torch.")
-                        info["shape"] = list(tensor.shape)
-                        length = shard.write(_tensor_bytes(tensor))
-                    info["length"] = length
-                    offset += length
-                    entries.append((item, info))
-            receipt = dataclasses.asdict(shard.close())
-            pending.seal()  # the shard is durable before its receipt travels
-            for index, (item, info) in enumerate(entries):
-                if index == 0:
-                    info["receipt"] = receipt  # travels to the coordinator inside the results
+            if pending.shares:
+                written = self._write_sharing(pending, plan, planner, rank)
+            else:
+                written = self._write_streamed(pending, plan, planner, rank)
+            pending.seal()  # the shards are durable before their receipts travel
+            for item, info in written:  # receipts travel to the coordinator in the results
                 results.append(WriteResult(item.index, info["length"], info))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+    def _item_bytes(self, item: Any, planner: SavePlanner, info: dict[str, Any]) -> BytesLike:
+        """One item's bytes to store (a tensor's, in host memory; a BYTE_IO item's as given),
+        its dtype and shape recorded in ``info``."""
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            return (  # resolve_data gives BYTE_IO items as BytesIO, or as bytes
+                memoryview(data.getbuffer())
+                if isinstance(data, io.BytesIO)
+                else cast(BytesLike, data)
+            )
+        assert isinstance(data, torch.Tensor)
+        if self._stager is not None and self._save.snapshot_s is None:
+            self._save.snapshot_s = self._stager.seconds_for(data)
+        tensor = data.detach().to("cpu").contiguous()
+        info["dtype"] = str(tensor.dtype).removeprefix("torch.")
+        info["shape"] = list(tensor.shape)
+        return _tensor_bytes(tensor)
+
+    def _write_streamed(
+        self, pending: PendingCheckpoint, plan: SavePlan, planner: SavePlanner, rank: int
+    ) -> list[tuple[Any, dict[str, Any]]]:
+        """Every item of the rank, one after another, into one shard: each item's bytes are
+        written before the next is resolved."""
+        name = _shard_name(rank)
+        offset = 0
+        entries: list[tuple[Any, dict[str, Any]]] = []
+        with pending.open_shard(name) as shard:
+            for item in plan.items:
+                info: dict[str, Any] = {"shard": name, "offset": offset}
+                info["length"] = shard.write(self._item_bytes(item, planner, info))
+                offset += info["length"]
+                entries.append((item, info))
+        entries[0][1]["receipt"] = dataclasses.asdict(shard.close())
+        return entries
+
+    def _write_sharing(
+        self, pending: PendingCheckpoint, plan: SavePlan, planner: SavePlanner, rank: int
+    ) -> list[tuple[Any, dict[str, Any]]]:
+        """An incremental save's items: the tensors whose bytes are those of this writer's
+        last save (by CRC32C) go into a shard of their own, ``__<rank>_steady.distcp``, which
+        is shared with that save's where it holds the same bytes; the rest into
+        ``__<rank>.distcp``. The CRC32C only sorts the items: what is shared is decided by
+        the store on the whole shard's bytes (docs/protocol.md §12)."""
+        with self._history_lock:
+            before = self._history.get(rank, {})
+        now: dict[tuple[str, tuple[int, ...]], str] = {}
+        steady: list[tuple[Any, dict[str, Any], memoryview]] = []
+        changing: list[tuple[Any, dict[str, Any], memoryview]] = []
+        for item in plan.items:
+            info: dict[str, Any] = {}
+            view = memoryview(self._item_bytes(item, planner, info)).cast("B")
+            group = changing
+            if item.type != WriteItemType.BYTE_IO:
+                key = (item.index.fqn, tuple(item.index.offset or ()))
+                now[key] = crc32c_hex(view)
+                if before.get(key) == now[key]:
+                    group = steady
+            group.append((item, info, view))
+        with self._history_lock:
+            self._history[rank] = now
+        entries: list[tuple[Any, dict[str, Any]]] = []
+        for name, group in ((_shard_name(rank, "_steady"), steady), (_shard_name(rank), changing)):
+            if not group:
+                continue
+            offset = 0
+            for item, info, view in group:
+                info.update(shard=name, offset=offset, length=view.nbytes)
+                offset += view.nbytes
+                entries.append((item, info))
+            record = pending.write(name, [view for _, _, view in group])
+            group[0][1]["receipt"] = dataclasses.asdict(record)
+        return entries
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         pending = self._save.pending

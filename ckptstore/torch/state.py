@@ -16,7 +16,7 @@ tokens, ...) into the manifest's metadata, where ``ckptstore show`` prints them.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
@@ -121,7 +121,12 @@ def snapshot_state(
         state = component.state_dict() if isinstance(component, Stateful) else component
         copier = None if buffers is None else _reusing(buffers, name)
         parts, skeleton = encode_state_parts(
-            state, copy=copy, copier=copier, subject=f"component {name!r}", part_size=PART_SIZE
+            state,
+            copy=copy,
+            copier=copier,
+            subject=f"component {name!r}",
+            part_size=PART_SIZE,
+            steady=_frozen_parameters(component),
         )
         for index, chunks in enumerate(parts or [[]]):  # no tensors: one empty shard
             shard = part_shard(name, index)
@@ -151,6 +156,31 @@ def snapshot_state(
     if counters:
         document["counters"] = dict(counters)
     return Snapshot(shards, document)
+
+
+def _frozen_parameters(component: Any) -> Callable[[torch.Tensor], bool] | None:
+    """For a module: true of its frozen parameters' tensors (``requires_grad`` off: a base
+    model under adapters, frozen embeddings, a reference model), which its state dict holds
+    as detached tensors of the same memory. They go into tensor parts of their own, which an
+    incremental save then shares from save to save instead of writing them again."""
+    if not isinstance(component, torch.nn.Module):
+        return None
+    frozen = {_memory_of(p) for p in component.parameters() if not p.requires_grad}
+    if not frozen:
+        return None
+    return lambda tensor: _memory_of(tensor) in frozen
+
+
+def _memory_of(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What a tensor is a view of: two tensors with this in common hold the same values."""
+    return (
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        int(tensor.storage_offset()),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+    )
 
 
 def _reusing(buffers: dict[str, Any], component: str) -> Any:

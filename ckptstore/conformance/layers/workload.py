@@ -12,6 +12,7 @@ every layer that saves.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -132,11 +133,22 @@ def committing(store: Store, model: Model, saved: Saved) -> Iterator[None]:
     model.save_committed(saved)
 
 
-def save(store: Store, model: Model, saved: Saved) -> None:
+def save(store: Store, model: Model, saved: Saved, *, pieces: int = 1) -> None:
     """Save ``saved`` through the store, telling the model when it is in doubt and committed
-    (``committing``)."""
+    (``committing``). ``pieces`` > 1: each shard given as a list of that many buffers (a
+    snapshot's chunks: hashed, shared and written without being joined)."""
+    shards: Mapping[str, Any] = saved.shards
+    if pieces > 1:
+        shards = {name: _split(blob, pieces) for name, blob in saved.shards.items()}
     with committing(store, model, saved):
-        store.save(saved.step, saved.shards, saved.metadata)
+        store.save(saved.step, shards, saved.metadata)
+
+
+def _split(blob: bytes, pieces: int) -> list[memoryview]:
+    """``blob`` as ``pieces`` consecutive views (some empty where it is short)."""
+    view = memoryview(blob)
+    cuts = [len(blob) * i // pieces for i in range(pieces + 1)]
+    return [view[a:b] for a, b in itertools.pairwise(cuts)]
 
 
 def write_directory(directory: str, shards: Mapping[str, bytes]) -> None:

@@ -338,15 +338,20 @@ class CheckpointStoreMachine(ForeignEntryRules):
     @rule(
         reuse=st.lists(st.booleans(), min_size=1, max_size=3),
         crash=st.none() | st.tuples(st.integers(0, 40), _modes),
+        given=st.sampled_from(("buffers", "chunks", "push")),
     )
     @abort_on_storage_failure
-    def save_incrementally(self, reuse: list[bool], crash: tuple[int, CrashMode] | None) -> None:
+    def save_incrementally(
+        self, reuse: list[bool], crash: tuple[int, CrashMode] | None, given: str = "buffers"
+    ) -> None:
         """An incremental save (docs/protocol.md §12) whose shards repeat, where ``reuse``
         says, the bytes of a shard an earlier save committed (a frozen base): shared with
-        that checkpoint by a hard link where a checkpoint published them after an
-        incremental save indexed them, else written; crashing at call ``crash[0]`` (the
-        sharing links among the calls) unless None. I10 is checked with every other
-        invariant: each published checkpoint reads back whole, its shared shards included."""
+        that checkpoint (a hard link, a leased blob) where an incremental save stored them,
+        else written; crashing at call ``crash[0]`` (the sharing links, lease CASes and
+        uploads among the calls) unless None. The shards are ``given`` as buffers, as lists
+        of three buffers (a snapshot's chunks), or as the files of a pushed directory. I10 is
+        checked with every other invariant: each published checkpoint reads back whole, its
+        shared shards included."""
         earlier = [
             blob for saved in self.model.committed.values() for blob in saved.shards.values()
         ]
@@ -359,7 +364,11 @@ class CheckpointStoreMachine(ForeignEntryRules):
         plan = None if crash is None else FaultPlan(crash_at=crash[0], crash_mode=crash[1])
         self.sharing["saves"] += 1
         try:
-            save(self._writer(plan, incremental=True), self.model, saved)
+            store = self._writer(plan, incremental=True)
+            if given == "push":
+                push(store, self.model, saved, clone=False)
+            else:
+                save(store, self.model, saved, pieces=3 if given == "chunks" else 1)
         except SimulatedCrash as died:
             self.completion_crashes.update(_around_completion(died))
             self.restart()
