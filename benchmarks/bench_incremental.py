@@ -135,6 +135,7 @@ def _run(title: str, work: Workload, saves: int, directory: str,
             {"plain save": saver("plain", plain),
              "incremental save": saver("incremental", incremental)},
             saves,
+            before=lambda _name, _repeat: os.sync(),  # no save pays for another's write-back
         )  # fmt: skip
         print_table(title, saved, "plain save", size, layout=work.layout)
         for name, growth in added.items():

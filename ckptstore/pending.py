@@ -254,6 +254,11 @@ class ShardWriter:
         """Bytes written so far."""
         return self._crc.size
 
+    @property
+    def crc32c(self) -> str:
+        """The CRC32C of the bytes written so far (8 hex digits)."""
+        return self._crc.hexdigest()
+
     def close(self) -> ShardRecord:
         """Finish the shard and add it to the checkpoint; return its record.
 
@@ -578,9 +583,19 @@ class PendingCheckpoint:
             self._shard_closed(record)
             return record
         with self._open_claimed(name, view.nbytes) as writer:
-            for piece in view.pieces():
-                writer.write_ahead(piece)
-            writer.adopt(crc, digests)
+            if view.stable:  # the same bytes as were checksummed: not checksummed again
+                for piece in view.pieces():
+                    writer.write_ahead(piece)
+                writer.adopt(crc, digests)
+            else:  # checksummed as written, and refused if they are other bytes now
+                for piece in view.pieces():
+                    writer.write(piece)
+                if writer.crc32c != crc.hexdigest():
+                    raise InvalidInputError(
+                        f"{view.name()} changed while it was published (its bytes no longer "
+                        f"have the CRC32C computed from them moments before)",
+                        key=name,
+                    )
         return writer.close()
 
     def seal(self) -> list[ShardRecord]:

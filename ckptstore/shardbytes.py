@@ -5,13 +5,12 @@ file of a directory being pushed (``FileBytes``) with what an earlier save store
 
 from __future__ import annotations
 
-import bisect
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from ckptstore.errors import InvalidInputError
 
-__all__ = ["FileBytes", "ShardBytes"]
+__all__ = ["FileBytes", "LazyBytes", "ShardBytes"]
 
 _FILE_PIECE = 8 * 1024 * 1024
 """A file's bytes are read this much at a time (``FileBytes.pieces`` with no limit)."""
@@ -21,17 +20,22 @@ class ShardBytes:
     """The concatenation of byte views (1-D, format ``B``), read without a copy of the whole:
     the views must not change while it is in use (a snapshot's buffers, a caller's bytes)."""
 
+    stable = True
+    """Every pass reads the same bytes (memory the save owns, or that the trainer leaves alone
+    until the save returns). False for a file another process may still change: the bytes
+    written are then checked against the checksums computed before (``FileBytes``)."""
+
     def __init__(self, views: Iterable[memoryview]) -> None:
         self._views = [view for view in views if view.nbytes]
-        self._starts: list[int] = []
-        total = 0
         for view in self._views:
             if view.ndim != 1 or view.format != "B":
                 raise ValueError("ShardBytes holds 1-D byte views only")
-            self._starts.append(total)
-            total += view.nbytes
-        self.nbytes = total
+        self.nbytes = sum(view.nbytes for view in self._views)
         """How many bytes it holds."""
+
+    def name(self) -> str:
+        """What the bytes are, for errors."""
+        return "the shard's bytes"
 
     @classmethod
     def of(cls, data: memoryview | ShardBytes) -> ShardBytes:
@@ -49,20 +53,6 @@ class ShardBytes:
             for offset in range(0, view.nbytes, limit):
                 yield view[offset : offset + limit]
 
-    def range(self, start: int, stop: int) -> bytes:
-        """A copy of the bytes from ``start`` up to ``stop`` (clamped to what it holds)."""
-        start, stop = max(start, 0), min(stop, self.nbytes)
-        if start >= stop:
-            return b""
-        index = bisect.bisect_right(self._starts, start) - 1
-        out: list[bytes] = []
-        while start < stop:
-            view, base = self._views[index], self._starts[index]
-            end = min(stop, base + view.nbytes)
-            out.append(view[start - base : end - base].tobytes())
-            start, index = end, index + 1
-        return out[0] if len(out) == 1 else b"".join(out)
-
 
 class FileBytes(ShardBytes):
     """The first ``size`` bytes of an open regular file, read with ``pread`` each time they
@@ -70,9 +60,12 @@ class FileBytes(ShardBytes):
 
     A file that ends before ``size`` bytes raises InvalidInputError (it changed while it was
     being published); one that grows is read to ``size`` only (its publisher checks its size
-    and modification time afterwards). A piece is a view of a buffer reused for the next
+    and modification time afterwards). Not ``stable``: what is written or uploaded is checked
+    against the checksums of the first pass. A piece is a view of a buffer reused for the next
     piece of the same iteration: use it before asking for the next.
     """
+
+    stable = False
 
     def __init__(self, fd: int, size: int, name: str) -> None:
         super().__init__([])
@@ -80,17 +73,14 @@ class FileBytes(ShardBytes):
         self._fd = fd
         self._name = name
 
+    def name(self) -> str:
+        return self._name
+
     def pieces(self, limit: int | None = None) -> Iterator[memoryview]:
         step = min(limit or _FILE_PIECE, _FILE_PIECE, max(self.nbytes, 1))
         buffer = memoryview(bytearray(step))
         for offset in range(0, self.nbytes, step):
             yield self._read(buffer[: min(step, self.nbytes - offset)], offset)
-
-    def range(self, start: int, stop: int) -> bytes:
-        start, stop = max(start, 0), min(stop, self.nbytes)
-        if start >= stop:
-            return b""
-        return self._read(memoryview(bytearray(stop - start)), start).tobytes()
 
     def _read(self, view: memoryview, offset: int) -> memoryview:
         got = 0
@@ -104,3 +94,25 @@ class FileBytes(ShardBytes):
                 )
             got += count
         return view
+
+
+class LazyBytes(ShardBytes):
+    """Bytes made again, piece by piece, at every pass: each of ``pieces`` is its size and a
+    function that returns a byte view of exactly that size (a tensor copied to host memory,
+    say), so that no more than one piece is held at a time, whatever the whole's size."""
+
+    def __init__(self, pieces: Iterable[tuple[int, Callable[[], memoryview]]]) -> None:
+        super().__init__([])
+        self._makers = [(size, make) for size, make in pieces if size]
+        self.nbytes = sum(size for size, _ in self._makers)
+
+    def pieces(self, limit: int | None = None) -> Iterator[memoryview]:
+        for size, make in self._makers:
+            view = make()
+            if view.nbytes != size:
+                raise ValueError(f"a piece of {size} bytes came back as {view.nbytes}")
+            if limit is None or size <= limit:
+                yield view
+                continue
+            for offset in range(0, size, limit):
+                yield view[offset : offset + limit]

@@ -13,6 +13,7 @@ from ckptstore.commit.conditional_put import ConditionalPutCommit
 from ckptstore.commit.rename import RenameCommit
 from ckptstore.conformance.faults import CrashMode
 from ckptstore.conformance.layers.power_loss import run_power_loss
+from ckptstore.conformance.layers.unknown_outcomes import run_indeterminate_outcomes
 from ckptstore.conformance.location import LocationFactory
 from ckptstore.conformance.machine import make_state_machine
 from ckptstore.conformance.machine.state_machine import RACE_POINTS
@@ -112,3 +113,30 @@ def test_the_machine_shares_blobs_under_leases_through_crashes_and_gc(
         assert len(shares) > 10
     finally:
         state.teardown()
+
+
+@pytest.mark.parametrize("where", ["memory", "s3"])
+def test_unknown_outcomes_of_the_lease_writes_lose_no_shared_blob(
+    where: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The unknown-outcomes layer on two incremental saves that share a blob (§12.3): each
+    lease CAS, blob upload and publish failed with a 503 before it and a timeout after it;
+    what the saves report matches what they published (I8), and every checkpoint reads back
+    whole (I10)."""
+    if where == "memory":
+        url, options = f"memory://outcomes-{tmp_path.name}/run", {}
+    else:
+        server = request.getfixturevalue("moto_s3")
+        url, options = server.url(f"outcomes/{tmp_path.name}"), dict(server.options)
+    result = run_indeterminate_outcomes(LocationFactory(url, options), incremental=True)
+    assert not result.failures, result.failures[:3]
+    assert not result.storage_errors, result.storage_errors[:3]
+    assert result.cases > 50
+    for when in ("before", "after"):  # the leases' creation and their CAS appends
+        assert result.faulted[f"{when} If-None-Match put blobs/blake3/<blob>"] > 0
+        assert result.faulted[f"{when} If-Match put blobs/blake3/<blob>"] > 0
+
+
+def test_a_store_without_leases_has_no_incremental_outcome_cases(tmp_path: Path) -> None:
+    result = run_indeterminate_outcomes(LocationFactory(f"file://{tmp_path}/fs"), incremental=True)
+    assert result.calls == 0 and result.cases == 0

@@ -80,7 +80,7 @@ def test_a_failed_publish_publishes_nothing(
 
 
 @pytest.mark.parametrize("incremental", [False, True])
-@pytest.mark.parametrize("change", ["shorter", "same size"])
+@pytest.mark.parametrize("change", ["shorter", "longer", "same size"])
 def test_a_file_that_changes_under_the_publish_is_refused(
     tmp_path: Path, incremental: bool, change: str
 ) -> None:
@@ -91,6 +91,9 @@ def test_a_file_that_changes_under_the_publish_is_refused(
     optimizer = source / "optimizer.pt"
     if change == "shorter":
         optimizer.write_bytes(b"shorter")
+    elif change == "longer":  # appended to: the first bytes are as listed
+        with optimizer.open("ab") as appending:
+            appending.write(b"more")
     else:  # rewritten in place, same size: its modification time tells
         optimizer.write_bytes(os.urandom(70_000))
         os.utime(optimizer, ns=(0, optimizer.stat().st_mtime_ns + 1_000_000))
@@ -289,3 +292,54 @@ def test_cli_pull_with_a_step_and_no_directory_says_so(
     assert not (tmp_path / "1").exists()
     assert cli(["pull", url, "./1"]) == 0  # a directory of that name, said so
     assert _read_tree(tmp_path / "1") == files
+
+
+@pytest.mark.parametrize("stored", ["hashed then written", "hashed then shared"])
+def test_a_file_rewritten_between_its_hash_and_its_write_is_not_stored_under_that_hash(
+    store_url: tuple[str, dict[str, object]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stored: str,
+) -> None:
+    """An incremental push reads a file once to hash it, and again to write (or upload, or
+    compare) it: a file rewritten in between, at the same size and within the same
+    modification-time tick, must not be stored under the first bytes' checksums (on an
+    object store, as the blob those bytes name: every later push of them would share the
+    wrong bytes). It is refused, or shared as the bytes it hashed, whole."""
+    import ckptstore.pending as pending_module
+
+    url, options = store_url
+    store = ckptstore.open(url, incremental=True, **options)
+    source = tmp_path / "src"
+    source.mkdir()
+    good = os.urandom(100_000)
+    weights = source / "w.bin"
+    weights.write_bytes(good)
+    if stored == "hashed then shared":
+        publish_directory(store, 1, source)
+    real = pending_module.shard_checksums
+
+    def rewritten_after_hashing(data: object, algorithm: str | None) -> object:
+        sums = real(data, algorithm)  # type: ignore[arg-type]
+        before = weights.stat()
+        with weights.open("r+b") as rewriting:  # in place, same size
+            rewriting.write(b"\0" * 100_000)
+        os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))  # the same tick
+        return sums
+
+    monkeypatch.setattr(pending_module, "shard_checksums", rewritten_after_hashing)
+    refusal = ""
+    try:
+        publish_directory(store, 2, source)
+    except InvalidInputError as exc:
+        refusal = str(exc)
+    if refusal or stored == "hashed then written":
+        assert "changed while" in refusal
+        assert 2 not in store.steps()
+    else:  # shared by the digest of step 1's bytes (an object store): those bytes, whole
+        assert store.get(2).read("w.bin") == good
+    monkeypatch.setattr(pending_module, "shard_checksums", real)
+    weights.write_bytes(good)
+    publish_directory(store, 3, source)
+    assert store.get(3).read("w.bin") == good
+    assert store.get(3).verify().ok

@@ -314,7 +314,12 @@ def _check_unchanged(file: DirectoryFile, source: io.BufferedReader, copied: int
     """InvalidInputError if ``file`` changed while ``copied`` bytes of it were read."""
     after = os.fstat(source.fileno())
     rewritten = file.modified is not None and after.st_mtime_ns != file.modified
-    if copied == file.size and after.st_size == file.size and rewritten:
+    if copied == file.size and after.st_size != file.size:
+        raise InvalidInputError(
+            f"{file.path} changed while it was published ({file.size} bytes when listed and "
+            f"read, {after.st_size} now): publish a directory only once its writer is done"
+        )
+    if copied == file.size and rewritten:
         raise InvalidInputError(
             f"{file.path} changed while it was published (written again after it was "
             f"listed: what was read may mix two versions of it); nothing was "

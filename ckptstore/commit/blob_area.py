@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import BinaryIO
 
 from ckptstore import names
 from ckptstore.checksum import Crc32c
@@ -108,17 +109,24 @@ class FileBlobArea:
     def _compare(self, path: str, data: ShardBytes, crc32c: str) -> str | None:
         """None if the file at ``path`` holds exactly ``data``; else "" where it holds other
         bytes of the same CRC32C and size (a collision: a good entry for other bytes), or
-        what is wrong with it (not its bucket's bytes: damaged)."""
+        what is wrong with it (not its bucket's bytes: damaged).
+
+        Equal bytes have ``data``'s CRC32C, so the file is only compared, read into a reused
+        buffer (``bytearray == buffer`` is a memcmp); it is checksummed only when it differs,
+        to tell a collision from damage."""
+        whole = bytearray(_READ_PIECE)
+        with self.driver.open_read(path) as stream:
+            for piece in data.pieces(_READ_PIECE):
+                buffer = whole if piece.nbytes == _READ_PIECE else bytearray(piece.nbytes)
+                if _fill(stream, buffer) != piece.nbytes or buffer != piece:
+                    break
+            else:
+                if not stream.read(1):
+                    return None
         crc = Crc32c()
-        same = True
         with self.driver.open_read(path) as stream:
             while chunk := stream.read(_READ_PIECE):
-                start = crc.size
                 crc.update(chunk)
-                # bytes == bytes is a memcmp; a memoryview compares item by item (16x slower)
-                same = same and data.range(start, start + len(chunk)) == chunk
-        if same and crc.size == data.nbytes:
-            return None
         if crc.size != data.nbytes:
             return f"holds {crc.size} bytes, its bucket says {data.nbytes}"
         found = crc.hexdigest()
@@ -242,3 +250,15 @@ class FileBlobArea:
             return self.driver.listdir(path)
         except StorageError:
             return []
+
+
+def _fill(stream: BinaryIO, buffer: bytearray) -> int:
+    """Read from ``stream`` until ``buffer`` is full or the stream ends; the bytes read."""
+    view = memoryview(buffer)
+    got = 0
+    while got < len(buffer):
+        count = stream.readinto(view[got:])  # type: ignore[attr-defined]
+        if not count:
+            break
+        got += count
+    return got

@@ -28,8 +28,10 @@ from dataclasses import dataclass, replace
 
 from ckptstore import names
 from ckptstore.commit.base import GcItem, GcReport, ShardSink
+from ckptstore.digest import BlockDigests
 from ckptstore.driver import ObjectInfo, ObjectStoreDriver, PutMode, UploadInfo
 from ckptstore.errors import (
+    InvalidInputError,
     ObjectNotFoundError,
     PreconditionFailedError,
     StorageError,
@@ -428,10 +430,21 @@ class BlobLeases:
             self._uploading[str(blob), generation] = ended
         try:
             sink = self.open_sink(key, blob.size)
+            check = None if data.stable else BlockDigests(blob.algorithm)
             try:
                 for piece in data.pieces(_UPLOAD_PIECE):
                     self.touch(step, attempt, every=UPLOADING_EVERY_S)
                     sink.write(piece)
+                    if check is not None:
+                        check.update(piece)
+                if check is not None:  # a file that changed since it was hashed: not the blob
+                    check.finish()
+                    if check.hexdigest() != blob.hexdigest:
+                        raise InvalidInputError(
+                            f"{data.name()} changed while it was published (its bytes no "
+                            f"longer have the digest computed from them moments before): "
+                            f"publish a directory only once its writer is done"
+                        )
                 sink.close()
             except BaseException:
                 sink.abort()

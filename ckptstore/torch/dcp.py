@@ -24,6 +24,7 @@ not who committed them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -68,6 +69,7 @@ from ckptstore.jsonload import JSONDocumentError, load_json
 from ckptstore.manifest import MAX_MANIFEST_BYTES, ShardRecord
 from ckptstore.names import check_step
 from ckptstore.pending import PendingCheckpoint
+from ckptstore.shardbytes import LazyBytes
 from ckptstore.torch.agreement import agreed_checkpoint
 from ckptstore.torch.dcp_staging import ReusingStager
 
@@ -205,7 +207,7 @@ class CkptStoreWriter(StorageWriter):
             if pending.shares:
                 written = self._write_sharing(pending, plan, planner, rank)
             else:
-                written = self._write_streamed(pending, plan, planner, rank)
+                written = self._write_streamed(pending, plan.items, planner, rank)
             pending.seal()  # the shards are durable before their receipts travel
             for item, info in written:  # receipts travel to the coordinator in the results
                 results.append(WriteResult(item.index, info["length"], info))
@@ -232,15 +234,15 @@ class CkptStoreWriter(StorageWriter):
         return _tensor_bytes(tensor)
 
     def _write_streamed(
-        self, pending: PendingCheckpoint, plan: SavePlan, planner: SavePlanner, rank: int
+        self, pending: PendingCheckpoint, items: Sequence[Any], planner: SavePlanner, rank: int
     ) -> list[tuple[Any, dict[str, Any]]]:
-        """Every item of the rank, one after another, into one shard: each item's bytes are
-        written before the next is resolved."""
+        """``items``, one after another, into the rank's shard: each item's bytes are written
+        before the next is resolved."""
         name = _shard_name(rank)
         offset = 0
         entries: list[tuple[Any, dict[str, Any]]] = []
         with pending.open_shard(name) as shard:
-            for item in plan.items:
+            for item in items:
                 info: dict[str, Any] = {"shard": name, "offset": offset}
                 info["length"] = shard.write(self._item_bytes(item, planner, info))
                 offset += info["length"]
@@ -253,38 +255,49 @@ class CkptStoreWriter(StorageWriter):
     ) -> list[tuple[Any, dict[str, Any]]]:
         """An incremental save's items: the tensors whose bytes are those of this writer's
         last save (by CRC32C) go into a shard of their own, ``__<rank>_steady.distcp``, which
-        is shared with that save's where it holds the same bytes; the rest into
+        is shared with that save's where it holds the same bytes; the rest are streamed into
         ``__<rank>.distcp``. The CRC32C only sorts the items: what is shared is decided by
-        the store on the whole shard's bytes (docs/protocol.md §12)."""
+        the store on the whole shard's bytes (docs/protocol.md §12). Each item is resolved
+        (copied to host memory, where it is not there already) again for each pass over it,
+        so that no more than one item's copy is held at a time."""
         with self._history_lock:
             before = self._history.get(rank, {})
         now: dict[tuple[str, tuple[int, ...]], str] = {}
-        steady: list[tuple[Any, dict[str, Any], memoryview]] = []
-        changing: list[tuple[Any, dict[str, Any], memoryview]] = []
+        steady: list[tuple[Any, dict[str, Any], int]] = []
+        changing: list[Any] = []
         for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                changing.append(item)
+                continue
             info: dict[str, Any] = {}
             view = memoryview(self._item_bytes(item, planner, info)).cast("B")
-            group = changing
-            if item.type != WriteItemType.BYTE_IO:
-                key = (item.index.fqn, tuple(item.index.offset or ()))
-                now[key] = crc32c_hex(view)
-                if before.get(key) == now[key]:
-                    group = steady
-            group.append((item, info, view))
+            key = (item.index.fqn, tuple(item.index.offset or ()))
+            now[key] = crc32c_hex(view)
+            if before.get(key) == now[key]:
+                steady.append((item, info, view.nbytes))
+            else:
+                changing.append(item)
+            del view  # a copy (from a GPU, of a strided tensor) is not held
         with self._history_lock:
             self._history[rank] = now
         entries: list[tuple[Any, dict[str, Any]]] = []
-        for name, group in ((_shard_name(rank, "_steady"), steady), (_shard_name(rank), changing)):
-            if not group:
-                continue
-            offset = 0
-            for item, info, view in group:
-                info.update(shard=name, offset=offset, length=view.nbytes)
-                offset += view.nbytes
+        if steady:
+            name, offset = _shard_name(rank, "_steady"), 0
+            for item, info, size in steady:
+                info.update(shard=name, offset=offset, length=size)
+                offset += size
                 entries.append((item, info))
-            record = pending.write(name, [view for _, _, view in group])
-            group[0][1]["receipt"] = dataclasses.asdict(record)
+            again = LazyBytes(
+                (size, functools.partial(self._bytes_again, item, planner))
+                for item, _, size in steady
+            )
+            steady[0][1]["receipt"] = dataclasses.asdict(pending.write(name, again))
+        if changing:
+            entries += self._write_streamed(pending, changing, planner, rank)
         return entries
+
+    def _bytes_again(self, item: Any, planner: SavePlanner) -> memoryview:
+        return memoryview(self._item_bytes(item, planner, {})).cast("B")
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         pending = self._save.pending

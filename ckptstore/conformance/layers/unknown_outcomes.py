@@ -36,6 +36,7 @@ def run_indeterminate_outcomes(
     *,
     before_every_call: bool = False,
     workers: int = cases.CASE_WORKERS,
+    incremental: bool = False,
 ) -> cases.CrashPointResult:
     """Fail storage calls of two saves, one per case; then read back (I8) and check.
 
@@ -47,9 +48,15 @@ def run_indeterminate_outcomes(
     for another writer's (CheckpointExistsError); a save that reports success must have
     published; whatever the saves left must satisfy the invariants. ``workers`` cases run at
     once.
+
+    ``incremental`` (object stores that lease blobs, docs/protocol.md §12.3): both saves are
+    incremental and hold a shard of the same bytes, so the first reserves and uploads its
+    blob and the second shares it; the lease's compare-and-swaps are commit points too, and
+    every checkpoint must read back whole (I10) whatever their outcomes. No case runs
+    where the store does not lease blobs.
     """
     result = cases.CrashPointResult()
-    baseline = cases.retried(functools.partial(_count_save_calls, new_location))
+    baseline = cases.retried(functools.partial(_count_save_calls, new_location, incremental))
     result.add(baseline)
     if baseline.storage_errors:
         return result
@@ -63,7 +70,9 @@ def run_indeterminate_outcomes(
             modes.append(CrashMode.AFTER)
         for mode in modes:
             saves = 1 if index < baseline.first_save_calls else 2
-            chosen.append(functools.partial(_transient_case, new_location, index, mode, saves))
+            chosen.append(
+                functools.partial(_transient_case, new_location, index, mode, saves, incremental)
+            )
     for outcome in cases.run_all(chosen, workers):
         result.add(outcome)
     return result
@@ -82,23 +91,42 @@ def _call_label(record: CallRecord) -> str:
     """A call's name, condition and key, with step numbers and attempt ids left out."""
     key = _STEP_DIGITS.sub("step-N", record.args[0]) if record.args else ""
     key = _ATTEMPT_TAIL.sub(".<attempt>/", key)
+    key = _BLOB.sub(r"\1<blob>", key)
+    key = _LIVE.sub(r"\1.<attempt>", key)
     condition = f"{record.condition} " if record.condition else ""
     return f"{condition}{record.name} {key}".rstrip()
 
 
 _STEP_DIGITS = re.compile(r"step-\d+")
 _ATTEMPT_TAIL = re.compile(r"\.[0-9a-z]{6,}/")
+_BLOB = re.compile(r"(blobs/[a-z0-9]+/)[0-9a-f]{16,}\S*")
+_LIVE = re.compile(r"(blobs/live/step-N)\.[0-9a-z]+")
 
 
-def _count_save_calls(new_location: workload.LocationMaker) -> cases.CrashPointResult:
+FROZEN = "frozen/base.bin"
+"""The shard both saves of the incremental pass hold, with the same bytes."""
+
+
+def _shards(step: int, big: int, incremental: bool) -> dict[str, bytes]:
+    shards = workload.standard_shards(step, big)
+    if incremental:
+        shards[FROZEN] = workload.pattern(4000, 9901)
+    return shards
+
+
+def _count_save_calls(
+    new_location: workload.LocationMaker, incremental: bool = False
+) -> cases.CrashPointResult:
     """The two saves without faults, to list their storage calls (not itself a case)."""
 
     def run(location: Location, case: cases.Case) -> None:
         result = case.result
-        store, injector = location.open()
+        if incremental and location.base.sharing_digest is None:
+            return  # no blob leases here: no case
+        store, injector = location.open(incremental=incremental)
         model, big = Model(), workload.big_shard_size(location)
         for step in (1, 2):
-            workload.save(store, model, Saved(step, workload.standard_shards(step, big), {}))
+            workload.save(store, model, Saved(step, _shards(step, big, incremental), {}))
             result.first_save_calls = result.first_save_calls or injector.count
         result.calls = injector.count
         result.call_names = [_call_label(call) for call in injector.calls]
@@ -107,14 +135,19 @@ def _count_save_calls(new_location: workload.LocationMaker) -> cases.CrashPointR
 
 
 def _transient_case(
-    new_location: workload.LocationMaker, index: int, mode: CrashMode, saves: int
+    new_location: workload.LocationMaker,
+    index: int,
+    mode: CrashMode,
+    saves: int,
+    incremental: bool = False,
 ) -> cases.CrashPointResult:
     how = "503 before" if mode is CrashMode.BEFORE else "timeout after"
+    kind = "incremental save's " if incremental else ""
 
     def run(location: Location, case: cases.Case) -> None:
-        _fail_once(case.result, location, index, mode, case.name, saves)
+        _fail_once(case.result, location, index, mode, case.name, saves, incremental)
 
-    return cases.run_in_fresh(new_location, f"{how} call {index}", run, invariant="I8")
+    return cases.run_in_fresh(new_location, f"{how} {kind}call {index}", run, invariant="I8")
 
 
 def _fail_once(
@@ -124,14 +157,15 @@ def _fail_once(
     mode: CrashMode,
     name: str,
     saves: int,
+    incremental: bool = False,
 ) -> None:
     """Run ``saves`` saves with one fault; judge what they reported, and what they left."""
     model, big = Model(), workload.big_shard_size(location)
-    store, injector = location.open(FaultPlan(transient={index: mode}))
+    store, injector = location.open(FaultPlan(transient={index: mode}), incremental=incremental)
     reported: dict[int, CkptStoreError | None] = {}
     for step in range(1, saves + 1):
         try:
-            workload.save(store, model, Saved(step, workload.standard_shards(step, big), {}))
+            workload.save(store, model, Saved(step, _shards(step, big, incremental), {}))
             reported[step] = None
         except CheckpointExistsError as exc:  # the only writer: its own publish, mistaken
             _i8(result, f"{name} {_faulted(injector)}", f"own publish taken for another's: {exc}")
@@ -208,6 +242,17 @@ def run_layer(run: SuiteRun, found: Findings) -> None:
     found.coverage["unknown outcomes"] = (
         f"{result.cases} cases ({each}); commit points failed: {_faulted_note(result)}"
         + result.retries_note()
+    )
+    shared = run_indeterminate_outcomes(run.locations, incremental=True)
+    if not shared.calls:
+        return  # no blob leases on this storage (or the saves failed: said above)
+    found.check("I10")
+    found.cases((*INVARIANTS, "I10"), shared, "incremental: ")
+    found.coverage["unknown outcomes of blob leases"] = (
+        f"{shared.cases} cases (two incremental saves sharing a blob: a 503 before and a "
+        f"timeout after each commit point, the leases' compare-and-swaps among them, a timeout "
+        f"after each of the first save's {shared.first_save_calls} calls); commit points "
+        f"failed: {_faulted_note(shared)}" + shared.retries_note()
     )
 
 

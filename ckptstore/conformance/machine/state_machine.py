@@ -365,8 +365,10 @@ class CheckpointStoreMachine(ForeignEntryRules):
         self.sharing["saves"] += 1
         try:
             store = self._writer(plan, incremental=True)
-            if given == "push":
-                push(store, self.model, saved, clone=False)
+            if given == "push":  # one file at a time: the same call dies on every replay
+                push(
+                    store, self.model, saved, clone=False, parallel=1 if plan else DEFAULT_PARALLEL
+                )
             else:
                 save(store, self.model, saved, pieces=3 if given == "chunks" else 1)
         except SimulatedCrash as died:
