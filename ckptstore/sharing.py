@@ -4,9 +4,9 @@ published (I10, docs/protocol.md §12).
 
 Built for file systems whose driver makes hard links (``LinkingDriver``: ``file://``): the
 new checkpoint gets a link of its own to the bytes; and for object stores that do
-compare-and-swap (``s3://``, ``gs://``, ``az://``): blobs named by a strong digest, used
-under leases (``ckptstore.commit.blob_leases``). Elsewhere an incremental save is refused
-when the store is opened, with an error that says why.
+compare-and-swap (``s3://``, ``gs://``, ``az://``, versioned buckets too): blobs named by a
+strong digest, used under leases (``ckptstore.commit.blob_leases``). Elsewhere an incremental
+save is refused when the store is opened, with an error that says why.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def check_incremental(strategy: CommitStrategy[Any]) -> None:
     if not strategy.shares_shards:
         raise InvalidOptionError(
             f"{strategy.url}: incremental saves are built for file systems with hard links "
-            f"(file://) and object stores with compare-and-swap (s3://, gs://, az://); this "
-            f"store ({strategy.name}) writes every shard: open it without incremental"
+            f"(file://) and object stores with compare-and-swap (s3://, gs://, az://, and "
+            f"their +versioned forms); this store ({strategy.name}) writes every shard: open "
+            f"it without incremental"
         )
 
 

@@ -65,14 +65,15 @@ def test_power_loss_checks_a_shared_shard(tmp_path: Path) -> None:
     assert result.shared == 1 and not result.failures, result.failures[:3]
 
 
-@pytest.mark.parametrize("where", ["memory", "s3"])
+@pytest.mark.parametrize("where", ["memory", "memory+versioned", "s3"])
 def test_the_machine_shares_blobs_under_leases_through_crashes_and_gc(
     where: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same on object stores (§12.3): sharing saves crashed before and after each call
-    (the lease's reads and CASes, the blob's upload, the liveness marker), retention, GC."""
-    if where == "memory":
-        url, options = f"memory://machine-{tmp_path.name}/run", {}
+    (the lease's reads and CASes, the blob's upload, the liveness marker), retention, GC;
+    on a versioned bucket too, where manifests pin versions and GC deletes by version."""
+    if where.startswith("memory"):
+        url, options = f"{where}://machine-{tmp_path.name}/run", {}
     else:
         server = request.getfixturevalue("moto_s3")
         url, options = server.url(f"machine/{tmp_path.name}"), dict(server.options)
@@ -92,7 +93,7 @@ def test_the_machine_shares_blobs_under_leases_through_crashes_and_gc(
         state.save_incrementally(reuse=[True, True], crash=None, given="push")
         state.invariants_hold()
         assert len(shares) == 4  # every shard of an incremental save is a blob here
-        rounds = 24 if where == "memory" else 12
+        rounds = 24 if where.startswith("memory") else 12
         for index in range(rounds):
             for mode in (CrashMode.BEFORE, CrashMode.AFTER):
                 given = GIVEN[index % len(GIVEN)]
@@ -115,7 +116,7 @@ def test_the_machine_shares_blobs_under_leases_through_crashes_and_gc(
         state.teardown()
 
 
-@pytest.mark.parametrize("where", ["memory", "s3"])
+@pytest.mark.parametrize("where", ["memory", "memory+versioned", "s3"])
 def test_unknown_outcomes_of_the_lease_writes_lose_no_shared_blob(
     where: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
@@ -123,8 +124,8 @@ def test_unknown_outcomes_of_the_lease_writes_lose_no_shared_blob(
     lease CAS, blob upload and publish failed with a 503 before it and a timeout after it;
     what the saves report matches what they published (I8), and every checkpoint reads back
     whole (I10)."""
-    if where == "memory":
-        url, options = f"memory://outcomes-{tmp_path.name}/run", {}
+    if where.startswith("memory"):
+        url, options = f"{where}://outcomes-{tmp_path.name}/run", {}
     else:
         server = request.getfixturevalue("moto_s3")
         url, options = server.url(f"outcomes/{tmp_path.name}"), dict(server.options)

@@ -296,13 +296,55 @@ def test_a_tampered_blob_locator_is_refused(
         store.get(1)
 
 
-def test_stores_that_cannot_lease_refuse_incremental(moto_s3: EmbeddedS3, tmp_path: Path) -> None:
-    server = moto_s3.versioned_bucket("incremental-versioned")
-    versioned = server.url(f"v/{tmp_path.name}", scheme="s3+versioned")
-    with pytest.raises(InvalidOptionError, match="incremental"):
-        ckptstore.open(versioned, incremental=True, **server.options)
+def test_stores_that_cannot_lease_refuse_incremental(tmp_path: Path) -> None:
     with pytest.raises(InvalidOptionError, match="compare-and-swap"):
         ckptstore.open(f"fsspec+file://{tmp_path}/fs?{UNSAFE_OPTION}=true", incremental=True)
+
+
+@pytest.fixture(params=["memory+versioned", "s3+versioned"])
+def versioned_url(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> tuple[str, dict[str, Any]]:  # a versioned bucket: manifests pin versions
+    if request.param == "memory+versioned":
+        return f"memory+versioned://incremental-{tmp_path.name}/run", {}
+    server = request.getfixturevalue("moto_s3").versioned_bucket("incremental-versioned")
+    return server.url(f"v/{tmp_path.name}", scheme=request.param), dict(server.options)
+
+
+def _all_versions(store: ckptstore.Store, prefix: str) -> list[Any]:
+    return list(store.strategy.driver.list_versions(prefix))
+
+
+def test_a_versioned_store_shares_blobs_and_gc_frees_every_version(
+    versioned_url: tuple[str, dict[str, Any]],
+) -> None:
+    """On a versioned bucket (§12.3, versioned stores) a shared shard pins its blob
+    generation's version; deleting a checkpoint never deletes a shared blob's version; GC
+    frees a blob only once no checkpoint uses it, and then every version of it, its lease's
+    and its markers' included (a plain DELETE would only hide them)."""
+    store = _open(versioned_url)
+    base = os.urandom(300_000)
+    for step in range(1, 5):
+        store.save(step, {"base": base, "adapter": os.urandom(1000)})
+    records = {s: {r.name: r for r in store.get(s).manifest.shards} for s in range(1, 5)}
+    locators = {records[s]["base"].locator["key"] for s in range(1, 5)}
+    assert len(locators) == 1  # one generation, shared by all four
+    assert all(records[s]["base"].locator.get("version_id") for s in range(1, 5))
+    for step in (1, 2, 3):
+        store.delete(step)  # each unpublish deletes its own pinned versions, not the blob's
+    assert store.get(4).read("base") == base and store.get(4).verify().ok
+    reader = ckptstore.open(versioned_url[0], **versioned_url[1])  # not incremental
+    assert reader.get(4).read("base") == base
+    _later(versioned_url).gc(grace=60)
+    assert store.get(4).read("base") == base and store.get(4).verify().ok
+    _later(versioned_url).gc(grace=60)  # the leases' older versions, written by the last GC
+    leases = {v.key for v in _all_versions(store, BLOBS) if v.key.endswith(".lease")}
+    for lease in leases:  # one version each: the CASes' older ones are swept
+        assert len([v for v in _all_versions(store, lease) if v.key == lease]) == 1
+    store.delete(4, force=True)
+    for hours in (2, 4, 8):  # doomed, deleted; retired after the grace period, deleted
+        _later(versioned_url, hours * 3600.0).gc(grace=60)
+    assert _all_versions(store, BLOBS) == []
 
 
 WRITER = textwrap.dedent(

@@ -11,6 +11,7 @@ import pytest
 from conftest import EmbeddedS3
 
 import ckptstore
+from ckptstore.backends.fsspec import UNSAFE_OPTION
 from ckptstore.commit.blob_leases import BLOBS
 
 MiB = 2**20
@@ -68,20 +69,33 @@ def test_replication_of_an_incremental_save_moves_only_changed_bytes(
         store.close()
 
 
-def test_a_durable_store_that_cannot_share_gets_plain_copies(
+def test_a_versioned_durable_store_shares_and_one_that_cannot_gets_plain_copies(
     moto_s3: EmbeddedS3, tmp_path: Path
 ) -> None:
-    """A versioned durable bucket cannot share (§12.3): the pair opens, and copies whole."""
+    """A versioned durable bucket shares under leases, pinning versions (§12.3.1); a store
+    without compare-and-swap (fsspec+) cannot share: the pair opens, and copies whole."""
     server = moto_s3.versioned_bucket("tiers-versioned")
-    durable_url = server.url(f"v/{tmp_path.name}", scheme="s3+versioned")
-    store = ckptstore.open(
-        f"file://{tmp_path}/fast", replicate_to=durable_url, incremental=True,
-        background=False, durable_options=dict(server.options),
-    )  # fmt: skip
-    try:
-        assert not store.replicator.durable.incremental
-        store.save(1, {"a": b"x" * 1000})
-        store.wait_replicated(timeout=60)
-        assert store.replicator.durable.get(1).read("a") == b"x" * 1000
-    finally:
-        store.close()
+    durables = {
+        "versioned": (server.url(f"v/{tmp_path.name}", scheme="s3+versioned"), server.options),
+        "fsspec": (f"fsspec+file://{tmp_path}/durable?{UNSAFE_OPTION}=true", {}),
+    }
+    for kind, (durable_url, options) in durables.items():
+        store = ckptstore.open(
+            f"file://{tmp_path}/fast-{kind}", replicate_to=durable_url, incremental=True,
+            background=False, durable_options=dict(options),
+        )  # fmt: skip
+        try:
+            assert store.replicator.durable.incremental == (kind == "versioned")
+            base = os.urandom(100_000)
+            for step in (1, 2):
+                store.save(step, {"a": base, "b": os.urandom(100)})
+            store.wait_replicated(timeout=60)
+            durable = store.replicator.durable
+            for step in (1, 2):
+                assert durable.get(step).read("a") == base
+            keys = {durable.get(s).manifest.shard("a").locator.get("key") for s in (1, 2)}
+            if kind == "versioned":
+                assert len(keys) == 1 and keys.pop().startswith(BLOBS)
+                assert durable.get(2).manifest.shard("a").locator.get("version_id")
+        finally:
+            store.close()

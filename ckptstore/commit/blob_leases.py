@@ -234,11 +234,14 @@ class BlobLeases:
         open_sink: Callable[[str, int], ShardSink],
         *,
         share_wait_s: float = SHARE_WAIT_S,
+        remove: Callable[[str], None] | None = None,
     ) -> None:
         """``open_sink(key, size)``: a sink that uploads a generation's bytes (whole or in
-        parts) to ``key``."""
+        parts) to ``key``. ``remove(key)``: how an object of the area is deleted (by default
+        a DELETE; on a versioned bucket, every version of the key)."""
         self.driver = driver
         self.open_sink = open_sink
+        self._remove = remove
         self.share_wait_s = share_wait_s
         self._alive: dict[tuple[int, str], float] = {}
         self._alive_lock = threading.Lock()
@@ -458,12 +461,17 @@ class BlobLeases:
 
     @staticmethod
     def locator(blob: BlobName, generation: str, info: ObjectInfo) -> Mapping[str, str]:
-        return {
+        """A shared shard's locator: the generation's key, ETag, blob and generation, and on
+        a versioned bucket the generation's version (readers read that version)."""
+        locator = {
             "key": blob.generation_key(generation),
             "etag": info.etag,
             "blob": str(blob),
             "generation": generation,
         }
+        if info.version_id:
+            locator["version_id"] = info.version_id
+        return locator
 
     def held_problems(
         self,
@@ -692,7 +700,10 @@ class BlobLeases:
 
     def _delete(self, key: str) -> None:
         try:
-            self.driver.delete(key)
+            if self._remove is not None:
+                self._remove(key)
+            else:
+                self.driver.delete(key)
         except ObjectNotFoundError:
             pass
 

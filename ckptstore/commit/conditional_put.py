@@ -461,10 +461,14 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._blobs = (
-            BlobLeases(driver, self._open_blob_sink)
+            BlobLeases(driver, self._open_blob_sink, remove=self._blob_remover())
             if self.leases_blobs and Capability.COMPARE_AND_SWAP in driver.capabilities
             else None
         )
+
+    def _blob_remover(self) -> Callable[[str], None] | None:
+        """How the blob area deletes an object (None: a plain DELETE)."""
+        return None
 
     def _open_blob_sink(self, key: str, size: int) -> ShardSink:
         return ObjectShardSink(
@@ -1259,28 +1263,38 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
                     self._abort_quietly(upload.key, upload.upload_id)
                 for info in objects:
                     self.driver.delete(info.key)
-        if self._blobs is not None and BLOBS in groups:
-
-            def user_published(user: User) -> bool:
-                """Read afresh for each judgement, after the lease read that named the user
-                (never from this pass's earlier reads: a user may have published since),
-                in every epoch, one created since the pass began included."""
-                if not epochs:
-                    epochs.extend(self.epoch_numbers())
-                while self.read_epoch(epochs[-1] + 1) is not None:
-                    epochs.append(epochs[-1] + 1)
-                return any(
-                    self._published_attempt(user.step, epoch) in (user.attempt, _UNREADABLE)
-                    for epoch in epochs
-                )
-
-            self._blobs.collect(
-                report,
-                now=storage_now,
-                published=user_published,
-                last_activity=lambda user: self._last_activity(user, items, storage_now),
-            )
+        if BLOBS in groups:
+            self._collect_blob_area(report, storage_now, items, epochs)
         return report
+
+    def _collect_blob_area(
+        self, report: GcReport, now: float, items: Mapping[str, GcItem], epochs: list[int]
+    ) -> None:
+        """GC of the blob area (§12.3): ``now`` on the storage's clock; ``items``: this
+        pass's attempts (their newest writes say whether they are alive); ``epochs``: the
+        epochs known to the pass (grown as new ones are found)."""
+        if self._blobs is None:
+            return
+
+        def user_published(user: User) -> bool:
+            """Read afresh for each judgement, after the lease read that named the user
+            (never from this pass's earlier reads: a user may have published since), in
+            every epoch, one created since the pass began included."""
+            if not epochs:
+                epochs.extend(self.epoch_numbers())
+            while self.read_epoch(epochs[-1] + 1) is not None:
+                epochs.append(epochs[-1] + 1)
+            return any(
+                self._published_attempt(user.step, epoch) in (user.attempt, _UNREADABLE)
+                for epoch in epochs
+            )
+
+        self._blobs.collect(
+            report,
+            now=now,
+            published=user_published,
+            last_activity=lambda user: self._last_activity(user, items, now),
+        )
 
     def _last_activity(self, user: User, items: Mapping[str, GcItem], now: float) -> float | None:
         """When a user of a blob last wrote, on the storage's clock: its liveness marker, read

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ckptstore.commit.base import GcItem, GcReport, ShardProblem, ShardSink
+from ckptstore.commit.blob_leases import BLOBS
 from ckptstore.commit.conditional_put import (
     LATEST_KEY,
     MANIFESTS,
     PROBE_PREFIX,
     ConditionalPutCommit,
     ObjectShardSink,
+    _blob_locator_problem,
 )
 from ckptstore.driver import Capability, ObjectInfo
 from ckptstore.errors import (
@@ -75,9 +77,20 @@ class VersionPinCommit(ConditionalPutCommit):
     name = "version-pin"
     required_capabilities = frozenset({Capability.CONDITIONAL_CREATE, Capability.VERSIONING})
 
-    leases_blobs = False
-    """Incremental saves are not built here: a lease would have to pin its blob's version
-    (docs/protocol.md §12.3, versioned stores)."""
+    def _blob_remover(self) -> Callable[[str], None] | None:
+        return self._remove_every_version
+
+    def _remove_every_version(self, key: str) -> None:
+        """Delete every version of ``key`` (a plain DELETE only adds a delete marker): the
+        older ones first and the current one last, so that no older version of a lease is
+        ever current again while it is removed, and a version written after the listing
+        (a new lease created once the key is empty) is not touched."""
+        versions = [v for v in self.driver.list_versions(key) if v.key == key]
+        for version in sorted(versions, key=lambda v: v.is_latest):
+            try:
+                self.driver.delete(key, version_id=version.version_id)
+            except ObjectNotFoundError:
+                continue
 
     def open_root(self, *, create: bool) -> None:
         self.driver.check_bucket()
@@ -121,6 +134,11 @@ class VersionPinCommit(ConditionalPutCommit):
         return None
 
     def _locator_problem(self, manifest: Manifest, record: ShardRecord) -> str | None:
+        if "blob" in record.locator:  # shared (§12.3): its generation's version, pinned
+            problem = _blob_locator_problem(record)
+            if problem is None and not record.locator.get("version_id"):
+                return "an unpinned locator"
+            return problem
         if record.locator.get("key") != f"{SHARDS}{record.name}":
             return "a foreign locator"
         if not record.locator.get("version_id"):
@@ -157,9 +175,10 @@ class VersionPinCommit(ConditionalPutCommit):
     def unpublish(self, step: int, epoch: int = 0) -> None:
         key = self.manifest_key(step, epoch)
         try:
-            pinned = [
+            pinned = [  # a shared blob's version is the leases' to free (§12.3), not this
                 (r.locator["key"], r.locator["version_id"])
                 for r in self.read_manifest(step, epoch).shards
+                if "blob" not in r.locator
             ]
         except IntegrityError:
             pinned = []  # unreadable: its versions are unpinned once it is gone; GC takes them
@@ -244,6 +263,8 @@ class VersionPinCommit(ConditionalPutCommit):
             if not dry_run:
                 self.driver.delete(version.key, version_id=version.version_id)
         self._collect_uploads(report, storage_now)
+        if any(v.key.startswith(BLOBS) for v in versions):
+            self._collect_blob_area(report, storage_now, {}, [])
         return report
 
     def _covers_a_version(self, marker: ObjectInfo) -> bool:
@@ -273,6 +294,18 @@ class VersionPinCommit(ConditionalPutCommit):
             return None if current else "old-version"
         if version.key.startswith(PROBE_PREFIX):
             return "probe"
+        if version.key.startswith(BLOBS):
+            # The blob area's current objects are the leases' to judge (§12.3). Older
+            # versions of a lease or a liveness marker (each CAS or touch writes a new one)
+            # are never read; a generation is written once, so an older version of one is
+            # no one's either, unless a manifest pins it.
+            if version.is_latest:
+                return "delete-marker" if version.is_delete_marker else None
+            if version.is_delete_marker:
+                return "delete-marker"
+            if pinned is None or (version.key, version.version_id or "") in pinned:
+                return None
+            return "old-version"
         if version.key.startswith(SHARDS):
             if pinned is None or (version.key, version.version_id or "") in pinned:
                 return None
