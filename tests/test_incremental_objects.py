@@ -682,3 +682,91 @@ def test_a_lease_gc_removed_under_a_save_is_said_to_be_gcs_doing(tmp_path: Path)
     with pytest.raises(ShardMissingError, match=r"removed by garbage collection|GC") as caught:
         pending.publish()
     assert "do not vouch" not in str(caught.value)
+
+
+@pytest.fixture(params=["memory", "memory+versioned"])
+def memory_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    return f"{request.param}://leases-{tmp_path.name}/run", {}
+
+
+def _checkpoints_read_whole(where: tuple[str, dict[str, Any]]) -> list[int]:
+    """The steps whose every shard reads back (a reader of its own, not incremental)."""
+    store = ckptstore.open(where[0], **where[1])
+    whole = []
+    for checkpoint in store.checkpoints():
+        for record in checkpoint.manifest.shards:
+            checkpoint.read(record.name)
+        whole.append(checkpoint.step)
+    return whole
+
+
+def test_a_lease_deleted_behind_the_store_costs_no_published_blob(
+    memory_url: tuple[str, dict[str, Any]],
+) -> None:
+    """An operator deletes a lease by hand (on a versioned bucket a DELETE only hides it):
+    later saves of the same bytes must not make GC delete the generation a published
+    checkpoint still names (it is not of the new lease's lineage; a hidden lease is damaged,
+    not absent)."""
+    store = _open(memory_url)
+    base = os.urandom(100_000)
+    store.save(1, {"base": base})
+    key = store.get(1).manifest.shard("base").locator["key"]
+    store.strategy.driver.delete(key.rsplit(".g", 1)[0] + ".lease")
+    store.save(2, {"base": base})
+    store.delete(2, force=True)
+    for hours in (2, 4, 8):
+        _later(memory_url, hours * 3600.0).gc(grace=60)
+    assert _checkpoints_read_whole(memory_url) == [1]
+    assert store.get(1).read("base") == base
+
+
+def test_two_gcs_removing_one_retired_lease_leave_a_new_lease_alone(
+    memory_url: tuple[str, dict[str, Any]],
+) -> None:
+    """GC B reads a retired lease; GC C removes it; a writer creates the lease anew and
+    publishes; then B goes on with its removal. The writer's checkpoint keeps its blob: B's
+    claim (a CAS) fails against the new lease, or (B paused between its claim and its
+    DELETE, on storage without versions) a later lease of the blob does not delete a
+    generation of another lineage."""
+    store = _open(memory_url)
+    base = os.urandom(100_000)
+    store.save(1, {"base": base})
+    store.delete(1, force=True)
+    _later(memory_url, 2 * 3600.0).gc(grace=60)  # doomed, its generation deleted
+    crashed = _later(memory_url, 4 * 3600.0)
+    crashed.strategy._blobs._delete = lambda *args: None  # type: ignore[attr-defined]
+    crashed.gc(grace=60)  # retired, then died before removing it
+    late, other = _later(memory_url, 6 * 3600.0), _later(memory_url, 6 * 3600.0)
+    removing = late.strategy._blobs._delete  # type: ignore[attr-defined]
+
+    def removed_meanwhile(key: str, etag: str | None = None) -> None:
+        if key.endswith(".lease"):
+            other.gc(grace=60)  # removes the retired lease
+            store.save(2, {"base": base})  # no lease: a new one, published with it
+        removing(key, etag)
+
+    late.strategy._blobs._delete = removed_meanwhile  # type: ignore[attr-defined]
+    late.gc(grace=60)
+    assert store.get(2).read("base") == base
+    store.save(3, {"base": base})
+    store.delete(3, force=True)
+    for hours in (8, 10, 14):
+        _later(memory_url, hours * 3600.0).gc(grace=60)
+    assert _checkpoints_read_whole(memory_url) == [2]
+
+
+def test_gc_of_a_versioned_store_leaves_foreign_objects_under_blobs_alone(
+    tmp_path: Path,
+) -> None:
+    url = f"memory+versioned://foreign-{tmp_path.name}/run"
+    store = ckptstore.open(url)
+    store.save(1, {"w": b"x" * 1000})
+    driver = store.strategy.driver
+    driver.put("blobs/notes.txt", b"v1")
+    driver.put("blobs/notes.txt", b"v2")
+    driver.put("blobs/live/other.txt", b"a")
+    driver.delete("blobs/live/other.txt")  # a user's object under a delete marker
+    before = sorted((v.key, v.version_id) for v in driver.list_versions("blobs/"))
+    for _ in range(2):
+        ckptstore.open(url, clock=lambda: time.time() + LATER).gc(grace=60)
+    assert sorted((v.key, v.version_id) for v in driver.list_versions("blobs/")) == before

@@ -152,6 +152,20 @@ class Lease:
     serial: int = 0
     """Grows by one with every change (``BlobLeases._swap``): no change writes the bytes it
     replaces, so every change moves the ETag, even where an ETag is the content's MD5."""
+    lineage: str | None = None
+    """Drawn when the lease is created, kept by every change, and the first characters of
+    every generation reserved in it: GC deletes an old generation only of its own lineage,
+    never one a lost lease of the same blob reserved (a lease removed behind a writer that
+    published with it, or deleted by hand), which a published checkpoint may still name.
+    None in leases written before lineages: every generation is then taken as theirs."""
+
+    def new_generation(self) -> str:
+        """A new, unique generation id of this lease's lineage."""
+        return f"{self.lineage or ''}{names.new_attempt_id()}"
+
+    def owns(self, generation: str) -> bool:
+        """Whether ``generation`` was reserved in this lease (of its lineage)."""
+        return self.lineage is None or generation.startswith(self.lineage)
 
     def encode(self) -> bytes:
         body = {
@@ -168,6 +182,8 @@ class Lease:
             body["etag"] = self.etag
         if self.retired:
             body["retired"] = True
+        if self.lineage is not None:
+            body["lineage"] = self.lineage
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -193,9 +209,23 @@ class Lease:
             retired = body.get("retired", False)
             if type(retired) is not bool or (retired and not body["doomed"]):
                 raise ValueError("retired must be a boolean, and only a doomed lease retired")
+            lineage = body.get("lineage")
+            if lineage is not None and (
+                type(lineage) is not str or not _LINEAGE.fullmatch(lineage)
+            ):
+                raise ValueError(f"lineage must be {LINEAGE_LENGTH} letters or digits: {lineage!r}")
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise LeaseCorruptError(f"{where}: not a blob lease: {exc}") from None
-        return cls(generation, body["doomed"], users, reserver, etag, retired, serial)
+        return cls(generation, body["doomed"], users, reserver, etag, retired, serial, lineage)
+
+
+LINEAGE_LENGTH = 8
+_LINEAGE = re.compile(rf"[0-9a-z]{{{LINEAGE_LENGTH}}}", re.ASCII)
+
+
+def new_lineage() -> str:
+    """A fresh lineage for a lease created now (40 random bits, base 36)."""
+    return names.new_attempt_id()[-LINEAGE_LENGTH:]
 
 
 def _user(entry: Mapping[str, object]) -> User:
@@ -215,11 +245,6 @@ def _dooms(generation: str) -> Callable[[Lease], bool]:
     return lambda lease: lease.doomed and lease.generation == generation
 
 
-def _retires(lease: Lease) -> bool:
-    """Whether a lease read back is retired (GC's CAS took)."""
-    return lease.retired
-
-
 def _backoff(attempt: int) -> None:
     """A short, jittered pause before a contended lease is read again."""
     time.sleep(min(0.25, 0.01 * 2**attempt) * (0.5 + random.random()))
@@ -234,14 +259,19 @@ class BlobLeases:
         open_sink: Callable[[str, int], ShardSink],
         *,
         share_wait_s: float = SHARE_WAIT_S,
-        remove: Callable[[str], None] | None = None,
+        remove: Callable[[str, str | None], None] | None = None,
+        hidden: Callable[[str], bool] | None = None,
     ) -> None:
         """``open_sink(key, size)``: a sink that uploads a generation's bytes (whole or in
-        parts) to ``key``. ``remove(key)``: how an object of the area is deleted (by default
-        a DELETE; on a versioned bucket, every version of the key)."""
+        parts) to ``key``. ``remove(key, etag)``: how an object of the area is deleted (by
+        default a DELETE; on a versioned bucket, every version of the key, and a lease's only
+        while its current version is still the one of ETag ``etag`` that GC wrote last).
+        ``hidden(key)``: whether an absent lease is only hidden (a versioned bucket: a foreign
+        DELETE's marker over its versions), which makes the lease damaged, not absent."""
         self.driver = driver
         self.open_sink = open_sink
         self._remove = remove
+        self._hidden = hidden
         self.share_wait_s = share_wait_s
         self._alive: dict[tuple[int, str], float] = {}
         self._alive_lock = threading.Lock()
@@ -293,6 +323,11 @@ class BlobLeases:
                 )
             data, info = self.driver.get(blob.lease_key)
         except ObjectNotFoundError:
+            if self._hidden is not None and self._hidden(blob.lease_key):
+                raise LeaseCorruptError(
+                    f"{self.url}/{blob.lease_key}: the lease is hidden by a delete marker (a "
+                    f"DELETE that ckptstore did not make), its versions kept"
+                ) from None
             return None, None
         if len(data) > MAX_LEASE_BYTES:
             raise LeaseCorruptError(f"{self.url}/{blob.lease_key}: larger than a lease can be")
@@ -352,9 +387,10 @@ class BlobLeases:
                 log.info("%s: lease %s is being removed: not shared", self.url, blob.lease_key)
                 return None
             if lease is None or lease.doomed:
-                generation = names.new_attempt_id()  # unique: never a generation before
+                lineage = new_lineage() if lease is None else lease.lineage
                 serial = 0 if lease is None else lease.serial
-                reserved = Lease(generation, False, (me,), me, None, False, serial)
+                generation = Lease("", False, (), lineage=lineage).new_generation()  # unique
+                reserved = Lease(generation, False, (me,), me, None, False, serial, lineage)
                 if not self._swap(blob, reserved, etag, _holds(me, generation)):
                     refused += lease is None
                     contended += 1
@@ -629,6 +665,13 @@ class BlobLeases:
         for generation, info in sorted(generations.items()):
             if generation == lease.generation and not lease.doomed:
                 continue
+            if not lease.owns(generation):  # reserved in a lease of this blob since lost
+                report.warnings.append(
+                    f"{self.url}/{info.key}: a generation no lease of this blob's lineage "
+                    f"reserved (its own lease was removed or deleted behind a save that may "
+                    f"have published with it): left alone"
+                )
+                continue
             why = (
                 "no published checkpoint and no live save uses it (its lease is doomed)"
                 if generation == lease.generation
@@ -639,7 +682,7 @@ class BlobLeases:
             if not report.dry_run:
                 self._delete(info.key)
         for generation, upload in uploads:
-            if generation == lease.generation and not lease.doomed:
+            if (generation == lease.generation and not lease.doomed) or not lease.owns(generation):
                 continue
             age = max(0.0, now - upload.initiated)
             why = "an upload of a generation no lease names as current"
@@ -649,30 +692,46 @@ class BlobLeases:
                     self.driver.abort_multipart(upload.key, upload.upload_id)
                 except ObjectNotFoundError:
                     pass
-        if lease.retired:
-            self._remove_lease(report, blob, listed, now)
-            return
         # Doomed longer than the grace period, its generations gone: it protects nothing.
-        # Retired first, by CAS from the state read (a writer that reserved in it since fails
-        # this, and the lease stays), then removed: a retired lease is never reserved in, so
-        # its removal can race no one.
+        # Retired by CAS from the state read (a writer that reserved in it since fails this,
+        # and the lease stays), then removed: a retired lease is never reserved in. A lease
+        # found retired already (its remover died, or another GC removes it now) is claimed
+        # by a CAS of its own first: a lease created anew after another GC removed it fails
+        # that CAS, and is not removed.
         old_enough = listed is not None and now - listed.last_modified > report.grace_s
-        if (
-            lease.doomed
-            and old_enough
-            and (report.dry_run or self._swap(blob, replace(lease, retired=True), etag, _retires))
-        ):
-            self._remove_lease(report, blob, listed, now)
+        if lease.retired or (lease.doomed and old_enough):
+            self._remove_lease(report, blob, lease, etag, listed, now)
 
     def _remove_lease(
-        self, report: GcReport, blob: BlobName, listed: ObjectInfo | None, now: float
+        self,
+        report: GcReport,
+        blob: BlobName,
+        lease: Lease,
+        etag: str,
+        listed: ObjectInfo | None,
+        now: float,
     ) -> None:
         age = 0.0 if listed is None else max(0.0, now - listed.last_modified)
         size = 0 if listed is None else listed.size
         why = "doomed longer than the grace period, retired"
+        if report.dry_run:
+            report.removed.append(GcItem("blob lease", blob.lease_key, age, size, why=why))
+            return
+        claimed = self._claim_removal(blob, lease, etag)
+        if claimed is None:
+            return  # changed since it was read (a writer, another GC): judged next time
         report.removed.append(GcItem("blob lease", blob.lease_key, age, size, why=why))
-        if not report.dry_run:
-            self._delete(blob.lease_key)
+        self._delete(blob.lease_key, claimed)
+
+    def _claim_removal(self, blob: BlobName, lease: Lease, etag: str) -> str | None:
+        """Write the lease retired, by CAS from ``etag``: the new ETag, or None where the CAS
+        failed or its outcome is unknown (the lease is then left for a later pass)."""
+        retired = replace(lease, doomed=True, retired=True, serial=lease.serial + 1)
+        try:
+            info = self.driver.put(blob.lease_key, retired.encode(), mode=PutMode.update(etag))
+        except (PreconditionFailedError, ObjectNotFoundError, TransientStorageError):
+            return None
+        return info.etag
 
     def _upload_moved(self, upload: UploadInfo, now: float, grace_s: float) -> bool:
         """Whether an upload received a part (or began) within the grace period."""
@@ -698,10 +757,11 @@ class BlobLeases:
         if not report.dry_run:
             self._delete(info.key)
 
-    def _delete(self, key: str) -> None:
+    def _delete(self, key: str, etag: str | None = None) -> None:
+        """Delete an object of the area (``etag``: a lease's, as GC's claim wrote it)."""
         try:
             if self._remove is not None:
-                self._remove(key)
+                self._remove(key, etag)
             else:
                 self.driver.delete(key)
         except ObjectNotFoundError:

@@ -461,13 +461,22 @@ class ConditionalPutCommit(CommitStrategy[ObjectStoreDriver]):
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._blobs = (
-            BlobLeases(driver, self._open_blob_sink, remove=self._blob_remover())
+            BlobLeases(
+                driver,
+                self._open_blob_sink,
+                remove=self._blob_remover(),
+                hidden=self._lease_hidden(),
+            )
             if self.leases_blobs and Capability.COMPARE_AND_SWAP in driver.capabilities
             else None
         )
 
-    def _blob_remover(self) -> Callable[[str], None] | None:
+    def _blob_remover(self) -> Callable[[str, str | None], None] | None:
         """How the blob area deletes an object (None: a plain DELETE)."""
+        return None
+
+    def _lease_hidden(self) -> Callable[[str], bool] | None:
+        """How the blob area tells a lease hidden from one absent (None: it cannot)."""
         return None
 
     def _open_blob_sink(self, key: str, size: int) -> ShardSink:

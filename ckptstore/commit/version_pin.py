@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Iterable
 
 from ckptstore.commit.base import GcItem, GcReport, ShardProblem, ShardSink
-from ckptstore.commit.blob_leases import BLOBS
+from ckptstore.commit.blob_leases import BLOBS, LIVE, parse_blob_key
 from ckptstore.commit.conditional_put import (
     LATEST_KEY,
     MANIFESTS,
@@ -53,6 +53,30 @@ _LIST_FROM_SHARDS = 4
 """From this many shards on, one listing of versions replaces a HEAD per shard."""
 
 
+def _same_etag(info: ObjectInfo, etag: str) -> bool:
+    return (info.etag or "").strip('"') == etag.strip('"')
+
+
+def _an_area_name(key: str) -> bool:
+    """Whether ``key`` is a name the blob area gives (a lease, a generation, a marker)."""
+    if key.startswith(LIVE):
+        return parse_attempt_name(key[len(LIVE) :], ".") is not None
+    return parse_blob_key(key) is not None
+
+
+def _hidden_keys(versions: Iterable[ObjectInfo], prefix: str) -> frozenset[str]:
+    """The keys under ``prefix`` whose current version is a delete marker over versions."""
+    hidden, stored = set(), set()
+    for version in versions:
+        if not version.key.startswith(prefix):
+            continue
+        if version.is_latest and version.is_delete_marker:
+            hidden.add(version.key)
+        elif not version.is_delete_marker:
+            stored.add(version.key)
+    return frozenset(hidden & stored)
+
+
 def versioned_name(key: str, version_id: str | None) -> str:
     """How a listing of versions names one: ``key@version``."""
     return f"{key}@{version_id}"
@@ -77,15 +101,29 @@ class VersionPinCommit(ConditionalPutCommit):
     name = "version-pin"
     required_capabilities = frozenset({Capability.CONDITIONAL_CREATE, Capability.VERSIONING})
 
-    def _blob_remover(self) -> Callable[[str], None] | None:
+    def _blob_remover(self) -> Callable[[str, str | None], None] | None:
         return self._remove_every_version
 
-    def _remove_every_version(self, key: str) -> None:
+    def _lease_hidden(self) -> Callable[[str], bool] | None:
+        return self._has_versions
+
+    def _has_versions(self, key: str) -> bool:
+        """Whether any version or delete marker of ``key`` is stored (a lease that reads as
+        absent is then hidden by a marker: deleted behind ckptstore's back)."""
+        return any(v.key == key for v in self.driver.list_versions(key))
+
+    def _remove_every_version(self, key: str, etag: str | None) -> None:
         """Delete every version of ``key`` (a plain DELETE only adds a delete marker): the
         older ones first and the current one last, so that no older version of a lease is
-        ever current again while it is removed, and a version written after the listing
-        (a new lease created once the key is empty) is not touched."""
+        ever current again while it is removed. ``etag`` (a lease's removal): only while the
+        current version is the one GC's claim wrote; a lease created anew since (after
+        another GC removed the old one) is left alone, its versions all kept."""
         versions = [v for v in self.driver.list_versions(key) if v.key == key]
+        if etag is not None:
+            current = [v for v in versions if v.is_latest]
+            if not current or current[0].is_delete_marker or not _same_etag(current[0], etag):
+                log.info("%s: %s changed since GC claimed it: left alone", self.url, key)
+                return
         for version in sorted(versions, key=lambda v: v.is_latest):
             try:
                 self.driver.delete(key, version_id=version.version_id)
@@ -235,8 +273,9 @@ class VersionPinCommit(ConditionalPutCommit):
             pinned = None  # versions written without their attempt would be judged by it
         manifests: dict[int, list[Manifest]] = {}
         markers: list[tuple[ObjectInfo, GcItem]] = []
+        hidden = _hidden_keys(versions, BLOBS)
         for version in versions:
-            kind = self._garbage_kind(version, pinned)
+            kind = self._garbage_kind(version, pinned, hidden)
             if kind is None:
                 continue
             item = GcItem(
@@ -282,7 +321,12 @@ class VersionPinCommit(ConditionalPutCommit):
             return False  # a newer version is current: removing this one changes nothing
         return any(not v.is_delete_marker for v in listed)
 
-    def _garbage_kind(self, version: ObjectInfo, pinned: set[tuple[str, str]] | None) -> str | None:
+    def _garbage_kind(
+        self,
+        version: ObjectInfo,
+        pinned: set[tuple[str, str]] | None,
+        hidden: frozenset[str] = frozenset(),
+    ) -> str | None:
         """What an unneeded version is ("shard-version", ...), or None if it is needed."""
         current = version.is_latest and not version.is_delete_marker
         if version.key == LATEST_KEY or version.key.startswith(MANIFESTS):
@@ -297,13 +341,21 @@ class VersionPinCommit(ConditionalPutCommit):
         if version.key.startswith(BLOBS):
             # The blob area's current objects are the leases' to judge (§12.3). Older
             # versions of a lease or a liveness marker (each CAS or touch writes a new one)
-            # are never read; a generation is written once, so an older version of one is
-            # no one's either, unless a manifest pins it.
+            # are never read; a generation's older versions go with the generation (the
+            # leases' GC deletes every version of it). Only names the area gives are
+            # judged, and not a key hidden by a delete marker over its versions (a DELETE
+            # ckptstore did not make: its versions are the evidence, kept).
+            if not _an_area_name(version.key) or version.key in hidden:
+                return None
             if version.is_latest:
                 return "delete-marker" if version.is_delete_marker else None
             if version.is_delete_marker:
                 return "delete-marker"
-            if pinned is None or (version.key, version.version_id or "") in pinned:
+            parsed = parse_blob_key(version.key)
+            if parsed is not None and parsed[1] is not None:
+                # A generation's older version (an upload tried again after an unknown
+                # outcome): a save that shared it before the retry pins it, perhaps in a
+                # manifest published since the pins were read. It goes with its generation.
                 return None
             return "old-version"
         if version.key.startswith(SHARDS):

@@ -433,8 +433,8 @@ class CheckpointStoreMachine(ForeignEntryRules):
         first = self._new_save([])
         first = Saved(first.step, {"rank00/frozen.bin": frozen}, first.metadata, first.epoch)
         save(self._writer(incremental=True), self.model, first)
-        key = self.store.get(first.step).shards["rank00/frozen.bin"].locator["key"]
-        hit = self._sharing_blob(key)
+        locator = self.store.get(first.step).shards["rank00/frozen.bin"].locator
+        hit = self._sharing_blob(locator["key"], locator.get("version_id"))
         epoch = self.store.get(first.step).manifest.epoch
         done = self.location.corrupt(first.step, "rank00/frozen.bin", "truncate", epoch)
         if done is None:
@@ -903,21 +903,28 @@ class CheckpointStoreMachine(ForeignEntryRules):
         if "blob" in locator:  # shared (§12.3)
             if how == "bitflip":
                 return  # a sharing save trusts a blob's digest: bit rot at rest would spread
-            hit = self._sharing_blob(locator["key"])  # every checkpoint that names it is damaged
+            # every checkpoint that names it (in that version) is damaged
+            hit = self._sharing_blob(locator["key"], locator.get("version_id"))
         done = self.location.corrupt(step, name, how, checkpoint.manifest.epoch)
         if done is not None:
             for damaged_step, damaged_name in hit:
                 self.model.shard_corrupted(damaged_step, damaged_name, done)
 
-    def _sharing_blob(self, key: str) -> list[tuple[int, str]]:
-        """The (step, shard) of every published checkpoint whose shard is the object ``key``."""
+    def _sharing_blob(self, key: str, version_id: str | None = None) -> list[tuple[int, str]]:
+        """The (step, shard) of every published checkpoint whose shard is the object ``key``
+        (in its version ``version_id``, on a versioned bucket: a shard written unshared there
+        has a key that every step's shard of its name has, each in a version of its own)."""
         found = []
         for step in self.store.steps():
             try:
                 manifest = self.store.get(step).manifest
             except CkptStoreError:
                 continue
-            found += [(step, r.name) for r in manifest.shards if r.locator.get("key") == key]
+            found += [
+                (step, r.name)
+                for r in manifest.shards
+                if (r.locator.get("key"), r.locator.get("version_id")) == (key, version_id)
+            ]
         return found
 
     def _unchanged_since(self) -> object:
