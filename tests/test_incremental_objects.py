@@ -22,7 +22,14 @@ from conftest import EmbeddedS3
 
 import ckptstore
 from ckptstore.backends.fsspec import UNSAFE_OPTION
-from ckptstore.commit.blob_leases import BLOBS, LIVE, BlobName, Lease, parse_blob_key
+from ckptstore.commit.blob_leases import (
+    BLOBS,
+    LIVE,
+    BlobName,
+    Lease,
+    LeaseCorruptError,
+    parse_blob_key,
+)
 from ckptstore.driver import PutMode
 from ckptstore.errors import (
     InvalidOptionError,
@@ -750,9 +757,43 @@ def test_two_gcs_removing_one_retired_lease_leave_a_new_lease_alone(
     assert store.get(2).read("base") == base
     store.save(3, {"base": base})
     store.delete(3, force=True)
+    warnings = []
     for hours in (8, 10, 14):
-        _later(memory_url, hours * 3600.0).gc(grace=60)
+        warnings += _later(memory_url, hours * 3600.0).gc(grace=60).warnings
     assert _checkpoints_read_whole(memory_url) == [2]
+    store.delete(2, force=True)
+    for hours in (16, 20):
+        warnings += _later(memory_url, hours * 3600.0).gc(grace=60).warnings
+    if memory_url[0].startswith("memory://"):  # the new lease went with the plain DELETE
+        assert any("left alone" in warning for warning in warnings), warnings
+    else:  # the DELETE named the claimed version: the new lease stayed, and is collected
+        assert not warnings and _keys(store) == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"version": 2, "lineage": "zzzzzzzz"},  # not hex
+        {"version": 2, "lineage": "0badcafe"},  # its generation is not of it
+        {"version": 2},  # a version-2 lease without one
+        {"version": 1, "lineage": "0badcafe"},  # version 1 knows none
+    ],
+)
+def test_a_lease_with_a_bad_lineage_is_damaged(body: dict[str, Any]) -> None:
+    lease = {"format": "ckptstore-blob-lease", "generation": "mxbx0000aaaaaaaa", "doomed": False,
+             "users": [], "serial": 1} | body  # fmt: skip
+    with pytest.raises(LeaseCorruptError):
+        Lease.decode(json.dumps(lease).encode(), "planted")
+
+
+def test_a_new_lease_has_a_lineage_that_its_generations_carry() -> None:
+    lease = Lease("", False, (), lineage="0badcafe")
+    generation = lease.new_generation()
+    assert generation.startswith("0badcafe") and lease.owns(generation)
+    assert not lease.owns("mxbx0000aaaaaaaa")
+    stored = Lease(generation, False, (), lineage="0badcafe", serial=3)
+    assert Lease.decode(stored.encode(), "here") == stored
+    assert Lease("mxbx0000aaaaaaaa", False, ()).owns("anything0000")  # before lineages
 
 
 def test_gc_of_a_versioned_store_leaves_foreign_objects_under_blobs_alone(

@@ -20,6 +20,7 @@ import json
 import logging
 import random
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -168,9 +169,9 @@ class Lease:
         return self.lineage is None or generation.startswith(self.lineage)
 
     def encode(self) -> bytes:
-        body = {
+        body: dict[str, object] = {
             "format": _LEASE_FORMAT,
-            "version": 1,
+            "version": 1 if self.lineage is None else 2,  # code that knows no lineage: corrupt
             "generation": self.generation,
             "doomed": self.doomed,
             "users": [user.encode() for user in self.users],
@@ -193,8 +194,8 @@ class Lease:
             body = json.loads(data)
             if not isinstance(body, dict):
                 raise ValueError("not a JSON object")
-            if body.get("format") != _LEASE_FORMAT or body.get("version") != 1:
-                raise ValueError("not a ckptstore blob lease of version 1")
+            if body.get("format") != _LEASE_FORMAT or body.get("version") not in (1, 2):
+                raise ValueError("not a ckptstore blob lease of version 1 or 2")
             generation = names.check_attempt_id(body["generation"])
             if type(body["doomed"]) is not bool:
                 raise ValueError("doomed must be a boolean")
@@ -210,22 +211,27 @@ class Lease:
             if type(retired) is not bool or (retired and not body["doomed"]):
                 raise ValueError("retired must be a boolean, and only a doomed lease retired")
             lineage = body.get("lineage")
-            if lineage is not None and (
+            if body["version"] == 2 and (
                 type(lineage) is not str or not _LINEAGE.fullmatch(lineage)
             ):
-                raise ValueError(f"lineage must be {LINEAGE_LENGTH} letters or digits: {lineage!r}")
+                raise ValueError(f"lineage must be {LINEAGE_LENGTH} hex digits: {lineage!r}")
+            if body["version"] == 1 and lineage is not None:
+                raise ValueError("a lease of version 1 has no lineage")
+            if lineage is not None and not generation.startswith(lineage):
+                raise ValueError(f"generation {generation!r} is not of lineage {lineage!r}")
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise LeaseCorruptError(f"{where}: not a blob lease: {exc}") from None
         return cls(generation, body["doomed"], users, reserver, etag, retired, serial, lineage)
 
 
 LINEAGE_LENGTH = 8
-_LINEAGE = re.compile(rf"[0-9a-z]{{{LINEAGE_LENGTH}}}", re.ASCII)
+_LINEAGE = re.compile(rf"[0-9a-f]{{{LINEAGE_LENGTH}}}", re.ASCII)
 
 
 def new_lineage() -> str:
-    """A fresh lineage for a lease created now (40 random bits, base 36)."""
-    return names.new_attempt_id()[-LINEAGE_LENGTH:]
+    """A fresh lineage for a lease created now: 8 hex digits (32 random bits; generation ids
+    made before lineages start with base-36 milliseconds, never with 8 hex digits alone)."""
+    return secrets.token_hex(LINEAGE_LENGTH // 2)
 
 
 def _user(entry: Mapping[str, object]) -> User:
@@ -635,7 +641,13 @@ class BlobLeases:
                 report.warnings.append(f"{exc}: its blob was left alone")
                 return
             if lease is None or etag is None:
-                return  # bytes without a lease are no area's: left alone
+                if generations:  # its lease removed or deleted behind a save: left alone
+                    report.warnings.append(
+                        f"{self.url}/{blob.base}: {len(generations)} generation(s) without a "
+                        f"lease (removed or deleted behind a save that may have published "
+                        f"with it): left alone; remove them once no checkpoint names them"
+                    )
+                return
             if not lease.doomed:
                 uploading = lease.reserver is not None and any(  # its reserver, still at it
                     self._upload_moved(upload, now, report.grace_s)
