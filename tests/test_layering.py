@@ -21,7 +21,7 @@ TOOLING = "tooling"
 LAYERS: dict[str, tuple[str, ...]] = {
     FOUNDATION: (
         "errors", "names", "urls", "redaction", "checksum", "driver", "manifest", "hint",
-        "retention", "lineage", "jsonload", "filekind", "digest", "signing",
+        "retention", "lineage", "jsonload", "filekind", "digest", "signing", "shardbytes",
     ),
     COMMIT: ("commit",),
     BACKENDS: ("backends",),
