@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import warnings
@@ -271,10 +272,66 @@ def _same_examples() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def moto_s3() -> Iterator[EmbeddedS3]:
-    """moto's S3 server on 127.0.0.1 for the whole session."""
+def moto_server() -> Iterator[EmbeddedS3]:
+    """moto's S3 server on 127.0.0.1 for the whole session (tests take ``moto_s3``)."""
     with embedded_moto() as server:
         yield server
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnBucketS3(EmbeddedS3):
+    """The session's moto server with a bucket of one test's own: the buckets it makes
+    (``versioned_bucket``) are named after that bucket, so they are the test's own too."""
+
+    def versioned_bucket(self, name: str) -> EmbeddedS3:
+        return super().versioned_bucket(f"{self.bucket}-{name}"[:63])
+
+
+@pytest.fixture
+def moto_s3(moto_server: EmbeddedS3) -> Iterator[EmbeddedS3]:
+    """moto's S3 server with buckets of this test's own, emptied and removed after it.
+
+    moto lists object versions by copying every object of the bucket, under the embedded
+    server's one lock (ckptstore.tools.moto_atomic): in one bucket shared by a whole session,
+    each listing took seconds by the end of it, held up every other request meanwhile, and
+    failed tests that had nothing to do with it (a read timeout, a 500)."""
+    server = OwnBucketS3(**dataclasses.asdict(moto_server))
+    server = dataclasses.replace(server, bucket=f"t{os.getpid()}-{next(_counter)}")
+    client = server.client()
+    client.create_bucket(Bucket=server.bucket)
+    yield server
+    for bucket in client.list_buckets()["Buckets"]:
+        if bucket["Name"] == server.bucket or bucket["Name"].startswith(f"{server.bucket}-"):
+            _remove_bucket(client, bucket["Name"])
+
+
+def _remove_bucket(client: Any, bucket: str) -> None:
+    """Empty the bucket and delete it; one that a test's leftover thread writes into again
+    meanwhile is left there (it costs the server memory, never a test its result)."""
+    from botocore.exceptions import ClientError
+
+    for _ in range(3):
+        try:
+            _empty_and_delete(client, bucket)
+            return
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "BucketNotEmpty":
+                raise
+
+
+def _empty_and_delete(client: Any, bucket: str) -> None:
+    """Delete every object version, upload and the bucket itself (what a test left there)."""
+    for page in client.get_paginator("list_object_versions").paginate(Bucket=bucket):
+        versions = page.get("Versions", []) + page.get("DeleteMarkers", [])
+        if versions:
+            objects = [{"Key": v["Key"], "VersionId": v["VersionId"]} for v in versions]
+            client.delete_objects(Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+    for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket):
+        for upload in page.get("Uploads", []):
+            client.abort_multipart_upload(
+                Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+            )
+    client.delete_bucket(Bucket=bucket)
 
 
 @pytest.fixture(scope="session")

@@ -286,3 +286,29 @@ def test_the_private_body_layers_are_the_known_ones(moto_s3: EmbeddedS3) -> None
         assert s3.direct_body_reads(body), "botocore/urllib3 changed the layers of a body"
     finally:
         body.close()
+
+
+def test_the_embedded_moto_outlives_its_parents_open_file_limit(tmp_path: Any) -> None:
+    """The embedded moto holds more objects, listed by version, than its parent may open
+    files: it neither keeps a descriptor per object nor keeps the parent's soft limit (a long
+    test session's server answered 500 and stopped accepting connections at 1024)."""
+    script = textwrap.dedent(
+        """
+        import resource
+        from ckptstore.tools.embedded import embedded_moto
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))
+        with embedded_moto() as server:
+            client = server.client()
+            for index in range(300):
+                client.put_object(Bucket=server.bucket, Key=f"k/{index}", Body=b"x" * 65536)
+            listed = client.list_object_versions(Bucket=server.bucket, Prefix="k/")
+            assert len(listed["Versions"]) == 300, len(listed["Versions"])
+            print("served")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "served"

@@ -35,6 +35,10 @@ SEAWEEDFS_MIN_PART_SIZE = 5 * 1024 * 1024
 (``EntityTooSmall``), like AWS: every part but the last must be at least 5 MiB."""
 
 
+KEY_BUFFER_SIZE = 16 * 1024 * 1024
+"""The embedded moto keeps objects up to this size in memory, larger ones in temporary files."""
+
+
 @dataclass(frozen=True)
 class EmbeddedS3:
     """A running S3 server: where it listens, how to sign in, and a bucket to use."""
@@ -138,7 +142,14 @@ def embedded_moto(bucket: str = "ckptstore", min_part_size: int = 4096) -> Itera
             "the embedded S3 server needs moto: pip install 'ckptstore[embedded]'"
         ) from exc
     port = free_port()
-    environment = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": str(min_part_size)}
+    # moto keeps an object larger than its key buffer in an open temporary file; the buffer
+    # defaults to S3_UPLOAD_PART_MIN_SIZE less 1 KiB (3 KiB here), which made nearly every
+    # object a file descriptor of the server's and every version listing a file per object.
+    environment = {
+        **os.environ,
+        "S3_UPLOAD_PART_MIN_SIZE": str(min_part_size),
+        "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(KEY_BUFFER_SIZE),
+    }
     # moto's own server checks a condition and then writes, in threads: not atomic (moto_atomic)
     command = [
         sys.executable,

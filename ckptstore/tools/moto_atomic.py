@@ -110,6 +110,22 @@ def _read_body(environ: Environ) -> None:
     environ["wsgi.input"] = io.BytesIO(body)
 
 
+def _open_files_to_the_hard_limit() -> None:
+    """Raise this process's limit of open files to the hard limit: moto keeps an object larger
+    than its key buffer in a temporary file, open for as long as the object exists, and copies
+    every object of a bucket to list its versions. At a soft limit of 1024 a long session's
+    bucket ran out of descriptors: moto answered 500 and stopped accepting connections."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1 << 16 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):  # a limit the kernel caps lower (nr_open): keep the soft
+            pass
+
+
 def main(argv: list[str]) -> None:
     """Serve moto's S3 on ``-H HOST -p PORT``, keeping each client's connections alive.
 
@@ -127,6 +143,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("-p", "--port", type=int, required=True)
     args = parser.parse_args(argv)
     os.environ.setdefault("MOTO_PORT", str(args.port))  # moto's own URLs name this port
+    _open_files_to_the_hard_limit()
     server = Server(
         (args.host, args.port),
         OneAtATime(create_backend_app("s3")),
