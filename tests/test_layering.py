@@ -15,6 +15,7 @@ COMMIT = "commit strategies"
 BACKENDS = "backends"
 CORE = "core"
 TORCH = "torch adapter"
+JAX = "jax adapter"
 TRAINERS = "trainer adapters"
 TOOLING = "tooling"
 
@@ -22,15 +23,17 @@ LAYERS: dict[str, tuple[str, ...]] = {
     FOUNDATION: (
         "errors", "names", "urls", "redaction", "checksum", "driver", "manifest", "hint",
         "retention", "lineage", "jsonload", "filekind", "digest", "signing", "shardbytes",
+        "safetensors_layout",
     ),
     COMMIT: ("commit",),
     BACKENDS: ("backends",),
     CORE: (
         "checkpoint", "pending", "publisher", "store", "history", "fencing", "registry",
         "interval", "tiers", "replication", "tiered", "epoch_repair", "interface", "sharing",
-        "",
+        "coordinated", "",
     ),
     TORCH: ("torch",),
+    JAX: ("jax",),
     TRAINERS: ("adapters", "directory", "huggingface", "lightning"),
     TOOLING: (
         "conformance", "cli", "tools",
@@ -47,21 +50,23 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     BACKENDS: frozenset({FOUNDATION, COMMIT, BACKENDS}),
     CORE: frozenset({FOUNDATION, COMMIT, CORE}),
     TORCH: frozenset({FOUNDATION, CORE, TORCH}),
+    JAX: frozenset({FOUNDATION, CORE, JAX}),
     TRAINERS: frozenset({FOUNDATION, CORE, TORCH, TRAINERS}),
     TOOLING: frozenset(LAYERS),
 }
 """Which layers a layer's modules may import, even lazily inside a function."""
 
 FORBIDDEN_PACKAGES: dict[str, frozenset[str]] = {
-    FOUNDATION: frozenset({"torch", "hypothesis", "pytest", "boto3", "botocore"}),
-    COMMIT: frozenset({"torch", "hypothesis", "pytest", "boto3", "botocore"}),
-    CORE: frozenset({"torch", "hypothesis", "pytest", "boto3", "botocore"}),
-    BACKENDS: frozenset({"torch", "hypothesis", "pytest"}),
-    TORCH: frozenset({"hypothesis", "pytest"}),
-    TRAINERS: frozenset({"hypothesis", "pytest", "boto3", "botocore"}),
+    FOUNDATION: frozenset({"torch", "jax", "hypothesis", "pytest", "boto3", "botocore"}),
+    COMMIT: frozenset({"torch", "jax", "hypothesis", "pytest", "boto3", "botocore"}),
+    CORE: frozenset({"torch", "jax", "hypothesis", "pytest", "boto3", "botocore"}),
+    BACKENDS: frozenset({"torch", "jax", "hypothesis", "pytest"}),
+    TORCH: frozenset({"jax", "hypothesis", "pytest"}),
+    JAX: frozenset({"torch", "hypothesis", "pytest", "boto3", "botocore"}),
+    TRAINERS: frozenset({"jax", "hypothesis", "pytest", "boto3", "botocore"}),
 }
-"""Third-party packages a layer must never import (torch stays optional; the suite's tools
-stay out of the library)."""
+"""Third-party packages a layer must never import (torch and JAX stay optional, and neither
+adapter needs the other; the suite's tools stay out of the library)."""
 
 
 def _layer_of(module: str) -> str:
@@ -143,6 +148,8 @@ def test_every_module_has_a_layer() -> None:
     [
         ("backends/posix.py", "from ckptstore.store import Store\n", "backends imports"),
         ("store.py", "def f():\n    import torch\n", "core imports torch"),
+        ("store.py", "import jax\n", "core imports jax"),
+        ("jax/save.py", "from ckptstore.torch import codec\n", "jax adapter imports"),
         ("store.py", "from ckptstore.conformance import model\n", "core imports"),
         ("pending.py", "from ckptstore.backends import s3\n", "core imports"),
         ("commit/rename.py", "from ..store import Store\n", "ckptstore.store (core)"),

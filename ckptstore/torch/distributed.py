@@ -1,6 +1,7 @@
 """Multi-rank saves over torch.distributed: every rank writes its shards, one commit.
 
-The coordinator (rank 0 of the group) begins the attempt and shares its id; every rank writes
+The protocol is ``ckptstore.coordinated``'s, over the group. The coordinator (rank 0 of the
+group) begins the attempt and shares its id; every rank writes
 its own shards into that attempt (``Store.join``); the receipts (name, size, CRC32C, locator)
 are gathered to the coordinator, which checks coverage (every rank reported, no shard twice)
 and publishes through the ckptstore protocol. A rank that fails, or dies, before its receipts
@@ -10,21 +11,39 @@ reach the coordinator means nothing is published; the collective then fails on e
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
 
 from ckptstore.checkpoint import Checkpoint
-from ckptstore.errors import CkptStoreError
+from ckptstore.coordinated import COORDINATOR, save_coordinated
 from ckptstore.interface import CheckpointStore
-from ckptstore.manifest import ShardRecord
-from ckptstore.pending import ShardData
+from ckptstore.pending import PendingCheckpoint, ShardData
 
-__all__ = ["save_sharded"]
+__all__ = ["TorchCollective", "save_sharded"]
 
-COORDINATOR = 0
+
+class TorchCollective:
+    """The ranks of a torch.distributed group as a ``ckptstore.coordinated.Collective``."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._coordinator = (
+            dist.get_global_rank(group, COORDINATOR) if group is not None else COORDINATOR
+        )
+
+    def broadcast(self, value: Any) -> Any:
+        carried = [value]
+        dist.broadcast_object_list(carried, src=self._coordinator, group=self.group)
+        return carried[0]
+
+    def gather(self, value: Any) -> list[Any] | None:
+        gathered: list[Any] | None = [None] * self.size if self.rank == COORDINATOR else None
+        dist.gather_object(value, gathered, dst=self._coordinator, group=self.group)
+        return gathered
 
 
 def save_sharded(
@@ -40,56 +59,9 @@ def save_sharded(
     Every rank of ``group`` calls it with its own shards (names must differ across ranks).
     Returns the published checkpoint on every rank, or raises on every rank.
     """
-    rank = dist.get_rank(group)
-    world = dist.get_world_size(group)
-    coordinator = dist.get_global_rank(group, COORDINATOR) if group is not None else COORDINATOR
-    pending = None
-    begun: list[Any] = [None]
-    if rank == COORDINATOR:
-        try:
-            pending = store.begin(step, metadata, world_size=world)
-            begun = [("ok", pending.attempt)]
-        except CkptStoreError as exc:
-            begun = [("error", f"rank {rank}: {exc}")]
-    dist.broadcast_object_list(begun, src=coordinator, group=group)
-    status, value = begun[0]
-    if status != "ok":
-        raise CkptStoreError(f"step {step} not saved: {value}", step=step)
-    if pending is None:
-        pending = store.join(step, value)
 
-    try:
+    def write(pending: PendingCheckpoint) -> None:
         for name, data in shards.items():
             pending.write(name, data)
-        receipts = pending.seal()  # durable before the receipts travel
-        mine: tuple[str, Any] = ("ok", [dataclasses.asdict(r) for r in receipts])
-    except CkptStoreError as exc:
-        mine = ("error", f"rank {rank}: {exc}")
-    gathered: list[Any] | None = [None] * world if rank == COORDINATOR else None
-    dist.gather_object(mine, gathered, dst=coordinator, group=group)
 
-    outcome: list[Any] = [None]
-    if rank == COORDINATOR:
-        assert gathered is not None
-        outcome = [_publish(pending, gathered)]
-    dist.broadcast_object_list(outcome, src=coordinator, group=group)
-    status, value = outcome[0]
-    if status != "ok":
-        raise CkptStoreError(f"step {step} not saved: {value}", step=step)
-    return store.get(step)
-
-
-def _publish(pending: Any, gathered: list[Any]) -> tuple[str, Any]:
-    errors = [payload[1] for payload in gathered if payload is None or payload[0] != "ok"]
-    if errors:
-        pending.abort()
-        return "error", "; ".join(str(e) for e in errors)
-    try:
-        for rank, (_, receipts) in enumerate(gathered):
-            if rank != COORDINATOR:
-                pending.add_receipts(ShardRecord(**receipt) for receipt in receipts)
-        return "ok", pending.publish().step
-    except CkptStoreError as exc:
-        if pending.state == "open":
-            pending.abort()
-        return "error", str(exc)
+    return save_coordinated(store, step, write, TorchCollective(group), metadata=metadata)

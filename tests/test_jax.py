@@ -1,0 +1,333 @@
+"""ckptstore.jax on CPU with 8 simulated devices: every leaf type round trip bitwise, loads
+onto other meshes reading only what they need, async saves, bad input, damaged checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+np = pytest.importorskip("numpy")
+optax = pytest.importorskip("optax")
+
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import ckptstore  # noqa: E402
+from ckptstore.errors import (  # noqa: E402
+    InvalidInputError,
+    ManifestCorruptError,
+    ShardCorruptError,
+)
+from ckptstore.jax import AsyncPytreeSaver, ReadStats, load_pytree, save_pytree  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    len(jax.devices()) < 8, reason="needs 8 devices: XLA_FLAGS was set before JAX started"
+)
+
+
+def _mesh(*shape: int, names: tuple[str, ...] = ("a", "b")) -> Any:
+    count = int(np.prod(shape))
+    return Mesh(np.array(jax.devices()[:count]).reshape(shape), names[: len(shape)])
+
+
+def _put(value: Any, mesh: Any, spec: Any) -> Any:
+    return jax.device_put(value, NamedSharding(mesh, spec))
+
+
+def _leaves_equal(expected: Any, got: Any) -> None:
+    """Same structure, same leaf types, bitwise the same values."""
+    want, want_def = jax.tree_util.tree_flatten_with_path(expected)
+    have, have_def = jax.tree_util.tree_flatten_with_path(got)
+    assert want_def == have_def
+    for (path, a), (_, b) in zip(want, have, strict=True):
+        name = jax.tree_util.keystr(path)
+        if isinstance(a, jax.Array):
+            assert isinstance(b, jax.Array), name
+            if a.committed:  # its own sharding; JAX's placement by itself: replicated
+                assert b.sharding == a.sharding, name
+            else:
+                assert b.is_fully_replicated, name
+        else:
+            assert type(a) is type(b), (name, type(a), type(b))
+        if isinstance(a, (int, float, complex, str)):  # Python scalars and strings
+            assert repr(a) == repr(b) and (not isinstance(a, float) or a.hex() == b.hex()), name
+            continue
+        if jnp.issubdtype(getattr(a, "dtype", np.int8), jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        left, right = np.asarray(a), np.asarray(b)
+        assert left.dtype == right.dtype and left.shape == right.shape, name
+        assert left.tobytes() == right.tobytes(), name
+
+
+def _every_leaf_type() -> dict[str, Any]:
+    mesh = _mesh(4, 2)
+    weights = jnp.arange(64 * 16, dtype=jnp.float32).reshape(64, 16) / 7
+    params = {
+        "dense": {
+            "kernel": _put(weights, mesh, P("a", "b")),  # sharded over both axes
+            "bias": _put(jnp.arange(16, dtype=jnp.bfloat16), mesh, P("b")),  # replicated on a
+        },
+        "scale": _put(jnp.float32(1.5), mesh, P()),  # a replicated 0-d array
+        "embed": jnp.arange(24, dtype=jnp.int8).reshape(4, 6),  # on one device
+        "mask": _put(jnp.array([True, False] * 8), mesh, P("a")),
+        "half": _put(jnp.full((8, 2), jnp.nan, jnp.float16), mesh, P("a", "b")),
+    }
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    return {
+        "params": params,
+        "opt_state": tx.init(params),
+        "step": 123456789012345678901234567890,
+        "lr": float.fromhex("0x1.999999999999ap-4"),
+        "nan": float("nan"),
+        "complex": 1.5 - 2.25j,
+        "flag": True,
+        "name": "run ☃ \u202e",
+        "numpy": np.arange(12, dtype=np.uint16).reshape(3, 4),
+        "numpy_scalar": np.float64(-0.0),
+        "empty": np.zeros((0, 3), np.float32),
+        "key": jax.random.key(7),
+        "old_key": jax.random.PRNGKey(3),
+        "float64": np.array([1e300, -1e-300]),
+        "tuple": (1, "two", [3.0]),
+    }
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Any:
+    return ckptstore.open(str(tmp_path / "store"))
+
+
+def test_every_leaf_type_round_trips_bitwise(store: Any) -> None:
+    tree = _every_leaf_type()
+    checkpoint = save_pytree(store, 5, tree, metadata={"run": "x"})
+    assert checkpoint.metadata["run"] == "x"
+    assert "snapshot_s" in checkpoint.manifest.timings
+    _leaves_equal(tree, load_pytree(store, tree))
+    _leaves_equal(tree, load_pytree(checkpoint, tree))
+
+
+def test_a_flax_train_state_round_trips(store: Any) -> None:
+    train_state = pytest.importorskip("flax.training.train_state")
+    linen = pytest.importorskip("flax.linen")
+    model = linen.Dense(8)
+    params = model.init(jax.random.key(0), jnp.ones((2, 4)))
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+    grads = jax.tree_util.tree_map(jnp.ones_like, state.params)
+    state = state.apply_gradients(grads=grads)
+    save_pytree(store, 1, state)
+    fresh = train_state.TrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(1), jnp.ones((2, 4))), tx=state.tx
+    )
+    _leaves_equal(state, load_pytree(store, fresh))
+
+
+def test_without_a_target_the_tree_comes_back_as_dicts_and_lists(store: Any) -> None:
+    tree = {"a": {"b": jnp.arange(4)}, "c": [np.int32(3), "x"], "d": (1.5, True)}
+    save_pytree(store, 1, tree)
+    got = load_pytree(store)
+    assert list(got) == ["a", "c", "d"]
+    assert np.array_equal(got["a"]["b"], np.arange(4)) and isinstance(got["a"]["b"], np.ndarray)
+    assert got["c"] == [np.int32(3), "x"] and isinstance(got["c"][0], np.int32)
+    assert got["d"] == [1.5, True]
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [
+        ((8,), (4,)),  # 8 -> 4 devices
+        ((4,), (8,)),  # 4 -> 8
+        ((8,), (2, 4)),  # onto a 2-D mesh, sharded along both axes
+        ((2, 4), (8,)),
+    ],
+)
+def test_a_load_reshards_reading_only_what_each_device_needs(
+    store: Any, saved: tuple[int, ...], loaded: tuple[int, ...]
+) -> None:
+    rows, cols = 4096, 256  # 4 MiB of float32: more than one checked block
+    value = jnp.arange(rows * cols, dtype=jnp.float32).reshape(rows, cols)
+    source = _mesh(*saved)
+    spec = P("a") if len(saved) == 1 else P("a", "b")
+    save_pytree(store, 1, {"w": _put(value, source, spec)})
+    mesh = _mesh(*loaded)
+    target_spec = P("a") if len(loaded) == 1 else P("a", "b")
+    sharding = NamedSharding(mesh, target_spec)
+    target = {"w": jax.ShapeDtypeStruct((rows, cols), jnp.float32, sharding=sharding)}
+    stats = ReadStats()
+    got = load_pytree(store, target, stats=stats)["w"]
+    assert got.sharding == sharding
+    assert np.array_equal(np.asarray(got), np.asarray(value))
+    for shard in got.addressable_shards:
+        assert np.array_equal(np.asarray(shard.data), np.asarray(value)[shard.index])
+    assert stats.needed == rows * cols * 4  # every box once
+    if len(saved) == len(loaded) == 1:  # whole rows: each checked block read once
+        assert stats.read == store.latest().shards["pytree.p00000.00000.safetensors"].size
+
+
+def test_a_replicated_target_reads_each_box_once(store: Any) -> None:
+    value = jnp.arange(1024 * 256, dtype=jnp.float32).reshape(1024, 256)
+    save_pytree(store, 1, {"w": _put(value, _mesh(8), P("a"))})
+    stats = ReadStats()
+    target = {
+        "w": jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(_mesh(8), P()))
+    }
+    got = load_pytree(store, target, stats=stats)["w"]
+    assert got.is_fully_replicated and np.array_equal(np.asarray(got), np.asarray(value))
+    assert stats.needed == value.size * 4  # one box for eight devices, read once
+
+
+def test_the_parts_are_safetensors_files(store: Any) -> None:
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    tree = {"w": _put(jnp.arange(32.0).reshape(8, 4), _mesh(8), P("a")), "n": np.arange(3)}
+    checkpoint = save_pytree(store, 1, tree)
+    tensors: dict[str, Any] = {}
+    for name in checkpoint.names:
+        if name.endswith(".safetensors"):
+            path = Path(str(store.url).removeprefix("file://")) / f"step-{1:020d}" / "data" / name
+            tensors.update(safetensors_numpy.load_file(str(path)))
+    assert sorted(tensors) == ["['n']@0:3", *(f"['w']@{i}:{i + 1},0:4" for i in range(8))]
+    assert np.array_equal(tensors["['w']@2:3,0:4"], np.arange(32.0).reshape(8, 4)[2:3])
+
+
+def test_an_async_save_blocks_for_the_host_copy_only(store: Any) -> None:
+    leaf = np.arange(1000, dtype=np.float32)
+    tree = {"w": _put(jnp.ones((64, 64)), _mesh(8), P("a")), "n": leaf}
+    with AsyncPytreeSaver(store) as saver:
+        future = saver.save(3, tree)
+        leaf[:] = -1  # after the snapshot: the save holds its own copy
+        checkpoint = future.result(timeout=60)
+    assert checkpoint.step == 3
+    assert "blocked_s" in checkpoint.manifest.timings
+    assert "to_commit_s" in checkpoint.manifest.timings
+    assert np.array_equal(load_pytree(store)["n"], np.arange(1000, dtype=np.float32))
+
+
+def test_an_async_failure_is_raised_again(store: Any) -> None:
+    tree = {"w": jnp.ones(3)}
+    save_pytree(store, 1, tree)
+    with AsyncPytreeSaver(store) as saver:
+        failed = saver.save(1, tree)  # step 1 exists
+        with pytest.raises(ckptstore.CheckpointExistsError):
+            failed.result(timeout=60)
+        with pytest.raises(ckptstore.CkptStoreError, match="earlier asynchronous save failed"):
+            saver.save(2, tree)
+    assert store.steps() == [1]
+
+
+class _Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("leaf", "match"),
+    [
+        (_Opaque(), "nothing is pickled"),
+        (b"bytes", "nothing is pickled"),
+        (jnp.zeros(3, dtype=jnp.complex64), "cannot be stored as safetensors"),
+        (np.array(["a"], dtype=object), "cannot be stored as safetensors"),
+    ],
+)
+def test_a_leaf_that_cannot_be_stored_is_refused_before_anything_is_written(
+    store: Any, leaf: Any, match: str
+) -> None:
+    with pytest.raises(InvalidInputError, match=match):
+        save_pytree(store, 1, {"ok": jnp.ones(2), "bad": leaf})
+    assert store.steps() == []
+    assert store.gc().removed == [] if hasattr(store.gc(), "removed") else True
+
+
+def test_a_target_that_does_not_match_is_a_clear_error(store: Any) -> None:
+    save_pytree(store, 1, {"w": jnp.ones((4, 2)), "n": 3})
+    with pytest.raises(InvalidInputError, match=r"stored as float32\[4, 2\]; the target is"):
+        load_pytree(store, {"w": jnp.ones((2, 4)), "n": 3})
+    with pytest.raises(InvalidInputError, match="stored as float32"):
+        load_pytree(store, {"w": jnp.ones((4, 2), jnp.bfloat16), "n": 3})
+    with pytest.raises(InvalidInputError, match="the checkpoint does not: \\['x'\\]"):
+        load_pytree(store, {"w": jnp.ones((4, 2)), "n": 3, "x": 1})
+    with pytest.raises(InvalidInputError, match="partial=True"):
+        load_pytree(store, {"w": jnp.ones((4, 2))})
+    assert load_pytree(store, {"n": 0}, partial=True) == {"n": 3}
+    with pytest.raises(InvalidInputError, match="not an array"):
+        load_pytree(store, {"w": jnp.ones((4, 2)), "n": jnp.ones(())})
+    with pytest.raises(InvalidInputError, match="is a stored array"):
+        load_pytree(store, {"w": "a string", "n": 3})
+    placeholder = load_pytree(store, {"w": 0, "n": 3})["w"]  # a fresh TrainState's step
+    assert isinstance(placeholder, jax.Array) and placeholder.shape == (4, 2)
+
+
+def _step_dir(store: Any, step: int) -> Path:
+    return Path(str(store.url).removeprefix("file://")) / f"step-{step:020d}" / "data"
+
+
+def test_damaged_array_bytes_are_found_by_a_ranged_read(store: Any) -> None:
+    value = jnp.arange(2 * 1024 * 1024, dtype=jnp.float32).reshape(2048, 1024)
+    save_pytree(store, 1, {"w": _put(value, _mesh(8), P("a"))})
+    part = _step_dir(store, 1) / "pytree.p00000.00000.safetensors"
+    with open(part, "r+b") as handle:
+        handle.seek(part.stat().st_size - 10)
+        damaged = bytes([handle.read(1)[0] ^ 0x01])
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(damaged)
+    target = {
+        "w": jax.ShapeDtypeStruct(
+            value.shape, value.dtype, sharding=NamedSharding(_mesh(8), P("a"))
+        )
+    }
+    with pytest.raises(ShardCorruptError):
+        load_pytree(store, target)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda doc: doc["chunks"].pop(),  # a chunk missing: the leaf is not covered
+        lambda doc: doc["chunks"].append(dict(doc["chunks"][0])),  # a chunk twice
+        lambda doc: doc["chunks"][0].update(offset=10**12),  # outside its shard
+        lambda doc: doc["chunks"][0].update(box=[[0, 9], [0, 4]]),  # more than it holds
+        lambda doc: doc["chunks"][0].update(leaf="['nope']"),
+    ],
+)
+def test_a_damaged_index_is_refused(store: Any, edit: Any) -> None:
+    """An index that lies is found before any array byte is believed (written here with the
+    manifest's checksums updated, as a buggy writer would)."""
+    tree = {"w": _put(jnp.arange(32.0).reshape(8, 4), _mesh(8), P("a"))}
+    checkpoint = save_pytree(store, 1, tree)
+    document = json.loads(checkpoint.read("pytree-index.p00000.json"))
+    edit(document)
+    with store.begin(2) as pending:
+        for name in checkpoint.names:
+            data = checkpoint.read(name)
+            if name == "pytree-index.p00000.json":
+                data = json.dumps(document).encode()
+            pending.write(name, data)
+    with pytest.raises(ManifestCorruptError):
+        load_pytree(store, tree, step=2)
+
+
+def test_a_checkpoint_that_is_not_a_pytree_is_a_clear_error(store: Any) -> None:
+    store.save(1, {"model.bin": b"x"})
+    with pytest.raises(ManifestCorruptError, match="not a checkpoint of a pytree"):
+        load_pytree(store)
+
+
+def test_a_pytree_on_an_object_store_loads_resharded(moto_s3: Any) -> None:
+    store = ckptstore.open(moto_s3.url("jax"), **moto_s3.options)
+    value = jnp.arange(512 * 64, dtype=jnp.float32).reshape(512, 64)
+    tree = {"w": _put(value, _mesh(8), P("a")), "step": 4, "key": jax.random.key(1)}
+    save_pytree(store, 4, tree)
+    target = {
+        "w": jax.ShapeDtypeStruct(
+            value.shape, value.dtype, sharding=NamedSharding(_mesh(2, 2), P("a", "b"))
+        ),
+        "step": 0,
+        "key": jax.random.key(0),
+    }
+    got = load_pytree(store, target)
+    assert np.array_equal(np.asarray(got["w"]), np.asarray(value)) and got["step"] == 4
+    assert np.array_equal(jax.random.key_data(got["key"]), jax.random.key_data(tree["key"]))
