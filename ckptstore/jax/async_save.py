@@ -43,6 +43,9 @@ class AsyncPytreeSaver:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._futures: list[Future[Checkpoint]] = []
+        # One set of host buffers per save in flight, reused from save to save: a snapshot is
+        # then a copy into memory that is already there (no allocation, no page faults).
+        self._buffer_sets: list[dict[Any, Any]] = []
         self._closed = False
 
     def save(
@@ -54,30 +57,42 @@ class AsyncPytreeSaver:
         self._raise_background_error()
         started = time.perf_counter()
         self._slots.acquire()  # backpressure: wait for a save in flight to finish
+        with self._lock:
+            buffers = self._buffer_sets.pop() if self._buffer_sets else {}
         try:
-            snapshot = snapshot_pytree(tree, metadata=metadata, copy=True)
+            snapshot = snapshot_pytree(tree, metadata=metadata, copy=True, buffers=buffers)
         except BaseException:
-            self._slots.release()
+            self._release(buffers)
             raise
         blocked = time.perf_counter() - started
-        future = self._executor.submit(
-            write_snapshot,
-            self.store,
-            step,
-            snapshot,
-            {"blocked_s": blocked},
-            started=started,
-            timeout_s=self.timeout_s,
-        )
-        future.add_done_callback(self._finished)
+        future = self._executor.submit(self._write, step, snapshot, buffers, blocked, started)
         self._futures.append(future)
         return future
 
-    def _finished(self, future: Future[Checkpoint]) -> None:
+    def _write(
+        self, step: int, snapshot: Any, buffers: dict[Any, Any], blocked: float, started: float
+    ) -> Checkpoint:
+        """Publish ``snapshot``; its buffers and its slot are free before its future is done."""
+        try:
+            return write_snapshot(
+                self.store,
+                step,
+                snapshot,
+                {"blocked_s": blocked},
+                started=started,
+                timeout_s=self.timeout_s,
+            )
+        except BaseException as exc:
+            with self._lock:
+                if self._error is None:
+                    self._error = exc
+            raise
+        finally:
+            self._release(buffers)
+
+    def _release(self, buffers: dict[Any, Any]) -> None:
         with self._lock:
-            error = future.exception()
-            if error is not None and self._error is None:
-                self._error = error
+            self._buffer_sets.append(buffers)  # free for the next snapshot
         self._slots.release()
 
     def _raise_background_error(self) -> None:

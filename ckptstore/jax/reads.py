@@ -4,7 +4,8 @@ A ranged read checks every block it touches against the CRC32C the manifest reco
 so it reads each block it touches whole. A tree of many small leaves has many of them in one
 block: read one by one, that block would be read (and checked) once per leaf. Here a small
 read goes through a cache of whole blocks (bounded, least recently used first out), and a
-large one straight into its destination, with at most its two edge blocks read beside it.
+large one straight into its destination, but for the blocks it covers only in part (its two
+ends), which go through the cache: a block that two reads share is read once.
 """
 
 from __future__ import annotations
@@ -58,18 +59,25 @@ class BlockReader:
         record = self.checkpoint.shards[shard]
         size = record.block_size or record.size  # no blocks recorded: the shard is one
         first, last = offset // size, (offset + length - 1) // size
-        if last - first >= 2:  # large: straight into place, the edge blocks read again at most
-            data = self.checkpoint.read_range(shard, offset, length, into)
-            self._count(record.size, size, first, last)
-            return data
         out = memoryview(bytearray(length) if into is None else into)[:length]
-        at = 0
-        for index in range(first, last + 1):
+        end = offset + length
+        whole = range(first + (offset % size != 0), last + (end % size == 0 or end == record.size))
+        if len(whole) >= 2:  # the blocks it covers whole: straight into place, one read
+            start, stop = whole.start * size, min(whole.stop * size, record.size)
+            self.checkpoint.read_range(
+                shard, start, stop - start, out[start - offset : stop - offset]
+            )
+            self._count(record.size, size, whole.start, whole.stop - 1)
+        else:
+            whole = range(0)
+        for index in range(first, last + 1):  # the others through the cache: each read once
+            if index in whole:
+                continue
             block = self._block(shard, index, size, record.size)
             start = max(offset, index * size) - index * size
-            stop = min(offset + length, (index + 1) * size) - index * size
+            stop = min(end, (index + 1) * size) - index * size
+            at = index * size + start - offset
             out[at : at + stop - start] = block[start:stop]
-            at += stop - start
         return out
 
     def _block(self, shard: str, index: int, size: int, shard_size: int) -> memoryview:

@@ -22,7 +22,7 @@ import numpy as np
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.coordinated import save_coordinated
 from ckptstore.interface import CheckpointStore
-from ckptstore.jax.layout import FORMAT, TREE, Chunk, box_of, index_shard, pack
+from ckptstore.jax.layout import FORMAT, TREE, Box, Chunk, box_of, index_shard, pack
 from ckptstore.jax.leaves import dtype_code, encode_value, flatten
 from ckptstore.jax.multiprocess import JaxCollective
 from ckptstore.pending import PendingCheckpoint
@@ -52,14 +52,20 @@ class PytreeSnapshot:
 
 
 def snapshot_pytree(
-    tree: Any, *, metadata: Mapping[str, Any] | None = None, copy: bool = True
+    tree: Any,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    copy: bool = True,
+    buffers: dict[tuple[str, Box], np.ndarray[Any, Any]] | None = None,
 ) -> PytreeSnapshot:
     """What this process writes of ``tree``, on the host; every leaf checked first.
 
     ``copy``: into memory ckptstore owns (what an asynchronous save needs: the trainer may
     donate or delete its arrays as soon as this returns); else NumPy views where JAX gives
     them (a CPU array's own memory), which the caller keeps alive until the write is done.
-    Every device-to-host copy is started before the first is waited for.
+    Every device-to-host copy is started before the first is waited for. ``buffers``: host
+    memory from an earlier snapshot of the same tree, by leaf and box, reused where the shape
+    and dtype still match (no allocation, no page faults) and filled in with what is new.
     """
     leaves, _ = flatten(tree)
     process, processes = jax.process_index(), jax.process_count()
@@ -90,7 +96,7 @@ def snapshot_pytree(
             entry["scalar"] = isinstance(value, np.generic)
             if process == 0:
                 box = tuple((0, size) for size in array.shape)
-                data = np.array(array, order="C", copy=True) if copy else _c_order(array)
+                data = _copied(array, (leaf.name, box), buffers) if copy else _c_order(array)
                 chunks.append(Chunk(leaf.name, code, box, data))
         else:
             described = encode_value(value, leaf.name)
@@ -100,7 +106,9 @@ def snapshot_pytree(
     for _, _, _, data in device:
         data.copy_to_host_async()  # all of them in flight before the first is waited for
     for name, code, box, data in device:
-        host = np.array(data, copy=True) if copy else np.asarray(data)
+        host = np.asarray(data)
+        if copy and _aliases_device_memory(data):  # a CPU device's own buffer: copy it
+            host = _copied(host, (name, box), buffers)
         chunks.append(Chunk(name, code, box, _c_order(host)))
     document = {"format": FORMAT, "processes": processes, "leaves": entries}
     return PytreeSnapshot(
@@ -110,6 +118,27 @@ def snapshot_pytree(
         chunks,
         dict(metadata or {}),
     )
+
+
+def _aliases_device_memory(data: jax.Array) -> bool:
+    """Whether NumPy's view of a device array is the device's memory (a CPU device's buffer,
+    which a donation may reuse), rather than a host copy made for it (an accelerator's)."""
+    return any(device.platform == "cpu" for device in data.devices())
+
+
+def _copied(
+    array: np.ndarray[Any, Any],
+    key: tuple[str, Box],
+    buffers: dict[tuple[str, Box], np.ndarray[Any, Any]] | None,
+) -> np.ndarray[Any, Any]:
+    """``array`` copied into host memory of ckptstore's (a reused buffer where one fits)."""
+    buffer = None if buffers is None else buffers.get(key)
+    if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
+        buffer = np.empty(array.shape, array.dtype)
+        if buffers is not None:
+            buffers[key] = buffer
+    np.copyto(buffer, array)
+    return buffer
 
 
 def _c_order(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
