@@ -76,8 +76,8 @@ def save_coordinated(
         try:
             pending = store.begin(step, metadata, world_size=size)
             begun = ["ok", pending.attempt]
-        except CkptStoreError as exc:
-            begun = ["error", f"rank {rank}: {exc}"]
+        except Exception as exc:  # every process must hear of it, or the others wait
+            begun = ["error", f"rank {rank}: {type(exc).__name__}: {exc}"]
     status, value = collective.broadcast(begun)
     if status != "ok":
         raise CkptStoreError(f"step {step} not saved: {value}", step=step)
@@ -129,10 +129,10 @@ def _publish(pending: PendingCheckpoint, gathered: list[Any]) -> list[Any]:
             if rank != COORDINATOR:
                 pending.add_receipts(ShardRecord(**receipt) for receipt in receipts)
         return ["ok", pending.publish().step]
-    except CkptStoreError as exc:
+    except Exception as exc:  # every process must hear of it, or the others wait
         if pending.state == "open":
             pending.abort()
-        return ["error", str(exc)]
+        return ["error", f"{type(exc).__name__}: {exc}"]
 
 
 def agreed_checkpoint(

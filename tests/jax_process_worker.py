@@ -5,7 +5,9 @@
 Each process has 4 CPU devices; the job's mesh has 8. ``save``: save step 1 of a tree of
 arrays sharded over all 8 devices (each process writes what it holds), then load the latest
 onto a 2x4 mesh and check every addressable shard. ``die``: process 1 exits mid-write of step 2
-(after its first shard); process 0 must publish nothing. Prints one JSON line.
+(after its first shard); process 0 must publish nothing. ``one-fails``: process 1's tree has
+a leaf that cannot be stored: both fail step 1 at once, and steps 2 and 3 publish. Prints one
+JSON line.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def tree(mesh: Mesh) -> dict[str, object]:
         "b": jax.make_array_from_callback(BIAS.shape, replicated, lambda index: BIAS[index]),
         "step": 1,
         "name": "two processes",
+        # on each process's own first device: every process holds a whole copy
+        "count": jax.device_put(np.int32(3), jax.local_devices()[0]),
+        "key": jax.random.key(5),
     }
 
 
@@ -58,13 +63,29 @@ def main() -> int:
             ),
             "step": 0,
             "name": "",
+            "count": jax.device_put(np.int32(0), jax.local_devices()[0]),
+            "key": jax.random.key(0),
         }
         loaded = load_pytree(store, target)
+        assert int(loaded["count"]) == 3
+        assert np.array_equal(
+            jax.random.key_data(loaded["key"]), jax.random.key_data(jax.random.key(5))
+        )
         for name, whole in (("w", WHOLE), ("b", BIAS)):
             for shard in loaded[name].addressable_shards:  # type: ignore[attr-defined]
                 assert np.array_equal(np.asarray(shard.data), whole[shard.index]), name
         result["loaded"] = [loaded["step"], loaded["name"]]
         result["shards"] = sorted(store.latest().names)  # type: ignore[union-attr]
+    elif mode == "one-fails":  # process 1's tree cannot be stored; the job goes on after it
+        bad = dict(tree(mesh), extra=object() if process == 1 else 1)
+        try:
+            save_pytree(store, 1, bad, timeout_s=30)
+            result["first"] = "published"
+        except ckptstore.CkptStoreError as exc:
+            result["first"] = type(exc).__name__
+        for step in (2, 3):
+            save_pytree(store, step, tree(mesh), timeout_s=30)
+        result["steps"] = store.steps()
     else:
         if process == 1:
             from ckptstore.pending import PendingCheckpoint
@@ -84,7 +105,7 @@ def main() -> int:
             result["error"] = str(exc)[:300]
         result["steps"] = store.steps()
     print(json.dumps(result), flush=True)
-    if mode == "save":
+    if mode != "die":
         jax.distributed.shutdown()  # both alive: neither may leave while the other works
         return 0
     os._exit(0)  # not jax.distributed.shutdown(): it would wait for the dead peer

@@ -291,6 +291,11 @@ def test_damaged_array_bytes_are_found_by_a_ranged_read(store: Any) -> None:
         lambda doc: doc["chunks"][0].update(offset=10**12),  # outside its shard
         lambda doc: doc["chunks"][0].update(box=[[0, 9], [0, 4]]),  # more than it holds
         lambda doc: doc["chunks"][0].update(leaf="['nope']"),
+        lambda doc: doc["chunks"][0].update(offset=0),  # into the safetensors header
+        lambda doc: doc["chunks"][0].update(offset=doc["chunks"][1]["offset"]),  # another's
+        lambda doc: doc["chunks"][0].update(offset=str(doc["chunks"][0]["offset"])),
+        lambda doc: doc["chunks"][0].update(shard="pytree.json"),
+        lambda doc: doc["chunks"][0].update(nbytes=True),
     ],
 )
 def test_a_damaged_index_is_refused(store: Any, edit: Any) -> None:
@@ -375,3 +380,100 @@ def test_ranged_reads_return_the_bytes_and_read_each_block_once(store: Any) -> N
         if length:
             assert bytes(reader.read("blob", start, length)) == data[start : start + length]
     assert stats.read == len(data)
+
+
+def test_big_endian_and_x64_arrays_load_as_their_values(store: Any) -> None:
+    tree = {"be": np.arange(4, dtype=">f4"), "wide": np.array([2**40, -3], np.int64)}
+    save_pytree(store, 1, tree)
+    got = load_pytree(store)
+    assert got["be"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert got["wide"].tolist() == [2**40, -3]
+    assert load_pytree(store, tree)["wide"].tolist() == [2**40, -3]  # NumPy targets: exact
+    if not jax.config.jax_enable_x64:  # JAX would truncate it: refused, not truncated
+        target = {"be": tree["be"], "wide": jax.ShapeDtypeStruct((2,), np.int64)}
+        with pytest.raises(InvalidInputError, match="64-bit"):
+            load_pytree(store, target)
+
+
+def test_scalar_leaves_are_stored_as_their_base_types(store: Any) -> None:
+    class Loud(int):
+        def __str__(self) -> str:
+            return "loud"
+
+        __repr__ = __str__
+
+    save_pytree(store, 1, {"n": Loud(7), "s": "x"})
+    assert load_pytree(store) == {"n": 7, "s": "x"}
+    with pytest.raises(InvalidInputError, match="is a stored int; the target's is a str"):
+        load_pytree(store, {"n": "7", "s": "x"})
+    with pytest.raises(InvalidInputError, match="too large"):
+        save_pytree(store, 2, {"n": 10**5000})
+
+
+def test_a_key_of_another_implementation_is_a_clear_error(store: Any) -> None:
+    save_pytree(store, 1, {"w": jnp.ones((8, 4)), "key": jax.random.key(1)})
+    rbg = jax.random.key(0, impl="rbg")
+    with pytest.raises(InvalidInputError, match="keys of shape"):
+        load_pytree(store, {"w": jnp.ones((8, 4)), "key": rbg})
+    structure = jax.ShapeDtypeStruct(rbg.shape, rbg.dtype)
+    with pytest.raises(InvalidInputError, match="keys of shape"):
+        load_pytree(store, {"w": jnp.ones((8, 4)), "key": structure})
+
+
+def test_a_reshard_over_the_second_axis_reads_each_chunk_once(store: Any) -> None:
+    value = jnp.arange(2048 * 1024, dtype=jnp.float32).reshape(2048, 1024)
+    checkpoint = save_pytree(store, 1, {"w": _put(value, _mesh(8), P("a"))})
+    columns = NamedSharding(_mesh(8), P(None, "a"))
+    stats = ReadStats()
+    target = {"w": jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=columns)}
+    got = load_pytree(store, target, stats=stats)["w"]
+    assert np.array_equal(np.asarray(got), np.asarray(value))
+    assert stats.read <= checkpoint.shards["pytree.p00000.00000.safetensors"].size
+
+
+def test_the_coverage_check_takes_a_grid_of_many_chunks(store: Any) -> None:
+    from ckptstore.jax.layout import StoredChunk, check_coverage
+
+    columns = 20000
+    chunks = [StoredChunk("x", ((0, 4), (i, i + 1)), "p", 0, 16) for i in range(columns)]
+    check_coverage("x", (4, columns), chunks, "here")
+    with pytest.raises(ManifestCorruptError, match="do not tile"):
+        check_coverage("x", (4, columns), chunks[:5] + chunks[6:], "here")
+    with pytest.raises(ManifestCorruptError, match="twice"):
+        check_coverage("x", (4, columns), [*chunks, chunks[3]], "here")
+    overlapping = [StoredChunk("x", ((0, 2), (0, 2)), "p", 0, 16),
+                   StoredChunk("x", ((1, 2), (0, 2)), "p", 0, 8)]  # fmt: skip
+    with pytest.raises(ManifestCorruptError):
+        check_coverage("x", (2, 2), overlapping, "here")
+
+
+@pytest.mark.parametrize(
+    "leaves",
+    [
+        [{"name": "a", "keys": [["key", "a"]], "kind": "int", "value": "1"},
+         {"name": "b", "keys": [["key", "a"], ["key", "b"]], "kind": "int", "value": "2"}],
+        [{"name": "a", "keys": [["index", 0]], "kind": "int", "value": "1"},
+         {"name": "b", "keys": [["key", "x"]], "kind": "int", "value": "2"}],
+        [{"name": "a", "keys": [["attr", "s"]], "kind": "int", "value": "1"},
+         {"name": "b", "keys": [["key", "s"]], "kind": "int", "value": "2"}],
+        [{"name": "a", "keys": [], "kind": "int", "value": "1"},
+         {"name": "b", "keys": [["key", "s"]], "kind": "int", "value": "2"}],
+        [{"name": "a", "keys": [["key", True]], "kind": "int", "value": "1"}],
+        [{"name": "a", "keys": [["index", 1]], "kind": "int", "value": "1"}],
+    ],
+)  # fmt: skip
+def test_an_untargeted_load_refuses_a_tree_whose_paths_clash(store: Any, leaves: Any) -> None:
+    document = {"format": "ckptstore.jax/1", "processes": 1, "leaves": leaves}
+    index = {"format": "ckptstore.jax/1", "process": 0, "chunks": []}
+    store.save(1, {"pytree.json": json.dumps(document).encode(),
+                   "pytree-index.p00000.json": json.dumps(index).encode()})  # fmt: skip
+    with pytest.raises(ManifestCorruptError):
+        load_pytree(store)
+
+
+def test_an_async_failure_is_raised_by_the_very_next_save(store: Any) -> None:
+    save_pytree(store, 1, {"w": jnp.ones(3)})
+    with AsyncPytreeSaver(store) as saver:
+        saver.save(1, {"w": jnp.ones(3)})  # step 1 exists: fails in the background
+        with pytest.raises(ckptstore.CkptStoreError, match="earlier asynchronous save failed"):
+            saver.save(2, {"w": jnp.ones(3)})  # waits for the slot, then raises it

@@ -109,3 +109,17 @@ def test_a_process_that_dies_before_sealing_publishes_nothing(tmp_path: Path) ->
     report = store.gc()  # what the dead attempt staged is found and removed
     assert store.steps() == []
     assert report is not None
+
+
+@pytest.mark.slow
+def test_a_process_that_fails_its_snapshot_fails_the_save_on_all_and_the_job_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Process 1's tree holds a leaf that cannot be stored: it raises InvalidInputError, the
+    coordinator hears of it at once (no timeout), nothing is published, and the processes
+    still agree on which save is which: the next two saves publish."""
+    location = str(tmp_path / "store")
+    first, second = (_result(done) for done in _run_job(location, "one-fails"))
+    assert first["first"] == "CkptStoreError"
+    assert second["first"] == "InvalidInputError"
+    assert first["steps"] == second["steps"] == [2, 3]

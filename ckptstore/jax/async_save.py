@@ -21,7 +21,7 @@ from typing import Any
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.errors import CheckpointStateError, CkptStoreError
 from ckptstore.interface import CheckpointStore
-from ckptstore.jax.save import snapshot_pytree, write_snapshot
+from ckptstore.jax.save import fail_together, next_sequence, snapshot_pytree, write_snapshot
 
 __all__ = ["AsyncPytreeSaver"]
 
@@ -55,22 +55,36 @@ class AsyncPytreeSaver:
         if self._closed:
             raise CheckpointStateError("this AsyncPytreeSaver is closed")
         self._raise_background_error()
+        sequence = next_sequence()
         started = time.perf_counter()
         self._slots.acquire()  # backpressure: wait for a save in flight to finish
         with self._lock:
             buffers = self._buffer_sets.pop() if self._buffer_sets else {}
         try:
+            self._raise_background_error()  # the save that was in flight may have failed
             snapshot = snapshot_pytree(tree, metadata=metadata, copy=True, buffers=buffers)
-        except BaseException:
+        except BaseException as exc:
             self._release(buffers)
+            if sequence is not None:  # the other processes' savers hear of it at once
+                self._executor.submit(
+                    fail_together, self.store, step, exc, sequence, self.timeout_s
+                )
             raise
         blocked = time.perf_counter() - started
-        future = self._executor.submit(self._write, step, snapshot, buffers, blocked, started)
+        future = self._executor.submit(
+            self._write, step, snapshot, buffers, blocked, started, sequence
+        )
         self._futures.append(future)
         return future
 
     def _write(
-        self, step: int, snapshot: Any, buffers: dict[Any, Any], blocked: float, started: float
+        self,
+        step: int,
+        snapshot: Any,
+        buffers: dict[Any, Any],
+        blocked: float,
+        started: float,
+        sequence: int | None,
     ) -> Checkpoint:
         """Publish ``snapshot``; its buffers and its slot are free before its future is done."""
         try:
@@ -80,6 +94,7 @@ class AsyncPytreeSaver:
                 snapshot,
                 {"blocked_s": blocked},
                 started=started,
+                sequence=sequence,
                 timeout_s=self.timeout_s,
             )
         except BaseException as exc:

@@ -38,6 +38,7 @@ __all__ = [
     "parse_index",
     "parse_tree",
     "part_shard",
+    "tensor_name",
     "volume",
 ]
 
@@ -118,7 +119,7 @@ def pack(
     for number, group in enumerate(groups):
         name = part_shard(process, number)
         tensors = [
-            (f"{c.leaf}@{_box_text(c.box)}", c.dtype, c.data.shape, _bytes(c.data)) for c in group
+            (tensor_name(c.leaf, c.box), c.dtype, c.data.shape, _bytes(c.data)) for c in group
         ]
         encoded = encode(tensors, {"format": FORMAT})
         offset = len(memoryview(encoded[0]))
@@ -138,8 +139,9 @@ def pack(
     return parts, json.dumps(document, separators=(",", ":")).encode("utf-8")
 
 
-def _box_text(box: Box) -> str:
-    return ",".join(f"{start}:{stop}" for start, stop in box)
+def tensor_name(leaf: str, box: Box) -> str:
+    """The name of a chunk's tensor in its safetensors part: ``<leaf>@<start>:<stop>,...``."""
+    return f"{leaf}@" + ",".join(f"{start}:{stop}" for start, stop in box)
 
 
 def _bytes(data: np.ndarray[Any, Any]) -> memoryview:
@@ -159,26 +161,46 @@ def parse_tree(data: bytes, where: str) -> tuple[int, list[Mapping[str, Any]]]:
     document = _load(data, where)
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise ManifestCorruptError(f"{where}: not a {FORMAT} tree document")
-    processes, leaves = document.get("processes"), document.get("leaves")
-    if not isinstance(processes, int) or not 1 <= processes <= 1 << 20:
+    processes: Any = document.get("processes")
+    leaves: Any = document.get("leaves")
+    if not _is_int(processes) or not 1 <= processes <= 1 << 20:
         raise ManifestCorruptError(f"{where}: bad process count {processes!r}")
     if not isinstance(leaves, list) or not all(isinstance(leaf, dict) for leaf in leaves):
         raise ManifestCorruptError(f"{where}: bad leaves")
     names: set[str] = set()
     for leaf in leaves:
         name = leaf.get("name")
-        if not isinstance(name, str) or name in names or not isinstance(leaf.get("keys"), list):
+        if not isinstance(name, str) or name in names:
             raise ManifestCorruptError(f"{where}: a leaf has a bad or repeated name: {name!r}")
         names.add(name)
+        keys = leaf.get("keys")
+        if not isinstance(keys, list) or not all(_is_key(key) for key in keys):
+            raise ManifestCorruptError(f"{where}: leaf {name} has a bad path {keys!r}")
         if leaf.get("kind") in ARRAY_KINDS:
             shape, dtype = leaf.get("shape"), leaf.get("dtype")
             if (
                 not isinstance(shape, list)
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+                or len(shape) > 64
+                or not all(_is_int(d) and d >= 0 for d in shape)
                 or dtype not in ITEM_SIZES
             ):
                 raise ManifestCorruptError(f"{where}: leaf {name} has a bad shape or dtype")
     return processes, leaves
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (JSON's true is not a number)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_key(key: object) -> bool:
+    """A path entry as ``path_keys`` writes it."""
+    if not isinstance(key, list) or len(key) != 2:
+        return False
+    kind, value = key
+    if kind in ("index", "flat"):
+        return _is_int(value) and value >= 0
+    return kind in ("key", "attr") and (isinstance(value, str) or _is_int(value))
 
 
 def parse_index(
@@ -202,10 +224,19 @@ def parse_index(
         try:
             leaf = arrays[record["leaf"]]
             shape = leaf["shape"]
-            box = tuple((int(start), int(stop)) for start, stop in record["box"])
-            shard, offset, nbytes = str(record["shard"]), int(record["offset"]), record["nbytes"]
+            box = tuple((start, stop) for start, stop in record["box"])
+            shard, offset, nbytes = record["shard"], record["offset"], record["nbytes"]
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestCorruptError(f"{where}: a bad chunk record {record!r}") from exc
+        if (
+            not all(_is_int(start) and _is_int(stop) for start, stop in box)
+            or not _is_int(offset)
+            or not _is_int(nbytes)
+            or not isinstance(shard, str)
+            or not shard.startswith(f"pytree.p{process:05d}.")  # its own parts only
+            or not shard.endswith(".safetensors")
+        ):
+            raise ManifestCorruptError(f"{where}: a bad chunk record {record!r}")
         if len(box) != len(shape) or not all(
             0 <= start <= stop <= size for (start, stop), size in zip(box, shape, strict=True)
         ):
@@ -220,19 +251,31 @@ def parse_index(
 def check_coverage(
     name: str, shape: Sequence[int], chunks: Sequence[StoredChunk], where: str
 ) -> None:
-    """The chunks of a leaf hold every element of its shape exactly once."""
-    total = sum(volume(chunk.box) for chunk in chunks)
-    if total != math.prod(shape):
+    """The chunks of a leaf hold every element of its shape exactly once.
+
+    A sharding cuts each dimension into intervals and makes one chunk of each combination (a
+    grid): here each dimension's intervals must tile it, and the chunks must be exactly the
+    distinct combinations, which takes a sort per dimension, not a comparison of every pair.
+    """
+    cells = {chunk.box for chunk in chunks}
+    if len(cells) != len(chunks):
+        raise ManifestCorruptError(f"{where}: a chunk of leaf {name} is recorded twice")
+    expected = 1
+    for dimension, size in enumerate(shape):
+        intervals = sorted({box[dimension] for box in cells})
+        position = 0
+        for start, stop in intervals:
+            if start != position or (stop <= start and size):
+                raise ManifestCorruptError(
+                    f"{where}: the chunks of leaf {name} do not tile dimension {dimension}"
+                )
+            position = stop
+        if position != size:
+            raise ManifestCorruptError(
+                f"{where}: the chunks of leaf {name} do not cover dimension {dimension}"
+            )
+        expected *= len(intervals)
+    if len(cells) != expected:
         raise ManifestCorruptError(
-            f"{where}: the chunks of leaf {name} hold {total} elements of {math.prod(shape)}"
+            f"{where}: the chunks of leaf {name} are {len(cells)}, not the {expected} a grid has"
         )
-    ordered = sorted(chunks, key=lambda chunk: chunk.box)
-    for index, first in enumerate(ordered):
-        for second in ordered[index + 1 :]:
-            if second.box and second.box[0][0] >= first.box[0][1]:
-                break  # sorted by their first dimension's start: no later one overlaps
-            if all(
-                max(a[0], b[0]) < min(a[1], b[1])
-                for a, b in zip(first.box, second.box, strict=True)
-            ):
-                raise ManifestCorruptError(f"{where}: two chunks of leaf {name} overlap")

@@ -26,6 +26,7 @@ __all__ = [
     "flatten",
     "numpy_dtype",
     "path_keys",
+    "scalar_kind",
 ]
 
 _CODES = {
@@ -118,21 +119,38 @@ def encode_value(value: Any, name: str) -> dict[str, Any] | None:
     leaf; InvalidInputError for anything else."""
     if isinstance(value, (jax.Array, np.ndarray, np.generic)):
         return None
+    # The base types' own methods: a subclass's __str__ or __repr__ must not change what is
+    # stored (it is loaded back as the base type).
     if isinstance(value, bool):
-        return {"kind": "bool", "value": value}
+        return {"kind": "bool", "value": bool(value)}
     if isinstance(value, int):
-        return {"kind": "int", "value": str(value)}
+        try:
+            text = int.__repr__(value)
+        except ValueError as exc:  # more digits than this interpreter converts
+            raise InvalidInputError(f"leaf {name}: an int too large to store: {exc}") from exc
+        return {"kind": "int", "value": text}
     if isinstance(value, float):
-        return {"kind": "float", "value": value.hex()}
+        return {"kind": "float", "value": float.hex(value)}
     if isinstance(value, complex):
-        return {"kind": "complex", "value": [value.real.hex(), value.imag.hex()]}
+        return {"kind": "complex", "value": [float.hex(value.real), float.hex(value.imag)]}
     if isinstance(value, str):
-        return {"kind": "str", "value": value}
+        return {"kind": "str", "value": str.__str__(value)}
     raise InvalidInputError(
         f"leaf {name} is a {type(value).__module__}.{type(value).__qualname__}: a tree's leaves "
         f"are stored as arrays (jax.Array, NumPy), Python scalars or strings, and nothing is "
         f"pickled"
     )
+
+
+def scalar_kind(value: Any) -> str | None:
+    """The stored kind a Python scalar or string target leaf asks for (None: not one)."""
+    if isinstance(value, np.generic):
+        return None
+    for kind, types in (("bool", bool), ("int", int), ("float", float), ("complex", complex),
+                        ("str", str)):  # fmt: skip
+        if isinstance(value, types):
+            return kind
+    return None
 
 
 def decode_value(entry: Mapping[str, Any], where: str) -> Any:
@@ -141,7 +159,7 @@ def decode_value(entry: Mapping[str, Any], where: str) -> Any:
     try:
         if kind == "bool" and isinstance(value, bool):
             return value
-        if kind == "int" and isinstance(value, str):
+        if kind == "int" and isinstance(value, str) and len(value) < 4300:
             return int(value)
         if kind == "float" and isinstance(value, str):
             return float.fromhex(value)
@@ -149,6 +167,6 @@ def decode_value(entry: Mapping[str, Any], where: str) -> Any:
             return complex(float.fromhex(value[0]), float.fromhex(value[1]))
         if kind == "str" and isinstance(value, str):
             return value
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         pass
     raise ManifestCorruptError(f"{where}: a {kind!r} leaf holds {value!r}")

@@ -20,7 +20,8 @@ from ckptstore.checkpoint import Checkpoint
 __all__ = ["BlockReader", "ReadStats"]
 
 CACHED_BLOCKS = 32
-"""Whole blocks kept for small reads (32 of 4 MiB: 128 MiB at most)."""
+"""Whole blocks kept for small reads (32 of 4 MiB: 128 MiB; a shard recorded without block
+checksums, written before they were, is one block as large as the shard)."""
 
 
 @dataclass

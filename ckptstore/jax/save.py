@@ -9,8 +9,10 @@ is ``ckptstore.coordinated``'s: nothing is published unless every process sealed
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,13 +23,21 @@ import numpy as np
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.coordinated import save_coordinated
+from ckptstore.errors import CheckpointStateError, CkptStoreError
 from ckptstore.interface import CheckpointStore
 from ckptstore.jax.layout import FORMAT, TREE, Box, Chunk, box_of, index_shard, pack
 from ckptstore.jax.leaves import dtype_code, encode_value, flatten
 from ckptstore.jax.multiprocess import JaxCollective
 from ckptstore.pending import PendingCheckpoint
 
-__all__ = ["PytreeSnapshot", "save_pytree", "snapshot_pytree", "write_snapshot"]
+__all__ = [
+    "PytreeSnapshot",
+    "fail_together",
+    "next_sequence",
+    "save_pytree",
+    "snapshot_pytree",
+    "write_snapshot",
+]
 
 _SAVES = itertools.count()
 """Coordinated saves made by this process: every process counts the same saves in the same
@@ -86,11 +96,17 @@ def snapshot_pytree(
             entry.setdefault("kind", "array")
             entry.update(shape=list(value.shape), dtype=code)
             entry["sharding"] = _describe(value.sharding)
+            # An array each process holds a whole copy of (on a device of its own: an
+            # optimizer's step count, a key) has a first replica on every process: process 0's
+            # is written, as a NumPy leaf is.
+            own_copy = processes > 1 and value.is_fully_addressable
             for shard in value.addressable_shards:
-                if shard.replica_id == 0:
+                if shard.replica_id == 0 and (process == 0 or not own_copy):
                     device.append((leaf.name, code, box_of(shard.index, value.shape), shard.data))
         elif isinstance(value, (np.ndarray, np.generic)):
             array = np.asarray(value)
+            if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and _BIG_ENDIAN):
+                array = array.astype(array.dtype.newbyteorder("<"))  # safetensors: little-endian
             code = dtype_code(array.dtype, leaf.name)
             entry.update(kind="numpy", shape=list(array.shape), dtype=code)
             entry["scalar"] = isinstance(value, np.generic)
@@ -118,6 +134,9 @@ def snapshot_pytree(
         chunks,
         dict(metadata or {}),
     )
+
+
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def _aliases_device_memory(data: jax.Array) -> bool:
@@ -170,9 +189,14 @@ def write_snapshot(
     timings: Mapping[str, float] | None = None,
     *,
     started: float | None = None,
+    sequence: int | None = None,
     timeout_s: float = 600.0,
 ) -> Checkpoint:
-    """Publish ``snapshot`` (every process's, when there are several) as ``step``."""
+    """Publish ``snapshot`` (every process's, when there are several) as ``step``.
+
+    ``sequence``: with several processes, the number of this coordinated save
+    (``next_sequence()``, taken by every process, in the same order, before its snapshot).
+    """
 
     def write(pending: PendingCheckpoint) -> None:
         write_shards(pending, snapshot)
@@ -188,8 +212,33 @@ def write_snapshot(
             write(pending)
         assert pending.checkpoint is not None
         return pending.checkpoint
-    collective = JaxCollective(f"ckptstore/save/{next(_SAVES)}", timeout_s=timeout_s)
+    if sequence is None:
+        raise CheckpointStateError("a save of several processes needs its sequence number")
+    collective = JaxCollective(f"ckptstore/save/{sequence}", timeout_s=timeout_s)
     return save_coordinated(store, step, write, collective, metadata=snapshot.metadata)
+
+
+def next_sequence() -> int | None:
+    """The number of the next coordinated save of this process (None with one process).
+
+    Taken before anything that can fail, so that the processes of a job, which make the same
+    saves in the same order, name each save's keys in the coordination service alike even when
+    one of them fails before it writes."""
+    return next(_SAVES) if jax.process_count() > 1 else None
+
+
+def fail_together(
+    store: CheckpointStore, step: int, error: BaseException, sequence: int, timeout_s: float
+) -> None:
+    """Take part in save ``sequence`` only to fail it: the other processes hear ``error`` at
+    once (rather than wait ``timeout_s`` for this one), and nothing is published."""
+
+    def write(pending: PendingCheckpoint) -> None:
+        raise error
+
+    collective = JaxCollective(f"ckptstore/save/{sequence}", timeout_s=timeout_s)
+    with contextlib.suppress(CkptStoreError):
+        save_coordinated(store, step, write, collective)
 
 
 def save_pytree(
@@ -206,7 +255,13 @@ def save_pytree(
     array); ``timeout_s`` bounds how long a process waits for the others. The manifest records
     ``snapshot_s`` (the host copies) beside the store's timings.
     """
+    sequence = next_sequence()
     started = time.perf_counter()
-    snapshot = snapshot_pytree(tree, metadata=metadata, copy=False)
+    try:
+        snapshot = snapshot_pytree(tree, metadata=metadata, copy=False)
+    except Exception as exc:
+        if sequence is not None:
+            fail_together(store, step, exc, sequence, timeout_s)
+        raise
     timings = {"snapshot_s": time.perf_counter() - started}
-    return write_snapshot(store, step, snapshot, timings, timeout_s=timeout_s)
+    return write_snapshot(store, step, snapshot, timings, sequence=sequence, timeout_s=timeout_s)
