@@ -144,7 +144,9 @@ def _run_machines(tmp_path: Path, dirs: list[Path], local: list[int], bad_rank: 
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     rendezvous = str(tmp_path / "rendezvous")  # new for each job: a FileStore's file
-    outcome = mp.Manager().dict()
+    # The manager's server is spawned: a fork here would copy whatever threads this test
+    # process runs (JAX's, when a JAX test ran in it first) and may deadlock.
+    outcome = mp.get_context("spawn").Manager().dict()
     url = f"file://{tmp_path}/store"
     mp.spawn(_machine, args=(rendezvous, url, [str(d) for d in dirs], local, bad_rank, outcome),
              nprocs=2)  # fmt: skip
