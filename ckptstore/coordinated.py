@@ -1,15 +1,17 @@
 """One checkpoint from many processes: every process writes its shards, and one commit
 publishes all of them or none.
 
-The coordinator (rank 0) begins the attempt and shares its id; every process writes its own
+The coordinator (rank 0) begins the attempt and shares its step and id; every process writes its own
 shards into that attempt (``Store.join``) and seals them, so that they are durable before
 their receipts (name, size, CRC32C, locator) travel; the receipts are gathered to the
-coordinator, which checks coverage (no shard twice) and publishes through the store's
-protocol; the outcome goes back to every process. A process that fails before its receipts
-reach the coordinator means nothing is published, and every process raises; a process that
-dies means the same, once the transport gives up on it (its timeout, or the launcher stopping
-the job). The transport is a ``Collective``: torch.distributed (``ckptstore.torch.distributed``)
-or JAX's distributed runtime (``ckptstore.jax``); what travels is JSON, never a pickle.
+coordinator, which checks that every process saved the same step and agrees on what the
+caller says must be alike (``agreement``: JAX's tree structure), checks coverage (no shard
+twice) and publishes through the store's protocol; the outcome goes back to every process. A
+process that fails before its receipts reach the coordinator means nothing is published, and
+every process raises; a process that dies means the same, once the transport gives up on it
+(its timeout, or the launcher stopping the job). The transport is a ``Collective``:
+torch.distributed (``ckptstore.torch.distributed``) or JAX's distributed runtime
+(``ckptstore.jax``); what travels is JSON, never a pickle.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ckptstore.checkpoint import Checkpoint
-from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
+from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, CoordinationError
 from ckptstore.interface import CheckpointStore
 from ckptstore.manifest import ShardRecord
 from ckptstore.pending import PendingCheckpoint
@@ -61,13 +63,16 @@ def save_coordinated(
     collective: Collective,
     *,
     metadata: Mapping[str, Any] | None = None,
+    agreement: str | None = None,
 ) -> Checkpoint:
     """Save checkpoint ``step`` from every process of ``collective``; a collective call.
 
     Each process's ``write(pending)`` writes that process's shards (names must differ across
-    processes); ``metadata`` is the coordinator's. Returns the published checkpoint on every
-    process, or raises CkptStoreError on every process (a process whose own ``write`` failed
-    raises it from that failure).
+    processes); ``metadata`` is the coordinator's. ``agreement``: what every process must
+    hold alike for the shards to make one checkpoint (a digest of the saved structure); a
+    process that saves another step, or holds another ``agreement``, means nothing is
+    published. Returns the published checkpoint on every process, or raises CkptStoreError on
+    every process (a process whose own ``write`` failed raises it from that failure).
     """
     rank, size = collective.rank, collective.size
     pending: PendingCheckpoint | None = None
@@ -75,7 +80,7 @@ def save_coordinated(
     if rank == COORDINATOR:
         try:
             pending = store.begin(step, metadata, world_size=size)
-            begun = ["ok", pending.attempt]
+            begun = ["ok", [step, pending.attempt, agreement]]
         except Exception as exc:  # every process must hear of it, or the others wait
             begun = ["error", f"rank {rank}: {type(exc).__name__}: {exc}"]
     status, value = collective.broadcast(begun)
@@ -85,7 +90,8 @@ def save_coordinated(
     failure: BaseException | None = None
     try:
         if pending is None:
-            pending = store.join(step, str(value))
+            _check_alike(rank, step, agreement, value)
+            pending = store.join(step, str(value[1]))
         write(pending)
         receipts = pending.seal()  # durable before the receipts travel
         mine: Any = ["ok", [dataclasses.asdict(record) for record in receipts]]
@@ -115,6 +121,25 @@ def save_coordinated(
             raise error from failure
         raise error
     return store.get(step)
+
+
+def _check_alike(rank: int, step: int, agreement: str | None, begun: Any) -> None:
+    """CoordinationError unless this process saves the coordinator's step and agrees with it:
+    its shards would go into another step's checkpoint, or into one they do not fit."""
+    chosen_step, _, chosen_agreement = begun
+    if chosen_step != step:
+        raise CoordinationError(
+            f"rank {rank} saves step {step}, the coordinator step {chosen_step}: the processes "
+            f"are out of step (each must make the same saves in the same order)",
+            step=step,
+        )
+    if None not in (agreement, chosen_agreement) and chosen_agreement != agreement:
+        raise CoordinationError(
+            f"rank {rank} saves another structure than the coordinator's "
+            f"({str(agreement)[:12]} against {str(chosen_agreement)[:12]}): every process must "
+            f"save the same tree",
+            step=step,
+        )
 
 
 def _publish(pending: PendingCheckpoint, gathered: list[Any]) -> list[Any]:

@@ -22,6 +22,7 @@ and ``except ValueError`` keep working in code that does not know ckptstore::
     ├── StrayEntryError                           a stray holds the name a save publishes under
     ├── CheckpointStateError (RuntimeError)       a pending checkpoint used after publish/abort
     ├── CoverageError                             expected shards missing at publish
+    ├── CoordinationError                         a multi-process save's processes disagree
     ├── RefusedError                              an operation that would break I3 without force
     ├── NotEnoughSavesError                       too few saves with timings to measure from
     ├── UnsafePickleError (pickle.UnpicklingError)   stored bytes that would run code if unpickled
@@ -66,6 +67,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointStateError",
     "CkptStoreError",
+    "CoordinationError",
     "CoverageError",
     "EpochExistsError",
     "EpochNotFoundError",
@@ -220,6 +222,11 @@ class CheckpointStateError(CkptStoreError, RuntimeError):
 
 class CoverageError(CkptStoreError):
     """Shards that were declared as expected are missing at publish; nothing was published."""
+
+
+class CoordinationError(CkptStoreError):
+    """The processes of a multi-process save disagree (another step, another structure):
+    nothing was published."""
 
 
 class RefusedError(CkptStoreError):

@@ -6,8 +6,10 @@ Each process has 4 CPU devices; the job's mesh has 8. ``save``: save step 1 of a
 arrays sharded over all 8 devices (each process writes what it holds), then load the latest
 onto a 2x4 mesh and check every addressable shard. ``die``: process 1 exits mid-write of step 2
 (after its first shard); process 0 must publish nothing. ``one-fails``: process 1's tree has
-a leaf that cannot be stored: both fail step 1 at once, and steps 2 and 3 publish. Prints one
-JSON line.
+a leaf that cannot be stored: both fail step 1 at once, and steps 2 and 3 publish; then process
+1 saves a tree with a leaf renamed, then another step than process 0's (both refused on both);
+then an asynchronous save fails and the next is refused on both, whenever each process asks
+for it, and the one after publishes. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
@@ -24,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
-from ckptstore.jax import load_pytree, save_pytree
+from ckptstore.jax import AsyncPytreeSaver, load_pytree, save_pytree
 
 WHOLE = np.arange(256 * 32, dtype=np.float32).reshape(256, 32)
 BIAS = np.arange(32, dtype=np.int32)
@@ -42,6 +45,15 @@ def tree(mesh: Mesh) -> dict[str, object]:
         "count": jax.device_put(np.int32(3), jax.local_devices()[0]),
         "key": jax.random.key(5),
     }
+
+
+def _outcome(save: Callable[[], object]) -> str:
+    try:
+        save()
+    except ckptstore.CkptStoreError as exc:  # and what this process itself found, if anything
+        cause = [] if exc.__cause__ is None else [type(exc.__cause__).__name__]
+        return "<-".join([type(exc).__name__, *cause])
+    return "published"
 
 
 def main() -> int:
@@ -86,6 +98,23 @@ def main() -> int:
         for step in (2, 3):
             save_pytree(store, step, tree(mesh), timeout_s=30)
         result["steps"] = store.steps()
+        # process 1 saves another tree (a leaf renamed), then another step: refused on both
+        renamed = tree(mesh)
+        if process == 1:
+            renamed["w2"] = renamed.pop("w")
+        result["renamed"] = _outcome(lambda: save_pytree(store, 4, renamed, timeout_s=30))
+        step = 5 if process == 1 else 4
+        result["other step"] = _outcome(lambda: save_pytree(store, step, tree(mesh), timeout_s=30))
+        # an asynchronous save fails in the background (step 3 exists); process 0 asks for the
+        # next save after it failed, process 1 while it may still be in flight: both refuse it,
+        # and the save after that publishes (each call is one coordinated save on each process)
+        with AsyncPytreeSaver(store, timeout_s=30) as saver:
+            failing = saver.save(3, tree(mesh))
+            if process == 0:
+                result["in background"] = type(failing.exception()).__name__
+            result["after it"] = _outcome(lambda: saver.save(6, tree(mesh)))
+            saver.save(7, tree(mesh)).result()
+        result["steps after"] = store.steps()
     else:
         if process == 1:
             from ckptstore.pending import PendingCheckpoint

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ckptstore  # noqa: E402
 from ckptstore.errors import (  # noqa: E402
+    IntegrityError,
     InvalidInputError,
     ManifestCorruptError,
     ShardCorruptError,
+    ShardNotFoundError,
 )
 from ckptstore.jax import AsyncPytreeSaver, ReadStats, load_pytree, save_pytree  # noqa: E402
 
@@ -316,9 +319,12 @@ def test_a_damaged_index_is_refused(store: Any, edit: Any) -> None:
 
 
 def test_a_checkpoint_that_is_not_a_pytree_is_a_clear_error(store: Any) -> None:
+    """Not damage (an IntegrityError would send a trainer to an older checkpoint that verifies
+    as well as this one): a checkpoint another adapter saved."""
     store.save(1, {"model.bin": b"x"})
-    with pytest.raises(ManifestCorruptError, match="not a checkpoint of a pytree"):
+    with pytest.raises(ShardNotFoundError, match=r"was not saved by ckptstore\.jax") as caught:
         load_pytree(store)
+    assert not isinstance(caught.value, IntegrityError)
 
 
 def test_a_pytree_on_an_object_store_loads_resharded(moto_s3: Any) -> None:
@@ -406,8 +412,42 @@ def test_scalar_leaves_are_stored_as_their_base_types(store: Any) -> None:
     assert load_pytree(store) == {"n": 7, "s": "x"}
     with pytest.raises(InvalidInputError, match="is a stored int; the target's is a str"):
         load_pytree(store, {"n": "7", "s": "x"})
-    with pytest.raises(InvalidInputError, match="too large"):
-        save_pytree(store, 2, {"n": 10**5000})
+
+
+def test_an_int_of_any_size_round_trips_whatever_the_interpreters_digit_limit(
+    store: Any,
+) -> None:
+    """An int is stored in decimal up to 2000 bits (what any interpreter converts), past that
+    in hexadecimal (no limit applies): what is saved always loads, even in a process whose
+    ``sys.set_int_max_str_digits`` is the least there is."""
+    values = [10**602, -(10**602), 10**4298, 10**4299, -(10**4298), 2**100_000 + 1]
+    for step, value in enumerate(values, start=1):
+        save_pytree(store, step, {"v": value})
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(640)
+    try:
+        for step, value in enumerate(values, start=1):
+            assert load_pytree(store, {"v": 0}, step=step)["v"] == value
+            assert load_pytree(store, step=step)["v"] == value
+    finally:
+        sys.set_int_max_str_digits(limit)
+    stored = json.loads(store.get(4).read("pytree.json"))["leaves"][0]["value"]
+    assert stored.startswith("0x")  # 4300 digits: past 2000 bits
+
+
+def test_a_bad_int_in_a_tree_document_is_refused_without_echoing_it(store: Any) -> None:
+    save_pytree(store, 1, {"v": 5})
+    checkpoint = store.get(1)
+    document = json.loads(checkpoint.read("pytree.json"))
+    document["leaves"][0]["value"] = "9" * 5000  # more decimal digits than are ever stored
+    with store.begin(2) as pending:
+        pending.write("pytree.json", json.dumps(document).encode())
+        for name in checkpoint.names:
+            if name != "pytree.json":
+                pending.write(name, checkpoint.read(name))
+    with pytest.raises(ManifestCorruptError, match=r"holds '9{50}.*\(5002 characters\)") as caught:
+        load_pytree(store, step=2)
+    assert len(str(caught.value)) < 400
 
 
 def test_a_key_of_another_implementation_is_a_clear_error(store: Any) -> None:

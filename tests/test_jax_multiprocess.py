@@ -123,3 +123,14 @@ def test_a_process_that_fails_its_snapshot_fails_the_save_on_all_and_the_job_goe
     assert first["first"] == "CkptStoreError"
     assert second["first"] == "InvalidInputError"
     assert first["steps"] == second["steps"] == [2, 3]
+    # a process saving another tree, or another step: nothing published, every process told
+    assert first["renamed"] == "CkptStoreError"
+    assert second["renamed"] == "CkptStoreError<-CoordinationError"
+    assert first["other step"] == "CkptStoreError"
+    assert second["other step"] == "CkptStoreError<-CoordinationError"
+    # an asynchronous save failed; the next is refused on both, the one after publishes
+    assert first["in background"] == "CkptStoreError"
+    assert first["after it"].startswith("CkptStoreError")
+    assert second["after it"].startswith("CkptStoreError")
+    assert first["steps after"] == second["steps after"] == [2, 3, 7]
+    assert ckptstore.open(location).get(7).step == 7

@@ -30,7 +30,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     CORE: (
         "checkpoint", "pending", "publisher", "store", "history", "fencing", "registry",
         "interval", "tiers", "replication", "tiered", "epoch_repair", "interface", "sharing",
-        "coordinated", "",
+        "coordinated", "background_saves", "",
     ),
     TORCH: ("torch",),
     JAX: ("jax",),

@@ -4,11 +4,13 @@ Every leaf is named by its path in the tree (``jax.tree_util.keystr``: ``['param
 which is how a load matches a stored leaf to the target's. A leaf is a ``jax.Array`` (sharded
 or not), a NumPy array or scalar, or a Python ``bool``, ``int``, ``float``, ``complex`` or
 ``str``; anything else is refused at save time, before anything is written. Floats are stored
-as their hex form, so that a round trip is bitwise exact (NaN payloads aside), and ints whole.
+as their hex form, so that a round trip is bitwise exact (NaN payloads aside), and ints whole
+(in hexadecimal past 2000 bits, which any interpreter converts back at any size).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -124,11 +126,7 @@ def encode_value(value: Any, name: str) -> dict[str, Any] | None:
     if isinstance(value, bool):
         return {"kind": "bool", "value": bool(value)}
     if isinstance(value, int):
-        try:
-            text = int.__repr__(value)
-        except ValueError as exc:  # more digits than this interpreter converts
-            raise InvalidInputError(f"leaf {name}: an int too large to store: {exc}") from exc
-        return {"kind": "int", "value": text}
+        return {"kind": "int", "value": _int_text(value)}
     if isinstance(value, float):
         return {"kind": "float", "value": float.hex(value)}
     if isinstance(value, complex):
@@ -159,8 +157,8 @@ def decode_value(entry: Mapping[str, Any], where: str) -> Any:
     try:
         if kind == "bool" and isinstance(value, bool):
             return value
-        if kind == "int" and isinstance(value, str) and len(value) < 4300:
-            return int(value)
+        if kind == "int" and isinstance(value, str) and _INT_TEXT.fullmatch(value):
+            return int(value, 16 if "x" in value else 10)
         if kind == "float" and isinstance(value, str):
             return float.fromhex(value)
         if kind == "complex" and isinstance(value, list) and len(value) == 2:
@@ -169,4 +167,21 @@ def decode_value(entry: Mapping[str, Any], where: str) -> Any:
             return value
     except (TypeError, ValueError, OverflowError):
         pass
-    raise ManifestCorruptError(f"{where}: a {kind!r} leaf holds {value!r}")
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
+    raise ManifestCorruptError(f"{where}: a {kind!r} leaf holds {shown}")
+
+
+_DECIMAL_BITS = 2000
+"""An int of at most this many bits is stored in decimal (at most 603 digits: under 640, the
+least that any interpreter converts, whatever ``sys.set_int_max_str_digits`` says); a larger
+one in hexadecimal, which Python converts whole, at any size, in linear time."""
+_INT_TEXT = re.compile(r"-?(0|[1-9][0-9]{0,639}|0x[0-9a-f]+)")
+
+
+def _int_text(value: int) -> str:
+    """An int as its stored text: decimal, or hexadecimal if it is large (the base type's
+    methods: a subclass must not change what is stored)."""
+    if int.bit_length(value) <= _DECIMAL_BITS:
+        return int.__repr__(value)
+    return int.__format__(value, "#x")

@@ -24,7 +24,7 @@ import numpy as np
 
 from ckptstore.checkpoint import Checkpoint
 from ckptstore.coordinated import agreed_checkpoint
-from ckptstore.errors import InvalidInputError, ManifestCorruptError
+from ckptstore.errors import InvalidInputError, ManifestCorruptError, ShardNotFoundError
 from ckptstore.interface import CheckpointStore
 from ckptstore.jax.layout import (
     ARRAY_KINDS,
@@ -69,7 +69,12 @@ def stored_tree(checkpoint: Checkpoint, reader: BlockReader | None = None) -> _S
     reader = reader or BlockReader(checkpoint)
     sizes = {name: record.size for name, record in checkpoint.shards.items()}
     if TREE not in sizes:
-        raise ManifestCorruptError(f"{where}: no {TREE}: not a checkpoint of a pytree")
+        raise ShardNotFoundError(
+            f"{where} has no {TREE}: it was not saved by ckptstore.jax (save_pytree)",
+            url=checkpoint.url,
+            step=checkpoint.step,
+            key=TREE,
+        )
     processes, entries = parse_tree(checkpoint.read(TREE), f"{where}: {TREE}")
     leaves = {str(entry["name"]): entry for entry in entries}
     arrays = {name: e for name, e in leaves.items() if e.get("kind") in ARRAY_KINDS}

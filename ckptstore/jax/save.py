@@ -10,6 +10,7 @@ is ``ckptstore.coordinated``'s: nothing is published unless every process sealed
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import sys
@@ -54,6 +55,9 @@ class PytreeSnapshot:
     tree: bytes
     chunks: list[Chunk]
     metadata: dict[str, Any] = field(default_factory=dict)
+    structure: str = ""
+    """A digest of the tree's leaves without their values (names, kinds, shapes, dtypes,
+    shardings): alike on every process that saves the same tree."""
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +137,16 @@ def snapshot_pytree(
         json.dumps(document, separators=(",", ":")).encode("utf-8"),
         chunks,
         dict(metadata or {}),
+        _structure(entries),
     )
+
+
+def _structure(entries: list[dict[str, Any]]) -> str:
+    """The digest of the leaves' entries without the values of scalars and strings (process
+    0's are stored; the others' may differ, as NumPy leaves' may)."""
+    shape = [{key: item for key, item in entry.items() if key != "value"} for entry in entries]
+    text = json.dumps(shape, separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -215,7 +228,9 @@ def write_snapshot(
     if sequence is None:
         raise CheckpointStateError("a save of several processes needs its sequence number")
     collective = JaxCollective(f"ckptstore/save/{sequence}", timeout_s=timeout_s)
-    return save_coordinated(store, step, write, collective, metadata=snapshot.metadata)
+    return save_coordinated(
+        store, step, write, collective, metadata=snapshot.metadata, agreement=snapshot.structure
+    )
 
 
 def next_sequence() -> int | None:
