@@ -348,8 +348,9 @@ def _take_over_once(store: Store, gate: RaceGate, writer: int, race: Round) -> O
         if race.kind == ROLLBACK:
             rolled = store.rollback(SEED_STEP)
             if rolled.epoch is None:
-                return Outcome(writer, "error", f"rollback to step {SEED_STEP} took no epoch, "
-                               f"though steps {rolled.left or 'none'} were newer")  # fmt: skip
+                left = rolled.left or "none"
+                return Outcome(writer, "no epoch", f"rollback to step {SEED_STEP} took no "
+                               f"epoch, though steps {left} were newer")  # fmt: skip
             epoch = rolled.epoch
         else:
             epoch = store.take_over(SEED_STEP, note=race.taker(writer))
@@ -529,6 +530,9 @@ class _Judge:
         for outcome in outcomes:
             if outcome.kind == "error" and not outcome.storage:
                 self.fail("I9", race, f"taker {outcome.writer} failed: {outcome.detail}")
+        rollers = [o.writer for o in outcomes if o.kind == "no epoch"]
+        if rollers:
+            self._rolled_back_nothing(race, rollers)
         took = {o.writer: (int(o.detail.split()[0]), o.detail.split()[1])
                 for o in outcomes if o.kind == "took"}  # fmt: skip
         if not took:
@@ -584,6 +588,23 @@ class _Judge:
             else:
                 self.fail("I9", race, f"latest() is step {found} after the takeover race, "
                           f"not step {step} of the newest epoch {newest}")  # fmt: skip
+
+    def _rolled_back_nothing(self, race: Round, rollers: list[int]) -> None:
+        """Rollers found no step newer than the seed to roll back, though the rounds before
+        published one: the listing's fault (I2) if it omits the steps a read by name finds
+        (the LATEST hint, the other way to find them, is only a hint), else the rollback's."""
+        earlier = range(SEED_STEP + 1, race.first)
+        found = [step for step in earlier if _found_directly(self.location.base, step)]
+        listed = {step for step, _ in self.location.base.published_checkpoints()}
+        unlisted = [step for step in found if step not in listed]
+        who = ", ".join(map(str, rollers))
+        if unlisted:
+            self.fail("I2", race, f"rollers {who} rolled back nothing: steps {unlisted} are "
+                      f"published (a read by name finds them) but the store's listing omits "
+                      f"them: the storage's listing does not show what was written")  # fmt: skip
+        elif found:
+            self.fail("I9", race, f"rollers {who} rolled back nothing, though steps {found} "
+                      f"newer than step {SEED_STEP} are published and listed")  # fmt: skip
 
     def _holds_winner(self, race: Round, step: int, winners: list[int]) -> None:
         store = Store(self.location.base)
