@@ -336,9 +336,13 @@ class Replicator:
         Raises the first error that stopped the pass (a StorageError, ReplicationError): what
         was not copied is owed to the next pass.
         """
-        fast_steps = self._held_steps(self.fast.steps(), self.refresh())
-        self._check_not_superseded()
-        durable_newest = self._durable_newest
+        # Decided under the copy lock: a takeover or rollback of the pair (``paused``) is seen
+        # whole or not at all. Half of one (the durable epoch taken, this writer's epoch not
+        # yet moved to it) read as this writer superseded, and stopped the replicator.
+        with self._copy_lock:
+            fast_steps = self._held_steps(self.fast.steps(), self.refresh())
+            self._check_not_superseded()
+            durable_newest = self._durable_newest
         todo = self.policy.select(fast_steps, durable_newest)
         if newest and fast_steps and (durable_newest is None or fast_steps[-1] > durable_newest):
             todo = sorted({*todo, fast_steps[-1]})
