@@ -147,6 +147,33 @@ def test_the_fast_tier_keeps_what_the_durable_tier_is_owed(
     assert ckptstore.open(durable_url).steps() == [1, 2, 3, 4]
 
 
+def test_a_copy_whose_source_the_fast_tier_deleted_meanwhile_is_no_failure(
+    tmp_path: Path, durable_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention of the fast tier judges by the owed steps it read just before it deletes: a
+    step it deletes as its copy starts (an operator's delete, the same) was reported as a
+    failed replication pass (wait_replicated and close raised). It is no longer owed: the copy
+    is aborted, nothing is published, and the next saves replicate."""
+    store = tiered(tmp_path, durable_url, background=False)
+    store.save(1, shards(1))
+    replicator = store.replicator
+    real = replicator._copy_shard
+    deleted: list[int] = []
+
+    def copy_shard(manifest: Manifest, record: Any, pending: Any) -> None:
+        if manifest.step == 1 and not deleted:
+            store.fast.delete(1, force=True)  # mid-copy, after the source was read
+            deleted.append(1)
+        real(manifest, record, pending)
+
+    monkeypatch.setattr(replicator, "_copy_shard", copy_shard)
+    store.wait_replicated()  # no error: step 1 is gone, not owed
+    assert deleted == [1] and store.durable.steps() == []
+    store.save(2, shards(2))
+    store.close()
+    assert ckptstore.open(durable_url).steps() == [2]
+
+
 def test_each_tier_has_its_own_retention(tmp_path: Path, durable_url: str) -> None:
     with tiered(
         tmp_path,

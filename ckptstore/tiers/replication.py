@@ -409,15 +409,15 @@ class Replicator:
         the step is skipped from then on (``skipped``): ReplicationError.
         """
         with self._copy_lock:
-            try:
-                source = self.fast.get(step)
-            except CheckpointNotFoundError:
-                return False  # deleted since it was listed (a retention pass, an operator)
-            if not self.holds(source.manifest, self.durable.lineage()):
-                return False
-            with self._cond:
+            with self._cond:  # owed from now on: the fast tier's retention keeps it
                 self._in_flight = step
             try:
+                try:
+                    source = self.fast.get(step)
+                except CheckpointNotFoundError:
+                    return False  # deleted since it was listed (a retention pass, an operator)
+                if not self.holds(source.manifest, self.durable.lineage()):
+                    return False
                 return self._copy(source)
             finally:
                 with self._cond:
@@ -455,19 +455,26 @@ class Replicator:
         for name, seconds in manifest.timings.items():
             pending.add_timing(name, seconds)  # what the save cost the trainer, not the copy
         try:
-            with pending:
+            with pending:  # aborted on any error: nothing published
                 for record in manifest.shards:
                     self._copy_shard(manifest, record, pending)
-        except (IntegrityError, StrayEntryError) as exc:  # a stray in the durable tier: named
+        except CheckpointExistsError:
+            self._already_there(manifest)  # another replicator published it meanwhile
+            return False
+        except CkptStoreError as exc:
+            if isinstance(exc, _Stopped):
+                raise
+            if self._deleted_since(manifest):  # the fast tier's retention (it judged on what
+                return False  # it read of the owed steps just before), or an operator
+            if not isinstance(exc, (IntegrityError, StrayEntryError)):
+                raise
+            # a shard that does not hash as first written, or a stray in the durable tier
             self.skipped[manifest.step] = str(exc)
             raise ReplicationError(
                 f"{self.durable.url}: step {manifest.step} not replicated, nothing published: "
                 f"{exc}",
                 step=manifest.step,
             ) from exc
-        except CheckpointExistsError:
-            self._already_there(manifest)  # another replicator published it meanwhile
-            return False
         with self._cond:
             if self._durable_newest is None or manifest.step > self._durable_newest:
                 self._durable_newest = manifest.step
@@ -491,6 +498,16 @@ class Replicator:
                 manifest.attempt,
                 self.fast.url,
             )
+
+    def _deleted_since(self, manifest: Manifest) -> bool:
+        """Whether the fast tier no longer publishes the attempt of ``manifest`` (a copy that
+        failed because its source went is nothing to report: it is no longer owed)."""
+        try:
+            return self.fast.manifest(manifest.step).attempt != manifest.attempt
+        except CheckpointNotFoundError:
+            return True
+        except CkptStoreError:
+            return False  # cannot tell: the copy's own error is reported
 
     def _copy_shard(
         self, manifest: Manifest, record: ShardRecord, pending: PendingCheckpoint

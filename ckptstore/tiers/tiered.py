@@ -365,7 +365,10 @@ class TieredStore(CheckpointStore):
         removed = set(self.fast.apply_retention(fast_policy))
         durable_policy = policy or self.replicator.durable.retention
         if durable_policy is not None:
-            removed |= set(self.replicator.durable.apply_retention(durable_policy))
+            # No copy runs meanwhile: a copy's publish runs the durable store's own retention
+            # through the same Store, and two deleters of one step would share its intent.
+            with self.replicator.paused():
+                removed |= set(self.replicator.durable.apply_retention(durable_policy))
         return sorted(removed)
 
     def delete(self, step: int, *, force: bool = False) -> None:
