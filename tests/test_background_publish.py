@@ -157,7 +157,7 @@ def test_rotation_racing_a_slow_publish_never_publishes_a_partial_directory(
 ) -> None:
     """save_total_limit=1 deletes checkpoint-3 while it is still being published."""
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(HERE))
+    monkeypatch.syspath_prepend(str(HERE))
     from hf_training import train
 
     publish_file = ckptstore.directory._publish_file
@@ -182,7 +182,7 @@ def test_rotation_racing_a_slow_publish_never_publishes_a_partial_directory(
 
 @pytest.mark.slow
 def test_a_trainer_killed_while_a_background_publish_is_in_flight_resumes_in_place(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Killed mid-publish of step 6 on the training node, restarted on the same node: the
     links the kill left are removed, step 6 is not published, the run resumes from step 3."""
@@ -198,7 +198,7 @@ def test_a_trainer_killed_while_a_background_publish_is_in_flight_resumes_in_pla
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert _snapshots(out) != []  # the kill left its links
     assert ckptstore.open(store).steps() == [3]
-    sys.path.insert(0, str(HERE))
+    monkeypatch.syspath_prepend(str(HERE))
     from hf_training import train
 
     _, callback = train(store, str(out))

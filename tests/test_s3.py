@@ -223,14 +223,13 @@ def test_unreachable_endpoint_fails_within_seconds(moto_s3: EmbeddedS3) -> None:
     assert time.monotonic() - started < 10
 
 
-def test_cli_reports_s3_errors_in_one_line(moto_s3: EmbeddedS3, capsys: Any) -> None:
+def test_cli_reports_s3_errors_in_one_line(
+    moto_s3: EmbeddedS3, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     url = moto_s3.url("x").replace(f"s3://{moto_s3.bucket}/", "s3://absent-bucket/")
-    os.environ.update(moto_s3.credentials_env())
-    try:
-        assert main(["ls", url]) == 2
-    finally:
-        for name in moto_s3.credentials_env():
-            os.environ.pop(name, None)
+    for name, value in moto_s3.credentials_env().items():
+        monkeypatch.setenv(name, value)  # and what was there before comes back after
+    assert main(["ls", url]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ckptstore: error: ")
     assert "absent-bucket" in err

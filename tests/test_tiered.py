@@ -249,12 +249,12 @@ def test_wait_replicated_reports_a_failing_durable_store_and_times_out(
     store = tiered(tmp_path, durable_url)
     writer = store.replicator.durable
     begin = writer.begin
-    entered, release = threading.Event(), threading.Event()
-    failures = {"left": 1}
+    entered, release, seen = threading.Event(), threading.Event(), threading.Event()
 
     def blocking_begin(*args: Any, **kwargs: Any) -> Any:
-        if failures["left"]:
-            failures["left"] -= 1
+        # Failing until the waiter has seen a failure: a pass that failed before the wait
+        # began is not the wait's to report (and the wait would have run to its timeout).
+        if not seen.is_set():
             raise StorageError("PutObject: SlowDown (injected)", http_status=503)
         entered.set()
         assert release.wait(60)
@@ -262,8 +262,10 @@ def test_wait_replicated_reports_a_failing_durable_store_and_times_out(
 
     writer.begin = blocking_begin  # type: ignore[method-assign]
     store.save(1, shards(1))
-    with pytest.raises(ReplicationError, match="SlowDown"):
+    with pytest.raises(ReplicationError, match="SlowDown") as caught:
         store.wait_replicated(timeout=60)
+    assert not isinstance(caught.value, ReplicationTimeoutError)  # a pass's error, at once
+    seen.set()
     assert entered.wait(60)  # the retry is under way, held in begin
     with pytest.raises(ReplicationTimeoutError):
         store.wait_replicated(timeout=0.2)
