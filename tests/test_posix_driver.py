@@ -214,6 +214,30 @@ def test_store_root_must_exist_for_readers(tmp_path):
     assert store.is_empty()
 
 
+def test_a_store_root_another_process_makes_meanwhile_opens(tmp_path, monkeypatch):
+    """The ranks of a job open one new store at once: a root that appears between the
+    checks of ``open`` is the store, not "exists but is not a directory"."""
+    import ckptstore.backends.posix as posix
+
+    root = tmp_path / "store"
+    real_isdir = os.path.isdir
+    checks = []
+
+    def isdir(path):
+        answer = real_isdir(path)
+        if not checks and os.fspath(path) == str(root):
+            checks.append(path)
+            root.mkdir()  # the other rank, right after this process's first check
+        return answer
+
+    monkeypatch.setattr(posix.os.path, "isdir", isdir)
+    store = ckptstore.open(f"file://{root}")
+    monkeypatch.undo()
+    assert checks and store.is_empty()
+    store.begin(1).publish()
+    assert ckptstore.open(f"file://{root}").steps() == [1]
+
+
 def test_a_dropped_pending_checkpoint_closes_the_files_it_held(tmp_path):
     import gc
 

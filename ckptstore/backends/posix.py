@@ -141,6 +141,8 @@ class PosixDriver(CloningDriver, LinkingDriver):
         if os.path.isdir(self.root):
             return
         if os.path.lexists(self.root):
+            if os.path.isdir(self.root):  # another process made it since (ranks open at once)
+                return
             raise StoreNotFoundError(f"{self.url}: exists but is not a directory")
         if not create:
             raise StoreNotFoundError(f"{self.url}: no such directory (no checkpoints here)")

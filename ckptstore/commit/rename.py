@@ -522,11 +522,9 @@ class RenameCommit(CommitStrategy[FileSystemDriver]):
         rename where the kernel lacks RENAME_NOREPLACE)."""
         final = f"{EPOCHS_DIR}/{names.epoch_token(epoch)}"
         staging = f"{final}{PENDING_MARK}{names.new_attempt_id()}"
-        try:
+        with contextlib.suppress(TargetExistsError):
             self.driver.mkdir(EPOCHS_DIR)
-            self.driver.fsync_dir("")
-        except TargetExistsError:
-            pass
+        self.driver.fsync_dir("")  # durable even where another process made it, unsynced yet
         self.driver.mkdir(staging)
         try:
             handle = self.driver.create(f"{staging}/{EPOCH_RECORD}")
