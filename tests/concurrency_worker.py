@@ -78,7 +78,9 @@ def reader(store: ckptstore.Store, deadline: float, log: Log) -> None:
             log.event("violation", what=f"latest() raised {exc!r}")
             continue
         if checkpoint is None:
-            log.event("violation", what="latest() returned None while checkpoints exist")
+            log.event(
+                "violation", what=f"latest() returned None while checkpoints exist: {_state(store)}"
+            )
             continue
         try:
             names = set(checkpoint.names)
@@ -92,6 +94,21 @@ def reader(store: ckptstore.Store, deadline: float, log: Log) -> None:
         except IntegrityError as exc:
             log.event("violation", what=f"reading step {checkpoint.step} raised {exc!r}")
         log.event("saw", step=checkpoint.step, began=began)
+
+
+def _state(store: ckptstore.Store) -> str:
+    """What the reader finds just after ``latest()`` returned None, for the failure message."""
+    try:
+        lineage = store._history.lineage()
+        epochs = [(e.number, e.parent, e.base) for e in lineage.epochs]
+        again = store.latest()
+        return (
+            f"hint {store._history.read_hint()}, listing "
+            f"{store.strategy.published_checkpoints()}, epochs {epochs}, steps "
+            f"{store.steps()}, latest() again: {None if again is None else again.step}"
+        )
+    except CkptStoreError as exc:
+        return f"(the state could not be read: {exc!r})"
 
 
 def collector(store: ckptstore.Store, deadline: float, log: Log) -> None:

@@ -516,12 +516,21 @@ def test_gc_keeps_a_blob_whose_reserver_is_still_uploading_it(
     driver = store.strategy.driver
     real_part = driver.upload_part
 
+    GRACE = 2.0
+    first_part: list[float] = []
+    holding, collected = threading.Event(), threading.Event()
+
     def slow_part(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(0.05)
-        return real_part(*args, **kwargs)
+        time.sleep(0.04)
+        answer = real_part(*args, **kwargs)
+        first_part.append(time.monotonic())
+        if time.monotonic() - first_part[0] > GRACE + 0.5 and not holding.is_set():
+            holding.set()  # GC runs now, right after this part (a stall then is short)
+            collected.wait(60)
+        return answer
 
     monkeypatch.setattr(driver, "upload_part", slow_part)
-    base = os.urandom(60 * 4096)  # 60 parts: 3 s
+    base = os.urandom(120 * 4096)  # 120 parts, 40 ms each
     failed: list[BaseException] = []
 
     def save() -> None:
@@ -532,8 +541,11 @@ def test_gc_keeps_a_blob_whose_reserver_is_still_uploading_it(
 
     saving = threading.Thread(target=save)
     saving.start()
-    time.sleep(1.5)
-    report = ckptstore.open(f"{url}?part_size=4096&min_part_size=4096").gc(grace=1)
+    assert holding.wait(60), "the upload never ran past the grace period"
+    try:  # its reservation is older than the grace period, its last part a moment old
+        report = ckptstore.open(f"{url}?part_size=4096&min_part_size=4096").gc(grace=GRACE)
+    finally:
+        collected.set()
     saving.join()
     assert not failed, failed
     assert not [item for item in report.removed if item.kind.startswith("blob")], report.removed
