@@ -101,6 +101,36 @@ def test_a_record_that_names_no_store_goes_to_every_run_and_secrets_are_redacted
     assert not logging.getLogger("ckptstore").handlers  # the capture is gone
 
 
+def test_a_record_of_a_thread_older_than_the_run_is_not_counted_but_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A thread that ran before the suite began (an application's, a test's leftover) is not
+    the suite's: its record about no run going is logged as usual, and counted in no run."""
+    import threading
+
+    logger = logging.getLogger("ckptstore.tiers")
+    go, done = threading.Event(), threading.Event()
+
+    def leftover() -> None:
+        go.wait(30)
+        logger.warning("a replicator of another store gave up")
+        done.set()
+
+    older = threading.Thread(target=leftover)
+    older.start()
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        with captured("s3://bucket-a/run") as run:
+            go.set()
+            assert done.wait(30)
+            newer = threading.Thread(target=lambda: logger.warning("a racer of the suite"))
+            newer.start()
+            newer.join()
+            logger.warning("the suite's own")
+        older.join()
+    assert run.count == 2 and "a racer of the suite" in run.line(), run
+    assert [r.getMessage() for r in caplog.records] == ["a replicator of another store gave up"]
+
+
 def test_the_report_prints_the_count(buckets: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runner, "layers_for", lambda kind: [_logging_layer(["damaged %s"])])
     report = runner.run_backend(f"memory://{buckets[1]}/run")

@@ -7,10 +7,11 @@ when most are about faults the suite made on purpose. While any run of the suite
 the ``ckptstore`` logger's warnings and errors go to a capture instead of its handlers; each
 run gets the records that name its store, and those that name no store going (they are
 counted in every run going), as a count and the first one, which the report prints in a
-coverage line. Several runs at once (``batch``) share one capture: it is installed by the
-first run and removed by the last; meanwhile an application's own ckptstore warnings go to the
-report too. Records logged in the racer processes the suite starts are sent to the leading
-process and counted there (``layers/races``).
+coverage line. A record about no run going, from a thread that ran before the suite began
+(an application's, a test's leftover), is not the suite's: it is logged as without the
+capture. Several runs at once (``batch``) share one capture: it is installed by the first
+run and removed by the last. Records logged in the racer processes the suite starts are
+sent to the leading process and counted there (``layers/races``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import contextlib
 import logging
 import re
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -70,8 +72,19 @@ class _Capture(logging.Handler):
             message = str(record.msg)
         with _lock:
             runs = [run for run in _active if any(_names(message, n) for n in run.needles)]
-            for run in runs or _active:
-                run.add(record.levelname, message)
+            if runs or threading.current_thread() not in _elsewhere:
+                for run in runs or _active:
+                    run.add(record.levelname, message)
+                return
+            level, propagate, handlers = _restore
+        # Another thread's, about no run going: logged as it would be without the suite.
+        if record.levelno < level:
+            return
+        if propagate:
+            handlers = [*handlers, *logging.getLogger().handlers]
+        for handler in handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
 
 
 def _names(message: str, needle: str) -> bool:
@@ -83,6 +96,9 @@ def _names(message: str, needle: str) -> bool:
 
 _lock = threading.Lock()
 _active: list[CapturedLog] = []
+_elsewhere: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+"""Threads that ran before the capture was installed and run no suite: an application's, or
+a test's leftover. Their records that name no run going are not the suite's to count."""
 _handler = _Capture(logging.WARNING)
 _restore: tuple[int, bool, list[logging.Handler]] = (logging.NOTSET, True, [])
 
@@ -100,6 +116,9 @@ def captured(url: str) -> Iterator[CapturedLog]:
             logger.handlers = [_handler]
             logger.setLevel(logging.WARNING)
             logger.propagate = False
+            _elsewhere.clear()
+            _elsewhere.update(threading.enumerate())
+        _elsewhere.discard(threading.current_thread())  # a run's own thread
         _active.append(run)
     try:
         yield run
