@@ -231,13 +231,15 @@ def test_shrinking_stops_at_the_budget() -> None:
     def slow_to_shrink(values: list[int]) -> None:
         nonlocal calls
         calls += 1
-        time.sleep(0.01)  # one example costs 10 ms: shrinking this one takes many seconds
+        time.sleep(0.01)  # one example costs 10 ms: shrinking this one takes seconds
         assert sum(values) < 3000
 
     started = time.monotonic()
     with pytest.raises(AssertionError), shrinking_stops_at(started + 1.5):
         slow_to_shrink()
-    assert time.monotonic() - started < 4.0, calls
+    # Shrinking it whole takes 346 examples (deterministic); 1.5 s holds at most 150 of 10 ms,
+    # and fewer on a busy machine: a count, not a time, so load cannot fail it.
+    assert calls < 250, calls
     from hypothesis.internal.conjecture import engine
 
     assert engine.MAX_SHRINKING_SECONDS == 300  # restored
