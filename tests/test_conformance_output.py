@@ -8,9 +8,9 @@ import json
 import logging
 import os
 import re
-import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -243,13 +243,17 @@ def test_a_racer_processs_warnings_are_counted_by_the_leader_and_not_printed(
     from ckptstore.conformance.layers import races
     from ckptstore.store import Store
 
+    warm = races._process_context().Process(target=int)
+    warm.start()  # the fork server runs from here on, with the environment of now
+    warm.join(30)
     url = f"file://{tmp_path}/store"
-    # The URL is in the module's text, not in the environment: a racer forks from the
-    # forkserver, whose environment is the one it started with (an earlier test's race).
+    # The URL is in this run's environment: a racer forks from the fork server, whose own
+    # environment is the one it started with (an earlier test's race), and takes the run's.
+    monkeypatch.setenv("CKPTSTORE_TEST_RACER_URL", url)
     (tmp_path / "racer_warns.py").write_text(
-        "import logging\n"
+        "import logging, os\n"
         "logging.getLogger('ckptstore.backends.test').warning("
-        f"'%s: the racer saw something odd', {url!r})\n"
+        "'%s: the racer saw something odd', os.environ['CKPTSTORE_TEST_RACER_URL'])\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     location = LocationFactory(url)()
@@ -257,7 +261,8 @@ def test_a_racer_processs_warnings_are_counted_by_the_leader_and_not_printed(
     context = races._process_context()
     sync = races._Sync(context.Barrier(2), context.Barrier(1), context.Barrier(2),
                        context.Queue(), context.Event())  # fmt: skip
-    source = races.ChildSource(location.url, {}, ("racer_warns",), tuple(sys.path))
+    source = races.ChildSource.of(location)
+    source = replace(source, options={}, modules=("racer_warns",))
     racer = context.Process(target=races._writer, args=(source, 0, [], sync), daemon=True)
     with captured(url) as log:
         racer.start()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib
 import logging
 import multiprocessing
+import os
 import queue
 import sys
 import threading
@@ -405,19 +406,29 @@ class _Sync:
 class ChildSource:
     """What a racer process opens, and what it imports first so that the URL's scheme opens
     there as here (a backend registered through ``--import`` or at run time: ``registry.
-    backend_modules``), with the parent's module path to find them on."""
+    backend_modules``), with the parent's module path to find them on and its environment
+    as it is now (the fork server started with the environment of the first run)."""
 
     url: str
     options: dict[str, Any]
     modules: tuple[str, ...]
     path: tuple[str, ...]
+    environment: dict[str, str] = field(repr=False)  # credentials among them
 
     @classmethod
     def of(cls, location: Location) -> ChildSource:
         scheme = parse_url(location.url).scheme
-        return cls(location.url, location.options, backend_modules(scheme), tuple(sys.path))
+        return cls(
+            location.url,
+            location.options,
+            backend_modules(scheme),
+            tuple(sys.path),
+            dict(os.environ),
+        )
 
     def open(self) -> CommitStrategy[Any]:
+        os.environ.clear()
+        os.environ.update(self.environment)
         sys.path.extend(entry for entry in self.path if entry not in sys.path)
         for module in self.modules:
             importlib.import_module(module)
