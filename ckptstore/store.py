@@ -609,7 +609,9 @@ class Store(CheckpointStore):
         fails is skipped for the next older one (I6). Without it, a damaged newest checkpoint
         raises an IntegrityError rather than being silently passed over. A checkpoint deleted
         while it is being read is passed over, and when the LATEST hint's candidates run out the
-        reader lists every step: None means that no checkpoint exists.
+        reader lists every step; it lists again rather than return an older step than one that
+        went under it, or None from a listing while the hint moved: None means that no
+        checkpoint exists (docs/protocol.md §5).
         """
         hint = self._history.read_hint()  # before any listing: it cross-checks them (§4.2)
         warned: set[int] = set()  # each step passed over is said once
@@ -617,10 +619,18 @@ class Store(CheckpointStore):
             from_hint = hint is not None and round_ == 0 and not verified
             candidates = self._history.steps((hint or 0) if from_hint else 0, hint=hint)
             checkpoint, raced = self._newest_of(candidates, verified=verified, warned=warned)
-            if checkpoint is not None:
+            if checkpoint is not None and (not raced or round_ == _LATEST_ROUNDS - 1):
                 return checkpoint
-            if not from_hint and not raced:
-                return None
+            # A newer candidate went under us: deleted because newer checkpoints came after
+            # the listing, maybe; list again rather than answer with an older one (I4).
+            if checkpoint is None and not from_hint and not raced:
+                # A listing made while checkpoints come and go may show none of them (a
+                # directory read during renames, a paginated listing): None only if the
+                # hint, read again, names no newer publish either.
+                again = self._history.read_hint()
+                if again is None or again == hint:
+                    return None
+                hint = again
         raise TransientStorageError(
             errno.EAGAIN,
             f"{self.url}: every checkpoint listed was deleted before it could be read, "

@@ -1,0 +1,121 @@
+"""``latest()`` while checkpoints are published and deleted around its listing.
+
+A listing is no snapshot: a directory read during renames (POSIX leaves it unspecified whether
+an entry added or removed meanwhile shows) and a paginated object listing may show none of the
+checkpoints that come and go while they run. ``latest()`` must still answer with the newest
+checkpoint: never None while one exists, never an older step than the newest it listed (I4).
+Found by tests/test_concurrency.py on posix: a reader got None just after a rollback, and once
+an older step than one it had read. Each test here makes that interleaving happen on purpose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ckptstore
+
+FAMILIES = ["file", "memory", "memory+versioned"]
+"""Rename, conditional put and version pin: each lists its checkpoints its own way."""
+
+
+@pytest.fixture(params=FAMILIES)
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path}/store"
+    return f"{request.param}://{tmp_path.name}-{request.param.replace('+', '-')}/store"
+
+
+def _save(store: ckptstore.Store, step: int) -> None:
+    store.save(step, {"model.bin": f"step {step}".encode()})
+
+
+def _once(real: Callable[..., Any], meanwhile: Callable[[], None]) -> Callable[..., Any]:
+    """``real``, which runs ``meanwhile`` after its first call returns."""
+    calls = 0
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        answer = real(*args, **kwargs)
+        if calls == 1:
+            meanwhile()
+        return answer
+
+    return call
+
+
+def test_a_listing_that_missed_every_checkpoint_in_flux_is_not_taken_for_none(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader reads the hint (2); the operator rolls back to step 1; while the reader lists
+    every step, the restarted run saves 3 and 4 and its retention deletes 1, and the listing
+    shows none of them. The only step it shows is 2, which the rollback superseded."""
+    writer = ckptstore.open(url)
+    _save(writer, 1)
+    _save(writer, 2)
+    reader = ckptstore.open(url)
+    if not reader.strategy.keeps_lineages:
+        pytest.skip("a store without lineages rolls back by deleting")
+
+    def rollback() -> None:
+        ckptstore.open(url).rollback(1)
+
+    def restarted_run_saves() -> None:
+        run = ckptstore.open(url)
+        run.join_epoch(1)
+        _save(run, 3)
+        _save(run, 4)
+        run.delete(1)
+
+    real_listing = reader.strategy.published_checkpoints
+    full_listings = 0
+
+    def listing(min_step: int = 0) -> list[tuple[int, int]]:
+        nonlocal full_listings
+        if min_step > 0:
+            return list(real_listing(min_step))
+        full_listings += 1
+        if full_listings > 1:
+            return list(real_listing(min_step))
+        before = real_listing(0)
+        restarted_run_saves()
+        after = set(real_listing(0))
+        return [entry for entry in before if entry in after]  # what came and went: not shown
+
+    monkeypatch.setattr(reader._history, "read_hint", _once(reader._history.read_hint, rollback))
+    monkeypatch.setattr(reader.strategy, "published_checkpoints", listing)
+    latest = reader.latest()
+    assert full_listings >= 1, "the interleaving did not happen"
+    assert latest is not None, "latest() said no checkpoint exists; steps 3 and 4 do"
+    assert latest.step == 4
+    assert latest.read("model.bin") == b"step 4"
+
+
+def test_an_older_step_is_not_returned_when_newer_ones_went_after_the_listing(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader lists steps 1 to 3 (its hint lags at 1); then 4 and 5 are saved and
+    retention deletes 2 and 3 before the reader opens them. Step 1, still there, is older than
+    step 3, which the reader listed: the answer is 5, the newest."""
+    writer = ckptstore.open(url)
+    for step in (1, 2, 3):
+        _save(writer, step)
+    writer.strategy.reset_latest_hint(1)  # writers that died before moving it on
+
+    def newer_saves_and_retention() -> None:
+        _save(writer, 4)
+        _save(writer, 5)
+        writer.delete(2)
+        writer.delete(3)
+
+    reader = ckptstore.open(url)
+    monkeypatch.setattr(
+        reader._history, "steps", _once(reader._history.steps, newer_saves_and_retention)
+    )
+    latest = reader.latest()
+    assert latest is not None and latest.step == 5, latest and latest.step
+    assert reader.latest() is not None
