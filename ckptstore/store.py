@@ -14,7 +14,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, BinaryIO, Literal, cast
 
@@ -132,6 +132,29 @@ def _seconds(value: timedelta | float, what: str) -> float:
     if seconds < 0:
         raise InvalidOptionError(f"{what} must not be negative, got {value!r}")
     return seconds
+
+
+@dataclass
+class _SeenByLatest:
+    """What one ``latest()`` call learnt of the checkpoints it passed over, so that listing
+    again neither warns nor verifies twice."""
+
+    warned: set[int] = field(default_factory=set)
+    verified: dict[tuple[int, int, str], bool] = field(default_factory=dict)
+
+    def intact(self, checkpoint: Checkpoint) -> bool:
+        """Whether every shard of ``checkpoint`` verifies (read once per call)."""
+        manifest = checkpoint.manifest
+        key = (manifest.step, manifest.epoch, manifest.attempt)
+        if key not in self.verified:
+            report = checkpoint.verify()
+            if not report.ok:
+                log.warning(
+                    "%s: skipping corrupt step %d: %s", checkpoint.url, manifest.step,
+                    report.problems,
+                )  # fmt: skip
+            self.verified[key] = report.ok
+        return self.verified[key]
 
 
 class Store(CheckpointStore):
@@ -610,27 +633,39 @@ class Store(CheckpointStore):
         raises an IntegrityError rather than being silently passed over. A checkpoint deleted
         while it is being read is passed over, and when the LATEST hint's candidates run out the
         reader lists every step; it lists again rather than return an older step than one that
-        went under it, or None from a listing while the hint moved: None means that no
-        checkpoint exists (docs/protocol.md §5).
+        went under it, and reads the hint again after a listing that may have missed newer
+        steps in flux: None means that no checkpoint exists (docs/protocol.md §5).
         """
         hint = self._history.read_hint()  # before any listing: it cross-checks them (§4.2)
-        warned: set[int] = set()  # each step passed over is said once
+        seen = _SeenByLatest()
         for round_ in range(_LATEST_ROUNDS):
             from_hint = hint is not None and round_ == 0 and not verified
             candidates = self._history.steps((hint or 0) if from_hint else 0, hint=hint)
-            checkpoint, raced = self._newest_of(candidates, verified=verified, warned=warned)
-            if checkpoint is not None and (not raced or round_ == _LATEST_ROUNDS - 1):
+            checkpoint, raced = self._newest_of(candidates, verified=verified, seen=seen)
+            if raced:  # a newer candidate went under us: newer ones may have come since (I4)
+                if round_ < _LATEST_ROUNDS - 1:
+                    continue
+                if checkpoint is None:
+                    break
+                return checkpoint  # every round raced: the newest this call could read
+            if from_hint:
+                if checkpoint is not None:
+                    return checkpoint
+                continue  # the hint's candidates ran out: list every step
+            # A listing made while checkpoints come and go may show none of them (a directory
+            # read during renames, a paginated listing). The hint, read again, names the
+            # newest publish since, and is read directly: it answers for what was missed.
+            again = self._history.read_hint()
+            if again is None or (checkpoint is not None and again <= checkpoint.step):
                 return checkpoint
-            # A newer candidate went under us: deleted because newer checkpoints came after
-            # the listing, maybe; list again rather than answer with an older one (I4).
-            if checkpoint is None and not from_hint and not raced:
-                # A listing made while checkpoints come and go may show none of them (a
-                # directory read during renames, a paginated listing): None only if the
-                # hint, read again, names no newer publish either.
-                again = self._history.read_hint()
-                if again is None or again == hint:
-                    return None
-                hint = again
+            newer, raced = self._newest_of(
+                self._history.steps(again, hint=again), verified=verified, seen=seen
+            )
+            if newer is not None:
+                return newer
+            if not raced:
+                return checkpoint  # the hint names a step deleted or superseded since
+            hint = again
         raise TransientStorageError(
             errno.EAGAIN,
             f"{self.url}: every checkpoint listed was deleted before it could be read, "
@@ -639,9 +674,10 @@ class Store(CheckpointStore):
         )
 
     def _newest_of(
-        self, candidates: Sequence[int], *, verified: bool, warned: set[int]
+        self, candidates: Sequence[int], *, verified: bool, seen: _SeenByLatest
     ) -> tuple[Checkpoint | None, bool]:
-        """The newest readable checkpoint of ``candidates``, and whether a deletion raced us."""
+        """The newest readable checkpoint of ``candidates``, and whether a deletion raced us
+        (a candidate newer than it went)."""
         raced = False
         for step in reversed(candidates):
             try:
@@ -652,25 +688,26 @@ class Store(CheckpointStore):
                 raced = True  # unpublished since it was listed
                 continue
             except UntrustedCheckpointError as exc:
-                if step not in warned:
-                    warned.add(step)
+                if step not in seen.warned:
+                    seen.warned.add(step)
                     log.warning("%s: skipping step %d, not trusted: %s", self.url, step, exc)
                 continue
             except IntegrityError as exc:
                 if verified:
-                    log.warning("%s: skipping damaged step %d: %s", self.url, step, exc)
+                    if step not in seen.warned:
+                        seen.warned.add(step)
+                        log.warning("%s: skipping damaged step %d: %s", self.url, step, exc)
                     continue
                 raise type(exc)(
                     f"{exc}; latest(verified=True) falls back to the newest intact checkpoint"
                 ) from exc
             if verified:
                 try:
-                    report = checkpoint.verify()
+                    intact = seen.intact(checkpoint)
                 except CheckpointNotFoundError:
                     raced = True
                     continue
-                if not report.ok:
-                    log.warning("%s: skipping corrupt step %d: %s", self.url, step, report.problems)
+                if not intact:
                     continue
             return checkpoint, raced
         return None, raced

@@ -119,3 +119,123 @@ def test_an_older_step_is_not_returned_when_newer_ones_went_after_the_listing(
     latest = reader.latest()
     assert latest is not None and latest.step == 5, latest and latest.step
     assert reader.latest() is not None
+
+
+def test_a_hint_naming_the_same_step_after_a_rollback_is_read_again(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hint reads 3 before the listing and 3 after it, but not the same checkpoint: the
+    operator rolled back to 1, and the restarted run saved 2 (its retention deleting 1) while
+    the listing missed both, then saved 3 again. A checkpoint existed at every instant."""
+    writer = ckptstore.open(url)
+    for step in (1, 2, 3):
+        _save(writer, step)
+    reader = ckptstore.open(url)
+    if not reader.strategy.keeps_lineages:
+        pytest.skip("a store without lineages rolls back by deleting")
+    run: list[ckptstore.Store] = []
+
+    def rollback() -> None:
+        ckptstore.open(url).rollback(1)
+        run.append(ckptstore.open(url))
+        run[0].join_epoch(1)
+
+    real_hint = reader._history.read_hint
+    hint_reads = 0
+
+    def read_hint() -> int | None:
+        nonlocal hint_reads
+        hint_reads += 1
+        if hint_reads == 2:  # after the listing that missed everything: the run reaches 3
+            _save(run[0], 3)
+        return real_hint()
+
+    real_listing = reader.strategy.published_checkpoints
+    full_listings = 0
+
+    def listing(min_step: int = 0) -> list[tuple[int, int]]:
+        nonlocal full_listings
+        if min_step > 0:
+            return list(real_listing(min_step))
+        full_listings += 1
+        if full_listings > 1:
+            return list(real_listing(min_step))
+        before = real_listing(0)
+        _save(run[0], 2)
+        run[0].delete(1)
+        after = set(real_listing(0))
+        return [entry for entry in before if entry in after]
+
+    monkeypatch.setattr(reader._history, "read_hint", _once(read_hint, rollback))
+    monkeypatch.setattr(reader.strategy, "published_checkpoints", listing)
+    latest = reader.latest()
+    assert hint_reads >= 2 and full_listings >= 1, "the interleaving did not happen"
+    assert latest is not None and latest.step == 3, latest and latest.step
+    assert latest.read("model.bin") == b"step 3"
+
+
+def test_newer_steps_no_listing_showed_are_found_through_the_hint(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 100 and 150 (retention keeps the newest and every hundredth). While the reader
+    lists from its hint, 160 is saved and 150 deleted; while it lists every step, 170 is saved
+    and 160 deleted; neither listing shows what came and went. Step 100, which it does see,
+    was never the newest during the call: the answer is 170."""
+    writer = ckptstore.open(url)
+    for step in (100, 150):
+        _save(writer, step)
+    reader = ckptstore.open(url)
+    real_listing = reader.strategy.published_checkpoints
+    churn = iter([(160, 150), (170, 160)])
+
+    def listing(min_step: int = 0) -> list[tuple[int, int]]:
+        before = real_listing(min_step)
+        new, old = next(churn, (None, None))
+        if new is None:
+            return list(before)
+        _save(writer, new)
+        writer.delete(old)
+        after = set(real_listing(min_step))
+        return [entry for entry in before if entry in after]
+
+    monkeypatch.setattr(reader.strategy, "published_checkpoints", listing)
+    latest = reader.latest()
+    assert next(churn, None) is None, "the interleaving did not happen"
+    assert latest is not None and latest.step == 170, latest and latest.step
+
+
+def test_latest_verified_checks_each_checkpoint_once_however_often_it_lists(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Newer candidates go under the reader round after round: it lists again each time, but
+    reads the shards of the older checkpoint it falls back to only once."""
+    writer = ckptstore.open(url)
+    for step in (1, 2):
+        _save(writer, step)
+    reader = ckptstore.open(url)
+    real_steps = reader._history.steps
+    rounds = 0
+
+    def steps(*args: Any, **kwargs: Any) -> list[int]:
+        nonlocal rounds
+        rounds += 1
+        listed = real_steps(*args, **kwargs)
+        if rounds <= 3:  # a newer step every round, gone again before it is read
+            phantom = 10 + rounds
+            _save(writer, phantom)
+            writer.delete(phantom, force=True)
+            return sorted({*listed, phantom})
+        return listed
+
+    verifies: list[int] = []
+    real_verify = ckptstore.Checkpoint.verify
+
+    def verify(self: ckptstore.Checkpoint, *args: Any, **kwargs: Any) -> Any:
+        verifies.append(self.step)
+        return real_verify(self, *args, **kwargs)
+
+    monkeypatch.setattr(reader._history, "steps", steps)
+    monkeypatch.setattr(ckptstore.Checkpoint, "verify", verify)
+    latest = reader.latest(verified=True)
+    assert latest is not None and latest.step == 2
+    assert rounds >= 4 and verifies.count(2) == 1, (rounds, verifies)
