@@ -26,6 +26,7 @@ from ckptstore.errors import (
     StepOutsideEpochError,
     StorageError,
     SupersededError,
+    TransientStorageError,
 )
 from ckptstore.hint import ignore_hint, report_lagging_listing
 from ckptstore.lineage import Epoch, Lineage
@@ -237,12 +238,15 @@ class History:
             start, past = max(step for step, _ in more), False
         return found
 
-    def read_hint(self) -> int | None:
+    def read_hint(self, *, transient: bool = False) -> int | None:
         """The step the LATEST hint names, or None where it is missing or unreadable (said
-        once per store: the hint only saves a listing)."""
+        once per store: the hint only saves a listing). ``transient``: a TransientStorageError
+        is raised, not taken for a missing hint (where the hint is what answers)."""
         try:
             return self.strategy.read_latest_hint()
         except (StorageError, InvalidInputError) as exc:  # the hint only saves a listing
+            if transient and isinstance(exc, TransientStorageError):
+                raise
             ignore_hint(f"{self.strategy.url}/LATEST", str(exc))
             return None
 

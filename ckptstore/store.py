@@ -655,7 +655,7 @@ class Store(CheckpointStore):
             # A listing made while checkpoints come and go may show none of them (a directory
             # read during renames, a paginated listing). The hint, read again, names the
             # newest publish since, and is read directly: it answers for what was missed.
-            again = self._history.read_hint()
+            again = self._history.read_hint(transient=True)  # not "no hint": that says None
             if again is None or (checkpoint is not None and again <= checkpoint.step):
                 return checkpoint
             newer, raced = self._newest_of(
@@ -663,9 +663,9 @@ class Store(CheckpointStore):
             )
             if newer is not None:
                 return newer
-            if not raced:
+            if not raced or round_ == _LATEST_ROUNDS - 1:
                 return checkpoint  # the hint names a step deleted or superseded since
-            hint = again
+            hint = again  # its step went between its listing and its read: list again
         raise TransientStorageError(
             errno.EAGAIN,
             f"{self.url}: every checkpoint listed was deleted before it could be read, "

@@ -131,6 +131,36 @@ def test_a_record_of_a_thread_older_than_the_run_is_not_counted_but_logged(
     assert [r.getMessage() for r in caplog.records] == ["a replicator of another store gave up"]
 
 
+def test_a_record_of_an_older_thread_reaches_logging_s_last_resort_where_nothing_is_set_up(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """An application that never configured logging still sees ckptstore's warnings of its own
+    threads on stderr while the suite runs, as without it (``logging.lastResort``)."""
+    import threading
+
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = []  # nothing set up (pytest's own capture handlers aside)
+    go, done = threading.Event(), threading.Event()
+
+    def application_thread() -> None:
+        go.wait(30)
+        logging.getLogger("ckptstore.store").warning("the application's own warning")
+        done.set()
+
+    older = threading.Thread(target=application_thread)
+    older.start()
+    try:
+        with captured("s3://bucket-a/run") as run:
+            go.set()
+            assert done.wait(30)
+    finally:
+        older.join()
+        root.handlers = saved
+    assert run.count == 0
+    assert "the application's own warning" in capfd.readouterr().err
+
+
 def test_the_report_prints_the_count(buckets: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runner, "layers_for", lambda kind: [_logging_layer(["damaged %s"])])
     report = runner.run_backend(f"memory://{buckets[1]}/run")

@@ -10,6 +10,7 @@ an older step than one it had read. Each test here makes that interleaving happe
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 import ckptstore
+from ckptstore.errors import TransientStorageError
 
 FAMILIES = ["file", "memory", "memory+versioned"]
 """Rename, conditional put and version pin: each lists its checkpoints its own way."""
@@ -143,12 +145,12 @@ def test_a_hint_naming_the_same_step_after_a_rollback_is_read_again(
     real_hint = reader._history.read_hint
     hint_reads = 0
 
-    def read_hint() -> int | None:
+    def read_hint(**options: Any) -> int | None:
         nonlocal hint_reads
         hint_reads += 1
         if hint_reads == 2:  # after the listing that missed everything: the run reaches 3
             _save(run[0], 3)
-        return real_hint()
+        return real_hint(**options)
 
     real_listing = reader.strategy.published_checkpoints
     full_listings = 0
@@ -239,3 +241,64 @@ def test_latest_verified_checks_each_checkpoint_once_however_often_it_lists(
     latest = reader.latest(verified=True)
     assert latest is not None and latest.step == 2
     assert rounds >= 4 and verifies.count(2) == 1, (rounds, verifies)
+
+
+def test_the_last_round_answers_with_what_it_read_when_the_hinted_step_went_too(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every round but the last lists a newer step gone before it is read; on the last, the
+    hint names a step gone too. Step 1, read on every round, is the answer, not an error."""
+    from ckptstore import store as store_module
+
+    writer = ckptstore.open(url)
+    _save(writer, 1)
+    reader = ckptstore.open(url)
+    real_steps = reader._history.steps
+    rounds = store_module._LATEST_ROUNDS
+    calls = 0
+
+    def steps(*args: Any, **kwargs: Any) -> list[int]:
+        nonlocal calls
+        calls += 1
+        listed = real_steps(*args, **kwargs)
+        if calls < rounds:
+            return sorted({*listed, 1000 + calls})  # listed, and gone before it is read
+        if calls == rounds:
+            return listed
+        return sorted({*listed, 999})  # the hinted step, gone before it is read
+
+    def read_hint(**_: Any) -> int | None:
+        return 999 if calls >= rounds else None
+
+    monkeypatch.setattr(reader._history, "steps", steps)
+    monkeypatch.setattr(reader._history, "read_hint", read_hint)
+    latest = reader.latest()
+    assert calls == rounds + 1, calls
+    assert latest is not None and latest.step == 1
+
+
+def test_a_hint_that_cannot_be_read_after_an_empty_listing_is_an_error_not_none(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a listing that showed no checkpoint, the hint is what could still name one: a
+    transient error reading it is raised, never taken for "no checkpoint"."""
+    writer = ckptstore.open(url)
+    _save(writer, 1)
+    reader = ckptstore.open(url)
+    real_read = reader.strategy.read_latest_hint
+    reads = 0
+
+    def read_latest_hint() -> int | None:
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            return None  # no hint yet when the call began
+        raise TransientStorageError(errno.ECONNRESET, "connection reset", url=url)
+
+    monkeypatch.setattr(reader.strategy, "read_latest_hint", read_latest_hint)
+    monkeypatch.setattr(reader.strategy, "published_checkpoints", lambda min_step=0: [])
+    with pytest.raises(TransientStorageError):
+        reader.latest()
+    monkeypatch.setattr(reader.strategy, "read_latest_hint", real_read)
+    latest = reader.latest()  # the same empty listing; the hint, read, names step 1
+    assert latest is not None and latest.step == 1

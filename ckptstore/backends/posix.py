@@ -142,6 +142,8 @@ class PosixDriver(CloningDriver, LinkingDriver):
             return
         if os.path.lexists(self.root):
             if os.path.isdir(self.root):  # another process made it since (ranks open at once)
+                with self._translate("create store directory", ""):
+                    self._fsync_path(os.path.dirname(self.root))  # durable, if not yet
                 return
             raise StoreNotFoundError(f"{self.url}: exists but is not a directory")
         if not create:

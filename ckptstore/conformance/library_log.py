@@ -77,12 +77,15 @@ class _Capture(logging.Handler):
                     run.add(record.levelname, message)
                 return
             level, propagate, handlers = _restore
-        # Another thread's, about no run going: logged as it would be without the suite.
-        if record.levelno < level:
+        # Another thread's, about no run going: logged as it would be without the suite
+        # (``Logger.callHandlers``: the root's handlers too, else logging's last resort).
+        root = logging.getLogger()
+        if record.levelno < (level or root.getEffectiveLevel()):
             return
-        if propagate:
-            handlers = [*handlers, *logging.getLogger().handlers]
-        for handler in handlers:
+        chain = [*handlers, *(root.handlers if propagate else [])]
+        if not chain and logging.lastResort is not None:
+            chain = [logging.lastResort]
+        for handler in chain:
             if record.levelno >= handler.level:
                 handler.handle(record)
 
